@@ -1,3 +1,47 @@
-"""evtc: compile plain-PyTorch GEMM epilogues into fused SM90 kernels."""
+"""evtc: compile plain-PyTorch GEMM epilogues into fused SM90 (Hopper) kernels.
+
+Write the epilogue as an ordinary function of the accumulator `acc = a @ b` and other operands,
+trace it into an IR graph with :func:`trace`, and check results with :func:`reference`.
+"""
+
+from .api import reference, trace
+from .errors import (
+    ControlFlowError,
+    DTypeError,
+    EpilogueError,
+    GraphError,
+    InPlaceError,
+    InputError,
+    OutputError,
+    ReductionError,
+    ShapeError,
+    SourceLoc,
+    UnsupportedOpError,
+)
+from .frontend.epilogue import Epilogue, epilogue
+from .ir.graph import Graph, Node, Operand
+from .ir.interpreter import evaluate
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ControlFlowError",
+    "DTypeError",
+    "Epilogue",
+    "EpilogueError",
+    "Graph",
+    "GraphError",
+    "InPlaceError",
+    "InputError",
+    "Node",
+    "Operand",
+    "OutputError",
+    "ReductionError",
+    "ShapeError",
+    "SourceLoc",
+    "UnsupportedOpError",
+    "epilogue",
+    "evaluate",
+    "reference",
+    "trace",
+]

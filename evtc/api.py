@@ -1,0 +1,109 @@
+"""The public entry points that need no GPU: trace and reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import DTypeError, EpilogueError, InputError, OutputError
+from .frontend.epilogue import unwrap
+from .frontend.inputs import RESERVED, read_signature
+from .frontend.source import definition_location
+from .frontend.tracer import trace_raw
+from .ir.dtypes import CAST_DTYPES, short_name
+from .ir.graph import Graph, rewrite
+from .ir.interpreter import accumulator
+from .ir.passes import optimize
+
+OutDtypes = torch.dtype | Sequence[torch.dtype] | Mapping[str, torch.dtype] | None
+
+
+def trace(
+    fn: Callable[..., Any],
+    example_inputs: Mapping[str, Any],
+    *,
+    out_dtypes: OutDtypes = None,
+    optimize_graph: bool = True,
+) -> Graph:
+    """Trace an epilogue on example inputs and return its optimized IR graph.
+
+    Args:
+        fn: the epilogue, `fn(acc, *operands)`, plain or decorated with `@evtc.epilogue`.
+        example_inputs: `a` and `b` (the GEMM inputs, shape (L,) M, K and (L,) K, N) and one entry per
+            epilogue parameter after acc: tensors (only their dtype and shape are used; `meta`
+            tensors are fine) and Python scalars (runtime arguments).
+        out_dtypes: overrides output dtypes: one dtype for every output, a sequence in output order,
+            or a dict by output name (`D` for a single output, `D0`, `D1`, ... for a tuple, the keys
+            for a dict).
+        optimize_graph: run the pass pipeline (the default); False returns the graph as traced.
+
+    Raises:
+        EpilogueError: a subclass naming the problem and the line of the epilogue.
+    """
+    user_fn = unwrap(fn)
+    try:
+        graph = trace_raw(user_fn, example_inputs)
+        if out_dtypes is not None:
+            graph = _override_dtypes(graph, out_dtypes, user_fn)
+        return optimize(graph) if optimize_graph else graph
+    except EpilogueError as err:
+        # The message names the user's line; evtc's own frames would only hide it.
+        raise err.with_traceback(None) from None
+
+
+def _override_dtypes(graph: Graph, out_dtypes: OutDtypes, fn: Callable[..., Any]) -> Graph:
+    names = graph.outputs.names
+    loc = definition_location(fn)
+    if isinstance(out_dtypes, torch.dtype):
+        wanted = {n: out_dtypes for n in names}
+    elif isinstance(out_dtypes, Mapping):
+        unknown = [k for k in out_dtypes if k not in names]
+        if unknown:
+            raise OutputError(f"out_dtypes names unknown output(s) {unknown}; outputs are {names}", loc)
+        wanted = dict(out_dtypes)
+    else:
+        seq = list(out_dtypes)  # type: ignore[arg-type]
+        if len(seq) != len(names):
+            raise OutputError(f"out_dtypes has {len(seq)} entries for {len(names)} outputs", loc)
+        wanted = dict(zip(names, seq, strict=True))
+    for name, dtype in wanted.items():
+        if dtype not in CAST_DTYPES:
+            allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
+            raise DTypeError(f"out_dtypes[{name!r}] = {dtype} is not supported; outputs may be {allowed}",
+                             loc)
+
+    def visit(node, inputs, builder):  # noqa: ANN001, ANN202 - the rewrite callback
+        if node.op == "store" and node.attrs["name"] in wanted:
+            dtype = wanted[node.attrs["name"]]
+            return builder.add("store", inputs, {**node.attrs, "dtype": dtype}, loc=node.loc, dtype=dtype)
+        return None
+
+    return rewrite(graph, visit)
+
+
+def reference(
+    fn: Callable[..., Any],
+    inputs: Mapping[str, Any],
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """Run the epilogue directly on real tensors, computing in `dtype` (float32 by default).
+
+    `acc = a @ b` and every tensor operand are converted to `dtype` first, so this is the
+    mathematically intended result that a fused kernel is compared with. Outputs keep the
+    structure the function returns; values the function casts explicitly (`.to(torch.bfloat16)`)
+    are rounded there, as torch rounds them.
+    """
+    user_fn = unwrap(fn)
+    sig = read_signature(user_fn)
+    missing = [k for k in (*RESERVED, *sig.params) if k not in inputs and k not in sig.defaults]
+    if missing:
+        raise InputError(f"missing input(s): {', '.join(map(repr, missing))}", definition_location(user_fn))
+    acc = accumulator(inputs["a"], inputs["b"], dtype)
+    kwargs: dict[str, Any] = {}
+    for name in sig.params:
+        value = inputs[name] if name in inputs else sig.defaults[name]
+        kwargs[name] = value.to(dtype) if isinstance(value, torch.Tensor) else value
+    return user_fn(acc, **kwargs)

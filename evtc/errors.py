@@ -1,0 +1,72 @@
+"""The errors evtc raises. Every one says what is wrong and, for epilogue code, where.
+
+Errors found while tracing carry the user's source location (file, line, source text) so that the
+message points at the line of the epilogue that caused it, not at evtc's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    """A place in the user's epilogue code."""
+
+    filename: str
+    lineno: int
+    text: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.filename}:{self.lineno}"
+        return f"{where}: {self.text.strip()}" if self.text else where
+
+
+class EpilogueError(Exception):
+    """Base class of every error about an epilogue: its code, its inputs or its outputs."""
+
+    def __init__(self, message: str, loc: SourceLoc | None = None) -> None:
+        self.message = message
+        self.loc = loc
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if self.loc is None:
+            return self.message
+        return f"{self.message}\n  at {self.loc}"
+
+
+class UnsupportedOpError(EpilogueError):
+    """The epilogue calls a torch function, method or operator that evtc cannot compile."""
+
+
+class ControlFlowError(EpilogueError):
+    """Python control flow (if, while, bool(), int(), ...) on a traced value."""
+
+
+class InPlaceError(EpilogueError):
+    """An in-place operation on an input of the epilogue (acc or an operand)."""
+
+
+class ShapeError(EpilogueError):
+    """An input or intermediate value whose shape does not fit the GEMM's (L, M, N)."""
+
+
+class DTypeError(EpilogueError):
+    """A dtype evtc does not support where it was used."""
+
+
+class InputError(EpilogueError):
+    """Example inputs that do not match the epilogue's parameters (missing, extra, wrong kind)."""
+
+
+class ReductionError(EpilogueError):
+    """A reduction over dims evtc cannot compute, or a reduction used where it cannot be."""
+
+
+class OutputError(EpilogueError):
+    """The epilogue returns nothing, a non-tensor, or a value that cannot be an output."""
+
+
+class GraphError(EpilogueError):
+    """An IR graph that breaks an invariant (raised by validation: a bug in a pass, not the user)."""

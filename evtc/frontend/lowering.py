@@ -1,0 +1,328 @@
+"""How each supported torch function, Tensor method and operator becomes IR nodes.
+
+Each handler has the signature of the torch function it stands for (minus the arguments evtc does
+not support, which it rejects by name), receives the tracer first, and returns traced values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+import torch.nn.functional as F
+
+from ..errors import DTypeError, ReductionError, UnsupportedOpError
+from ..ir.dtypes import CAST_DTYPES, short_name
+from ..ir.shapes import ONE
+from .source import user_location
+
+if TYPE_CHECKING:
+    from .proxy import TracedValue
+    from .tracer import Tracer
+
+Handler = Callable[..., Any]
+
+#: torch / torch.nn.functional callables -> handler.
+FUNCTIONS: dict[Any, Handler] = {}
+#: Tensor method names -> handler (the traced value is passed as the first argument).
+METHODS: dict[str, Handler] = {}
+#: Methods whose trailing-underscore form is an in-place version of them.
+INPLACE_CAPABLE: set[str] = set()
+
+
+def register(functions: list[Any], methods: list[str], handler: Handler, inplace: bool = True) -> None:
+    for f in functions:
+        FUNCTIONS[f] = handler
+    for m in methods:
+        METHODS[m] = handler
+        if inplace:
+            INPLACE_CAPABLE.add(m)
+
+
+def _reject_out(kwargs: dict[str, Any], name: str) -> None:
+    if kwargs.get("out") is not None:
+        raise UnsupportedOpError(f"{name}(..., out=...) is not supported in epilogues", user_location())
+    unknown = set(kwargs) - {"out"}
+    if unknown:
+        raise UnsupportedOpError(
+            f"{name}: argument(s) {', '.join(sorted(unknown))} not supported in epilogues",
+            user_location(),
+        )
+
+
+def _maybe_inplace(t: Tracer, x: Any, result: TracedValue, inplace: bool, name: str) -> Any:
+    if inplace:
+        return t.assign(x, result, f"{name}(inplace=True)")
+    return result
+
+
+# --- elementwise ------------------------------------------------------------------------------
+def _unary(op: str, **fixed: Any) -> Handler:
+    def handler(t: Tracer, input: Any, **kwargs: Any) -> Any:
+        _reject_out(kwargs, op)
+        return t.emit(op, (input,), fixed)
+
+    return handler
+
+
+def _unary_inplace_kw(op: str, **defaults: Any) -> Handler:
+    """Unary activations of torch.nn.functional that take an `inplace` flag and parameters."""
+
+    def handler(t: Tracer, input: Any, *args: Any, inplace: bool = False, **kwargs: Any) -> Any:
+        params = dict(defaults)
+        for key, value in zip(defaults, args, strict=False):
+            params[key] = value
+        for key, value in kwargs.items():
+            if key not in defaults:
+                raise UnsupportedOpError(f"{op}: argument {key!r} not supported", user_location())
+            params[key] = value
+        for key, value in params.items():
+            if not isinstance(value, int | float):
+                raise UnsupportedOpError(
+                    f"{op}: parameter {key} must be a Python number, got {type(value).__name__}",
+                    user_location(),
+                )
+            params[key] = float(value)
+        return _maybe_inplace(t, input, t.emit(op, (input,), params), inplace, op)
+
+    return handler
+
+
+def _binary(op: str) -> Handler:
+    def handler(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
+        _reject_out(kwargs, op)
+        return t.emit(op, (input, other))
+
+    return handler
+
+
+def _add_sub(op: str) -> Handler:
+    def handler(t: Tracer, input: Any, other: Any, *, alpha: Any = 1, **kwargs: Any) -> Any:
+        _reject_out(kwargs, op)
+        if not (isinstance(alpha, int | float) and alpha == 1):
+            other = t.emit("mul", (alpha, other))
+        return t.emit(op, (input, other))
+
+    return handler
+
+
+def _div(t: Tracer, input: Any, other: Any, *, rounding_mode: Any = None, **kwargs: Any) -> Any:
+    _reject_out(kwargs, "div")
+    if rounding_mode is not None:
+        raise UnsupportedOpError(
+            f"div(..., rounding_mode={rounding_mode!r}) is not supported (only true division)",
+            user_location(),
+        )
+    return t.emit("div", (input, other))
+
+
+def _gelu(t: Tracer, input: Any, approximate: str = "none") -> Any:
+    if approximate == "none":
+        return t.emit("gelu", (input,))
+    if approximate == "tanh":
+        return t.emit("gelu_tanh", (input,))
+    raise UnsupportedOpError(f"gelu(approximate={approximate!r}) is not a gelu variant", user_location())
+
+
+def _square(t: Tracer, input: Any, **kwargs: Any) -> Any:
+    _reject_out(kwargs, "square")
+    return t.emit("mul", (input, input))
+
+
+def _clamp(t: Tracer, input: Any, min: Any = None, max: Any = None, **kwargs: Any) -> Any:
+    _reject_out(kwargs, "clamp")
+    if min is None and max is None:
+        raise UnsupportedOpError("clamp needs min or max", user_location())
+    # clamp(x, lo, hi) == minimum(maximum(x, lo), hi), NaN propagating like torch.clamp and giving
+    # hi where lo > hi, as torch documents.
+    result = input
+    if min is not None:
+        result = t.emit("maximum", (result, min))
+    if max is not None:
+        result = t.emit("minimum", (result, max))
+    return result
+
+
+def _clamp_min(t: Tracer, input: Any, min: Any) -> Any:
+    return _clamp(t, input, min=min)
+
+
+def _clamp_max(t: Tracer, input: Any, max: Any) -> Any:
+    return _clamp(t, input, max=max)
+
+
+def _hardtanh(t: Tracer, input: Any, min_val: float = -1.0, max_val: float = 1.0,
+              inplace: bool = False) -> Any:
+    return _maybe_inplace(t, input, _clamp(t, input, min_val, max_val), inplace, "hardtanh")
+
+
+def _relu6(t: Tracer, input: Any, inplace: bool = False) -> Any:
+    return _maybe_inplace(t, input, _clamp(t, input, 0.0, 6.0), inplace, "relu6")
+
+
+def _where(t: Tracer, condition: Any, input: Any = None, other: Any = None, **kwargs: Any) -> Any:
+    _reject_out(kwargs, "where")
+    if input is None or other is None:
+        raise UnsupportedOpError(
+            "torch.where(condition) with one argument returns indices; epilogues need "
+            "torch.where(condition, x, y)",
+            user_location(),
+        )
+    return t.emit("where", (condition, input, other))
+
+
+def _max_min(kind: str) -> Handler:
+    elementwise = "maximum" if kind == "max" else "minimum"
+
+    def handler(t: Tracer, input: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
+        from .proxy import TracedValue
+
+        _reject_out(kwargs, kind)
+        if isinstance(dim, TracedValue):  # torch.max(x, y): the elementwise form
+            return t.emit(elementwise, (input, dim))
+        if dim is not None:
+            raise ReductionError(
+                f"{kind}(dim=...) returns values and indices, which epilogues cannot produce; "
+                f"use a{kind}(dim) for the values",
+                user_location(),
+            )
+        return t.reduce(input, kind, None, keepdim)
+
+    return handler
+
+
+# --- reductions -------------------------------------------------------------------------------
+def _reduction(kind: str, mean: bool = False) -> Handler:
+    def handler(t: Tracer, input: Any, dim: Any = None, keepdim: bool = False, *,
+                dtype: Any = None, **kwargs: Any) -> Any:
+        _reject_out(kwargs, kind)
+        if dtype not in (None, torch.float32):
+            raise DTypeError(f"reductions accumulate in float32; dtype={dtype} is not supported",
+                             user_location())
+        return t.reduce(input, kind, dim, keepdim, mean=mean)
+
+    return handler
+
+
+# --- casts ------------------------------------------------------------------------------------
+def _cast_to(t: Tracer, input: Any, dtype: torch.dtype) -> Any:
+    if dtype not in CAST_DTYPES:
+        allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
+        raise DTypeError(f"cast to {dtype} is not supported; epilogue values may be cast to {allowed}",
+                         user_location())
+    return t.emit("cast", (input,), {"dtype": dtype})
+
+
+def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
+    dtype = kwargs.pop("dtype", None)
+    for key in ("non_blocking", "copy"):
+        kwargs.pop(key, None)
+    rest: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.dtype) and dtype is None:
+            dtype = a
+        else:
+            rest.append(a)
+    if rest or kwargs:
+        raise UnsupportedOpError(
+            ".to(...) in an epilogue takes only a dtype (devices and memory formats are the "
+            "kernel's business)",
+            user_location(),
+        )
+    if dtype is None:
+        raise UnsupportedOpError(".to() needs a dtype", user_location())
+    return _cast_to(t, input, dtype)
+
+
+def _fixed_cast(dtype: torch.dtype) -> Handler:
+    def handler(t: Tracer, input: Any) -> Any:
+        return _cast_to(t, input, dtype)
+
+    return handler
+
+
+def _type(t: Tracer, input: Any, dtype: Any = None) -> Any:
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedOpError(".type() needs a torch dtype in an epilogue", user_location())
+    return _cast_to(t, input, dtype)
+
+
+# --- the table --------------------------------------------------------------------------------
+_SIMPLE_UNARY = {
+    "neg": ([torch.neg, torch.negative], ["neg", "negative"]),
+    "abs": ([torch.abs, torch.absolute], ["abs", "absolute"]),
+    "sqrt": ([torch.sqrt], ["sqrt"]),
+    "rsqrt": ([torch.rsqrt], ["rsqrt"]),
+    "reciprocal": ([torch.reciprocal], ["reciprocal"]),
+    "exp": ([torch.exp], ["exp"]),
+    "exp2": ([torch.exp2, torch.special.exp2], ["exp2"]),
+    "expm1": ([torch.expm1, torch.special.expm1], ["expm1"]),
+    "log": ([torch.log], ["log"]),
+    "log2": ([torch.log2], ["log2"]),
+    "log1p": ([torch.log1p, torch.special.log1p], ["log1p"]),
+    "sin": ([torch.sin], ["sin"]),
+    "cos": ([torch.cos], ["cos"]),
+    "tanh": ([torch.tanh, F.tanh], ["tanh"]),
+    "erf": ([torch.erf, torch.special.erf], ["erf"]),
+    "sigmoid": ([torch.sigmoid, F.sigmoid, torch.special.expit], ["sigmoid"]),
+    "relu": ([torch.relu], ["relu"]),
+    "logical_not": ([torch.logical_not], ["logical_not"]),
+}
+for _op, (_funcs, _methods) in _SIMPLE_UNARY.items():
+    register(_funcs, _methods, _unary(_op))
+
+_ACTIVATIONS = {
+    "relu": (F.relu, {}),
+    "leaky_relu": (F.leaky_relu, {"negative_slope": 0.01}),
+    "elu": (F.elu, {"alpha": 1.0}),
+    "silu": (F.silu, {}),
+    "mish": (F.mish, {}),
+    "hardswish": (F.hardswish, {}),
+    "hardsigmoid": (F.hardsigmoid, {}),
+}
+for _op, (_func, _defaults) in _ACTIVATIONS.items():
+    register([_func], [], _unary_inplace_kw(_op, **_defaults))
+register([F.softplus], [], _unary_inplace_kw("softplus", beta=1.0, threshold=20.0))
+
+register([torch.add], ["add", "__add__"], _add_sub("add"))
+register([torch.sub, torch.subtract], ["sub", "subtract"], _add_sub("sub"))
+register([torch.mul, torch.multiply], ["mul", "multiply"], _binary("mul"))
+register([torch.div, torch.divide, torch.true_divide], ["div", "divide", "true_divide"], _div)
+register([torch.pow], ["pow"], _binary("pow"))
+register([torch.minimum], ["minimum"], _binary("minimum"))
+register([torch.maximum], ["maximum"], _binary("maximum"))
+register([torch.gt, torch.greater], ["gt", "greater"], _binary("gt"), inplace=False)
+register([torch.ge, torch.greater_equal], ["ge", "greater_equal"], _binary("ge"), inplace=False)
+register([torch.lt, torch.less], ["lt", "less"], _binary("lt"), inplace=False)
+register([torch.le, torch.less_equal], ["le", "less_equal"], _binary("le"), inplace=False)
+register([torch.eq], ["eq"], _binary("eq"), inplace=False)
+register([torch.ne, torch.not_equal], ["ne", "not_equal"], _binary("ne"), inplace=False)
+register([torch.logical_and], ["logical_and"], _binary("logical_and"))
+register([torch.logical_or], ["logical_or"], _binary("logical_or"))
+register([torch.square], ["square"], _square)
+register([torch.clamp, torch.clip], ["clamp", "clip"], _clamp)
+register([torch.clamp_min], ["clamp_min"], _clamp_min)
+register([torch.clamp_max], ["clamp_max"], _clamp_max)
+register([F.hardtanh], [], _hardtanh)
+register([F.relu6], [], _relu6)
+register([torch.where], ["where"], _where, inplace=False)
+register([F.gelu], [], _gelu)
+
+register([torch.sum], ["sum"], _reduction("sum"), inplace=False)
+register([torch.mean], ["mean"], _reduction("sum", mean=True), inplace=False)
+register([torch.amax], ["amax"], _reduction("max"), inplace=False)
+register([torch.amin], ["amin"], _reduction("min"), inplace=False)
+register([torch.max], ["max"], _max_min("max"), inplace=False)
+register([torch.min], ["min"], _max_min("min"), inplace=False)
+
+register([], ["to"], _to, inplace=False)
+register([], ["type"], _type, inplace=False)
+register([], ["float"], _fixed_cast(torch.float32), inplace=False)
+register([], ["half"], _fixed_cast(torch.float16), inplace=False)
+register([], ["bfloat16"], _fixed_cast(torch.bfloat16), inplace=False)
+# F.sigmoid / F.tanh call the Tensor methods; the activation functions of torch with an `inplace`
+# flag call themselves through __torch_function__ and land in _ACTIVATIONS above.
+
+__all__ = ["FUNCTIONS", "METHODS", "INPLACE_CAPABLE", "ONE", "sympy"]

@@ -1,0 +1,312 @@
+"""Proxy values: what the epilogue receives while it is traced.
+
+A `TracedValue` stands for a tensor (or a Python-scalar argument) of the epilogue. Torch functions
+called on it reach `__torch_function__`, Python operators reach the dunder methods, and Tensor
+methods are looked up by name; all of them go to the op handlers of :mod:`evtc.frontend.lowering`,
+which append nodes to the graph. Anything that would need the value itself (if, bool(), int(),
+indexing) is an error that names the user's line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+
+from ..errors import ControlFlowError, InPlaceError, UnsupportedOpError
+from .source import user_location
+
+if TYPE_CHECKING:
+    from ..ir.graph import Node
+    from .tracer import Tracer
+
+
+def _control_flow_error(what: str) -> ControlFlowError:
+    return ControlFlowError(
+        f"{what} on a traced value: data-dependent Python control flow cannot be traced, because "
+        "the epilogue runs once per tile with values only known on the GPU. Compute both branches "
+        "and select with torch.where(condition, x, y)",
+        user_location(),
+    )
+
+
+class SymDim:
+    """A problem size (M, N, L or a product of them) as seen through `x.shape` while tracing.
+
+    It may be used in arithmetic with traced values (for example `x.sum(-1) / x.shape[-1]`), which
+    keeps the graph valid for every size; Python decisions on it are errors.
+    """
+
+    __slots__ = ("expr",)
+
+    def __init__(self, expr: sympy.Expr) -> None:
+        self.expr = sympy.sympify(expr)
+
+    def _binary(self, other: Any, fn: Any) -> Any:
+        if isinstance(other, SymDim):
+            return SymDim(fn(self.expr, other.expr))
+        if isinstance(other, int | float):
+            return SymDim(fn(self.expr, sympy.sympify(other)))
+        return NotImplemented
+
+    def __add__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: a + b)
+
+    def __radd__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: b + a)
+
+    def __sub__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: a - b)
+
+    def __rsub__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: b - a)
+
+    def __mul__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: a * b)
+
+    def __rmul__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: b * a)
+
+    def __truediv__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: a / b)
+
+    def __rtruediv__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: b / a)
+
+    def _no_python(self, *_: Any) -> Any:
+        raise ControlFlowError(
+            f"the problem size {self.expr} is only known at run time; evtc compiles one kernel for "
+            "every size, so Python code cannot depend on it (arithmetic with traced values is fine)",
+            user_location(),
+        )
+
+    __int__ = __index__ = __float__ = __bool__ = _no_python
+    __lt__ = __le__ = __gt__ = __ge__ = _no_python
+
+    def __eq__(self, other: object) -> bool:
+        return self._no_python()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SymDim({self.expr})"
+
+
+class TracedValue:
+    """A value of the epilogue while it is traced (a tensor or a runtime Python scalar)."""
+
+    __slots__ = ("_tracer", "_node", "_input_name")
+
+    def __init__(self, tracer: Tracer, node: Node, input_name: str | None = None) -> None:
+        self._tracer = tracer
+        self._node = node
+        #: Set for the values the epilogue receives (acc and operands): those may not be mutated.
+        self._input_name = input_name
+
+    # --- torch's entry points --------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tracer = _find_tracer(args, kwargs or {})
+        return tracer.call(func, args, kwargs or {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        tracer = object.__getattribute__(self, "_tracer")
+        return tracer.method(self, name)
+
+    # --- metadata ----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._node.dtype
+
+    @property
+    def shape(self) -> tuple[SymDim, ...]:
+        return tuple(SymDim(d) for d in self._node.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._node.shape)
+
+    def dim(self) -> int:
+        return len(self._node.shape)
+
+    def numel(self) -> SymDim:
+        return SymDim(sympy.Mul(*self._node.shape))
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    # --- rebinding for in-place ops on intermediates ----------------------------------------------
+    def _assign(self, result: TracedValue, op_name: str) -> TracedValue:
+        """Make an in-place op on this value take effect: every alias of it sees the new value."""
+        if self._input_name is not None:
+            raise InPlaceError(
+                f"in-place {op_name} on input {self._input_name!r}: evtc never modifies its inputs; "
+                f"write `{self._input_name} = ...` with the out-of-place op, or use a new name",
+                user_location(),
+            )
+        self._node = result._node
+        return self
+
+    # --- Python operators ----------------------------------------------------------------------
+    def _op(self, name: str, *args: Any) -> Any:
+        return self._tracer.operator(name, args)
+
+    def __add__(self, o: Any) -> Any:
+        return self._op("add", self, o)
+
+    def __radd__(self, o: Any) -> Any:
+        return self._op("add", o, self)
+
+    def __sub__(self, o: Any) -> Any:
+        return self._op("sub", self, o)
+
+    def __rsub__(self, o: Any) -> Any:
+        return self._op("sub", o, self)
+
+    def __mul__(self, o: Any) -> Any:
+        return self._op("mul", self, o)
+
+    def __rmul__(self, o: Any) -> Any:
+        return self._op("mul", o, self)
+
+    def __truediv__(self, o: Any) -> Any:
+        return self._op("div", self, o)
+
+    def __rtruediv__(self, o: Any) -> Any:
+        return self._op("div", o, self)
+
+    def __pow__(self, o: Any) -> Any:
+        return self._op("pow", self, o)
+
+    def __rpow__(self, o: Any) -> Any:
+        return self._op("pow", o, self)
+
+    def __neg__(self) -> Any:
+        return self._op("neg", self)
+
+    def __pos__(self) -> Any:
+        return self
+
+    def __abs__(self) -> Any:
+        return self._op("abs", self)
+
+    def __gt__(self, o: Any) -> Any:
+        return self._op("gt", self, o)
+
+    def __ge__(self, o: Any) -> Any:
+        return self._op("ge", self, o)
+
+    def __lt__(self, o: Any) -> Any:
+        return self._op("lt", self, o)
+
+    def __le__(self, o: Any) -> Any:
+        return self._op("le", self, o)
+
+    def __eq__(self, o: Any) -> Any:  # type: ignore[override]
+        return self._op("eq", self, o)
+
+    def __ne__(self, o: Any) -> Any:  # type: ignore[override]
+        return self._op("ne", self, o)
+
+    def __and__(self, o: Any) -> Any:
+        return self._op("logical_and", self, o)
+
+    def __rand__(self, o: Any) -> Any:
+        return self._op("logical_and", o, self)
+
+    def __or__(self, o: Any) -> Any:
+        return self._op("logical_or", self, o)
+
+    def __ror__(self, o: Any) -> Any:
+        return self._op("logical_or", o, self)
+
+    def __invert__(self) -> Any:
+        return self._op("logical_not", self)
+
+    __hash__ = object.__hash__
+
+    # In-place operators: allowed on intermediates (rebinding), an error on inputs.
+    def __iadd__(self, o: Any) -> Any:
+        return self._assign(self.__add__(o), "+=")
+
+    def __isub__(self, o: Any) -> Any:
+        return self._assign(self.__sub__(o), "-=")
+
+    def __imul__(self, o: Any) -> Any:
+        return self._assign(self.__mul__(o), "*=")
+
+    def __itruediv__(self, o: Any) -> Any:
+        return self._assign(self.__truediv__(o), "/=")
+
+    def __ipow__(self, o: Any) -> Any:
+        return self._assign(self.__pow__(o), "**=")
+
+    # --- what cannot be traced -------------------------------------------------------------------
+    def __bool__(self) -> bool:
+        raise _control_flow_error("`if`, `while`, `and`/`or` or bool()")
+
+    def __float__(self) -> float:
+        raise _control_flow_error("float()")
+
+    def __int__(self) -> int:
+        raise _control_flow_error("int()")
+
+    def __index__(self) -> int:
+        raise _control_flow_error("use as an index")
+
+    def __len__(self) -> int:
+        raise _control_flow_error("len()")
+
+    def __iter__(self) -> Any:
+        raise UnsupportedOpError(
+            "iterating over a traced value (or unpacking it) is not supported: epilogues work on "
+            "whole tiles",
+            user_location(),
+        )
+
+    def __getitem__(self, index: Any) -> Any:
+        raise UnsupportedOpError(
+            "indexing and slicing (x[...]) are not supported in epilogues: they work on whole tiles",
+            user_location(),
+        )
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise InPlaceError(
+            "item assignment (x[...] = ...) is not supported: use torch.where to select values",
+            user_location(),
+        )
+
+    def __repr__(self) -> str:
+        return f"TracedValue({self._node.op}, dtype={self.dtype}, shape={self._node.shape})"
+
+    def item(self) -> Any:
+        raise _control_flow_error(".item()")
+
+    def tolist(self) -> Any:
+        raise _control_flow_error(".tolist()")
+
+
+def _find_tracer(args: Any, kwargs: Any) -> Tracer:
+    def search(obj: Any) -> Tracer | None:
+        if isinstance(obj, TracedValue):
+            return obj._tracer
+        if isinstance(obj, list | tuple):
+            for o in obj:
+                found = search(o)
+                if found is not None:
+                    return found
+        return None
+
+    for obj in (*args, *kwargs.values()):
+        found = search(obj)
+        if found is not None:
+            return found
+    raise RuntimeError("__torch_function__ called without a traced value")  # pragma: no cover

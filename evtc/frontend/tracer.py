@@ -1,0 +1,292 @@
+"""Tracing: run the epilogue once on proxy values and record what it does as an IR graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sympy
+import torch
+from torch.overrides import resolve_name
+
+from ..errors import EpilogueError, InputError, OutputError, ReductionError, UnsupportedOpError
+from ..ir.dtypes import COMPUTE_DTYPE
+from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
+from . import lowering
+from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
+from .proxy import SymDim, TracedValue
+from .source import definition_location, user_location
+
+
+class Tracer:
+    """Holds the graph under construction and turns torch calls on proxies into nodes."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.builder = GraphBuilder(problem.batched)
+
+    # --- values -----------------------------------------------------------------------------
+    def node_of(self, value: Any) -> Node:
+        """The node for an argument of a traced op: a traced value, a Python number, a size."""
+        if isinstance(value, TracedValue):
+            if value._tracer is not self:
+                raise UnsupportedOpError("a traced value from another trace was used", user_location())
+            return value._node
+        if isinstance(value, bool | int | float):
+            return self.builder.literal(value, user_location())
+        if isinstance(value, SymDim):
+            return self.builder.literal(value.expr, user_location())
+        if isinstance(value, torch.Tensor):
+            raise InputError(
+                "the epilogue uses a tensor that is not one of its inputs (a global or a closure "
+                f"variable of shape {tuple(value.shape)}): pass it as a parameter so the kernel "
+                "can load it",
+                user_location(),
+            )
+        raise UnsupportedOpError(
+            f"cannot use a value of type {type(value).__name__} in an epilogue expression",
+            user_location(),
+        )
+
+    def wrap(self, node: Node, input_name: str | None = None) -> TracedValue:
+        return TracedValue(self, node, input_name)
+
+    def emit(self, op: str, args: tuple[Any, ...], attrs: dict[str, Any] | None = None) -> TracedValue:
+        inputs = tuple(self.node_of(a) for a in args)
+        return self.wrap(self.builder.add(op, inputs, attrs, loc=user_location()))
+
+    def assign(self, target: Any, result: TracedValue, op_name: str) -> TracedValue:
+        if not isinstance(target, TracedValue):
+            raise UnsupportedOpError(f"{op_name} on a non-traced value", user_location())
+        return target._assign(result, op_name)
+
+    # --- dispatch ---------------------------------------------------------------------------------
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        handler = lowering.FUNCTIONS.get(func)
+        if handler is None:
+            raise UnsupportedOpError(
+                f"{_describe(func)} is not supported in epilogues (see docs/epilogues.md for the "
+                "list of supported ops)",
+                user_location(),
+            )
+        return handler(self, *args, **kwargs)
+
+    def method(self, value: TracedValue, name: str) -> Callable[..., Any]:
+        handler = lowering.METHODS.get(name)
+        if handler is not None:
+            return lambda *args, **kwargs: handler(self, value, *args, **kwargs)
+        base = name[:-1]
+        if name.endswith("_") and base in lowering.INPLACE_CAPABLE:
+            inplace_handler = lowering.METHODS[base]
+
+            def inplace(*args: Any, **kwargs: Any) -> Any:
+                return value._assign(inplace_handler(self, value, *args, **kwargs), f".{name}()")
+
+            return inplace
+        if hasattr(torch.Tensor, name):
+            raise UnsupportedOpError(
+                f"Tensor.{name} is not supported in epilogues (see docs/epilogues.md for the list "
+                "of supported ops)",
+                user_location(),
+            )
+        raise AttributeError(f"a traced epilogue value has no attribute {name!r}")
+
+    def operator(self, op: str, args: tuple[Any, ...]) -> Any:
+        return self.emit(op, args)
+
+    # --- reductions -------------------------------------------------------------------------------
+    def reduce(self, value: Any, kind: str, dim: Any, keepdim: bool, mean: bool = False) -> Any:
+        node = self.node_of(value)
+        rank = len(node.shape)
+        name = "mean" if mean else {"sum": "sum", "max": "amax", "min": "amin"}[kind]
+        if node.dtype == torch.bool:
+            raise ReductionError(f"{name} of a boolean mask: cast it with .float() first",
+                                 user_location())
+        if rank < 2:
+            raise ReductionError(
+                f"{name} of a value of shape {list(node.shape)}: reductions apply to values that "
+                "vary over the whole (M, N) tile",
+                user_location(),
+            )
+        dims = _normalize_dims(dim, rank, name)
+        last, second = rank - 1, rank - 2
+        if dims == {last}:
+            axis = "row"
+        elif dims == {second}:
+            axis = "col"
+        elif dims == {second, last}:
+            axis = "batch" if rank == 3 else "all"
+        elif dims == set(range(rank)):
+            axis = "all"
+        else:
+            raise ReductionError(
+                f"{name} over dim(s) {sorted(dims)} of a value of rank {rank} is not supported: "
+                "reduce over -1 (per row), -2 (per column), (-2, -1) (per batch) or all dims",
+                user_location(),
+            )
+        loc = user_location()
+        result = self.builder.add("reduce", (node,), {"reduce": kind, "axis": axis,
+                                                      "keepdim": bool(keepdim)}, loc=loc)
+        if mean:
+            count = sympy.Mul(*(node.shape[d] for d in sorted(dims)))
+            scale = self.builder.literal(1 / count, loc)
+            result = self.builder.add("mul", (result, scale), loc=loc)
+        return self.wrap(result)
+
+
+def _normalize_dims(dim: Any, rank: int, name: str) -> set[int]:
+    if dim is None:
+        return set(range(rank))
+    dims = dim if isinstance(dim, list | tuple) else (dim,)
+    result: set[int] = set()
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise ReductionError(f"{name}: dim must be an int or a tuple of ints, got {d!r}",
+                                 user_location())
+        if not -rank <= d < rank:
+            raise ReductionError(f"{name}: dim {d} is out of range for a value of rank {rank}",
+                                 user_location())
+        result.add(d % rank)
+    if not result:
+        return set(range(rank))
+    return result
+
+
+def _describe(func: Any) -> str:
+    try:
+        name = resolve_name(func)
+    except Exception:  # resolve_name can fail on odd callables; the fallback still names it
+        name = None
+    return name or getattr(func, "__qualname__", None) or repr(func)
+
+
+# --- the whole trace ------------------------------------------------------------------------------
+def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
+    """Trace `fn` on proxies built from `example` and return the graph as traced (no passes)."""
+    if not isinstance(example, Mapping):
+        raise InputError(
+            f"example inputs must be a dict of name -> tensor or scalar, got {type(example).__name__}",
+            definition_location(fn),
+        )
+    sig = read_signature(fn)
+    check_example_keys(fn, sig, example)
+    def_loc = definition_location(fn)
+    problem = read_problem(example, def_loc)
+    tracer = Tracer(problem)
+    builder = tracer.builder
+
+    acc = builder.add("acc", (), {}, loc=def_loc)
+    call_args: dict[str, Any] = {sig.acc_name: tracer.wrap(acc, sig.acc_name)}
+    operands: dict[str, Operand] = {}
+    for name in sig.params:
+        value = example[name] if name in example else sig.defaults[name]
+        if isinstance(value, torch.Tensor):
+            operand = classify_tensor(name, value, problem, def_loc)
+            operands[name] = operand
+            load = builder.add("load", (), {"name": name, "kind": operand.kind, "dtype": operand.dtype,
+                                            "shape": operand.shape, "batched": operand.batched},
+                               loc=def_loc)
+            # Values compute in float32 from the moment they are loaded, as in the reference.
+            value_node = load if load.dtype == COMPUTE_DTYPE else builder.add(
+                "cast", (load,), {"dtype": COMPUTE_DTYPE, "implicit": True}, loc=def_loc)
+            call_args[name] = tracer.wrap(value_node, name)
+        elif isinstance(value, bool) or value is None:
+            # Flags and absent optionals specialise the trace, so `if flag:` in the epilogue works.
+            call_args[name] = value
+        elif isinstance(value, int | float) and name in example:
+            operands[name] = Operand(name, "arg", torch.float32)
+            node = builder.add("arg", (), {"name": name, "python_scalar": True}, loc=def_loc)
+            call_args[name] = tracer.wrap(node, name)
+        elif isinstance(value, int | float):
+            call_args[name] = value  # an unlisted default: a compile-time constant
+        else:
+            raise InputError(
+                f"example input {name!r} is a {type(value).__name__}; epilogue inputs are tensors, "
+                "Python numbers (runtime scalars), bools or None (compile-time constants)",
+                def_loc,
+            )
+
+    try:
+        returned = fn(**call_args)
+    except EpilogueError as err:
+        raise err.with_traceback(None) from None
+
+    tree, values = _flatten_outputs(returned, def_loc)
+    ab_dtype = problem.ab_dtype
+    names: list[str] = []
+    for out_name, value in values:
+        node = tracer.node_of(value) if isinstance(value, TracedValue) else None
+        if node is None:
+            raise OutputError(
+                f"output {out_name!r} is a {type(value).__name__}, not a tensor computed by the "
+                "epilogue",
+                def_loc,
+            )
+        _check_output(out_name, node)
+        dtype = _default_output_dtype(node, ab_dtype)
+        builder.add("store", (node,), {"name": out_name, "dtype": dtype}, loc=node.loc)
+        names.append(out_name)
+    tree.names = names
+    return Graph(
+        name=getattr(fn, "__name__", "epilogue"),
+        nodes=builder.nodes,
+        operands=operands,
+        outputs=tree,
+        batched=problem.batched,
+        acc_name=sig.acc_name,
+        ab_dtype=ab_dtype,
+    )
+
+
+def _flatten_outputs(returned: Any, loc: Any) -> tuple[OutputTree, list[tuple[str, Any]]]:
+    if returned is None:
+        raise OutputError("the epilogue returns nothing: return the output tensor(s)", loc)
+    if isinstance(returned, dict):
+        if not returned:
+            raise OutputError("the epilogue returns an empty dict", loc)
+        keys = list(returned)
+        for k in keys:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise OutputError(f"output dict keys must be identifiers, got {k!r}", loc)
+        return OutputTree("dict", [], keys), [(k, returned[k]) for k in keys]
+    if isinstance(returned, tuple | list):
+        if not returned:
+            raise OutputError("the epilogue returns an empty tuple", loc)
+        return OutputTree("tuple", []), [(f"D{i}", v) for i, v in enumerate(returned)]
+    return OutputTree("single", []), [("D", returned)]
+
+
+def _check_output(name: str, node: Node) -> None:
+    from ..ir.shapes import M, N, varying_dims
+
+    if node.op in ("reduce",) or _depends_on_reduction(node):
+        return
+    if not {M, N} <= varying_dims(node.shape):
+        shape = "[" + ", ".join(str(d) for d in node.shape) + "]"
+        raise OutputError(
+            f"output {name!r} has shape {shape}: outputs are full (M, N) tiles or reductions; "
+            "a value that does not vary over the tile can be computed outside the kernel",
+            node.loc,
+        )
+
+
+def _depends_on_reduction(node: Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n.id in seen:
+            continue
+        seen.add(n.id)
+        if n.op == "reduce":
+            return True
+        stack.extend(n.inputs)
+    return False
+
+
+def _default_output_dtype(node: Node, ab_dtype: torch.dtype) -> torch.dtype:
+    """An explicit final cast wins; else full tiles take a's dtype and reductions float32."""
+    if node.op == "cast" and not node.attrs.get("implicit") or node.dtype not in (COMPUTE_DTYPE, torch.bool):
+        return node.dtype
+    if _depends_on_reduction(node):
+        return COMPUTE_DTYPE
+    return ab_dtype

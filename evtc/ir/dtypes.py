@@ -1,0 +1,56 @@
+"""Data types that appear in epilogue graphs.
+
+The IR uses torch dtypes directly: they are what users write, and torch's promotion rules decide the
+dtype of every traced value, so that a graph means exactly what the same function means on tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: All compute nodes take and produce this (or bool): explicit casts are the only dtype changers.
+COMPUTE_DTYPE = torch.float32
+
+#: Dtypes an epilogue operand tensor may have in memory.
+OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Dtypes of the GEMM inputs a and b.
+GEMM_INPUT_DTYPES = (torch.float16, torch.bfloat16)
+
+#: Dtypes a value may be cast to with `.to(dtype)`, and an output may be stored as.
+CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+_SHORT_NAMES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+    torch.bool: "bool",
+}
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """A compact name for printing: f32, bf16, e4m3, ..."""
+    return _SHORT_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    return dtype in FLOAT8_DTYPES
+
+
+def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round `values` to `dtype` and return them in their original dtype (a rounding cast).
+
+    Conversion to float8 saturates to the format's largest finite value, as the hardware's
+    saturating conversion does, instead of producing NaN/inf for values out of range.
+    """
+    if dtype == values.dtype:
+        return values
+    if is_float8(dtype):
+        limit = torch.finfo(dtype).max
+        values = values.clamp(-limit, limit)
+    return values.to(dtype).to(values.dtype)

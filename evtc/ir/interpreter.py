@@ -1,0 +1,106 @@
+"""The reference evaluator: runs a graph node by node on torch tensors.
+
+It is the meaning of the IR. Every pass is tested by evaluating the graph before and after it on
+the same random inputs, and the whole pipeline by comparing with the epilogue run directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sympy
+import torch
+
+from .dtypes import COMPUTE_DTYPE, round_to
+from .graph import Graph, Node
+from .ops import ELEMENTWISE, REDUCE_FUNCS
+from .shapes import L, M, N
+
+
+def accumulator(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """acc = a @ b computed in `dtype` (float32 as on the tensor cores, or float64 for checks)."""
+    return torch.matmul(a.to(dtype), b.to(dtype))
+
+
+def _reduce_dims(axis: str, rank: int) -> tuple[int, ...]:
+    return {
+        "row": (rank - 1,),
+        "col": (rank - 2,),
+        "batch": (rank - 2, rank - 1),
+        "all": tuple(range(rank)),
+    }[axis]
+
+
+def evaluate(
+    graph: Graph,
+    inputs: Mapping[str, Any],
+    *,
+    compute_dtype: torch.dtype = COMPUTE_DTYPE,
+    cast_outputs: bool = True,
+) -> Any:
+    """Evaluate `graph` on `inputs` (a, b or the accumulator by its parameter name, and operands).
+
+    Arithmetic runs in `compute_dtype`; explicit casts round to their dtype. With `cast_outputs`,
+    outputs come back in their store dtype, otherwise in `compute_dtype` (exactly as computed).
+    Returns the outputs in the structure the epilogue returns.
+    """
+    if graph.acc_name in inputs:
+        acc = inputs[graph.acc_name].to(compute_dtype)
+    else:
+        acc = accumulator(inputs["a"], inputs["b"], compute_dtype)
+    sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
+    values: dict[int, Any] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for node in graph.nodes:
+        result = _evaluate_node(node, values, inputs, acc, sizes, compute_dtype)
+        if node.op == "store":
+            stored = result
+            outputs[node.attrs["name"]] = stored.to(node.dtype) if cast_outputs else stored
+        values[node.id] = result
+    return graph.outputs.build(outputs)
+
+
+def _evaluate_node(
+    node: Node,
+    values: dict[int, Any],
+    inputs: Mapping[str, Any],
+    acc: torch.Tensor,
+    sizes: dict[sympy.Symbol, int],
+    compute_dtype: torch.dtype,
+) -> Any:
+    args = [values[i.id] for i in node.inputs]
+    op = node.op
+    if op == "acc":
+        return acc
+    if op == "load":
+        # Widening a stored value to the compute dtype is exact.
+        return inputs[node.attrs["name"]].to(device=acc.device, dtype=compute_dtype)
+    if op == "arg":
+        return torch.tensor(float(inputs[node.attrs["name"]]), dtype=compute_dtype, device=acc.device)
+    if op == "literal":
+        value = float(sympy.sympify(node.attrs["value"]).subs(sizes))
+        return torch.tensor(value, dtype=compute_dtype, device=acc.device)
+    if op == "cast":
+        return _cast(args[0], node.dtype, compute_dtype)
+    if op == "store":
+        return _cast(args[0], node.dtype, compute_dtype)
+    if op == "reduce":
+        dims = _reduce_dims(node.attrs["axis"], args[0].dim())
+        reduced = REDUCE_FUNCS[node.attrs["reduce"]](args[0], dim=dims, keepdim=node.attrs["keepdim"])
+        return reduced
+    definition = ELEMENTWISE[op]
+    params = {p: node.attrs[p] for p in definition.params}
+    result = definition.evaluate(*args, **params)
+    if not definition.boolean:
+        result = _cast(result, node.dtype, compute_dtype)
+    return result
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.Tensor:
+    """A value of `dtype`, held in `compute_dtype` (rounded through `dtype` where narrower)."""
+    if value.dtype == torch.bool:
+        value = value.to(compute_dtype)
+    if dtype in (torch.float32, compute_dtype):
+        return value.to(compute_dtype)
+    return round_to(value.to(compute_dtype), dtype)

@@ -1,0 +1,211 @@
+"""Constant folding and algebraic simplification.
+
+Rules (x any value, c a constant, s a uniform value: one that does not vary over the tile):
+  ops on constants only      -> the constant (sympy keeps sizes like 1/N exact)
+  x + 0, x - 0, x * 1, x / 1, x ** 1      -> x
+  x * -1, 0 - x, -(-x)       -> -x, -x, x
+  x / c                      -> x * (1/c)      (1/c rounded once; error at most about 1 ulp)
+  x ** 2, x ** 0.5, x ** -0.5, x ** -1    -> x * x, sqrt, rsqrt, reciprocal
+  c ** x  (c > 0)            -> exp2(x * log2(c))
+  (x * s1) * s2              -> x * (s1 * s2)   (so s1 * s2 is computed once, not per element;
+                                                 also (x * c1) * c2 -> x * (c1 * c2) for any x)
+  (x + s1) + s2              -> x + (s1 + s2)
+  x.to(d) where x is d       -> x
+Nothing that changes NaN/inf behaviour is folded (x * 0 stays, x - x stays).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import sympy
+import torch
+
+from ..dtypes import COMPUTE_DTYPE, round_to
+from ..graph import Graph, GraphBuilder, Node, rewrite
+from ..ops import ELEMENTWISE
+from ..shapes import varying_dims
+
+_SYMPY_OPS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "neg": lambda a: -a,
+}
+
+
+def _const(node: Node) -> sympy.Expr | None:
+    return sympy.sympify(node.attrs["value"]) if node.op == "literal" else None
+
+
+def _is(node: Node, value: float) -> bool:
+    c = _const(node)
+    return c is not None and c.is_Number and float(c) == value
+
+
+def _uniform(node: Node) -> bool:
+    return not varying_dims(node.shape) and node.dtype == COMPUTE_DTYPE
+
+
+def _evaluate_numeric(op: str, values: list[float], attrs: dict[str, Any]) -> float:
+    definition = ELEMENTWISE[op]
+    tensors = [torch.tensor(v, dtype=torch.float64) for v in values]
+    params = {p: attrs[p] for p in definition.params}
+    return float(definition.evaluate(*tensors, **params))
+
+
+class _Simplifier:
+    def __init__(self, graph: Graph) -> None:
+        self.users = graph.users()
+
+    def single_use(self, old: Node) -> bool:
+        return len(self.users.get(old.id, ())) == 1
+
+    def visit(self, node: Node, inputs: tuple[Node, ...], b: GraphBuilder) -> Node | None:
+        if node.op == "cast":
+            return self.cast(node, inputs[0], b)
+        if node.op not in ELEMENTWISE or ELEMENTWISE[node.op].boolean or node.op == "where":
+            return None
+        return self.simplify(node.op, inputs, node, b)
+
+    def cast(self, node: Node, x: Node, b: GraphBuilder) -> Node | None:
+        if x.dtype == node.dtype:
+            return x
+        c = _const(x)
+        if c is not None and c.is_Number:
+            return b.literal(float(round_to(torch.tensor(float(c), dtype=torch.float64), node.dtype)),
+                             node.loc)
+        return None
+
+    def make(self, op: str, inputs: tuple[Node, ...], like: Node, b: GraphBuilder) -> Node:
+        """Build `op` on `inputs`, simplifying it too; shape and dtype are re-inferred."""
+        simplified = self.simplify(op, inputs, like, b, fresh=True)
+        if simplified is not None:
+            return simplified
+        return b.add(op, inputs, _params(op, like), loc=like.loc)
+
+    def simplify(self, op: str, inputs: tuple[Node, ...], node: Node, b: GraphBuilder,
+                 fresh: bool = False) -> Node | None:
+        loc = node.loc
+        consts = [_const(i) for i in inputs]
+        # 1. Constants only: fold.
+        if all(c is not None for c in consts):
+            if op in _SYMPY_OPS:
+                return b.literal(sympy.simplify(_SYMPY_OPS[op](*consts)), loc)
+            if op == "pow" and all(c.is_Number for c in consts):
+                base, exp = (float(c) for c in consts)
+                try:
+                    return b.literal(math.pow(base, exp), loc)
+                except (ValueError, OverflowError):
+                    return None
+            if all(c.is_Number for c in consts):
+                return b.literal(_evaluate_numeric(op, [float(c) for c in consts], _params(op, node)),
+                                 loc)
+            return None
+        # Identities must not change what the node is: same shape and dtype as the kept operand.
+        def same(x: Node) -> bool:
+            return fresh or (x.shape == node.shape and x.dtype == node.dtype)
+
+        if op == "add":
+            x, y = inputs
+            if _is(y, 0) and same(x):
+                return x
+            if _is(x, 0) and same(y):
+                return y
+            return self.reassociate("add", inputs, node, b)
+        if op == "sub":
+            x, y = inputs
+            if _is(y, 0) and same(x):
+                return x
+            if _is(x, 0):
+                return self.make("neg", (y,), node, b)
+            if consts[1] is not None:
+                return self.make("add", (x, b.literal(-consts[1], loc)), node, b)
+            return None
+        if op == "mul":
+            x, y = inputs
+            if _is(y, 1) and same(x):
+                return x
+            if _is(x, 1) and same(y):
+                return y
+            if _is(y, -1):
+                return self.make("neg", (x,), node, b)
+            if _is(x, -1):
+                return self.make("neg", (y,), node, b)
+            return self.reassociate("mul", inputs, node, b)
+        if op == "div":
+            x, y = inputs
+            c = consts[1]
+            if c is not None:
+                if c.is_Number and float(c) == 1 and same(x):
+                    return x
+                if c.is_Number and (float(c) == 0 or not math.isfinite(float(c))):
+                    return None
+                return self.make("mul", (x, b.literal(1 / c, loc)), node, b)
+            return None
+        if op == "neg":
+            (x,) = inputs
+            if x.op == "neg":
+                return x.inputs[0]
+            return None
+        if op == "pow":
+            return self.power(inputs, consts, node, b)
+        return None
+
+    def power(self, inputs: tuple[Node, ...], consts: list[Any], node: Node, b: GraphBuilder) -> Node | None:
+        x, e = inputs
+        ce = consts[1]
+        if ce is not None and ce.is_Number:
+            value = float(ce)
+            if value == 1 and x.shape == node.shape:
+                return x
+            rewrites = {2.0: lambda: self.make("mul", (x, x), node, b),
+                        0.5: lambda: self.make("sqrt", (x,), node, b),
+                        -0.5: lambda: self.make("rsqrt", (x,), node, b),
+                        -1.0: lambda: self.make("reciprocal", (x,), node, b)}
+            if value in rewrites:
+                return rewrites[value]()
+            return None
+        cb = consts[0]
+        if cb is not None and cb.is_Number and float(cb) > 0:
+            base = float(cb)
+            if base == 2:
+                return self.make("exp2", (e,), node, b)
+            scaled = self.make("mul", (e, b.literal(math.log2(base), node.loc)), node, b)
+            return self.make("exp2", (scaled,), node, b)
+        return None
+
+    def reassociate(self, op: str, inputs: tuple[Node, ...], node: Node, b: GraphBuilder) -> Node | None:
+        """(x op s1) op s2 -> x op (s1 op s2) when s1, s2 are uniform and the inner node is ours."""
+        if node.dtype != COMPUTE_DTYPE:
+            return None
+        for outer_idx in (0, 1):
+            inner, s2 = inputs[outer_idx], inputs[1 - outer_idx]
+            if inner.op != op or not _uniform(s2) or inner.dtype != COMPUTE_DTYPE:
+                continue
+            old_inner = node.inputs[outer_idx] if outer_idx < len(node.inputs) else None
+            if old_inner is not None and not self.single_use(old_inner):
+                continue
+            for inner_idx in (0, 1):
+                x, s1 = inner.inputs[inner_idx], inner.inputs[1 - inner_idx]
+                hoists = _uniform(s1) and not _uniform(x)
+                folds = _const(s1) is not None and _const(s2) is not None
+                if hoists or folds:
+                    combined = self.make(op, (s1, s2), node, b)
+                    return self.make(op, (x, combined), node, b)
+        return None
+
+
+def _params(op: str, node: Node) -> dict[str, Any]:
+    definition = ELEMENTWISE.get(op)
+    if definition is None or node.op != op:
+        return {}
+    return {p: node.attrs[p] for p in definition.params}
+
+
+def fold_constants(graph: Graph) -> Graph:
+    """Apply the rules of the module docstring once over the graph."""
+    simplifier = _Simplifier(graph)
+    return rewrite(graph, simplifier.visit)

@@ -1,0 +1,49 @@
+"""The standard pass pipeline from a traced graph to the graph the code generator consumes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..graph import Graph
+from .cse import eliminate_common_subexpressions
+from .dce import eliminate_dead_code
+from .dtypes import check_dtypes, make_casts_explicit
+from .fold import fold_constants
+from .fusion import fuse_elementwise
+from .shapes import infer_shapes
+from .validate import validate
+
+#: The rewriting passes, by name, in the order `optimize` first applies them.
+PASSES: dict[str, Callable[[Graph], Graph]] = {
+    "infer_shapes": infer_shapes,
+    "make_casts_explicit": make_casts_explicit,
+    "fold_constants": fold_constants,
+    "eliminate_common_subexpressions": eliminate_common_subexpressions,
+    "eliminate_dead_code": eliminate_dead_code,
+    "fuse_elementwise": fuse_elementwise,
+}
+
+
+def _fingerprint(graph: Graph) -> tuple:
+    """The graph's structure, independent of node ids (which every rebuild renumbers)."""
+    index = {n.id: k for k, n in enumerate(graph.nodes)}
+    return tuple(
+        (n.op, tuple(index[i.id] for i in n.inputs), str(n.attrs.get("value", ""))) for n in graph.nodes
+    )
+
+
+def optimize(graph: Graph, *, max_rounds: int = 8) -> Graph:
+    """Check, lower, simplify to a fixed point, fuse and validate."""
+    check_dtypes(graph)
+    graph = infer_shapes(graph)
+    graph = make_casts_explicit(graph)
+    for _ in range(max_rounds):
+        before = _fingerprint(graph)
+        graph = fold_constants(graph)
+        graph = eliminate_common_subexpressions(graph)
+        graph = eliminate_dead_code(graph)
+        if _fingerprint(graph) == before:
+            break
+    graph = fuse_elementwise(graph)
+    validate(graph, lowered=True)
+    return graph
