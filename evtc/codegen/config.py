@@ -1,0 +1,187 @@
+"""Static configuration of the SM90 GEMM kernel, and the shared-memory budget that follows from it.
+
+Everything in a :class:`GemmConfig` is baked into the compiled kernel; everything else (M, N, K, L,
+pointers, strides, epilogue scalars) is a runtime argument.  Two calls that share a config (and an
+epilogue visitor with the same ``cache_key``) share one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
+# cutlass or torch; :mod:`evtc.codegen.dtypes` maps them to both.
+AB_DTYPES = ("float16", "bfloat16")
+D_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+TILE_M = 128  # two consumer warpgroups, 64 rows each (cooperative schedule)
+TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
+TILE_NS = (64, 128, 256)
+EPI_TILE_NS = (16, 32, 64)
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
+
+# H100: 227 KiB of shared memory per block (opt-in maximum).
+SM90_SMEM_BYTES = 232448
+# Room for the mbarriers of every pipeline plus alignment slack between the buffers.  Each buffer is
+# aligned to 1024 B (the 128 B swizzle repeats every 1024 B), so a few hundred bytes may be lost per
+# buffer; 2 KiB covers A, B, D and two visitor buffers comfortably.
+SMEM_RESERVED_BYTES = 2048
+MIN_AB_STAGES = 2
+MAX_AB_STAGES = 8
+
+# Threads: one producer warpgroup (warp 0: A/B loads; warp 1: epilogue loads) + two consumer
+# warpgroups.  Register budgets are moved with setmaxnreg: 40 * 128 + 232 * 256 = 64512 <= 65536.
+NUM_THREADS = 384
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+
+class ConfigError(ValueError):
+    """A GemmConfig (or a problem handed to a compiled kernel) that the engine does not support."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Static choices of one compiled GEMM kernel.
+
+    Majors use the BLAS naming of the problem D[M, N] = A[M, K] @ B[K, N]:
+
+    * ``a_major``: ``"k"`` (A row-major, K contiguous) or ``"m"`` (A column-major).
+    * ``b_major``: ``"n"`` (B row-major, N contiguous) or ``"k"`` (B column-major, i.e. B = Bt.T with
+      Bt[N, K] row-major, the usual weight layout of a linear layer).
+    * ``d_major``: ``"n"`` (D row-major) or ``"m"`` (D column-major).
+
+    ``ab_stages=None`` picks the largest number of A/B pipeline stages that fits in shared memory
+    after the epilogue's buffers (D staging and whatever the visitor declares).
+    """
+
+    ab_dtype: str = "float16"
+    d_dtype: str = "float16"
+    a_major: str = "k"
+    b_major: str = "n"
+    d_major: str = "n"
+    tile_n: int = 256
+    cluster: tuple[int, int] = (1, 1)
+    epi_tile_n: int = 32
+    epi_stages: int | None = None
+    load_stages: int | None = None
+    ab_stages: int | None = None
+    raster: str = "m"
+    swizzle: int = 8
+
+    # ---- derived shapes -------------------------------------------------------------------------
+    @property
+    def tile_shape_mnk(self) -> tuple[int, int, int]:
+        return (TILE_M, self.tile_n, TILE_K)
+
+    @property
+    def epi_tile(self) -> tuple[int, int]:
+        return (TILE_M, self.epi_tile_n)
+
+    @property
+    def num_subtiles(self) -> int:
+        return self.tile_n // self.epi_tile_n
+
+    @property
+    def c_stages(self) -> int:
+        """Staged buffers for epilogue loads (C and friends); used only by visitors that load.
+
+        Up to 4 subtiles in flight (as CUTLASS), at most 32 KiB of 16-bit data so that the A/B
+        pipeline keeps its depth, at least 2 so a load can land while the previous one is read."""
+        if self.load_stages is not None:
+            return self.load_stages
+        by_bytes = (32 * 1024) // (TILE_M * self.epi_tile_n * 2)
+        return max(1, min(self.num_subtiles, max(2, min(4, by_bytes))))
+
+    def d_bytes_per_stage(self) -> int:
+        return TILE_M * self.epi_tile_n * DTYPE_BYTES[self.d_dtype]
+
+    def ab_bytes_per_stage(self) -> int:
+        return (TILE_M + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
+
+    def plan_stages(self, visitor_smem_bytes: int = 0) -> tuple[int, int]:
+        """(A/B stages, D stages) for a visitor that needs ``visitor_smem_bytes`` of shared memory.
+
+        The epilogue's buffers are reserved first and the A/B pipeline gets what is left.  When
+        ``epi_stages`` is not set, D gets 2 buffers (one draining while the next is written) and then
+        more, up to one per subtile (at most 8), for as long as that costs no A/B stage.
+        """
+        free = SM90_SMEM_BYTES - SMEM_RESERVED_BYTES - visitor_smem_bytes
+
+        def ab_fit(d_stages: int) -> int:
+            return (free - d_stages * self.d_bytes_per_stage()) // self.ab_bytes_per_stage()
+
+        if self.epi_stages is not None:
+            d_stages = self.epi_stages
+        else:
+            d_stages = 2
+            while d_stages < min(self.num_subtiles, 8) and ab_fit(d_stages + 1) >= min(
+                ab_fit(2), MAX_AB_STAGES
+            ):
+                d_stages += 1
+        fit = ab_fit(d_stages)
+        if self.ab_stages is not None:
+            if self.ab_stages > fit:
+                raise ConfigError(
+                    f"ab_stages={self.ab_stages} needs {self.ab_stages * self.ab_bytes_per_stage()} B of "
+                    f"shared memory but only {free - d_stages * self.d_bytes_per_stage()} B are left after "
+                    f"the epilogue (D staging {d_stages} x {self.d_bytes_per_stage()} B, visitor "
+                    f"{visitor_smem_bytes} B)"
+                )
+            return self.ab_stages, d_stages
+        ab = min(fit, MAX_AB_STAGES)
+        if ab < MIN_AB_STAGES:
+            raise ConfigError(
+                f"only {max(fit, 0)} A/B pipeline stage(s) fit in shared memory with tile_n={self.tile_n}, "
+                f"D staging {d_stages} x {self.d_bytes_per_stage()} B and visitor buffers "
+                f"{visitor_smem_bytes} B; use a smaller tile_n, epi_tile_n or epi_stages"
+            )
+        return ab, d_stages
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> GemmConfig:
+        def bad(msg: str) -> None:
+            raise ConfigError(f"GemmConfig: {msg}")
+
+        if self.ab_dtype not in AB_DTYPES:
+            bad(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
+        if self.d_dtype not in D_DTYPES:
+            bad(f"d_dtype must be one of {D_DTYPES}, got {self.d_dtype!r}")
+        if self.a_major not in ("k", "m"):
+            bad(f"a_major must be 'k' or 'm', got {self.a_major!r}")
+        if self.b_major not in ("k", "n"):
+            bad(f"b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.d_major not in ("n", "m"):
+            bad(f"d_major must be 'n' or 'm', got {self.d_major!r}")
+        if self.tile_n not in TILE_NS:
+            bad(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if tuple(self.cluster) not in CLUSTERS:
+            bad(f"cluster must be one of {CLUSTERS}, got {self.cluster}")
+        if self.epi_tile_n not in EPI_TILE_NS:
+            bad(f"epi_tile_n must be one of {EPI_TILE_NS}, got {self.epi_tile_n}")
+        if self.tile_n % self.epi_tile_n:
+            bad(f"epi_tile_n={self.epi_tile_n} must divide tile_n={self.tile_n}")
+        if self.epi_stages is not None and not 1 <= self.epi_stages <= 16:
+            bad(f"epi_stages must be in [1, 16], got {self.epi_stages}")
+        if self.load_stages is not None and not 1 <= self.load_stages <= 16:
+            bad(f"load_stages must be in [1, 16], got {self.load_stages}")
+        if self.ab_stages is not None and not MIN_AB_STAGES <= self.ab_stages <= MAX_AB_STAGES:
+            bad(f"ab_stages must be in [{MIN_AB_STAGES}, {MAX_AB_STAGES}], got {self.ab_stages}")
+        if self.raster not in ("m", "n"):
+            bad(f"raster must be 'm' or 'n', got {self.raster!r}")
+        if not 1 <= self.swizzle <= 64:
+            bad(f"swizzle must be in [1, 64], got {self.swizzle}")
+        return self
+
+    def replace(self, **changes) -> GemmConfig:
+        return dataclasses.replace(self, **changes).validate()
+
+    def short_name(self) -> str:
+        """A compact, readable identifier (bench tables, test ids)."""
+        ab = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+        return (
+            f"{ab[self.ab_dtype]}->{ab[self.d_dtype]} A{self.a_major}B{self.b_major}D{self.d_major} "
+            f"128x{self.tile_n} c{self.cluster[0]}x{self.cluster[1]} epi128x{self.epi_tile_n}"
+        )

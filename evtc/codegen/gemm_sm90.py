@@ -1,0 +1,489 @@
+"""Warp-specialized persistent GEMM for SM90 (H100), D = epilogue(A @ B), in the CuTe DSL.
+
+Roles of the 384 threads of a CTA:
+
+* warpgroup 0, the producer (registers cut to 40 with setmaxnreg):
+    - warp 0 loads A and B tiles by TMA into a ring of ``ab_stages`` shared-memory stages
+      (multicast to the other CTA of a 2x1 / 1x2 cluster);
+    - warp 1 loads the epilogue visitor's full-tile inputs (C, ...) by TMA into a ring of
+      ``load_stages`` subtile buffers, ahead of the consumers, so their latency hides behind the
+      mainloop of the same tile;
+* warpgroups 1 and 2, the consumers (registers raised to 232): each runs wgmma on 64 rows of the
+  128 x tile_n output tile, then both run the epilogue on the whole tile: per subtile the visitor's
+  hooks, then registers -> stmatrix -> shared memory -> fence -> named barrier -> TMA store of D,
+  paced by a PipelineTmaStore so stores of one subtile overlap the next.
+
+All roles walk the same persistent tile sequence (:mod:`evtc.codegen.scheduler`).  The problem
+shape (M, N, K, L) and the visitor's scalars are runtime values: one compile serves every size.
+
+Tensors seen by the kernel are in the CuTe GEMM convention: A (M, K, L), B (N, K, L), D (M, N, L).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from .config import (
+    CONSUMER_REGS,
+    NUM_THREADS,
+    PRODUCER_REGS,
+    TILE_K,
+    TILE_M,
+    GemmConfig,
+)
+from .dtypes import cutlass_dtype
+from .scheduler import TileScheduler
+from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
+
+# Named barrier ids (0 is __syncthreads).  The visitor gets EPILOGUE through ctx.barrier.
+EPILOGUE_BARRIER_ID = 1
+WARPGROUP_THREADS = 128
+MAINLOOP_WARP = 0
+EPILOGUE_LOAD_WARP = 1
+# Warp of the consumers that issues the D TMA stores (first warp of warpgroup 1).
+STORE_WARP = 4
+BUFFER_ALIGN = 1024
+
+
+class Sm90GemmKernel:
+    """One compiled kernel: a :class:`GemmConfig` plus an :class:`EpilogueVisitor`.
+
+    ``__call__`` is the ``@cute.jit`` launch function; compile it with :func:`cute.compile` (see
+    :mod:`evtc.codegen.runtime`, which also caches compiled kernels).
+    """
+
+    def __init__(self, config: GemmConfig, visitor: EpilogueVisitor):
+        self.config = config.validate()
+        self.visitor = visitor
+        cfg = self.config
+        self.ab_dtype = cutlass_dtype(cfg.ab_dtype)
+        self.d_dtype = cutlass_dtype(cfg.d_dtype)
+        self.acc_dtype = cutlass.Float32
+        self.a_layout = LayoutEnum.ROW_MAJOR if cfg.a_major == "k" else LayoutEnum.COL_MAJOR
+        self.b_layout = LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else LayoutEnum.COL_MAJOR
+        self.d_layout = LayoutEnum.ROW_MAJOR if cfg.d_major == "n" else LayoutEnum.COL_MAJOR
+        self.tile_shape_mnk = cfg.tile_shape_mnk
+        self.cluster = tuple(cfg.cluster)
+        # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
+        self.a_mcast = self.cluster[1]
+        self.b_mcast = self.cluster[0]
+        self.load_stages = cfg.c_stages
+        self.load_bytes = visitor.load_bytes(cfg)
+        self.has_epi_loads = self.load_bytes > 0
+        visitor_smem = visitor.smem_bytes(cfg, self.load_stages)
+        self.ab_stages, self.d_stages = cfg.plan_stages(visitor_smem)
+        self.shape = EpilogueShape(
+            config=cfg,
+            tile=(TILE_M, cfg.tile_n),
+            epi_tile=cfg.epi_tile,
+            num_subtiles=cfg.num_subtiles,
+            load_stages=self.load_stages,
+            store_stages=self.d_stages,
+            acc_dtype=self.acc_dtype,
+            d_dtype=self.d_dtype,
+            d_layout=self.d_layout,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Host side (traced once per compile)
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mD: cute.Tensor,
+        epi_args: tuple,
+        max_clusters: Int32,
+        stream,
+    ):
+        """Launch on ``stream``.  mA (M,K,L), mB (N,K,L), mD (M,N,L); ``epi_args`` is the visitor's
+        runtime tuple; ``max_clusters`` caps the persistent grid (clusters resident at once)."""
+        if cutlass.const_expr(mA.element_type != self.ab_dtype or mB.element_type != self.ab_dtype):
+            raise TypeError(f"A and B must be {self.ab_dtype}, got {mA.element_type}, {mB.element_type}")
+        if cutlass.const_expr(mD.element_type != self.d_dtype):
+            raise TypeError(f"D must be {self.d_dtype}, got {mD.element_type}")
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (2, 1, 1),  # two consumer warpgroups stacked along M
+            tiler_mn=(64, self.tile_shape_mnk[1]),
+        )
+        a_smem_staged = sm90_utils.make_smem_layout_a(
+            self.a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages
+        )
+        b_smem_staged = sm90_utils.make_smem_layout_b(
+            self.b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages
+        )
+        d_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.d_dtype, self.d_layout, self.shape.epi_tile, self.d_stages
+        )
+
+        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp() if self.a_mcast == 1
+            else cpasync.CopyBulkTensorTileG2SMulticastOp(),
+            mA,
+            cute.slice_(a_smem_staged, (None, None, 0)),
+            (TILE_M, TILE_K),
+            num_multicast=self.a_mcast,
+        )
+        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp() if self.b_mcast == 1
+            else cpasync.CopyBulkTensorTileG2SMulticastOp(),
+            mB,
+            cute.slice_(b_smem_staged, (None, None, 0)),
+            (self.tile_shape_mnk[1], TILE_K),
+            num_multicast=self.b_mcast,
+        )
+        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mD,
+            cute.slice_(d_smem_staged, (None, None, 0)),
+            self.shape.epi_tile,
+        )
+        epi_params = self.visitor.setup(self.shape, epi_args)
+
+        # Persistent grid: one z-slice per cluster, never more clusters than work units.
+        sched = TileScheduler.for_problem(
+            mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
+            self.config.raster == "m", self.config.swizzle,
+        )
+        num_clusters = cutlass.min(sched.num_work_units(), max_clusters)
+
+        ab_stages = self.ab_stages
+        load_stages = self.load_stages
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
+            load_barriers: cute.struct.MemRange[cutlass.Int64, load_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], BUFFER_ALIGN
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], BUFFER_ALIGN
+            ]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem_staged)], BUFFER_ALIGN
+            ]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tiled_mma,
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            tma_atom_d,
+            tma_d,
+            a_smem_staged,
+            b_smem_staged,
+            d_smem_staged,
+            epi_params,
+        ).launch(
+            grid=(self.cluster[0], self.cluster[1], num_clusters),
+            block=[NUM_THREADS, 1, 1],
+            cluster=(self.cluster[0], self.cluster[1], 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        d_smem_staged: cute.ComposedLayout,
+        epi_params: tuple,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+
+        if warp_idx == MAINLOOP_WARP:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+            cpasync.prefetch_descriptor(tma_atom_d)
+
+        # ---- cluster position and multicast masks -------------------------------------------
+        cluster_layout = cute.make_layout((self.cluster[0], self.cluster[1], 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_coord = cluster_layout.get_flat_coord(cta_rank)
+        a_mask = None
+        b_mask = None
+        if cutlass.const_expr(self.a_mcast > 1):
+            a_mask = cute.make_layout_image_mask(cluster_layout, cta_coord, mode=1)
+        if cutlass.const_expr(self.b_mcast > 1):
+            b_mask = cute.make_layout_image_mask(cluster_layout, cta_coord, mode=0)
+
+        # ---- shared memory and pipelines ------------------------------------------------------
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        visitor_storage = self.visitor.allocate(self.shape, epi_params, smem)
+
+        a_stage_layout = cute.slice_(a_smem_staged, (None, None, 0))
+        b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
+        ab_tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) + cute.size_in_bytes(
+            self.ab_dtype, b_stage_layout
+        )
+        # Every consumer warp releases a stage to each CTA that multicast into it (itself included).
+        mcast_peers = self.a_mcast + self.b_mcast - 1
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * 8),
+            tx_count=ab_tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            defer_sync=True,
+        )
+        load_pipeline = None
+        if cutlass.const_expr(self.has_epi_loads):
+            # CTA-local: epilogue inputs are not multicast.  One release per epilogue warp.
+            load_pipeline = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.load_barriers.data_ptr(),
+                num_stages=self.load_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+                tx_count=self.load_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+        # Barrier inits must be visible cluster-wide before any peer multicasts into this CTA.
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+
+        # ---- global tiles and TMA partitions --------------------------------------------------
+        # (bM, bK, tiles_m, tiles_k, L) and (bN, bK, tiles_n, tiles_k, L)
+        gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None, None))
+        gB = cute.local_tile(mB, (self.tile_shape_mnk[1], TILE_K), (None, None, None))
+        # (bM, bN, tiles_m, tiles_n, L)
+        gD = cute.local_tile(mD, self.shape.tile, (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a,
+            cta_coord[1],
+            cute.make_layout(self.cluster[1]),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b,
+            cta_coord[0],
+            cute.make_layout(self.cluster[0]),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        sched = TileScheduler.for_problem(
+            mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
+            self.config.raster == "m", self.config.swizzle,
+        )
+        num_work = sched.num_work_units()
+        _, _, first_work = cute.arch.block_idx()
+        _, _, work_stride = cute.arch.grid_dim()
+        cta_in_cluster = (cta_coord[0], cta_coord[1])
+
+        pipeline_init_wait(cluster_shape_mn=cluster_layout)
+
+        # ======================================================================================
+        # Producer warpgroup
+        # ======================================================================================
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+
+            if warp_idx == MAINLOOP_WARP:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                work = Int32(first_work)
+                while work < num_work:
+                    m, n, batch = sched.cta_tile(work, cta_in_cluster)
+                    tAgA_tile = tAgA[(None, m, None, batch)]
+                    tBgB_tile = tBgB[(None, n, None, batch)]
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        ab_pipeline.producer_acquire(state)
+                        barrier = ab_pipeline.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=a_mask)
+                        cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=b_mask)
+                        ab_pipeline.producer_commit(state)
+                        state.advance()
+                    work += work_stride
+                # Do not exit while peers may still release stages into our barriers.
+                ab_pipeline.producer_tail(state)
+
+            if cutlass.const_expr(self.has_epi_loads):
+                if warp_idx == EPILOGUE_LOAD_WARP:
+                    state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.load_stages
+                    )
+                    work = Int32(first_work)
+                    while work < num_work:
+                        tile_coord = sched.cta_tile(work, cta_in_cluster)
+                        lstate = self.visitor.load_tile(self.shape, epi_params, visitor_storage, tile_coord)
+                        for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
+                            load_pipeline.producer_acquire(state)
+                            self.visitor.load_subtile(
+                                self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
+                                load_pipeline.producer_get_barrier(state),
+                            )
+                            load_pipeline.producer_commit(state)
+                            state.advance()
+                        work += work_stride
+                    load_pipeline.producer_tail(state)
+
+        # ======================================================================================
+        # Consumer warpgroups: MMA, then the epilogue
+        # ======================================================================================
+        if warp_group > 0:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            epi_tidx = tidx - WARPGROUP_THREADS
+
+            # wgmma partitions are per warpgroup: slice the tiled MMA at the warpgroup's first thread.
+            thr_mma = tiled_mma.get_slice((warp_group - 1) * WARPGROUP_THREADS)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            # ---- epilogue plumbing (built once, reused for every tile) --------------------------
+            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4),
+                                    cutlass.Float16),
+                tiled_mma,
+            )
+            r2s_atom = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(r2s_atom, tiled_copy_c_atom)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
+            tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
+            tRS_acc = tiled_copy_r2s.retile(acc)  # accumulator seen subtile by subtile
+            frag_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
+            frag_layout = cute.make_layout(frag_shape)
+            frag = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            frag_out = cute.make_rmem_tensor(frag_shape, self.d_dtype)
+            frag_size = cute.size(frag)
+
+            epi_barrier = pipeline.NamedBarrier(
+                barrier_id=EPILOGUE_BARRIER_ID, num_threads=2 * WARPGROUP_THREADS
+            )
+            ctx = EpilogueContext(self.shape, epi_tidx, tiled_mma, tiled_copy_c_atom, tiled_copy_r2s,
+                                  frag_layout, epi_barrier)
+            store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.d_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WARPGROUP_THREADS),
+            )
+            is_store_warp = warp_idx == STORE_WARP
+            num_subtiles = self.shape.num_subtiles
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.load_stages)
+            tiles_done = Int32(0)
+
+            work = Int32(first_work)
+            while work < num_work:
+                tile_coord = sched.cta_tile(work, cta_in_cluster)
+
+                # ---- mainloop: keep one wgmma batch in flight, release stages one behind ---------
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                if k_tiles > 0:
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    read_state.advance()
+                for _k in cutlass.range(1, k_tiles, unroll=1):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    # The batch issued one iteration ago is done: its stage can be refilled.
+                    warpgroup.wait_group(1)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+
+                # ---- epilogue ----------------------------------------------------------------------
+                m, n, batch = tile_coord
+                gD_epi = cute.zipped_divide(gD[(None, None, m, n, batch)], self.shape.epi_tile)
+                bSG_sD, bSG_gD = cpasync.tma_partition(
+                    tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
+                )
+                vstate = self.visitor.begin(ctx, epi_params, visitor_storage, tile_coord)
+                for epi_idx in cutlass.range_constexpr(num_subtiles):
+                    self.visitor.begin_loop(ctx, vstate, epi_idx)
+                    for v in cutlass.range_constexpr(frag_size):
+                        frag[v] = tRS_acc[epi_idx * frag_size + v]
+                    if cutlass.const_expr(self.has_epi_loads):
+                        load_pipeline.consumer_wait(load_state)
+                        self.visitor.previsit(ctx, vstate, epi_idx, load_state.index)
+                        # Order our generic-proxy reads before the next TMA write into the stage.
+                        cute.arch.fence_view_async_shared()
+                        load_pipeline.consumer_release(load_state)
+                        load_state.advance()
+                    else:
+                        self.visitor.previsit(ctx, vstate, epi_idx, None)
+                    values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
+
+                    d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
+                    # The D buffer about to be written must have been read out by its TMA store.
+                    if is_store_warp:
+                        store_pipeline.producer_acquire()
+                    epi_barrier.arrive_and_wait()
+                    self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_stage)])
+                    frag_out.store(values.to(self.d_dtype))
+                    cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_stage)])
+                    self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
+                    # stmatrix writes through the generic proxy, TMA reads through the async proxy.
+                    cute.arch.fence_view_async_shared()
+                    epi_barrier.arrive_and_wait()
+                    if is_store_warp:
+                        cute.copy(tma_atom_d, bSG_sD[(None, d_stage)],
+                                  bSG_gD[(None, self.shape.subtile_coord(epi_idx))])
+                        self.visitor.tma_store(ctx, vstate, epi_idx, d_stage)
+                        store_pipeline.producer_commit()
+                    self.visitor.end_loop(ctx, vstate, epi_idx)
+                self.visitor.end(ctx, vstate)
+
+                tiles_done += 1
+                work += work_stride
+
+            # Shared memory must stay alive until the last TMA store has read it.
+            if is_store_warp:
+                store_pipeline.producer_tail()
