@@ -307,7 +307,10 @@ register([torch.clamp_min], ["clamp_min"], _clamp_min)
 register([torch.clamp_max], ["clamp_max"], _clamp_max)
 register([F.hardtanh], [], _hardtanh)
 register([F.relu6], [], _relu6)
-register([torch.where], ["where"], _where, inplace=False)
+register([torch.where], [], _where, inplace=False)
+# x.where(condition, y) is torch.where(condition, x, y): the receiver is the value, not the mask.
+register([], ["where"], lambda t, input, condition, other: _where(t, condition, input, other),
+         inplace=False)
 register([F.gelu], [], _gelu)
 
 register([torch.sum], ["sum"], _reduction("sum"), inplace=False)

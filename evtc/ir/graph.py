@@ -203,11 +203,12 @@ class Graph:
 
         return graph_to_dot(self)
 
-    def evaluate(self, inputs: dict[str, Any], *, compute_dtype: torch.dtype = torch.float32) -> Any:
+    def evaluate(self, inputs: dict[str, Any], *, compute_dtype: torch.dtype = torch.float32,
+                 cast_outputs: bool = True) -> Any:
         """Run the graph on tensors: see :func:`evtc.ir.interpreter.evaluate`."""
         from .interpreter import evaluate
 
-        return evaluate(self, inputs, compute_dtype=compute_dtype)
+        return evaluate(self, inputs, compute_dtype=compute_dtype, cast_outputs=cast_outputs)
 
 
 class GraphBuilder:

@@ -1,0 +1,68 @@
+"""Helpers shared by the IR tests: random problems and comparison with the direct function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import evtc
+
+#: (M, N, K, L): square (M == N), odd sizes, and batched; L None means unbatched.
+SHAPES = [(32, 32, 16, None), (37, 53, 19, None), (24, 40, 8, 3), (16, 16, 8, 2)]
+
+
+def gemm_inputs(m: int, n: int, k: int, l: int | None, dtype: torch.dtype = torch.float16,
+                seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lead = () if l is None else (l,)
+    a = torch.randn(*lead, m, k, generator=g).to(dtype)
+    b = torch.randn(*lead, k, n, generator=g).to(dtype)
+    return {"a": a, "b": b}
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def flatten(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, tuple | list):
+        return [(str(i), v) for i, v in enumerate(value)]
+    return [("", value)]
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # One rounding of the output dtype apart, plus float32 reassociation in the passes.
+    return {
+        torch.float32: dict(rtol=2e-5, atol=2e-5),
+        torch.float16: dict(rtol=2e-3, atol=2e-3),
+        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+        torch.float8_e4m3fn: dict(rtol=0.13, atol=0.02),
+        torch.float8_e5m2: dict(rtol=0.26, atol=0.04),
+    }[dtype]
+
+
+def assert_same_outputs(graph_out: Any, ref_out: Any) -> None:
+    """Graph outputs (in their store dtypes) against the function's float32 outputs."""
+    got, want = flatten(graph_out), flatten(ref_out)
+    assert [k for k, _ in got] == [k for k, _ in want], "output structure differs"
+    for (key, g), (_, w) in zip(got, want, strict=True):
+        assert isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)
+        assert tuple(g.shape) == tuple(w.shape), f"output {key!r}: shape {tuple(g.shape)} vs {tuple(w.shape)}"
+        expected = w.to(g.dtype).float() if g.dtype != torch.float32 else w.float()
+        torch.testing.assert_close(g.float(), expected, equal_nan=True, **tolerance(g.dtype),
+                                   msg=lambda m, key=key: f"output {key!r}: {m}")
+
+
+def check_epilogue(fn: Callable[..., Any], inputs: dict[str, Any], **trace_kwargs: Any) -> evtc.Graph:
+    """Trace `fn`, optimize it, evaluate the graph and compare with the function run directly."""
+    graph = evtc.trace(fn, inputs, **trace_kwargs)
+    raw = evtc.trace(fn, inputs, optimize_graph=False, **trace_kwargs)
+    ref = evtc.reference(fn, inputs)
+    assert_same_outputs(graph.evaluate(inputs), ref)
+    assert_same_outputs(raw.evaluate(inputs), ref)
+    return graph

@@ -1,0 +1,281 @@
+"""Every user error is a clear evtc.EpilogueError that names the problem and the user's line."""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import gemm_inputs, rand
+
+import evtc
+
+EX = gemm_inputs(16, 24, 8, None) | {"C": rand(16, 24, seed=1), "bias": rand(24, seed=2)}
+
+
+def _marked_line(fn) -> int:
+    """The line of `fn` that carries the comment `# error here`."""
+    lines, start = inspect.getsourcelines(fn)
+    for offset, line in enumerate(lines):
+        if "# error here" in line:
+            return start + offset
+    raise AssertionError("no marked line")
+
+
+def _trace_error(fn, inputs, error, exact=False):
+    """Trace `fn` expecting `error`; unless `exact`, inputs it has no parameter for are dropped."""
+    if not exact:
+        params = set(inspect.signature(fn).parameters) | {"a", "b"}
+        inputs = {k: v for k, v in inputs.items() if k in params}
+    with pytest.raises(error) as info:
+        evtc.trace(fn, inputs)
+    err = info.value
+    assert isinstance(err, evtc.EpilogueError)
+    return err
+
+
+def _assert_points_at_marked_line(err, fn):
+    assert err.loc is not None, "the error names no line"
+    assert err.loc.filename == __file__
+    assert err.loc.lineno == _marked_line(fn), str(err)
+    assert f"{__file__}:{err.loc.lineno}" in str(err)
+
+
+def test_unsupported_torch_function_is_named():
+    def epilogue(acc, C):
+        y = acc + C
+        return torch.softmax(y, dim=-1)  # error here
+
+    err = _trace_error(epilogue, EX, evtc.UnsupportedOpError)
+    assert "torch.softmax" in str(err) or "softmax" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
+def test_unsupported_functional_and_method_are_named():
+    def functional(acc):
+        return F.layer_norm(acc, (24,))  # error here
+
+    err = _trace_error(functional, EX, evtc.UnsupportedOpError)
+    assert "layer_norm" in str(err)
+    _assert_points_at_marked_line(err, functional)
+
+    def method(acc):
+        return acc.cumsum(-1)  # error here
+
+    err = _trace_error(method, EX, evtc.UnsupportedOpError)
+    assert "Tensor.cumsum" in str(err)
+    _assert_points_at_marked_line(err, method)
+
+
+def test_indexing_is_rejected():
+    def epilogue(acc):
+        return acc[:, :4]  # error here
+
+    err = _trace_error(epilogue, EX, evtc.UnsupportedOpError)
+    assert "indexing" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
+@pytest.mark.parametrize("form", ["if", "bool", "while", "float", "and"])
+def test_data_dependent_control_flow(form):
+    def epilogue(acc):
+        y = acc * 2
+        if form == "if":
+            if y > 0:  # error here
+                y = y + 1
+        elif form == "bool":
+            bool(y.amax())  # error here
+        elif form == "while":
+            while y.sum() > 0:  # error here
+                y = y - 1
+        elif form == "float":
+            return acc * float(y.amax())  # error here
+        else:
+            return y > 0 and y < 1  # error here
+        return y
+
+    err = _trace_error(epilogue, EX, evtc.ControlFlowError)
+    assert "control flow" in str(err) and "torch.where" in str(err)
+    lines, start = inspect.getsourcelines(epilogue)
+    marked = {start + i for i, line in enumerate(lines) if "# error here" in line}
+    assert err.loc.lineno in marked
+
+
+def test_size_dependent_python_is_rejected():
+    def epilogue(acc):
+        if acc.shape[-1] > 8:  # error here
+            return acc
+        return -acc
+
+    err = _trace_error(epilogue, EX, evtc.ControlFlowError)
+    assert "run time" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
+@pytest.mark.parametrize("how", ["iadd", "method", "functional"])
+def test_inplace_on_acc(how):
+    def epilogue(acc, C):
+        if how == "iadd":
+            acc += C  # error here
+        elif how == "method":
+            acc.mul_(2.0)  # error here
+        else:
+            F.relu(acc, inplace=True)  # error here
+        return acc
+
+    err = _trace_error(epilogue, EX, evtc.InPlaceError)
+    assert "'acc'" in str(err) and "in-place" in str(err)
+    lines, start = inspect.getsourcelines(epilogue)
+    marked = {start + i for i, line in enumerate(lines) if "# error here" in line}
+    assert err.loc.lineno in marked
+
+
+def test_inplace_on_an_operand():
+    def epilogue(acc, C):
+        C.add_(1.0)  # error here
+        return acc + C
+
+    err = _trace_error(epilogue, EX, evtc.InPlaceError)
+    assert "'C'" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 23), (5, 16, 24), (3,)])
+def test_operand_that_cannot_broadcast(shape):
+    def epilogue(acc, x):
+        return acc + x
+
+    err = _trace_error(epilogue, gemm_inputs(16, 24, 8, None) | {"x": rand(*shape)}, evtc.ShapeError)
+    assert "'x'" in str(err) and str(tuple(shape)) in str(err)
+    assert err.loc is not None and err.loc.lineno == epilogue.__code__.co_firstlineno
+
+
+def test_symbolic_broadcast_mismatch_even_when_m_equals_n():
+    def epilogue(acc):
+        return acc + acc.sum(-1)  # error here
+
+    err = _trace_error(epilogue, gemm_inputs(16, 16, 8, None), evtc.ShapeError)
+    assert "broadcast" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool])
+def test_unsupported_operand_dtype(dtype):
+    def epilogue(acc, x):
+        return acc + x
+
+    x = torch.ones(16, 24, dtype=dtype)
+    err = _trace_error(epilogue, gemm_inputs(16, 24, 8, None) | {"x": x}, evtc.DTypeError)
+    assert str(dtype) in str(err)
+
+
+def test_unsupported_gemm_and_cast_dtypes():
+    err = _trace_error(lambda acc: acc, gemm_inputs(8, 8, 8, None, dtype=torch.float32), evtc.DTypeError)
+    assert "'a'" in str(err)
+
+    def cast(acc):
+        return acc.to(torch.int8)  # error here
+
+    err = _trace_error(cast, EX, evtc.DTypeError)
+    _assert_points_at_marked_line(err, cast)
+
+    def fp8_math(acc):
+        return acc.to(torch.float8_e4m3fn) * 2  # error here
+
+    err = _trace_error(fp8_math, EX, evtc.DTypeError)
+    assert "float8" in str(err)
+    _assert_points_at_marked_line(err, fp8_math)
+
+
+def test_missing_and_extra_example_inputs():
+    def epilogue(acc, C, bias):
+        return acc + C + bias
+
+    inputs = gemm_inputs(16, 24, 8, None)
+    err = _trace_error(epilogue, inputs | {"C": EX["C"]}, evtc.InputError, exact=True)
+    assert "missing" in str(err) and "'bias'" in str(err)
+    assert err.loc.lineno == epilogue.__code__.co_firstlineno
+    err = _trace_error(epilogue, EX | {"gamma": 1.0}, evtc.InputError, exact=True)
+    assert "'gamma'" in str(err)
+    err = _trace_error(epilogue, {"C": EX["C"], "bias": EX["bias"], "b": EX["b"]}, evtc.InputError,
+                       exact=True)
+    assert "'a'" in str(err)
+    err = _trace_error(epilogue, EX | {"acc": EX["C"]}, evtc.InputError, exact=True)
+    assert "accumulator" in str(err)
+
+
+def test_reserved_parameter_names():
+    def epilogue(acc, a):
+        return acc + a
+
+    err = _trace_error(epilogue, EX, evtc.InputError, exact=True)
+    assert "'a'" in str(err) and "reserved" in str(err)
+
+
+@pytest.mark.parametrize("case", ["batch_dim", "of_vector", "nested", "two_pass", "bool", "max_dim"])
+def test_reductions_that_cannot_be_computed(case):
+    inputs = gemm_inputs(16, 24, 8, 2) | {"bias": rand(24)}
+
+    def epilogue(acc, bias):
+        if case == "batch_dim":
+            return acc.sum(0)  # error here
+        if case == "of_vector":
+            return acc + bias.sum()  # error here
+        if case == "nested":
+            return acc.sum(-1).amax()  # error here
+        if case == "two_pass":
+            return acc - acc.amax(-1, keepdim=True)  # error here
+        if case == "bool":
+            return (acc > 0).sum()  # error here
+        return acc.max(-1)  # error here
+
+    err = _trace_error(epilogue, inputs, evtc.ReductionError)
+    lines, start = inspect.getsourcelines(epilogue)
+    marked = {start + i for i, line in enumerate(lines) if "# error here" in line}
+    assert err.loc is not None and err.loc.lineno in marked, str(err)
+
+
+def test_returned_non_tensor_and_nothing():
+    def nothing(acc):
+        acc * 2
+
+    err = _trace_error(nothing, EX, evtc.OutputError)
+    assert "returns nothing" in str(err)
+
+    def number(acc):
+        return acc, 3.0
+
+    err = _trace_error(number, EX, evtc.OutputError)
+    assert "float" in str(err) and "'D1'" in str(err)
+
+    def vector(acc, bias):
+        return acc, bias * 2  # error here
+
+    err = _trace_error(vector, EX, evtc.OutputError)
+    assert "tile" in str(err)
+    _assert_points_at_marked_line(err, vector)
+
+
+def test_closure_tensor_is_rejected():
+    weight = torch.ones(24)
+
+    def epilogue(acc):
+        return acc * weight  # error here
+
+    err = _trace_error(epilogue, EX, evtc.InputError)
+    assert "pass it as a parameter" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
+def test_error_traceback_hides_evtc_internals():
+    def epilogue(acc):
+        return torch.cumsum(acc, -1)
+
+    with pytest.raises(evtc.UnsupportedOpError) as info:
+        evtc.trace(epilogue, {"a": EX["a"], "b": EX["b"]})
+    frames = traceback.extract_tb(info.value.__traceback__)
+    internal = [f for f in frames if "/evtc/frontend/" in f.filename or "/evtc/ir/" in f.filename]
+    assert not internal, [f.filename for f in frames]
+    assert info.value.__cause__ is None and info.value.__suppress_context__

@@ -1,0 +1,187 @@
+"""Every supported op, traced, optimized and evaluated, equals the function run on real tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import SHAPES, check_epilogue, gemm_inputs, rand
+
+import evtc
+
+# Each entry: name -> epilogue of (acc, C) where C is a full tile. Inputs are scaled where an op
+# needs a domain (log, sqrt) so that results are finite and comparisons meaningful.
+OPS = {
+    "add": lambda acc, C: acc + C,
+    "add_scalar_left": lambda acc, C: 2.5 + acc,
+    "sub": lambda acc, C: acc - C,
+    "rsub_scalar": lambda acc, C: 1.0 - acc,
+    "mul": lambda acc, C: acc * C,
+    "mul_scalar_left": lambda acc, C: 3 * acc,
+    "div": lambda acc, C: acc / (C.abs() + 1),
+    "rdiv_scalar": lambda acc, C: 1.0 / (acc.abs() + 1),
+    "div_scalar": lambda acc, C: acc / 3.0,
+    "torch_add_alpha": lambda acc, C: torch.add(acc, C, alpha=0.5),
+    "torch_sub_mul_div": lambda acc, C: torch.div(torch.mul(torch.sub(acc, C), 2), 7),
+    "neg": lambda acc, C: -acc,
+    "abs": lambda acc, C: acc.abs(),
+    "pow2": lambda acc, C: acc ** 2,
+    "pow3": lambda acc, C: torch.pow(acc, 3),
+    "pow_half": lambda acc, C: acc.abs() ** 0.5,
+    "pow_neg_half": lambda acc, C: (acc.abs() + 1) ** -0.5,
+    "pow_neg_one": lambda acc, C: (acc.abs() + 1) ** -1,
+    "pow_1_5": lambda acc, C: acc.abs().pow(1.5),
+    "rpow": lambda acc, C: 2 ** (acc * 0.1),
+    "rpow_3": lambda acc, C: 3.0 ** (acc * 0.1),
+    "square": lambda acc, C: torch.square(acc),
+    "sqrt": lambda acc, C: torch.sqrt(acc.abs()),
+    "rsqrt": lambda acc, C: torch.rsqrt(acc.abs() + 0.5),
+    "reciprocal": lambda acc, C: (acc.abs() + 1).reciprocal(),
+    "exp": lambda acc, C: torch.exp(acc * 0.1),
+    "exp2": lambda acc, C: torch.exp2(acc * 0.1),
+    "expm1": lambda acc, C: torch.expm1(acc * 0.1),
+    "log": lambda acc, C: torch.log(acc.abs() + 1e-3),
+    "log2": lambda acc, C: torch.log2(acc.abs() + 1e-3),
+    "log1p": lambda acc, C: torch.log1p(acc.abs()),
+    "sin": lambda acc, C: torch.sin(acc),
+    "cos": lambda acc, C: acc.cos(),
+    "tanh": lambda acc, C: torch.tanh(acc),
+    "F_tanh": lambda acc, C: F.tanh(acc),
+    "erf": lambda acc, C: torch.erf(acc * 0.3),
+    "sigmoid": lambda acc, C: torch.sigmoid(acc),
+    "F_sigmoid": lambda acc, C: F.sigmoid(acc),
+    "relu": lambda acc, C: torch.relu(acc),
+    "F_relu": lambda acc, C: F.relu(acc),
+    "relu_method": lambda acc, C: acc.relu(),
+    "leaky_relu": lambda acc, C: F.leaky_relu(acc, 0.2),
+    "leaky_relu_default": lambda acc, C: F.leaky_relu(acc),
+    "elu": lambda acc, C: F.elu(acc, alpha=0.7),
+    "gelu": lambda acc, C: F.gelu(acc),
+    "gelu_tanh": lambda acc, C: F.gelu(acc, approximate="tanh"),
+    "silu": lambda acc, C: F.silu(acc),
+    "softplus": lambda acc, C: F.softplus(acc),
+    "softplus_beta": lambda acc, C: F.softplus(acc, beta=2.0, threshold=5.0),
+    "mish": lambda acc, C: F.mish(acc),
+    "hardswish": lambda acc, C: F.hardswish(acc),
+    "hardsigmoid": lambda acc, C: F.hardsigmoid(acc),
+    "relu6": lambda acc, C: F.relu6(acc),
+    "hardtanh": lambda acc, C: F.hardtanh(acc, -2.0, 2.0),
+    "clamp": lambda acc, C: torch.clamp(acc, -1.0, 2.0),
+    "clamp_min": lambda acc, C: acc.clamp(min=0.5),
+    "clamp_max_method": lambda acc, C: acc.clamp_max(0.5),
+    "clip_tensor_bounds": lambda acc, C: torch.clip(acc, min=-C.abs(), max=C.abs()),
+    "minimum": lambda acc, C: torch.minimum(acc, C),
+    "maximum": lambda acc, C: torch.maximum(acc, C),
+    "torch_max_binary": lambda acc, C: torch.max(acc, C),
+    "torch_min_binary": lambda acc, C: torch.min(acc, C),
+    "gt_where": lambda acc, C: torch.where(acc > C, acc, C),
+    "ge_where": lambda acc, C: torch.where(acc >= 0, acc, 0.1 * acc),
+    "lt_where": lambda acc, C: torch.where(acc < 0.5, 1.0, acc),
+    "le_where": lambda acc, C: torch.where(acc <= C, C, 0.0),
+    "eq_ne": lambda acc, C: torch.where((acc == acc) & (acc != C), acc, C),
+    "mask_arith": lambda acc, C: (acc > 0).float() * acc + (acc > 1) * 2.0,
+    "logical_ops": lambda acc, C: torch.where(~(acc > 0) | (C > 0), acc, C),
+    "where_method": lambda acc, C: acc.where(acc > 0, C),
+    "to_float16": lambda acc, C: acc.to(torch.float16),
+    "to_bfloat16_then_compute": lambda acc, C: acc.to(torch.bfloat16) * 2 + C,
+    "narrow_chain": lambda acc, C: acc.bfloat16() * 3.0 + 1.0,
+    "half_method": lambda acc, C: acc.half(),
+    "to_float32": lambda acc, C: (acc * C).to(dtype=torch.float32),
+    "to_e4m3": lambda acc, C: (acc * 0.5).to(torch.float8_e4m3fn),
+    "to_e5m2": lambda acc, C: (acc * 0.5).to(torch.float8_e5m2),
+    "composite": lambda acc, C: torch.relu(1.5 * acc + 0.5 * C) - torch.sigmoid(C) / 2,
+}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_matches_torch(name):
+    fn = OPS[name]
+    m, n, k, lb = SHAPES[1]
+    inputs = gemm_inputs(m, n, k, lb) | {"C": rand(m, n, dtype=torch.float16, seed=2)}
+
+    def epilogue(acc, C):
+        return fn(acc, C)
+
+    check_epilogue(epilogue, inputs)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(d) for d in s if d))
+def test_every_op_in_one_graph_across_shapes(shape):
+    """All ops at once, at every shape: square, odd, batched."""
+    m, n, k, lb = shape
+    lead = () if lb is None else (lb,)
+    inputs = gemm_inputs(m, n, k, lb, dtype=torch.bfloat16) | {
+        "C": rand(*lead, m, n, dtype=torch.bfloat16, seed=3)
+    }
+
+    def everything(acc, C):
+        return tuple(fn(acc, C) for fn in OPS.values())
+
+    graph = check_epilogue(everything, inputs)
+    assert len(graph.stores) == len(OPS)
+
+
+SCALAR_OPS = {
+    "mul_arg": lambda acc, s: s * acc,
+    "arg_arith": lambda acc, s: acc * (s * 2 + 1) / s,
+    "arg_power": lambda acc, s: acc ** 2 * s,
+    "rsub_arg": lambda acc, s: s - acc,
+    "where_arg": lambda acc, s: torch.where(acc > s, acc, s),
+    "clamp_arg": lambda acc, s: torch.clamp(acc, max=s),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALAR_OPS))
+@pytest.mark.parametrize("value", [0.75, -2.0, 3])
+def test_runtime_scalar_ops(name, value):
+    fn = SCALAR_OPS[name]
+    inputs = gemm_inputs(16, 24, 8, None) | {"s": value}
+
+    def epilogue(acc, s):
+        return fn(acc, s)
+
+    graph = check_epilogue(epilogue, inputs)
+    # A new value is a runtime argument: the same graph evaluates it, nothing is baked in.
+    other = dict(inputs, s=1.25)
+    torch.testing.assert_close(graph.evaluate(other).float(),
+                               evtc.reference(epilogue, other).half().float(), rtol=2e-3, atol=2e-3)
+
+
+def test_helper_functions_loops_and_closures_are_traced():
+    scale = 0.25
+
+    def act(x):
+        return F.silu(x) * scale
+
+    def epilogue(acc, bias):
+        y = acc
+        for i in range(3):
+            y = act(y + bias) + i
+        return y
+
+    inputs = gemm_inputs(20, 12, 8, None) | {"bias": rand(12, seed=4)}
+    graph = check_epilogue(epilogue, inputs)
+    assert graph.count("silu") == 3
+
+
+def test_inplace_on_intermediates_follows_torch_aliasing():
+    def epilogue(acc, C):
+        y = acc * 2
+        alias = y
+        y += C
+        y.relu_()
+        y.mul_(0.5)
+        return alias
+
+    inputs = gemm_inputs(16, 16, 8, None) | {"C": rand(16, 16, seed=5)}
+    check_epilogue(epilogue, inputs)
+
+
+def test_shape_arithmetic_stays_symbolic():
+    def epilogue(acc):
+        return acc.sum(-1) / acc.shape[-1], acc.sum() / acc.numel()
+
+    for m, n in ((16, 24), (40, 8)):
+        check_epilogue(epilogue, gemm_inputs(m, n, 8, None))
+    graph = evtc.trace(epilogue, gemm_inputs(16, 24, 8, None))
+    assert "(1/N)" in str(graph)

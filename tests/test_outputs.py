@@ -1,0 +1,128 @@
+"""Output structure, shapes and dtypes equal what the function returns on real tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import SHAPES, check_epilogue, gemm_inputs, rand
+
+import evtc
+
+
+def _inputs(shape, *operands, dtype=torch.float16):
+    """a, b and the named operands among C (a full tile) and bias (a row vector)."""
+    m, n, k, lb = shape
+    lead = () if lb is None else (lb,)
+    available = {"C": rand(*lead, m, n, seed=7), "bias": rand(n, seed=8)}
+    return gemm_inputs(m, n, k, lb, dtype=dtype) | {k: available[k] for k in operands}
+
+
+def test_issue_example():
+    def bias_gelu_residual(acc, bias, C, alpha: float):
+        y = F.gelu(alpha * acc + bias)
+        return y + C, y.abs().amax()
+
+    ex = _inputs(SHAPES[1], "bias", "C") | {"alpha": 1.0}
+    g = evtc.trace(bias_gelu_residual, ex)
+    d, amax = g.evaluate(ex)
+    assert d.dtype == torch.float16 and amax.dtype == torch.float32 and amax.shape == ()
+    check_epilogue(bias_gelu_residual, ex)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(d) for d in s if d))
+def test_reductions_every_axis(shape):
+    def epilogue(acc, C, bias):
+        y = acc + C
+        return {
+            "row_sum": y.sum(-1),
+            "row_max_keep": y.amax(-1, keepdim=True),
+            "col_mean": y.mean(-2),
+            "col_min_keep": y.amin(dim=-2, keepdim=True),
+            "tile_sum": y.sum(dim=(-2, -1)),
+            "all_max": y.max(),
+            "all_min": torch.min(y),
+            "all_mean_keep": y.mean(dim=tuple(range(y.dim())), keepdim=True),
+            "amax_abs": (y * bias).abs().amax(),
+            "torch_sum": torch.sum(y, dim=-1),
+            "positive_dims": y.sum(y.dim() - 1),
+            "rms": torch.sqrt((y * y).mean(-1) + 1e-6),
+        }
+
+    graph = check_epilogue(epilogue, _inputs(shape, "C", "bias"))
+    # row_sum, torch_sum and positive_dims are one reduction after CSE: 12 outputs, 10 reductions.
+    assert graph.count("reduce") == 10
+    assert all(graph.store(n).dtype == torch.float32 for n in ("row_sum", "all_max", "rms"))
+
+
+def test_reduced_value_may_also_be_stored_and_used():
+    def epilogue(acc, bias):
+        y = F.gelu(acc + bias)
+        return y, (y * y).sum(-1), y * 2
+
+    check_epilogue(epilogue, _inputs(SHAPES[2], "bias"))
+
+
+def test_output_dtypes_default_explicit_and_override():
+    def epilogue(acc, C):
+        return acc + C, (acc * 2).to(torch.bfloat16), acc.amax(), (acc - C).float()
+
+    ex = _inputs(SHAPES[0], "C")
+    g = evtc.trace(epilogue, ex)
+    assert [s.dtype for s in g.stores] == [torch.float16, torch.bfloat16, torch.float32, torch.float32]
+    g = evtc.trace(epilogue, ex, out_dtypes={"D0": torch.float32, "D2": torch.bfloat16})
+    assert [s.dtype for s in g.stores] == [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    g = evtc.trace(epilogue, ex, out_dtypes=torch.float8_e4m3fn)
+    assert {s.dtype for s in g.stores} == {torch.float8_e4m3fn}
+    check_epilogue(epilogue, ex, out_dtypes=[torch.float32, torch.float16, torch.float16, torch.bfloat16])
+    with pytest.raises(evtc.OutputError, match="unknown output"):
+        evtc.trace(epilogue, ex, out_dtypes={"E": torch.float32})
+    with pytest.raises(evtc.DTypeError, match="not supported"):
+        evtc.trace(epilogue, ex, out_dtypes=torch.int32)
+
+
+def test_output_structures():
+    ex = _inputs(SHAPES[0])
+    single = evtc.trace(lambda acc: acc, ex)
+    assert single.outputs.kind == "single" and isinstance(single.evaluate(ex), torch.Tensor)
+    tup = evtc.trace(lambda acc: (acc, acc * 2), ex)
+    assert isinstance(tup.evaluate(ex), tuple) and len(tup.evaluate(ex)) == 2
+    lst = evtc.trace(lambda acc: [acc, acc + 1], ex)
+    assert isinstance(lst.evaluate(ex), tuple)
+    dct = evtc.trace(lambda acc: {"out": acc, "amax": acc.abs().amax()}, ex)
+    assert list(dct.evaluate(ex)) == ["out", "amax"]
+
+
+def test_returning_an_input_or_aux_store():
+    def epilogue(acc, C):
+        pre = acc + C
+        return F.relu(pre), pre, C
+
+    check_epilogue(epilogue, _inputs(SHAPES[3], "C"))
+
+
+def test_reference_computes_in_float32_and_float64():
+    ex = _inputs(SHAPES[0], "C")
+
+    def epilogue(acc, C):
+        return acc * C
+
+    out32 = evtc.reference(epilogue, ex)
+    out64 = evtc.reference(epilogue, ex, dtype=torch.float64)
+    assert out32.dtype == torch.float32 and out64.dtype == torch.float64
+    expected = (ex["a"].double() @ ex["b"].double()) * ex["C"].double()
+    torch.testing.assert_close(out64, expected)
+    assert ex["C"].dtype == torch.float32  # inputs untouched
+
+
+def test_epilogue_decorator_is_callable_on_real_tensors():
+    @evtc.epilogue
+    def fused(acc, bias):
+        return torch.relu(acc + bias)
+
+    acc, bias = rand(4, 6), rand(6)
+    torch.testing.assert_close(fused(acc, bias), torch.relu(acc + bias))
+    assert fused.name == "fused" and "fused" in repr(fused)
+    named = evtc.epilogue(name="other")(lambda acc: acc)
+    assert named.name == "other"
+    check_epilogue(fused, _inputs(SHAPES[1], "bias"))
