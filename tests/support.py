@@ -13,10 +13,10 @@ import evtc
 SHAPES = [(32, 32, 16, None), (37, 53, 19, None), (24, 40, 8, 3), (16, 16, 8, 2)]
 
 
-def gemm_inputs(m: int, n: int, k: int, l: int | None, dtype: torch.dtype = torch.float16,
+def gemm_inputs(m: int, n: int, k: int, batch: int | None, dtype: torch.dtype = torch.float16,
                 seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    lead = () if l is None else (l,)
+    lead = () if batch is None else (batch,)
     a = torch.randn(*lead, m, k, generator=g).to(dtype)
     b = torch.randn(*lead, k, n, generator=g).to(dtype)
     return {"a": a, "b": b}
