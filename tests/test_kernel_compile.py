@@ -169,6 +169,8 @@ def test_runtime_rejects_bad_operands():
         gemm.arguments(a.t().contiguous().t(), b, d)  # column-major A, config says K-major
     with pytest.raises(ValueError, match="16 bytes"):
         compile_gemm(G(), Identity()).arguments(_cpu((64, 60)), _cpu((60, 64)), d)
+    with pytest.raises(ValueError, match="K = 0"):
+        gemm.arguments(_cpu((64, 0)), _cpu((0, 64)), d)
     with pytest.raises(ValueError, match="needs c="):
         compile_gemm(G(), LinearCombination()).arguments(a, b, d)
 

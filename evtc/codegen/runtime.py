@@ -92,6 +92,8 @@ def operand_to_cute(t, name: str, shape_rcl: tuple[int, int, int], major: str, d
         )
     strides[contiguous_dim] = 1
     other = strides[1 - contiguous_dim]
+    if (rows, cols)[1 - contiguous_dim] == 1:
+        other = 16  # a single row / column: the stride is never used, make it TMA-legal
     extent = (rows, cols)[contiguous_dim]
     if (extent * esize) % 16:
         raise ValueError(
@@ -102,7 +104,6 @@ def operand_to_cute(t, name: str, shape_rcl: tuple[int, int, int], major: str, d
         raise ValueError(f"{name}: strides {tuple(t.stride())} must be multiples of 16 bytes for TMA")
     if t.data_ptr() % 16:
         raise ValueError(f"{name}: data pointer must be 16-byte aligned")
-    other = max(other, 16 // esize)  # a size-1 leading mode may carry any stride; keep it TMA-legal
     view_strides = (other, 1, ls) if contiguous_dim == 1 else (1, other, ls)
     view = torch.as_strided(t, (rows, cols, batches), view_strides)
     return _cute_view(view, contiguous_dim)
@@ -200,6 +201,9 @@ class CompiledGemm:
         batches = a.shape[0] if a.dim() == 3 else 1
         if kb != k:
             raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+        if k == 0:
+            # TMA descriptors cannot describe an empty dimension.
+            raise ValueError("K = 0 is not supported")
         if a.dim() == 3 and (b.shape[0] != batches or d.shape[0] != batches):
             raise ValueError("a, b and d must have the same batch count")
         if tuple(d.shape[-2:]) != (m, n):

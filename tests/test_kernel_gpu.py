@@ -1,0 +1,242 @@
+"""GPU tests of the SM90 GEMM engine against torch in float32 (skip themselves without a Hopper GPU).
+
+Every output buffer is poisoned with NaN first, so an element the kernel never writes fails the
+check (NaN never passes: the relative error is NaN and the comparison is False).  Inputs are random
+normal, never zeros or small integers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from evtc.codegen.config import GemmConfig
+from evtc.codegen.runtime import compile_gemm
+from evtc.codegen.visitors import Identity, LinearCombination
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _randn(shape, dtype, gen):
+    return torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).to(dtype)
+
+
+def make_a(m, k, batches, major, dtype, gen, batched):
+    lead = (batches,) if batched else ()
+    if major == "k":
+        return _randn(lead + (m, k), dtype, gen)
+    return _randn(lead + (k, m), dtype, gen).transpose(-1, -2)
+
+
+def make_b(k, n, batches, major, dtype, gen, batched):
+    lead = (batches,) if batched else ()
+    if major == "n":
+        return _randn(lead + (k, n), dtype, gen)
+    return _randn(lead + (n, k), dtype, gen).transpose(-1, -2)
+
+
+def make_mn(m, n, batches, major, dtype, batched, fill=float("nan"), gen=None):
+    lead = (batches,) if batched else ()
+    shape = lead + ((m, n) if major == "n" else (n, m))
+    t = _randn(shape, dtype, gen) if gen is not None else torch.full(shape, fill, device="cuda", dtype=dtype)
+    return t if major == "n" else t.transpose(-1, -2)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def check(out, ref, what=""):
+    err = rel_err(out, ref)
+    assert err <= TOL, f"{what}: relative error {err}"  # NaN fails here too
+
+
+def run_case(cfg: GemmConfig, visitor, m, n, k, batches=1, batched=False, seed=0, c_major=None,
+             c_dtype=None, alpha=1.25, beta=-0.5):
+    gen = _gen(seed)
+    ab = TORCH[cfg.ab_dtype]
+    a = make_a(m, k, batches, cfg.a_major, ab, gen, batched)
+    b = make_b(k, n, batches, cfg.b_major, ab, gen, batched)
+    d = make_mn(m, n, batches, cfg.d_major, TORCH[cfg.d_dtype], batched)
+    ref = a.float() @ b.float()
+    kwargs = {}
+    if isinstance(visitor, LinearCombination):
+        c = make_mn(m, n, batches, visitor.c_major, TORCH[visitor.c_dtype_name], batched, gen=gen)
+        kwargs = {"c": c, "alpha": alpha, "beta": beta}
+        ref = alpha * ref + beta * c.float()
+    gemm = compile_gemm(cfg, visitor)
+    gemm(a, b, d, **kwargs)
+    torch.cuda.synchronize()
+    return d, ref, (gemm, a, b, kwargs)
+
+
+# ---- every dtype x major combination (identity epilogue), ragged shape ----------------------------
+
+DTYPE_MAJORS = list(itertools.product(("float16", "bfloat16"), ("float32", "float16", "bfloat16"),
+                                      ("k", "m"), ("k", "n"), ("n", "m")))
+
+
+@pytest.mark.parametrize("ab,dt,am,bm,dm", DTYPE_MAJORS, ids=["-".join(c) for c in DTYPE_MAJORS])
+def test_identity_dtypes_and_majors(ab, dt, am, bm, dm):
+    cfg = GemmConfig(ab_dtype=ab, d_dtype=dt, a_major=am, b_major=bm, d_major=dm)
+    d, ref, _ = run_case(cfg, Identity(), 264, 520, 1032)
+    check(d, ref, cfg.short_name())
+
+
+# ---- every cluster x epilogue tile x tile_n ----------------------------------------------------
+
+SHAPES_KNOBS = list(itertools.product(((1, 1), (2, 1), (1, 2)), (16, 32, 64), (128, 256)))
+
+
+@pytest.mark.parametrize("cluster,epi_n,tile_n", SHAPES_KNOBS,
+                         ids=[f"c{c[0]}x{c[1]}-epi{e}-n{t}" for c, e, t in SHAPES_KNOBS])
+def test_identity_clusters_and_tiles(cluster, epi_n, tile_n):
+    cfg = GemmConfig(cluster=cluster, epi_tile_n=epi_n, tile_n=tile_n)
+    # 5 x 3 tiles of 128 x 256 (ragged in both): odd cluster tiles at both edges.
+    d, ref, _ = run_case(cfg, Identity(), 600, 712, 520)
+    check(d, ref, cfg.short_name())
+
+
+def test_tile_n_64():
+    cfg = GemmConfig(tile_n=64, epi_tile_n=64, ab_dtype="bfloat16", d_dtype="float32")
+    d, ref, _ = run_case(cfg, Identity(), 300, 200, 264)
+    check(d, ref, cfg.short_name())
+
+
+# ---- odd shapes --------------------------------------------------------------------------------
+
+ODD = [(1000, 1000, 1000), (1, 4096, 4096), (4096, 8, 4096), (264, 512, 1032), (8, 8, 8),
+       (128, 256, 64), (4096, 4096, 16)]
+
+
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)], ids=["c1x1", "c2x1", "c1x2"])
+@pytest.mark.parametrize("m,n,k", ODD, ids=[f"{m}x{n}x{k}" for m, n, k in ODD])
+def test_odd_shapes(m, n, k, cluster):
+    cfg = GemmConfig(cluster=cluster, b_major="k")
+    d, ref, _ = run_case(cfg, Identity(), m, n, k)
+    check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
+
+
+# ---- batched -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [
+    GemmConfig(),
+    GemmConfig(ab_dtype="bfloat16", d_dtype="float32", a_major="m", b_major="k", d_major="m"),
+    GemmConfig(cluster=(2, 1), tile_n=128),
+    GemmConfig(cluster=(1, 2), epi_tile_n=64),
+], ids=lambda c: c.short_name())
+def test_batched(cfg):
+    d, ref, _ = run_case(cfg, Identity(), 392, 264, 520, batches=3, batched=True)
+    check(d, ref, cfg.short_name())
+    for i in range(3):  # no batch may be skipped or written into another
+        check(d[i], ref[i], f"batch {i}")
+
+
+# ---- linear combination ------------------------------------------------------------------------
+
+LINCOMB = [
+    (GemmConfig(), "float16", "n"),
+    (GemmConfig(), "float16", "m"),
+    (GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m"), "bfloat16", "m"),
+    (GemmConfig(d_dtype="float32", tile_n=128, epi_tile_n=64), "float32", "n"),
+    (GemmConfig(d_dtype="float32", d_major="m", epi_tile_n=16), "float32", "m"),
+    (GemmConfig(cluster=(2, 1), a_major="m"), "float16", "n"),
+    (GemmConfig(cluster=(1, 2), b_major="k", epi_tile_n=64), "bfloat16", "n"),
+    (GemmConfig(tile_n=64, epi_tile_n=64, load_stages=1), "float16", "n"),
+]
+
+
+@pytest.mark.parametrize("cfg,c_dtype,c_major", LINCOMB,
+                         ids=[f"{c.short_name()} C{t}{m}" for c, t, m in LINCOMB])
+def test_linear_combination(cfg, c_dtype, c_major):
+    d, ref, _ = run_case(cfg, LinearCombination(c_dtype, c_major), 600, 712, 1032)
+    check(d, ref, cfg.short_name())
+
+
+def test_linear_combination_batched_and_odd():
+    cfg = GemmConfig(cluster=(2, 1))
+    d, ref, _ = run_case(cfg, LinearCombination("float16", "n"), 1000, 1000, 1000, batches=2, batched=True)
+    check(d, ref, "batched lincomb")
+
+
+def test_scalars_are_runtime_values():
+    cfg = GemmConfig()
+    vis = LinearCombination("float16", "n")
+    d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 256, 512, 128, alpha=1.0, beta=0.0)
+    check(d, ref, "alpha=1 beta=0")
+    c = kwargs["c"]
+    base = a.float() @ b.float()
+    for alpha, beta in [(0.5, 2.0), (-3.0, 1.0), (0.0, 1.0)]:
+        gemm2 = compile_gemm(cfg, LinearCombination("float16", "n"))
+        assert gemm2 is gemm  # same compiled kernel, new scalars
+        d.fill_(float("nan"))
+        gemm2(a, b, d, c=c, alpha=alpha, beta=beta)
+        torch.cuda.synchronize()
+        check(d, alpha * base + beta * c.float(), f"alpha={alpha} beta={beta}")
+
+
+# ---- bounds and determinism --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_major", ["n", "m"])
+def test_no_writes_outside_d(d_major):
+    """D is a window of a larger NaN buffer: the padding must stay NaN (TMA clips the stores)."""
+    m, n, k = 200, 136, 264
+    cfg = GemmConfig(d_major=d_major)
+    gen = _gen(7)
+    a = _randn((m, k), torch.float16, gen)
+    b = _randn((k, n), torch.float16, gen)
+    if d_major == "n":
+        big = torch.full((m + 24, n + 40), float("nan"), device="cuda", dtype=torch.float16)
+        d = big[:m, :n]
+    else:
+        big = torch.full((n + 40, m + 24), float("nan"), device="cuda", dtype=torch.float16)
+        d = big[:n, :m].t()
+    compile_gemm(cfg, Identity())(a, b, d)
+    torch.cuda.synchronize()
+    check(d, a.float() @ b.float(), "window")
+    mask = torch.ones_like(big, dtype=torch.bool)
+    rows, cols = (m, n) if d_major == "n" else (n, m)
+    mask[:rows, :cols] = False
+    assert torch.isnan(big[mask]).all(), "the kernel wrote outside D"
+
+
+@pytest.mark.parametrize("cfg,visitor", [
+    (GemmConfig(), Identity()),
+    (GemmConfig(cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
+    (GemmConfig(cluster=(1, 2), d_dtype="float32"), Identity()),
+], ids=["c1x1", "c2x1-lincomb", "c1x2-f32"])
+def test_repeated_runs_bitwise_equal(cfg, visitor):
+    d, ref, (gemm, a, b, kwargs) = run_case(cfg, visitor, 2048, 2048, 2048)
+    check(d, ref)
+    first = d.clone()
+    for _ in range(3):
+        d.fill_(float("nan"))
+        gemm(a, b, d, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(d, first)
+
+
+def test_runs_on_the_current_stream():
+    cfg = GemmConfig()
+    gen = _gen(11)
+    a = _randn((1024, 1024), torch.float16, gen)
+    b = _randn((1024, 1024), torch.float16, gen)
+    d = torch.full((1024, 1024), float("nan"), device="cuda", dtype=torch.float16)
+    gemm = compile_gemm(cfg, Identity())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemm(a, b, d)
+        out = d.float().clone()  # ordered after the kernel on the same stream
+    stream.synchronize()
+    check(out, a.float() @ b.float(), "side stream")
