@@ -15,13 +15,15 @@ import evtc
 EX = gemm_inputs(16, 24, 8, None) | {"C": rand(16, 24, seed=1), "bias": rand(24, seed=2)}
 
 
-def _marked_line(fn) -> int:
-    """The line of `fn` that carries the comment `# error here`."""
+def _marked_lines(fn) -> set[int]:
+    """The lines of `fn` that carry the comment `# error here`."""
     lines, start = inspect.getsourcelines(fn)
-    for offset, line in enumerate(lines):
-        if "# error here" in line:
-            return start + offset
-    raise AssertionError("no marked line")
+    return {start + offset for offset, line in enumerate(lines) if "# error here" in line}
+
+
+def _marked_line(fn) -> int:
+    (line,) = _marked_lines(fn)
+    return line
 
 
 def _trace_error(fn, inputs, error, exact=False):
@@ -98,9 +100,7 @@ def test_data_dependent_control_flow(form):
 
     err = _trace_error(epilogue, EX, evtc.ControlFlowError)
     assert "control flow" in str(err) and "torch.where" in str(err)
-    lines, start = inspect.getsourcelines(epilogue)
-    marked = {start + i for i, line in enumerate(lines) if "# error here" in line}
-    assert err.loc.lineno in marked
+    assert err.loc.lineno in _marked_lines(epilogue)
 
 
 def test_size_dependent_python_is_rejected():
@@ -127,9 +127,7 @@ def test_inplace_on_acc(how):
 
     err = _trace_error(epilogue, EX, evtc.InPlaceError)
     assert "'acc'" in str(err) and "in-place" in str(err)
-    lines, start = inspect.getsourcelines(epilogue)
-    marked = {start + i for i, line in enumerate(lines) if "# error here" in line}
-    assert err.loc.lineno in marked
+    assert err.loc.lineno in _marked_lines(epilogue)
 
 
 def test_inplace_on_an_operand():
@@ -232,9 +230,7 @@ def test_reductions_that_cannot_be_computed(case):
         return acc.max(-1)  # error here
 
     err = _trace_error(epilogue, inputs, evtc.ReductionError)
-    lines, start = inspect.getsourcelines(epilogue)
-    marked = {start + i for i, line in enumerate(lines) if "# error here" in line}
-    assert err.loc is not None and err.loc.lineno in marked, str(err)
+    assert err.loc is not None and err.loc.lineno in _marked_lines(epilogue), str(err)
 
 
 def test_returned_non_tensor_and_nothing():
