@@ -48,20 +48,31 @@ def parse_cluster(text: str) -> tuple[int, int]:
 
 def time_ms(fn, warmup: int, samples: int, reps: int) -> float:
     """Median milliseconds per call of ``fn`` on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
+    return time_paired([fn], warmup, samples, reps)[0]
+
+
+def time_paired(fns, warmup: int, samples: int, reps: int) -> list[float]:
+    """Median milliseconds per call of each of ``fns``, timed in alternation.
+
+    Each sample times every function once (``reps`` back-to-back launches between two events), so
+    clock and temperature drift during the run affect all of them alike.
+    """
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(samples):
+        for fn, bucket in zip(fns, times, strict=True):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            bucket.append(start.elapsed_time(end) / reps)
+    return [statistics.median(bucket) for bucket in times]
 
 
 def make_cublas(a, b, c, ref, alpha, beta):
@@ -123,7 +134,6 @@ def main() -> None:
         if args.epilogue == "lincomb":
             c = torch.randn((m, n), device="cuda", generator=gen).to(dt)
         cublas = make_cublas(a, b, c, ref, alpha, beta)
-        t_cublas = time_ms(cublas, args.warmup, args.samples, args.reps)
         cublas()
         flops = 2.0 * m * n * k
 
@@ -148,7 +158,8 @@ def main() -> None:
             launch()
             torch.cuda.synchronize()
             err = ((d.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = time_ms(launch, args.warmup, args.samples, args.reps)
+            # cuBLAS is timed again beside every configuration: ratios come from the same minutes.
+            t, t_cublas = time_paired([launch, cublas], args.warmup, args.samples, args.reps)
             ratio = t_cublas / t
             stages = f"{gemm.ab_stages}/{gemm.d_stages}"
             row = (f"{shape_text:>20} {dname:>9} {label:>34} {stages:>7} {t:9.4f} {flops / t / 1e9:8.1f} "
