@@ -275,3 +275,14 @@ def test_error_traceback_hides_evtc_internals():
     internal = [f for f in frames if "/evtc/frontend/" in f.filename or "/evtc/ir/" in f.filename]
     assert not internal, [f.filename for f in frames]
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_python_math_on_a_runtime_scalar_says_so():
+    import math
+
+    def epilogue(acc, alpha):
+        return acc * math.exp(alpha)  # error here
+
+    err = _trace_error(epilogue, EX | {"alpha": 0.5}, evtc.ControlFlowError)
+    assert "runtime scalar 'alpha'" in str(err)
+    _assert_points_at_marked_line(err, epilogue)

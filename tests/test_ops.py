@@ -185,3 +185,11 @@ def test_shape_arithmetic_stays_symbolic():
         check_epilogue(epilogue, gemm_inputs(m, n, 8, None))
     graph = evtc.trace(epilogue, gemm_inputs(16, 24, 8, None))
     assert "(1/N)" in str(graph)
+
+
+def test_constant_tensors_made_in_the_epilogue_are_literals():
+    def epilogue(acc):
+        return acc * torch.tensor(0.5) + torch.tensor([2.0])
+
+    graph = check_epilogue(epilogue, gemm_inputs(16, 8, 8, None))
+    assert graph.count("load") == 0

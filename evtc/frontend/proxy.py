@@ -253,11 +253,21 @@ class TracedValue:
     def __bool__(self) -> bool:
         raise _control_flow_error("`if`, `while`, `and`/`or` or bool()")
 
+    def _scalar_in_python(self, what: str) -> ControlFlowError:
+        if self._node.is_python_scalar and self._input_name is not None:
+            return ControlFlowError(
+                f"{what} on runtime scalar {self._input_name!r}: its value is only known when the "
+                "kernel runs, so Python math on it (math.exp, float(), ...) cannot be traced; use "
+                "torch ops on tensors, or pass a bool/None or a parameter default for a constant",
+                user_location(),
+            )
+        return _control_flow_error(what)
+
     def __float__(self) -> float:
-        raise _control_flow_error("float()")
+        raise self._scalar_in_python("float()")
 
     def __int__(self) -> int:
-        raise _control_flow_error("int()")
+        raise self._scalar_in_python("int()")
 
     def __index__(self) -> int:
         raise _control_flow_error("use as an index")

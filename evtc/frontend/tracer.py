@@ -36,6 +36,10 @@ class Tracer:
             return self.builder.literal(value, user_location())
         if isinstance(value, SymDim):
             return self.builder.literal(value.expr, user_location())
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu" \
+                and value.dtype.is_floating_point:
+            # A constant made in the epilogue (torch.tensor(2.0)): a literal like a Python number.
+            return self.builder.literal(float(value), user_location())
         if isinstance(value, torch.Tensor):
             raise InputError(
                 "the epilogue uses a tensor that is not one of its inputs (a global or a closure "
