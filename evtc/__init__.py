@@ -1,10 +1,12 @@
 """evtc: compile plain-PyTorch GEMM epilogues into fused SM90 (Hopper) kernels.
 
 Write the epilogue as an ordinary function of the accumulator `acc = a @ b` and other operands,
-trace it into an IR graph with :func:`trace`, and check results with :func:`reference`.
+trace it into an IR graph with :func:`trace`, compile it into a fused GEMM kernel with
+:func:`compile`, and check results with :func:`reference`.
 """
 
 from .api import reference, trace
+from .compile import CallError, CompileError, Kernel, compile
 from .errors import (
     ControlFlowError,
     DTypeError,
@@ -25,6 +27,8 @@ from .ir.interpreter import evaluate
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallError",
+    "CompileError",
     "ControlFlowError",
     "DTypeError",
     "Epilogue",
@@ -33,6 +37,7 @@ __all__ = [
     "GraphError",
     "InPlaceError",
     "InputError",
+    "Kernel",
     "Node",
     "Operand",
     "OutputError",
@@ -40,6 +45,7 @@ __all__ = [
     "ShapeError",
     "SourceLoc",
     "UnsupportedOpError",
+    "compile",
     "epilogue",
     "evaluate",
     "reference",

@@ -1,0 +1,132 @@
+"""The on-disk cache of compiled kernels.
+
+Each entry is a directory named by the kernel's key (a SHA-256 of everything that changes the code:
+the generated source, the tensor layouts, the configuration, the versions of evtc, of its code
+generator and of the CuTe DSL). It holds the generated source, the PTX, the compiled host+device
+object (``kernel.o``, loaded back with ``cute.runtime.load_module``) and ``manifest.json``, which
+names the key and the SHA-256 of every file. An entry is used only if its manifest is complete, names
+this key and every checksum matches; anything else (a crash half-way, a damaged or foreign entry) is
+rebuilt, never run.
+
+Entries are written to a temporary directory and renamed into place. A lock file per key, held with
+``fcntl.flock``, makes concurrent processes build a kernel once; a lock per key in the process does
+the same for threads.
+
+The directory: the ``cache_dir`` argument of ``evtc.compile``, else ``$EVTC_CACHE_DIR``, else
+``~/.cache/evtc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def default_dir() -> Path:
+    env = os.environ.get("EVTC_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/evtc").expanduser()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class DiskCache:
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        self.root = Path(root).expanduser() if root is not None else default_dir()
+
+    def entry(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    # ---- reading -----------------------------------------------------------------------------
+    def load(self, key: str) -> dict | None:
+        """The manifest of a verified entry (with ``dir``), or None when absent or invalid."""
+        path = self.entry(key)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("key") != key:
+            return None
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            return None
+        for name, digest in files.items():
+            try:
+                data = (path / name).read_bytes()
+            except OSError:
+                return None
+            if sha256_bytes(data) != digest:
+                return None
+        manifest["dir"] = str(path)
+        return manifest
+
+    def discard(self, key: str) -> None:
+        shutil.rmtree(self.entry(key), ignore_errors=True)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def staging(self) -> Path:
+        """A fresh directory on the cache's file system, to build an entry in."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="build-", dir=self.root))
+
+    def commit(self, key: str, staged: Path, files: list[str], meta: dict) -> Path:
+        """Checksum ``files`` in ``staged``, write the manifest and move the entry into place."""
+        digests = {name: sha256_bytes((staged / name).read_bytes()) for name in files}
+        manifest = {"format": FORMAT, "key": key, "files": digests, **meta}
+        tmp = staged / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(tmp, staged / MANIFEST)
+        target = self.entry(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(staged, target)
+        except OSError:
+            # Another process committed the same key first: theirs is as good as ours.
+            shutil.rmtree(staged, ignore_errors=True)
+        return target
+
+    # ---- locking -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """Hold the build lock of ``key``: one build per key across threads and processes."""
+        with _THREAD_LOCKS_GUARD:
+            tlock = _THREAD_LOCKS.setdefault(key, threading.Lock())
+        with tlock:
+            lock_dir = self.root / "locks"
+            try:
+                lock_dir.mkdir(parents=True, exist_ok=True)
+                handle = open(lock_dir / f"{key}.lock", "w")  # noqa: SIM115 - closed below
+            except OSError:
+                yield  # a read-only cache: threads are still serialized
+                return
+            try:
+                import fcntl
+
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            except (ImportError, OSError):
+                pass
+            try:
+                yield
+            finally:
+                handle.close()
+
+
+__all__ = ["DiskCache", "default_dir", "sha256_bytes"]

@@ -1,0 +1,209 @@
+"""The elementwise ops of :mod:`evtc.ir.ops` in the CuTe DSL, for generated epilogue code.
+
+Every function takes and returns float32 values (or boolean masks) in one of two forms:
+
+* a ``cute.TensorSSA``: a whole register fragment of the subtile (the tile stage), or
+* a ``cutlass.Float32`` / Python float: one value for the whole tile (the uniform stage).
+
+Arithmetic operators (``+ - * /``, comparisons, ``& |``) work on both forms directly and the
+generated code writes them infix; the functions here are the ops that need a name. Their results
+follow torch's float32 semantics, NaN included: ``maximum``, ``minimum`` and ``relu`` propagate NaN
+as torch does, and rounding casts to float8 saturate (``cvt.satfinite``), as evtc's IR does.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+SQRT1_2 = 0.7071067811865476  # 1/sqrt(2)
+SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi)
+GELU_TANH_CUBIC = 0.044715
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, cute.TensorSSA)
+
+
+def _f32(x):
+    return Float32(x) if isinstance(x, int | float) else x
+
+
+def splat(x, like):
+    """``x`` as a fragment shaped like ``like`` (a no-op for fragments)."""
+    if _is_tensor(x):
+        return x
+    return cute.full_like(like, _f32(x), Float32)
+
+
+def _pair(a, b):
+    """Both operands as fragments if either is one (the math functions want matching kinds)."""
+    if _is_tensor(a) and not _is_tensor(b):
+        return a, splat(b, a)
+    if _is_tensor(b) and not _is_tensor(a):
+        return splat(a, b), b
+    return _f32(a), _f32(b)
+
+
+# ---- arithmetic ----------------------------------------------------------------------------------
+
+
+def pow(x, y):  # noqa: A001 - the op's name
+    x, y = _pair(x, y)
+    return cute.math.pow(x, y)
+
+
+def abs(x):  # noqa: A001 - the op's name
+    return cute.math.abs(_f32(x))
+
+
+def reciprocal(x):
+    return 1.0 / x
+
+
+def minimum(x, y):
+    x, y = _pair(x, y)
+    return cute.math.min(x, y, propagate_nan=True)
+
+
+def maximum(x, y):
+    x, y = _pair(x, y)
+    return cute.math.max(x, y, propagate_nan=True)
+
+
+# ---- transcendental ------------------------------------------------------------------------------
+
+
+def sqrt(x):
+    return cute.math.sqrt(_f32(x))
+
+
+def rsqrt(x):
+    return cute.math.rsqrt(_f32(x))
+
+
+def exp(x):
+    return cute.math.exp(_f32(x))
+
+
+def exp2(x):
+    return cute.math.exp2(_f32(x))
+
+
+def expm1(x):
+    return cute.math.expm1(_f32(x))
+
+
+def log(x):
+    return cute.math.log(_f32(x))
+
+
+def log2(x):
+    return cute.math.log2(_f32(x))
+
+
+def log1p(x):
+    return cute.math.log1p(_f32(x))
+
+
+def sin(x):
+    return cute.math.sin(_f32(x))
+
+
+def cos(x):
+    return cute.math.cos(_f32(x))
+
+
+def tanh(x):
+    return cute.math.tanh(_f32(x))
+
+
+def erf(x):
+    return cute.math.erf(_f32(x))
+
+
+# ---- activations ---------------------------------------------------------------------------------
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + exp(-x))
+
+
+def relu(x):
+    return maximum(x, 0.0)
+
+
+def leaky_relu(x, negative_slope: float):
+    return where(x > 0.0, x, x * negative_slope)
+
+
+def elu(x, alpha: float):
+    return where(x > 0.0, x, expm1(x) * alpha)
+
+
+def gelu(x):
+    """x * Phi(x) with the exact normal CDF (torch's approximate="none")."""
+    return x * (erf(x * SQRT1_2) + 1.0) * 0.5
+
+
+def gelu_tanh(x):
+    """torch's approximate="tanh" gelu."""
+    inner = (x + x * x * x * GELU_TANH_CUBIC) * SQRT_2_OVER_PI
+    return x * (tanh(inner) + 1.0) * 0.5
+
+
+def silu(x):
+    return x / (1.0 + exp(-x))
+
+
+def softplus(x, beta: float, threshold: float):
+    """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (as torch)."""
+    bx = x * beta
+    soft = log1p(exp(bx)) if beta == 1 else log1p(exp(bx)) * (1.0 / beta)
+    return where(bx > threshold, x, soft)
+
+
+def mish(x):
+    return x * tanh(softplus(x, 1.0, 20.0))
+
+
+def hardswish(x):
+    return x * minimum(maximum(x + 3.0, 0.0), 6.0) * (1.0 / 6.0)
+
+
+def hardsigmoid(x):
+    return minimum(maximum(x + 3.0, 0.0), 6.0) * (1.0 / 6.0)
+
+
+# ---- masks and selection -------------------------------------------------------------------------
+
+
+def logical_not(mask):
+    if _is_tensor(mask):
+        return mask == cute.full_like(mask, False)
+    return mask == cutlass.Boolean(False)
+
+
+def where(cond, x, y):
+    if _is_tensor(cond):
+        if not _is_tensor(x) and not _is_tensor(y):
+            x = cute.full_like(cond, _f32(x), Float32)
+        return cute.where(cond, x, _f32(y) if not _is_tensor(y) else y)
+    if _is_tensor(x) or _is_tensor(y):
+        x, y = _pair(x, y)
+        return cute.where(cute.full_like(x, cond, cutlass.Boolean), x, y)
+    return cutlass.select_(cond, _f32(x), _f32(y))
+
+
+def mask_to_float(mask):
+    """A boolean mask as 1.0 / 0.0 (torch's promotion of bool in arithmetic)."""
+    if _is_tensor(mask):
+        return cute.where(mask, cute.full_like(mask, 1.0, Float32), 0.0)
+    return cutlass.select_(mask, Float32(1.0), Float32(0.0))
+
+
+def round_to(x, dtype):
+    """Round float32 ``x`` to ``dtype`` and widen it back (a rounding cast; float8 saturates)."""
+    return _f32(x).to(dtype).to(Float32)
+

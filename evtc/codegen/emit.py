@@ -1,0 +1,388 @@
+"""The code generator: an optimized epilogue graph in, the Python source of its visitor out.
+
+The source is a module holding one :class:`~evtc.codegen.fused.FusedVisitor` subclass:
+
+* ``inputs`` / ``outputs``: the operands, one constructor per operand (its kind, dtype, layout);
+* ``uniform``: the nodes of the ``uniform`` stage (scalars and ops on scalars), run once per tile;
+* ``fragment``: the nodes of the ``tile`` stage, run on this thread's float32 fragment of every
+  subtile, one statement per node, named after the node (``v5`` is ``%5`` of the printed graph),
+  under a comment with the user's line.
+
+It is meant to be read: what a careful person would write by hand, nothing else. Casts are
+statements only where they round: widening a loaded value to float32 is done by the load, and a
+cast whose only users are stores of its dtype is left to the store.
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from ..errors import DTypeError, ReductionError
+from ..ir.dtypes import short_name
+from ..ir.graph import Graph, Node
+from ..ir.ops import ELEMENTWISE
+from ..ir.printer import format_literal, node_names
+from ..ir.shapes import format_shape
+
+#: Output dtypes the kernel's own D store takes (the first such output becomes D).
+KERNEL_D_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DSL_DTYPE = {
+    torch.float32: "Float32",
+    torch.float16: "Float16",
+    torch.bfloat16: "BFloat16",
+    torch.float8_e4m3fn: "Float8E4M3FN",
+    torch.float8_e5m2: "Float8E5M2",
+}
+_DTYPE_NAME = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+_CALLED = {  # ops emitted as calls of evtc.codegen.dsl_ops (imported as `op`)
+    "pow", "abs", "reciprocal", "minimum", "maximum", "sqrt", "rsqrt", "exp", "exp2", "expm1", "log",
+    "log2", "log1p", "sin", "cos", "tanh", "erf", "sigmoid", "relu", "leaky_relu", "elu", "gelu",
+    "gelu_tanh", "silu", "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "where",
+}
+_RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", "Float8E4M3FN",
+             "Float8E5M2", "FusedVisitor", "ArgScalar", "ColVector", "DeviceScalar", "RowVector",
+             "TileLoad", "TileStore"}
+_LOGICAL = {"logical_and", "logical_or", "logical_not"}
+
+
+class CompileError(Exception):
+    """Raised by the emitter for graphs evtc.compile cannot build yet (wrapped by evtc.compile)."""
+
+
+@dataclass
+class InputPlan:
+    """One input of the visitor: ``kind`` is tile / row / col / scalar / arg / literal."""
+
+    name: str  # the epilogue's parameter name (or the literal's generated name)
+    ident: str  # the Python identifier in the generated source
+    kind: str
+    dtype: torch.dtype | None = None
+    batched: bool = False
+    expr: sympy.Expr | None = None  # literals of L, M, N: computed on the host per call
+
+
+@dataclass
+class OutputPlan:
+    name: str
+    dtype: torch.dtype
+    node: Node
+
+
+@dataclass
+class EmittedEpilogue:
+    source: str
+    class_name: str
+    inputs: list[InputPlan]
+    outputs: list[OutputPlan]  # in kernel order: the kernel's D first
+    #: Output names in the order the epilogue returns them.
+    output_names: list[str] = field(default_factory=list)
+
+
+def _identifier(name: str, taken: set[str]) -> str:
+    ident = re.sub(r"\W", "_", name)
+    if not ident or ident[0].isdigit():
+        ident = "_" + ident
+    if keyword.iskeyword(ident) or ident in _RESERVED or re.fullmatch(r"v\d+", ident):
+        ident += "_"
+    while ident in taken:
+        ident += "_"
+    taken.add(ident)
+    return ident
+
+
+def _class_name(name: str) -> str:
+    parts = re.split(r"\W|_", name)
+    camel = "".join(p[:1].upper() + p[1:] for p in parts if p)
+    if not camel or camel[0].isdigit():
+        camel = "E" + camel
+    return camel + "Epilogue"
+
+
+def _float_text(value: float) -> str:
+    if math.isnan(value):
+        return 'float("nan")'
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else '-float("inf")'
+    return repr(float(value))
+
+
+def _where(node: Node) -> str | None:
+    if node.loc is None or node.attrs.get("implicit"):
+        return None
+    return f"{os.path.basename(node.loc.filename)}:{node.loc.lineno}  {node.loc.text.strip()}"
+
+
+class _Emitter:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.users = graph.users()
+        self.printed = node_names(graph)
+        self.taken: set[str] = set()
+        self.names: dict[int, str] = {}  # node id -> expression text (identifier or literal)
+        self.bool_ids: set[int] = set()
+        self.inputs: list[InputPlan] = []
+        self.uniform_lines: list[str] = []
+        self.fragment_lines: list[str] = []
+        self.uniform_results: list[str] = []
+        self._last_where: dict[str, str | None] = {"uniform": None, "tile": None}
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def check(self) -> None:
+        for node in self.graph.nodes:
+            if node.op == "reduce" or node.stage in ("reduce", "final"):
+                raise ReductionError(
+                    "evtc.compile does not compile reductions yet (sum / mean / amax / amin of the "
+                    "tile; they come with the next release); evtc.trace and evtc.reference accept them",
+                    node.loc,
+                )
+
+    # ---- names -----------------------------------------------------------------------------------
+    def value_name(self, node: Node) -> str:
+        printed = self.printed[node.id]
+        ident = "v" + printed.lstrip("%")  # operands never take these names (see _identifier)
+        while ident in self.taken:
+            ident += "_"
+        self.taken.add(ident)
+        return ident
+
+    # ---- statements ------------------------------------------------------------------------------
+    def emit(self, stage: str, node: Node, target: str, expr: str) -> None:
+        lines = self.uniform_lines if stage == "uniform" else self.fragment_lines
+        where = _where(node)
+        if where is not None and where != self._last_where[stage]:
+            if lines:
+                lines.append("")
+            lines.append(f"# {where}")
+        if where is not None:
+            self._last_where[stage] = where
+        lines.append(f"{target} = {expr}")
+
+    def arg(self, node: Node, want_float: bool = True) -> str:
+        text = self.names[node.id]
+        if want_float and node.id in self.bool_ids:
+            return f"op.mask_to_float({text})"
+        return text
+
+    def build(self) -> tuple[list[OutputPlan], list[str]]:
+        graph = self.graph
+        self.check()
+        self.taken.add(_identifier(graph.acc_name, set()))
+        for node in graph.nodes:
+            op = node.op
+            if op == "acc":
+                self.names[node.id] = _identifier(graph.acc_name, set())
+            elif op == "load":
+                operand = graph.operands[node.attrs["name"]]
+                ident = _identifier(operand.name, self.taken)
+                self.names[node.id] = ident
+                self.inputs.append(InputPlan(operand.name, ident, operand.kind, operand.dtype,
+                                             operand.batched))
+            elif op == "arg":
+                ident = _identifier(node.attrs["name"], self.taken)
+                self.names[node.id] = ident
+                self.inputs.append(InputPlan(node.attrs["name"], ident, "arg"))
+            elif op == "literal":
+                value = sympy.sympify(node.attrs["value"])
+                if value.is_Number:
+                    self.names[node.id] = _float_text(float(value))
+                else:
+                    ident = _identifier(f"size_{len(self.inputs)}", self.taken)
+                    self.names[node.id] = ident
+                    self.inputs.append(InputPlan(format_literal(value), ident, "literal", expr=value))
+            elif op == "store":
+                self.names[node.id] = self.names[node.inputs[0].id]
+            elif op == "cast":
+                self.cast(node)
+            elif op in ELEMENTWISE:
+                self.elementwise(node)
+            else:  # pragma: no cover - validate() admits nothing else
+                raise CompileError(f"cannot emit node {op}")
+        outputs = [OutputPlan(s.attrs["name"], s.dtype, s) for s in graph.stores]
+        by_name = {o.name: o for o in outputs}
+        ordered = [by_name[n] for n in graph.outputs.names]
+        first = next((i for i, o in enumerate(ordered) if o.dtype in KERNEL_D_DTYPES), None)
+        if first is None:
+            raise DTypeError(
+                "every output is float8: evtc.compile needs one float32, float16 or bfloat16 "
+                "full-tile output for the kernel's own store (float8 outputs are extra stores)",
+                ordered[0].node.loc,
+            )
+        kernel_order = [ordered[first]] + ordered[:first] + ordered[first + 1:]
+        return kernel_order, list(graph.outputs.names)
+
+    def cast(self, node: Node) -> None:
+        src = node.inputs[0]
+        stage = node.stage or "tile"
+        if src.dtype == torch.bool:
+            expr = f"op.mask_to_float({self.names[src.id]})"
+            if node.dtype != torch.float32:
+                expr = f"op.round_to({expr}, {_DSL_DTYPE[node.dtype]})"
+            self.define(stage, node, expr)
+            return
+        if node.dtype == torch.float32:
+            # Values are held in float32: widening rounds nothing (loads widen as they read).
+            self.names[node.id] = self.names[src.id]
+            return
+        users = self.users[node.id]
+        if users and all(u.op == "store" and u.dtype == node.dtype for u in users):
+            # The store rounds to its dtype: no statement needed.
+            self.names[node.id] = self.names[src.id]
+            return
+        self.define(stage, node, f"op.round_to({self.names[src.id]}, {_DSL_DTYPE[node.dtype]})")
+
+    def elementwise(self, node: Node) -> None:
+        definition = ELEMENTWISE[node.op]
+        op = node.op
+        if op in _LOGICAL:
+            args = [self.arg(i, want_float=False) for i in node.inputs]
+        elif op == "where":
+            args = [self.arg(node.inputs[0], want_float=False)] + [self.arg(i) for i in node.inputs[1:]]
+        else:
+            args = [self.arg(i) for i in node.inputs]
+        params = [f"{p}={node.attrs[p]!r}" for p in definition.params]
+        if op == "neg":
+            expr = f"-{args[0]}"
+        elif op == "logical_and":
+            expr = f"{args[0]} & {args[1]}"
+        elif op == "logical_or":
+            expr = f"{args[0]} | {args[1]}"
+        elif definition.infix is not None and op not in _CALLED:
+            expr = f"{args[0]} {definition.infix} {args[1]}"
+        else:
+            expr = f"op.{op}({', '.join(args + params)})"
+        self.define(node.stage or "tile", node, expr)
+        if definition.boolean:
+            self.bool_ids.add(node.id)
+
+    def define(self, stage: str, node: Node, expr: str) -> None:
+        ident = self.value_name(node)
+        self.names[node.id] = ident
+        self.emit(stage, node, ident, expr)
+        if stage == "uniform" and any(u.stage == "tile" for u in self.users[node.id]):
+            self.uniform_results.append(ident)
+
+
+def _mentions(code: str, name: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(name)}\b", code) is not None
+
+
+def operand_objects(emitted: EmittedEpilogue, tile_majors: dict[str, str] | None = None,
+                    batched: bool = False) -> tuple[list, list]:
+    """The visitor's operand objects (the generated source spells each by its repr)."""
+    from .operands import ArgScalar, ColVector, DeviceScalar, RowVector, TileLoad, TileStore
+
+    inputs = []
+    for p in emitted.inputs:
+        if p.kind in ("arg", "literal"):
+            inputs.append(ArgScalar(p.ident))
+            continue
+        dtype = _DTYPE_NAME[p.dtype]
+        if p.kind == "tile":
+            major = (tile_majors or {}).get(p.name, "n")
+            inputs.append(TileLoad(p.ident, dtype, major=major, batched=p.batched))
+        elif p.kind == "row":
+            inputs.append(RowVector(p.ident, dtype, batched=p.batched))
+        elif p.kind == "col":
+            inputs.append(ColVector(p.ident, dtype, batched=p.batched))
+        else:
+            inputs.append(DeviceScalar(p.ident, dtype))
+    outputs = [TileStore(o.name, _DTYPE_NAME[o.dtype], batched=batched) for o in emitted.outputs]
+    return inputs, outputs
+
+
+def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str = "") -> EmittedEpilogue:
+    """Generate the visitor source for an optimized ``graph`` (``evtc.trace``'s result).
+
+    ``tile_majors``: for each full-tile input, "n" (row-major, N contiguous) or "m" (column-major).
+    """
+    em = _Emitter(graph)
+    outputs, output_names = em.build()
+    class_name = _class_name(graph.name)
+    acc = em.names[graph.nodes[0].id] if graph.nodes and graph.nodes[0].op == "acc" else \
+        _identifier(graph.acc_name, set())
+
+    scalar_kinds = ("arg", "scalar", "literal")
+    uniform_params = [p.ident for p in em.inputs if p.kind in scalar_kinds]
+    fragment_params = [p.ident for p in em.inputs] + em.uniform_results
+    returned = {em.names[o.node.inputs[0].id] for o in outputs}
+    fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))
+    uniform_body = "\n".join(x for x in em.uniform_lines if not x.startswith("#"))
+    fragment_params = [p for p in fragment_params if p in returned or _mentions(fragment_body, p)]
+    uniform_params = [p for p in uniform_params if _mentions(uniform_body, p)]
+
+    partial = EmittedEpilogue("", class_name, em.inputs, outputs, output_names)
+    in_objs, out_objs = operand_objects(partial, tile_majors, graph.batched)
+    in_lines = [f"{o!r}," for o in in_objs]
+    out_lines = [f"{o!r}," for o in out_objs]
+
+    lines: list[str] = []
+    w = lines.append
+    w(f'"""The epilogue {graph.name!r}, generated by evtc.{(" " + header) if header else ""}')
+    w("")
+    w("This file is what runs: evtc.compile wrote it, imported it and compiled the kernel from it.")
+    w("The graph it was generated from:")
+    w("")
+    for line in str(graph).splitlines():
+        w("    " + line)
+    w('"""')
+    w("")
+    w("from cutlass import BFloat16, Float8E4M3FN, Float8E5M2, Float16, Float32  # noqa: F401")
+    w("")
+    w("from evtc.codegen import dsl_ops as op  # noqa: F401")
+    w("from evtc.codegen.fused import FusedVisitor")
+    w("from evtc.codegen.operands import (  # noqa: F401")
+    w("    ArgScalar, ColVector, DeviceScalar, RowVector, TileLoad, TileStore,")
+    w(")")
+    w("")
+    w("")
+    w(f"class {class_name}(FusedVisitor):")
+    w(f"    name = {graph.name!r}")
+    w("    # Inputs in call order. Each owns its resources: TMA atom, shared memory, registers.")
+    if in_lines:
+        w("    inputs = (")
+        for line in in_lines:
+            w("        " + line)
+        w("    )")
+    else:
+        w("    inputs = ()")
+    w("    # Outputs: the first is the kernel's own D store; the others are extra TMA stores.")
+    w("    outputs = (")
+    for line in out_lines:
+        w("        " + line)
+    w("    )")
+    w("")
+    w(f"    def uniform(self{''.join(', ' + p for p in uniform_params)}):")
+    w('        """Once per tile: the values that do not vary over it."""')
+    for line in em.uniform_lines:
+        w(("        " + line) if line else "")
+    results = ", ".join(f"{r!r}: {r}" for r in em.uniform_results)
+    w(f"        return {{{results}}}")
+    w("")
+    w(f"    def fragment(self, {acc}{''.join(', ' + p for p in fragment_params)}):")
+    w('        """One subtile: this thread\'s float32 values in, one value per output out."""')
+    for line in em.fragment_lines:
+        w(("        " + line) if line else "")
+    returned = [em.names[o.node.inputs[0].id] for o in outputs]  # noqa: F811
+    comment = ", ".join(f"{o.name}: {short_name(o.dtype)}{format_shape(o.node.shape)}" for o in outputs)
+    if em.fragment_lines:
+        w("")
+    value = f"{returned[0]}," if len(returned) == 1 else ", ".join(returned)
+    w(f"        return ({value})  # {comment}")
+    source = "\n".join(lines) + "\n"
+    return EmittedEpilogue(source, class_name, em.inputs, outputs, output_names)
+
+
+__all__ = ["CompileError", "EmittedEpilogue", "InputPlan", "OutputPlan", "emit"]

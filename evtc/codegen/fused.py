@@ -1,0 +1,118 @@
+"""The base class of generated epilogue visitors.
+
+A generated visitor (see :mod:`evtc.codegen.emit`) declares its operands and two methods:
+
+* ``inputs``: the epilogue's inputs in call order (:mod:`evtc.codegen.operands`), each owning its
+  TMA atom, shared memory and registers;
+* ``outputs``: the full-tile outputs; the first is written by the kernel's own D store, the others
+  (:class:`~evtc.codegen.operands.TileStore`) by their own TMA stores;
+* ``uniform(**scalars) -> dict``: the values that do not vary over the tile, computed once per tile;
+* ``fragment(acc, **values) -> tuple``: the computation on this thread's float32 fragment of one
+  subtile, returning one value per output.
+
+This class turns that into the kernel's visitor protocol (docs/kernel.md): every hook calls the same
+hook of each operand, then ``visit`` calls ``fragment``. Parameters of ``uniform`` and ``fragment``
+are matched by name with the inputs and with what ``uniform`` returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+from .config import GemmConfig
+from .operands import Operand, TileStore
+from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
+
+
+class FusedVisitor(EpilogueVisitor):
+    name = "fused"
+    inputs: tuple[Operand, ...] = ()
+    outputs: tuple[TileStore, ...] = ()
+
+    def uniform(self) -> dict:
+        return {}
+
+    def fragment(self, acc):
+        return (acc,)
+
+    # ---- host, plain Python ------------------------------------------------------------------------
+    def __init__(self) -> None:
+        self._uniform_params = list(inspect.signature(self.uniform).parameters)
+        params = list(inspect.signature(self.fragment).parameters)
+        self._acc_param, self._fragment_params = params[0], params[1:]
+        self._aux = tuple(self.outputs[1:])
+
+    @property
+    def operands(self) -> tuple[Operand, ...]:
+        """Everything that takes a kernel argument: inputs, then the extra outputs."""
+        return tuple(self.inputs) + self._aux
+
+    def cache_key(self) -> tuple:
+        return (type(self).__qualname__, tuple(o.cache_key() for o in self.inputs),
+                tuple(o.cache_key() for o in self.outputs))
+
+    def smem_bytes(self, config: GemmConfig, load_stages: int) -> int:
+        stores = config.epi_stages if config.epi_stages is not None else 2
+        return sum(o.smem_bytes(config.tile_shape_mnk[:2], config.epi_tile, load_stages, stores)
+                   for o in self.operands)
+
+    def load_bytes(self, config: GemmConfig) -> int:
+        return sum(o.load_bytes(config.epi_tile) for o in self.inputs if o.loads)
+
+    # ---- host, traced ------------------------------------------------------------------------------
+    def setup(self, shape: EpilogueShape, args: tuple) -> tuple:
+        return tuple(o.setup(shape, a) for o, a in zip(self.operands, args, strict=True))
+
+    # ---- device ------------------------------------------------------------------------------------
+    def allocate(self, shape, params, smem):
+        # Swizzled (1024 B aligned) buffers first: they then follow one another without gaps.
+        storage: dict[int, object] = {}
+        for first in (True, False):
+            for i, (o, p) in enumerate(zip(self.operands, params, strict=True)):
+                if o.swizzled == first:
+                    storage[i] = o.allocate(shape, p, smem)
+        return tuple(storage[i] for i in range(len(self.operands)))
+
+    def load_tile(self, shape, params, storage, tile_coord):
+        return [o.load_tile(shape, p, s, tile_coord) if o.loads else None
+                for o, p, s in zip(self.inputs, params, storage, strict=False)]
+
+    def load_subtile(self, shape, params, storage, load_state, epi_idx, stage, barrier_ptr):
+        for o, p, s, ls in zip(self.inputs, params, storage, load_state, strict=False):
+            if o.loads:
+                o.load_subtile(shape, p, s, ls, epi_idx, stage, barrier_ptr)
+
+    def begin(self, ctx: EpilogueContext, params, storage, tile_coord):
+        states = [o.begin(ctx, p, s, tile_coord)
+                  for o, p, s in zip(self.operands, params, storage, strict=True)]
+        n_in = len(self.inputs)
+        values = {o.name: st.value for o, st in zip(self.inputs, states[:n_in], strict=True)
+                  if not o.loads}
+        values.update(self.uniform(**{k: values[k] for k in self._uniform_params}))
+        return SimpleNamespace(inputs=states[:n_in], aux=states[n_in:], values=values, outs=None)
+
+    def previsit(self, ctx, state, epi_idx, load_stage):
+        for o, st in zip(self.inputs, state.inputs, strict=True):
+            if o.loads:
+                o.previsit(ctx, st, epi_idx, load_stage)
+
+    def visit(self, ctx, state, epi_idx, acc):
+        values = dict(state.values)
+        for o, st in zip(self.inputs, state.inputs, strict=True):
+            if o.loads:
+                values[o.name] = st.value
+        outs = self.fragment(acc, **{k: values[k] for k in self._fragment_params})
+        state.outs = outs
+        return outs[0]
+
+    def postreduce(self, ctx, state, epi_idx, store_stage):
+        for o, st, value in zip(self._aux, state.aux, state.outs[1:], strict=True):
+            o.postreduce(ctx, st, epi_idx, store_stage, value)
+
+    def tma_store(self, ctx, state, epi_idx, store_stage):
+        for o, st in zip(self._aux, state.aux, strict=True):
+            o.tma_store(ctx, st, epi_idx, store_stage)
+
+
+__all__ = ["FusedVisitor"]

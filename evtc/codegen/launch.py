@@ -1,0 +1,171 @@
+"""The host entry of a fused kernel: torch tensors in, CuTe views for the kernel out.
+
+The compiled function takes the tensors exactly as the user passes them (torch layouts: ``a`` (L,)
+M x K, ``b`` (L,) K x N, outputs (L,) M x N, operands in their own shapes) through the DSL's TVM-FFI
+calling convention, so a call converts nothing in Python. Inside the jit function, :class:`Launcher`
+rearranges the modes into the kernel's convention (A (M, K, L), B (N, K, L), D (M, N, L), operand
+views as :mod:`evtc.codegen.operands` expects them): layout algebra only, free at run time.
+
+:class:`TensorSpec` describes one tensor argument statically: its dtype, which problem dim each of
+its dims is (``L``, ``M``, ``N``, ``K`` or ``1``) and which dim is contiguous. :func:`fake_tensor`
+turns it into a compile-time placeholder whose extents are shared symbols, so the compiled function
+itself checks at every call that the sizes agree (``M`` of ``a`` equals ``M`` of ``C``), that the
+contiguous dim has stride 1, that other strides are multiples of 16 bytes and that data pointers
+are 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+from cutlass import Int32
+
+from .operands import DTYPE_BYTES, dsl_dtype
+
+TMA_ALIGN = 16  # bytes: TMA's rule for strides and base addresses
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument: ``dims`` names each torch dim (``"L" "M" "N" "K"`` or ``"1"``);
+    ``contiguous`` is the index of the unit-stride dim (None for a one-element tensor)."""
+
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
+    contiguous: int | None
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    def align_elems(self) -> int:
+        return max(1, TMA_ALIGN // DTYPE_BYTES[self.dtype])
+
+    def describe(self) -> str:
+        shape = ", ".join(self.dims)
+        if self.contiguous is None:
+            return f"{self.name}: {self.dtype}[{shape}]"
+        return f"{self.name}: {self.dtype}[{shape}], {self.dims[self.contiguous]} contiguous"
+
+
+def spec_for(name: str, t, dims: tuple[str, ...], *, needs_tma: bool = True) -> TensorSpec:
+    """The spec of an example tensor ``t`` whose dims are ``dims``; the contiguous dim is the
+    varying dim with stride 1 (the last one when several qualify)."""
+    dtype = str(t.dtype).replace("torch.", "")
+    if not needs_tma:
+        return TensorSpec(name, dtype, dims, None)
+    strides = t.stride()
+    candidates = [i for i, d in enumerate(dims) if d != "1" and strides[i] == 1]
+    contiguous = candidates[-1] if candidates else None
+    return TensorSpec(name, dtype, dims, contiguous)
+
+
+class Symbols:
+    """The shared symbolic sizes of one compile."""
+
+    def __init__(self) -> None:
+        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K")}
+
+
+def fake_tensor(spec: TensorSpec, symbols: Symbols):
+    """A compile-time placeholder for a tensor matching ``spec``."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = []
+    stride = []
+    for i, d in enumerate(spec.dims):
+        if d == "1":
+            shape.append(1)
+            stride.append(cute.sym_int64())  # never used: any value passes
+            continue
+        shape.append(symbols.sizes[d])
+        if i == spec.contiguous:
+            stride.append(1)
+        elif spec.contiguous is None:
+            stride.append(cute.sym_int64())
+        else:
+            stride.append(cute.sym_int64(divisibility=spec.align_elems()))
+    align = TMA_ALIGN if spec.contiguous is not None else DTYPE_BYTES[spec.dtype]
+    return make_fake_tensor(dsl_dtype(spec.dtype), tuple(shape), tuple(stride), assumed_align=align)
+
+
+# ---- views, inside the jit function ----------------------------------------------------------------
+
+
+def _mode(t, dims: tuple[str, ...], d: str):
+    i = dims.index(d)
+    return t.shape[i], t.stride[i]
+
+
+def _span_stride(t, dims: tuple[str, ...], spec: TensorSpec):
+    """A TMA-legal stride for a batch mode of extent 1: the matrix's span, rounded up to 16 B."""
+    span = 1
+    for i, d in enumerate(dims):
+        if d != "1" and i != spec.contiguous:
+            span = t.shape[i] * t.stride[i]
+    align = spec.align_elems()
+    return (span + (align - 1)) // align * align
+
+
+def view(t, spec: TensorSpec, modes: tuple[str, ...], *, pad_batch: bool = False):
+    """``t`` (torch dims ``spec.dims``) as a tensor with the given ``modes``. With ``pad_batch``, a
+    missing ``L`` becomes a mode of extent 1 (the kernel's A, B and D are always (., ., L))."""
+    shapes = []
+    strides = []
+    for d in modes:
+        if d in spec.dims:
+            s, st = _mode(t, spec.dims, d)
+        elif d == "L" and pad_batch:
+            s, st = 1, _span_stride(t, spec.dims, spec)
+        else:
+            raise ValueError(f"{spec.name}: no {d} dim in {spec.dims}")
+        shapes.append(s)
+        strides.append(st)
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shapes), stride=tuple(strides)))
+
+
+def scalar_view(t):
+    return cute.make_tensor(t.iterator, cute.make_layout(1))
+
+
+class Launcher:
+    """The jit entry point: ``(a, b, outputs, inputs, max_clusters, stream)``.
+
+    ``outputs`` is the tuple of output tensors (the kernel's D first), ``inputs`` the tuple of the
+    epilogue's inputs in the visitor's order (tensors and float32 scalars). ``plan`` gives, per
+    tensor, its spec and the view the kernel or its operand wants."""
+
+    def __init__(self, kernel, a_spec: TensorSpec, b_spec: TensorSpec, out_specs, in_specs, in_views,
+                 batched: bool):
+        self.kernel = kernel
+        self.a_spec = a_spec
+        self.b_spec = b_spec
+        self.out_specs = tuple(out_specs)
+        self.in_specs = tuple(in_specs)  # None for Python scalars
+        self.in_views = tuple(in_views)  # modes per input ("scalar", "arg" or a tuple of modes)
+        self.batched = batched
+
+    def _input_view(self, t, spec, modes):
+        if modes == "arg":
+            return t
+        if modes == "scalar":
+            return scalar_view(t)
+        return view(t, spec, modes)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, outputs: tuple, inputs: tuple, max_clusters: Int32,
+                 stream):
+        mA = view(a, self.a_spec, ("M", "K", "L"), pad_batch=True)
+        mB = view(b, self.b_spec, ("N", "K", "L"), pad_batch=True)
+        mD = view(outputs[0], self.out_specs[0], ("M", "N", "L"), pad_batch=True)
+        aux_modes = ("M", "N", "L") if self.batched else ("M", "N")
+        epi_args = tuple(
+            self._input_view(t, spec, modes)
+            for t, spec, modes in zip(inputs, self.in_specs, self.in_views, strict=True)
+        ) + tuple(view(t, spec, aux_modes) for t, spec in zip(outputs[1:], self.out_specs[1:], strict=True))
+        self.kernel(mA, mB, mD, epi_args, max_clusters, stream)
+
+
+__all__ = ["Launcher", "Symbols", "TensorSpec", "fake_tensor", "spec_for", "view"]

@@ -1,0 +1,377 @@
+"""Epilogue operands: each kind of input or output owns its resources and its part of every hook.
+
+A generated visitor (:class:`evtc.codegen.fused.FusedVisitor`) lists its operands; the visitor's
+hooks call the same hook of each operand. An operand owns its TMA atom, its shared memory and its
+registers, so a new kind joins without touching the kernel or the other kinds.
+
+Kinds, and the global-memory views the launcher (:mod:`evtc.codegen.launch`) hands to ``setup``:
+
+=============  ======================  ===========================================================
+kind           view                    how it reaches the fragment
+=============  ======================  ===========================================================
+TileLoad       (M, N[, L])             TMA, one subtile per load stage, read like the accumulator
+RowVector      (N[, L])                TMA of the subtile's epi_n values per load stage, read
+                                       through a (128, epi_n) view with stride 0 along M
+ColVector      (M[, L])                TMA of the tile's 128 values per load stage, read through
+                                       a (128, epi_n) view with stride 0 along N
+DeviceScalar   (1,)                    one global load per tile, by every epilogue thread
+ArgScalar      a Float32 argument      passed through
+TileStore      (M, N[, L])             own staged buffer, written in postreduce, TMA store
+=============  ======================  ===========================================================
+
+``[, L]`` is there when the operand varies along the batch: one shared by all batches has no L
+mode and is read at batch 0 for every batch.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
+
+from .dtypes import cutlass_dtype
+from .visitor import EpilogueContext, EpilogueShape, allocate_staged, make_epi_smem_layout, operand_layout
+
+#: Element sizes of the dtypes operands may have (float8 only for outputs).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# Swizzled buffers are 1024 B aligned (128 B swizzle atoms) and multiples of 1024 B; the visitor
+# allocates them first, right after the kernel's own 1024 B aligned buffers, so they waste nothing.
+# Vector buffers come last, 128 B aligned; each declares its alignment as slack.
+VECTOR_ALIGN = 128
+
+
+def dsl_dtype(name: str):
+    if name == "float8_e4m3fn":
+        return cutlass.Float8E4M3FN
+    if name == "float8_e5m2":
+        return cutlass.Float8E5M2
+    return cutlass_dtype(name)
+
+
+class Operand:
+    """Base: an input of the epilogue (its value reaches ``fragment``) or an extra output."""
+
+    kind = "operand"
+    #: True when the epilogue-load warp loads it by TMA, subtile by subtile.
+    loads = False
+    #: True for 1024 B aligned (swizzled) shared-memory buffers: allocated before the others.
+    swizzled = False
+
+    def __init__(self, name: str, dtype: str = "float32", *, batched: bool = False):
+        self.name = name
+        self.dtype_name = dtype
+        self.batched = batched
+
+    @property
+    def dtype(self):
+        return dsl_dtype(self.dtype_name)
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.name, self.dtype_name, self.batched)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.dtype_name!r}, batched={self.batched})"
+
+    # host
+    def smem_bytes(self, shape_tile: tuple[int, int], epi_tile: tuple[int, int], load_stages: int,
+                   store_stages: int) -> int:
+        return 0
+
+    def load_bytes(self, epi_tile: tuple[int, int]) -> int:
+        return 0
+
+    # host, traced
+    def setup(self, shape: EpilogueShape, arg):
+        return arg
+
+    # device
+    def allocate(self, shape: EpilogueShape, params, smem):
+        return None
+
+    def load_tile(self, shape: EpilogueShape, params, storage, tile_coord):
+        return None
+
+    def load_subtile(self, shape: EpilogueShape, params, storage, lstate, epi_idx: int, stage, barrier):
+        pass
+
+    def begin(self, ctx: EpilogueContext, params, storage, tile_coord):
+        return SimpleNamespace(value=None)
+
+    def previsit(self, ctx: EpilogueContext, state, epi_idx: int, load_stage) -> None:
+        pass
+
+
+def _coords(tile_coord, batched: bool):
+    m, n, batch = tile_coord
+    return (m, n, batch) if batched else (m, n)
+
+
+class TileLoad(Operand):
+    """A full (M, N) input tile (the "C" of a GEMM): TMA into staged shared memory, one subtile per
+    load stage, read into registers so that value i lines up with the accumulator's value i."""
+
+    kind = "tile"
+    loads = True
+    swizzled = True
+
+    def __init__(self, name: str, dtype: str = "float16", *, major: str = "n", batched: bool = False):
+        super().__init__(name, dtype, batched=batched)
+        self.major = major
+
+    def cache_key(self) -> tuple:
+        return (*super().cache_key(), self.major)
+
+    def __repr__(self) -> str:
+        return (f"TileLoad({self.name!r}, {self.dtype_name!r}, major={self.major!r}, "
+                f"batched={self.batched})")
+
+    @property
+    def layout(self) -> LayoutEnum:
+        return operand_layout(self.major)
+
+    def _staged(self, shape: EpilogueShape):
+        return make_epi_smem_layout(self.dtype, self.layout, shape, shape.load_stages)
+
+    def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
+        return self.load_bytes(epi_tile) * load_stages
+
+    def load_bytes(self, epi_tile) -> int:
+        return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[self.dtype_name]
+
+    def setup(self, shape, arg):
+        one_stage = cute.slice_(self._staged(shape), (None, None, 0))
+        atom, tma_tensor = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), arg, one_stage, shape.epi_tile
+        )
+        return (atom, tma_tensor)
+
+    def allocate(self, shape, params, smem):
+        return allocate_staged(smem, self.dtype, self._staged(shape))
+
+    def load_tile(self, shape, params, storage, tile_coord):
+        atom, tma_tensor = params
+        g_tile = cute.local_tile(tma_tensor, shape.tile, _coords(tile_coord, self.batched))
+        g_epi = cute.zipped_divide(g_tile, shape.epi_tile)
+        s_part, g_part = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(storage, 0, 2), g_epi
+        )
+        return SimpleNamespace(s=s_part, g=g_part)
+
+    def load_subtile(self, shape, params, storage, lstate, epi_idx, stage, barrier):
+        atom, _ = params
+        cute.copy(atom, lstate.g[(None, shape.subtile_coord(epi_idx))], lstate.s[(None, stage)],
+                  tma_bar_ptr=barrier)
+
+    def begin(self, ctx, params, storage, tile_coord):
+        return SimpleNamespace(value=None, reader=ctx.smem_reader(storage, self.layout))
+
+    def previsit(self, ctx, state, epi_idx, load_stage):
+        state.value = state.reader.load(load_stage)
+
+
+class _VectorLoad(Operand):
+    """A vector broadcast over one tile dim, loaded by TMA into a small staged buffer and read
+    through a subtile-shaped view with stride 0 along the broadcast dim."""
+
+    loads = True
+
+    def _box(self, shape_tile, epi_tile) -> int:  # elements TMA loads per stage
+        raise NotImplementedError
+
+    def _view_stride(self, epi_tile) -> tuple[int, int, int]:  # (m, n, stage) strides of the view
+        raise NotImplementedError
+
+    def _tile_coord(self, tile_coord):
+        raise NotImplementedError
+
+    def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
+        return self.load_bytes(epi_tile) * load_stages + VECTOR_ALIGN
+
+    def load_bytes(self, epi_tile) -> int:
+        return self._box((0, 0), epi_tile) * DTYPE_BYTES[self.dtype_name]
+
+    def setup(self, shape, arg):
+        box = self._box(shape.tile, shape.epi_tile)
+        atom, tma_tensor = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), arg, cute.make_layout(box), (box,)
+        )
+        return (atom, tma_tensor)
+
+    def allocate(self, shape, params, smem):
+        box = self._box(shape.tile, shape.epi_tile)
+        return smem.allocate_tensor(self.dtype, cute.make_layout((box, shape.load_stages)), VECTOR_ALIGN)
+
+    def load_tile(self, shape, params, storage, tile_coord):
+        atom, tma_tensor = params
+        box = self._box(shape.tile, shape.epi_tile)
+        if cutlass.const_expr(self.batched):
+            tma_tensor = tma_tensor[(None, tile_coord[2])]
+        span = self._span(shape)
+        g_tile = cute.local_tile(tma_tensor, (span,), (self._tile_coord(tile_coord),))
+        g_boxes = cute.zipped_divide(g_tile, (box,))
+        s_part, g_part = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(storage, 0, 1), g_boxes
+        )
+        return SimpleNamespace(s=s_part, g=g_part)
+
+    def _span(self, shape) -> int:
+        raise NotImplementedError
+
+    def _box_index(self, epi_idx: int) -> int:
+        raise NotImplementedError
+
+    def load_subtile(self, shape, params, storage, lstate, epi_idx, stage, barrier):
+        atom, _ = params
+        cute.copy(atom, lstate.g[(None, self._box_index(epi_idx))], lstate.s[(None, stage)],
+                  tma_bar_ptr=barrier)
+
+    def begin(self, ctx, params, storage, tile_coord):
+        epi_m, epi_n = ctx.shape.epi_tile
+        layout = cute.make_layout((epi_m, epi_n, ctx.shape.load_stages),
+                                  stride=self._view_stride(ctx.shape.epi_tile))
+        view = cute.make_tensor(storage.iterator, layout)
+        src = ctx.tiled_copy_r2s.get_slice(ctx.tidx).partition_S(view)
+        return SimpleNamespace(value=None, src=src, frag=ctx.make_fragment(self.dtype))
+
+    def previsit(self, ctx, state, epi_idx, load_stage):
+        src = state.src[(None, None, None, load_stage)]
+        for i in range(cute.size(state.frag)):
+            state.frag[i] = src[i]
+        state.value = state.frag.load().to(Float32)
+
+
+class RowVector(_VectorLoad):
+    """An (N,) vector broadcast over rows (a bias): per subtile, its epi_n values."""
+
+    kind = "row"
+
+    def _box(self, shape_tile, epi_tile) -> int:
+        return epi_tile[1]
+
+    def _span(self, shape) -> int:
+        return shape.tile[1]
+
+    def _tile_coord(self, tile_coord):
+        return tile_coord[1]
+
+    def _box_index(self, epi_idx: int) -> int:
+        return epi_idx
+
+    def _view_stride(self, epi_tile):
+        return (0, 1, epi_tile[1])
+
+
+class ColVector(_VectorLoad):
+    """An (M, 1) vector broadcast over columns (a per-row scale): the tile's 128 values, loaded
+    again with every subtile (512 B at most: cheaper than a second synchronisation scheme)."""
+
+    kind = "col"
+
+    def _box(self, shape_tile, epi_tile) -> int:
+        return epi_tile[0]
+
+    def _span(self, shape) -> int:
+        return shape.tile[0]
+
+    def _tile_coord(self, tile_coord):
+        return tile_coord[0]
+
+    def _box_index(self, epi_idx: int) -> int:
+        return 0
+
+    def _view_stride(self, epi_tile):
+        return (1, 0, epi_tile[0])
+
+
+class DeviceScalar(Operand):
+    """A one-element tensor in global memory (an FP8 scale): read once per tile by every thread."""
+
+    kind = "scalar"
+
+    def begin(self, ctx, params, storage, tile_coord):
+        return SimpleNamespace(value=params[0].to(Float32))
+
+
+class ArgScalar(Operand):
+    """A Python number passed at every call as a float32 kernel argument (no recompile)."""
+
+    kind = "arg"
+
+    def __init__(self, name: str):
+        super().__init__(name, "float32", batched=False)
+
+    def __repr__(self) -> str:
+        return f"ArgScalar({self.name!r})"
+
+    def begin(self, ctx, params, storage, tile_coord):
+        return SimpleNamespace(value=params)
+
+
+class TileStore(Operand):
+    """An extra full-tile output: converted in registers, copied into its own staged buffer in
+    postreduce (stage = the kernel's D stage) and written by TMA in tma_store, in D's bulk group."""
+
+    kind = "store"
+    swizzled = True
+    layout = LayoutEnum.ROW_MAJOR
+
+    def _staged(self, shape: EpilogueShape):
+        return sm90_utils.make_smem_layout_epi(self.dtype, self.layout, shape.epi_tile, shape.store_stages)
+
+    def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
+        return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[self.dtype_name] * store_stages
+
+    def setup(self, shape, arg):
+        one_stage = cute.slice_(self._staged(shape), (None, None, 0))
+        atom, tma_tensor = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), arg, one_stage, shape.epi_tile
+        )
+        return (atom, tma_tensor)
+
+    def allocate(self, shape, params, smem):
+        return allocate_staged(smem, self.dtype, self._staged(shape))
+
+    def begin(self, ctx, params, storage, tile_coord):
+        atom, tma_tensor = params
+        shape = ctx.shape
+        store_atom = sm90_utils.get_smem_store_op(self.layout, self.dtype, Float32)
+        tiled_copy = cute.make_tiled_copy_S(store_atom, ctx.tiled_copy_c_atom)
+        frag = ctx.make_fragment(self.dtype)
+        g_tile = cute.local_tile(tma_tensor, shape.tile, _coords(tile_coord, self.batched))
+        s_part, g_part = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(storage, 0, 2),
+            cute.zipped_divide(g_tile, shape.epi_tile),
+        )
+        return SimpleNamespace(
+            tiled_copy=tiled_copy,
+            dst=tiled_copy.get_slice(ctx.tidx).partition_D(storage),
+            frag=frag,
+            frag_view=tiled_copy.retile(frag),
+            s=s_part,
+            g=g_part,
+            atom=atom,
+        )
+
+    def postreduce(self, ctx, state, epi_idx, store_stage, value) -> None:
+        state.frag.store(value.to(self.dtype))
+        cute.copy(state.tiled_copy, state.frag_view, state.dst[(None, None, None, store_stage)])
+
+    def tma_store(self, ctx, state, epi_idx, store_stage) -> None:
+        cute.copy(state.atom, state.s[(None, store_stage)], state.g[(None, ctx.shape.subtile_coord(epi_idx))])
+
+
+__all__ = [
+    "ArgScalar",
+    "ColVector",
+    "DeviceScalar",
+    "Operand",
+    "RowVector",
+    "TileLoad",
+    "TileStore",
+    "dsl_dtype",
+]
