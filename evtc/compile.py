@@ -525,7 +525,8 @@ class Kernel:
     def _call(self, a, b, out, operands):
         reason = _gpu_ok()
         if reason is not None:
-            self._validate(a, b, out, operands)  # say what is wrong with the arguments first
+            # Say what is wrong with the arguments first; devices cannot be right without a GPU.
+            self._validate(a, b, out, operands, check_devices=False)
             raise CallError(f"cannot run {self.graph.name!r}: {reason}. It was compiled (k.source, "
                             "k.ptx and k.graph are available), but running it needs an SM90 GPU")
         try:
@@ -588,7 +589,7 @@ class Kernel:
             return f"a tuple of {len(self._tree.names)} tensors"
         return f"a dict with keys {self._tree.keys}"
 
-    def _validate(self, a, b, out, operands) -> None:
+    def _validate(self, a, b, out, operands, check_devices: bool = True) -> None:
         """Raise a CallError naming what is wrong with the arguments (the slow path of a call)."""
         sig = self._signature
         for name, t in (("a", a), ("b", b)):
@@ -629,7 +630,7 @@ class Kernel:
         tensors = [("a", a), ("b", b)] + [(p.name, operands[p.name]) for p in self._emitted.inputs
                                           if p.kind not in ("arg", "literal")]
         tensors += [(f"out[{i}]", t) for i, t in enumerate(outs)]
-        for name, t in tensors:
+        for name, t in tensors if check_devices else ():
             _check_device(name, t, device)
 
 

@@ -1,0 +1,150 @@
+"""GPU tests of evtc.compile: every catalogue epilogue against evtc.reference on an H100.
+
+Each epilogue runs in float16 and bfloat16 at several shapes (odd sizes, M == N, L > 1 for the
+batched entries). Outputs are poisoned with NaN first, so an element the kernel never writes fails
+(NaN never passes). Per output, ||out - ref|| / ||ref|| <= 1e-2, with ref the epilogue computed by
+torch in float32 (rounded to float8 for float8 outputs, as the IR defines the cast).
+
+All kernels are compiled up front by a process pool into one disk cache (about 100 compiles), then
+each test loads its kernel from there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+
+import pytest
+import torch
+from compile_catalogue import CATALOGUE, compile_by_name, compile_entry, make_inputs
+
+import evtc
+from evtc.ir.dtypes import is_float8, round_to
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# (M, N, K, L): odd M and K, M == N, batched. N stays a multiple of 16 (float8 outputs need
+# 16-byte rows for TMA).
+UNBATCHED = [(257, 384, 200, None), (512, 512, 128, None), (1000, 1040, 72, None)]
+BATCHED = [(129, 256, 64, 3), (256, 256, 96, 2)]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("evtc-cache")
+    jobs = [(e.name, dt, str(path)) for e in CATALOGUE for dt in DTYPES]
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        futures = [pool.submit(compile_by_name, *job) for job in jobs]
+        for f in futures:
+            f.result()
+    return str(path)
+
+
+def _poisoned_like(value):
+    if isinstance(value, dict):
+        return {k: _poisoned_like(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return tuple(_poisoned_like(v) for v in value)
+    return torch.full(value.shape, float("nan"), device=value.device).to(value.dtype)
+
+
+def _flatten(value):
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, tuple | list):
+        return [(str(i), v) for i, v in enumerate(value)]
+    return [("D", value)]
+
+
+def _check(out, ref, what: str) -> None:
+    got, want = _flatten(out), _flatten(ref)
+    assert [k for k, _ in got] == [k for k, _ in want], f"{what}: output structure differs"
+    for (key, g), (_, r) in zip(got, want, strict=True):
+        assert tuple(g.shape) == tuple(r.shape), f"{what} {key}: shape {tuple(g.shape)} vs {tuple(r.shape)}"
+        expected = r.float()
+        if is_float8(g.dtype):
+            expected = round_to(expected, g.dtype)
+        diff = torch.linalg.vector_norm(g.float() - expected)
+        norm = torch.linalg.vector_norm(expected).clamp_min(1e-12)
+        rel = (diff / norm).item()
+        assert rel <= TOL, f"{what} output {key} ({g.dtype}): relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("entry", CATALOGUE, ids=[e.name for e in CATALOGUE])
+def test_catalogue_matches_reference(entry, dtype, cache_dir):
+    k = compile_entry(entry, DTYPES[dtype], cache_dir)
+    for m, n, kk, batch in (BATCHED if entry.batched else UNBATCHED):
+        inputs = make_inputs(entry, m, n, kk, batch, DTYPES[dtype], device="cuda", seed=m + n)
+        operands = {name: v for name, v in inputs.items() if name not in ("a", "b")}
+        ref = evtc.reference(entry.fn, inputs)
+        fresh = k(inputs["a"], inputs["b"], **operands)
+        out = _poisoned_like(fresh)
+        result = k(inputs["a"], inputs["b"], out=out, **operands)
+        torch.cuda.synchronize()
+        _check(result, ref, f"{entry.name} {dtype} {(m, n, kk, batch)}")
+        _check(fresh, ref, f"{entry.name} {dtype} {(m, n, kk, batch)} (fresh outputs)")
+
+
+def _entry(name):
+    return next(e for e in CATALOGUE if e.name == name)
+
+
+def test_new_scalar_values_need_no_recompile(cache_dir):
+    e = _entry("relu_lincomb_bias")
+    k = compile_entry(e, torch.float16, cache_dir)
+    inputs = make_inputs(e, 300, 512, 64, None, torch.float16, device="cuda")
+    a, b, C, bias = inputs["a"], inputs["b"], inputs["C"], inputs["bias"]
+    for alpha, beta in ((1.5, 0.5), (-2.0, 3.0), (0.0, 1.0)):
+        got = k(a, b, C=C, bias=bias, alpha=alpha, beta=beta)
+        ref = e.fn((a.float() @ b.float()), C.float(), bias, alpha, beta)
+        _check(got, ref, f"alpha={alpha} beta={beta}")
+    assert compile_entry(e, torch.float16, cache_dir) is k
+
+
+def test_inputs_are_not_modified_and_stream_is_honoured(cache_dir):
+    e = _entry("every_kind")
+    k = compile_entry(e, torch.float16, cache_dir)
+    inputs = make_inputs(e, 384, 256, 128, None, torch.float16, device="cuda")
+    before = {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in inputs.items()}
+    operands = {n: v for n, v in inputs.items() if n not in ("a", "b")}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = k(inputs["a"], inputs["b"], **operands)
+    stream.synchronize()
+    _check(got, evtc.reference(e.fn, inputs), "side stream")
+    for n, v in before.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(inputs[n], v), f"input {n} was modified"
+
+
+def test_call_errors_on_gpu(cache_dir):
+    e = _entry("relu_lincomb_bias")
+    k = compile_entry(e, torch.float16, cache_dir)
+    inputs = make_inputs(e, 256, 512, 64, None, torch.float16, device="cuda")
+    a, b, C, bias = inputs["a"], inputs["b"], inputs["C"], inputs["bias"]
+    wide = torch.randn(256, 516, device="cuda").half()
+    with pytest.raises(evtc.CallError, match="C .*multiple of 8 elements"):
+        k(a, b, C=wide[:, :512], bias=bias, alpha=1.0, beta=1.0)
+    with pytest.raises(evtc.CallError, match="on cpu"):
+        k(a, b, C=C.cpu(), bias=bias, alpha=1.0, beta=1.0)
+    with pytest.raises(evtc.CallError, match="inconsistent with a and b"):
+        k(a, b, C=C[:100], bias=bias, alpha=1.0, beta=1.0)
+    with pytest.raises(evtc.CallError, match="float16"):
+        k(a, b, C=C.float(), bias=bias, alpha=1.0, beta=1.0)
+    with pytest.raises(evtc.CallError, match="16-byte aligned"):
+        k(a, b, C=C, bias=torch.randn(513, device="cuda")[1:], alpha=1.0, beta=1.0)
+
+
+def test_empty_problem_returns_empty_outputs(cache_dir):
+    e = _entry("relu_lincomb_bias")
+    k = compile_entry(e, torch.float16, cache_dir)
+    inputs = make_inputs(e, 0, 512, 64, None, torch.float16, device="cuda")
+    out = k(inputs["a"], inputs["b"], C=inputs["C"], bias=inputs["bias"], alpha=1.0, beta=1.0)
+    assert out.shape == (0, 512)

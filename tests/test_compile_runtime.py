@@ -1,0 +1,218 @@
+"""CPU tests of evtc.compile's runtime: caches (memory, disk across processes, damaged entries,
+threads), compile-time errors, and the checks every call makes before launching (CPU and meta
+tensors stand in for CUDA ones: the checks run first, the missing GPU is reported last)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import evtc
+from evtc.compile import clear_memory_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bias_relu(acc, C, bias, alpha: float):
+    return torch.relu(alpha * acc + C + bias)
+
+
+def example(m=256, n=512, k=128, dtype=torch.float16, device="meta"):
+    def empty(*shape, dt=dtype):
+        return torch.empty(shape, dtype=dt, device=device)
+
+    return dict(a=empty(m, k), b=empty(k, n), C=empty(m, n), bias=empty(n, dt=torch.float32), alpha=1.0)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return evtc.compile(bias_relu, example(), cache_dir=tmp_path_factory.mktemp("evtc-rt"))
+
+
+def test_compile_gives_source_graph_ptx_and_explain(kernel):
+    assert "class BiasReluEpilogue(FusedVisitor)" in kernel.source
+    assert kernel.graph.name == "bias_relu"
+    assert ".target sm_90a" in kernel.ptx
+    text = kernel.explain()
+    for needle in ("C: float16[M, N], N contiguous: tile", "bias: float32[N], N contiguous: row",
+                   "alpha: runtime float32 scalar", "stages: A/B", "shared memory", "registers"):
+        assert needle in text
+
+
+def test_same_signature_is_compiled_once(kernel):
+    again = evtc.compile(bias_relu, example(m=1000, n=64, k=24), cache_dir=kernel.cache_path.parents[1])
+    assert again is kernel  # sizes are runtime: same kernel
+
+
+def test_layout_changes_recompile(kernel, tmp_path):
+    ex = example()
+    ex["C"] = torch.empty(512, 256, dtype=torch.float16, device="meta").t()
+    other = evtc.compile(bias_relu, ex, cache_dir=tmp_path)
+    assert other.key != kernel.key
+    assert "major='m'" in other.source
+
+
+_CHILD = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import os
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+import torch, evtc
+from test_compile_runtime import bias_relu, example
+k = evtc.compile(bias_relu, example(), cache_dir={cache!r})
+print(json.dumps(dict(origin=k.origin, seconds=k.seconds, key=k.key, ptx=len(k.ptx))))
+"""
+
+
+def _child(cache: Path) -> dict:
+    script = _CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), cache=str(cache))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_disk_cache_across_processes_and_damaged_entries(tmp_path):
+    first = _child(tmp_path)
+    assert first["origin"] == "compiled"
+    second = _child(tmp_path)
+    assert second["origin"] == "disk" and second["key"] == first["key"]
+    assert second["seconds"] < 1.0 and second["ptx"] == first["ptx"]
+
+    entry = tmp_path / first["key"][:2] / first["key"]
+    obj = entry / "kernel.o"
+    obj.write_bytes(obj.read_bytes()[:-100] + b"\0" * 100)  # damaged: checksum mismatch
+    assert _child(tmp_path)["origin"] == "compiled"
+    assert _child(tmp_path)["origin"] == "disk"
+
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["key"] = "f" * 64  # a foreign entry under this key's name
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    assert _child(tmp_path)["origin"] == "compiled"
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    from evtc.cache import DiskCache
+
+    monkeypatch.setenv("EVTC_CACHE_DIR", str(tmp_path / "env-cache"))
+    assert DiskCache().root == tmp_path / "env-cache"
+
+
+def test_threads_compile_one_kernel(tmp_path):
+    def scaled(acc, s):
+        return acc * s + 0.125
+
+    ex = dict(a=torch.empty(64, 64, dtype=torch.float16, device="meta"),
+              b=torch.empty(64, 64, dtype=torch.float16, device="meta"), s=torch.empty((), device="meta"))
+    clear_memory_cache()
+    results: list = []
+
+    def work():
+        results.append(evtc.compile(scaled, ex, cache_dir=tmp_path))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and all(r is results[0] for r in results)
+    assert results[0].origin == "compiled"
+    entries = [p for p in tmp_path.glob("??/*") if p.is_dir()]
+    assert len(entries) == 1
+
+
+# ---- compile-time errors -----------------------------------------------------------------------------
+
+
+def test_reductions_are_rejected_for_now(tmp_path):
+    def with_amax(acc):
+        return acc, acc.abs().amax()
+
+    ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
+    with pytest.raises(evtc.ReductionError, match="does not compile reductions yet"):
+        evtc.compile(with_amax, ex, cache_dir=tmp_path)
+
+
+def test_only_float8_outputs_are_rejected(tmp_path):
+    def fp8_only(acc):
+        return acc.to(torch.float8_e4m3fn)
+
+    ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
+    with pytest.raises(evtc.DTypeError, match="every output is float8"):
+        evtc.compile(fp8_only, ex, cache_dir=tmp_path)
+
+
+def test_operand_layouts_tma_cannot_load(tmp_path):
+    ex = example()
+    ex["bias"] = torch.empty(1024, device="meta")[::2]
+    with pytest.raises(evtc.CompileError, match="'bias'.*unit stride along N"):
+        evtc.compile(bias_relu, ex, cache_dir=tmp_path)
+
+
+def test_bad_config(tmp_path):
+    with pytest.raises(evtc.CompileError, match="tile_n"):
+        evtc.compile(bias_relu, example(), config={"tile_n": 96}, cache_dir=tmp_path)
+
+
+# ---- call checks -----------------------------------------------------------------------------------
+
+
+def _cpu_args(m=256, n=512, k=128):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).half()
+    b = torch.randn(k, n, generator=g).half()
+    C = torch.randn(m, n, generator=g).half()
+    bias = torch.randn(n, generator=g)
+    return a, b, C, bias
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a, b, C, bias: dict(C=C, bias=bias), r"missing argument\(s\) \['alpha'\]"),
+    (lambda a, b, C, bias: dict(C=C, bias=bias, alpha=1.0, beta=2.0), r"unexpected argument\(s\) \['beta'\]"),
+    (lambda a, b, C, bias: dict(C=C.float(), bias=bias, alpha=1.0), "C must be torch.float16"),
+    (lambda a, b, C, bias: dict(C=C[:, :500], bias=bias, alpha=1.0), r"C has shape \(256, 500\), incons"),
+    (lambda a, b, C, bias: dict(C=C, bias=bias[:100], alpha=1.0), r"bias has shape \(100,\), inconsistent"),
+    (lambda a, b, C, bias: dict(C=C[None], bias=bias, alpha=1.0), "C must be 2-d"),
+    (lambda a, b, C, bias: dict(C=C.t().contiguous().t(), bias=bias, alpha=1.0), "C must be contiguous"),
+    (lambda a, b, C, bias: dict(C=torch.randn(256, 516).half()[:, :512], bias=bias, alpha=1.0),
+     "multiple of 8 elements"),
+    (lambda a, b, C, bias: dict(C=C, bias=torch.randn(513)[1:], alpha=1.0), "not 16-byte aligned"),
+    (lambda a, b, C, bias: dict(C=C, bias=bias, alpha=torch.tensor(1.0)), "alpha is a runtime scalar"),
+])
+def test_call_errors(kernel, change, message):
+    a, b, C, bias = _cpu_args()
+    with pytest.raises(evtc.CallError, match=message):
+        kernel(a, b, **change(a, b, C, bias))
+
+
+def test_call_errors_on_a_and_b(kernel):
+    a, b, C, bias = _cpu_args()
+    with pytest.raises(evtc.CallError, match="K differs"):
+        kernel(a, b[:64], C=C, bias=bias, alpha=1.0)
+    with pytest.raises(evtc.CallError, match="a must be torch.float16"):
+        kernel(a.bfloat16(), b, C=C, bias=bias, alpha=1.0)
+    with pytest.raises(evtc.CallError, match="must be 2-d"):
+        kernel(a[None], b[None], C=C, bias=bias, alpha=1.0)
+    with pytest.raises(evtc.CallError, match="b must be contiguous along N"):
+        kernel(a, b.t().contiguous().t(), C=C, bias=bias, alpha=1.0)
+
+
+def test_out_must_match(kernel):
+    a, b, C, bias = _cpu_args()
+    with pytest.raises(evtc.CallError, match="out must be torch.float16"):
+        kernel(a, b, C=C, bias=bias, alpha=1.0, out=torch.empty(256, 512))
+    with pytest.raises(evtc.CallError, match="structure"):
+        kernel(a, b, C=C, bias=bias, alpha=1.0, out=(torch.empty(256, 512).half(),))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_valid_arguments_without_a_gpu_say_so(kernel):
+    a, b, C, bias = _cpu_args()
+    with pytest.raises(evtc.CallError, match="no CUDA GPU.*k.source, k.ptx and k.graph are available"):
+        kernel(a, b, C=C, bias=bias, alpha=1.0)
