@@ -407,7 +407,7 @@ class Kernel:
             fake_ins = tuple(
                 cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in sig.inputs
             )
-            options = COMPILE_OPTIONS
+            options = f"{COMPILE_OPTIONS} --dump-dir={staged}"  # PTX dumps stay in the entry
             if self._arch:
                 options += f" --gpu-arch {self._arch}"
             with warnings.catch_warnings():
