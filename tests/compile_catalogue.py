@@ -343,7 +343,9 @@ def make_inputs(e: Entry, m: int, n: int, k: int, batch: int | None, ab_dtype: t
         elif kind == "tile_b":
             t = randn(L, m, n, dtype=dtype or ab_dtype)
         elif kind == "tile_m":
-            t = randn(n, m, dtype=dtype or ab_dtype).t()
+            # Column-major, its leading dim padded to 16 bytes as TMA needs (M may be odd).
+            m_pad = -(-m // 8) * 8
+            t = randn(n, m_pad, dtype=dtype or ab_dtype)[:, :m].t()
         elif kind == "row":
             t = randn(n, dtype=dtype or torch.float32)
         elif kind == "row2":
@@ -353,7 +355,10 @@ def make_inputs(e: Entry, m: int, n: int, k: int, batch: int | None, ab_dtype: t
         elif kind == "col":
             t = randn(m, 1, dtype=dtype or torch.float32)
         elif kind == "col_b":
-            t = randn(L, m, 1, dtype=dtype or torch.float32)
+            # Per-batch column vectors are loaded by TMA: their batch stride must be a multiple of
+            # 16 bytes, so pad it where M is odd (an unpadded one is refused with a CallError).
+            step = 16 // (dtype or torch.float32).itemsize
+            t = randn(L, -(-m // step) * step, 1, dtype=dtype or torch.float32)[:, :m]
         elif kind == "scalar":
             t = randn(dtype=dtype or torch.float32)
         elif kind == "scalar1":

@@ -183,14 +183,22 @@ class _VectorLoad(Operand):
     def _box(self, shape_tile, epi_tile) -> int:  # elements TMA loads per stage
         raise NotImplementedError
 
-    def _view_stride(self, epi_tile) -> tuple[int, int, int]:  # (m, n, stage) strides of the view
+    def _view_stride(self, epi_tile) -> tuple[int, int]:  # (m, n) strides of the subtile view
         raise NotImplementedError
 
     def _tile_coord(self, tile_coord):
         raise NotImplementedError
 
+    def _stage_elems(self, epi_tile) -> int:
+        """Elements from one stage to the next: the box rounded up so that every stage starts on a
+        128 B boundary, as TMA requires of its shared-memory destination (an f16 row slice of a
+        128x32 subtile is only 64 B)."""
+        per_line = VECTOR_ALIGN // DTYPE_BYTES[self.dtype_name]
+        box = self._box((0, 0), epi_tile)
+        return -(-box // per_line) * per_line
+
     def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
-        return self.load_bytes(epi_tile) * load_stages + VECTOR_ALIGN
+        return self._stage_elems(epi_tile) * DTYPE_BYTES[self.dtype_name] * load_stages + VECTOR_ALIGN
 
     def load_bytes(self, epi_tile) -> int:
         return self._box((0, 0), epi_tile) * DTYPE_BYTES[self.dtype_name]
@@ -204,7 +212,8 @@ class _VectorLoad(Operand):
 
     def allocate(self, shape, params, smem):
         box = self._box(shape.tile, shape.epi_tile)
-        return smem.allocate_tensor(self.dtype, cute.make_layout((box, shape.load_stages)), VECTOR_ALIGN)
+        layout = cute.make_layout((box, shape.load_stages), stride=(1, self._stage_elems(shape.epi_tile)))
+        return smem.allocate_tensor(self.dtype, layout, VECTOR_ALIGN)
 
     def load_tile(self, shape, params, storage, tile_coord):
         atom, tma_tensor = params
@@ -233,7 +242,8 @@ class _VectorLoad(Operand):
     def begin(self, ctx, params, storage, tile_coord):
         epi_m, epi_n = ctx.shape.epi_tile
         layout = cute.make_layout((epi_m, epi_n, ctx.shape.load_stages),
-                                  stride=self._view_stride(ctx.shape.epi_tile))
+                                  stride=(*self._view_stride(ctx.shape.epi_tile),
+                                          self._stage_elems(ctx.shape.epi_tile)))
         view = cute.make_tensor(storage.iterator, layout)
         src = ctx.tiled_copy_r2s.get_slice(ctx.tidx).partition_S(view)
         return SimpleNamespace(value=None, src=src, frag=ctx.make_fragment(self.dtype))
@@ -263,7 +273,7 @@ class RowVector(_VectorLoad):
         return epi_idx
 
     def _view_stride(self, epi_tile):
-        return (0, 1, epi_tile[1])
+        return (0, 1)
 
 
 class ColVector(_VectorLoad):
@@ -285,7 +295,7 @@ class ColVector(_VectorLoad):
         return 0
 
     def _view_stride(self, epi_tile):
-        return (1, 0, epi_tile[0])
+        return (1, 0)
 
 
 class DeviceScalar(Operand):
