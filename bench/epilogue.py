@@ -121,7 +121,24 @@ def compile_times() -> dict:
     return {"first": runs[0], "cached": runs[1]}
 
 
-def run_shape(text, k_fused, k_ident, compiled_eager, args, gen) -> dict:
+def parse_configs(text: str) -> list[dict]:
+    """``"load_stages=8,ab_stages=3;tile_n=128,cluster=1x2"`` -> one GemmConfig override per ``;``."""
+    configs = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        cfg: dict = {}
+        for pair in item.split(","):
+            key, value = (x.strip() for x in pair.split("="))
+            cfg[key] = tuple(int(v) for v in value.split("x")) if key == "cluster" else (
+                value if key == "raster" else int(value))
+        configs.append(cfg)
+    return configs
+
+
+def config_label(cfg: dict) -> str:
+    return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in cfg.items())
+
+
+def run_shape(text, k_fused, k_ident, compiled_eager, args, gen, variants=()) -> dict:
     """Time every variant at one M x N x K and print its row."""
     m, n, kk = (int(x) for x in text.lower().split("x"))
     a = (torch.randn(m, kk, device="cuda", generator=gen) * kk ** -0.25).half()
@@ -149,6 +166,15 @@ def run_shape(text, k_fused, k_ident, compiled_eager, args, gen) -> dict:
             fns["tc"] = lambda: compiled_eager(a, b, C, bias, ALPHA, BETA)
         except Exception as exc:  # noqa: BLE001 - report and go on
             tc_note = f"torch.compile failed at {text}: {type(exc).__name__}: {str(exc)[:300]}"
+    # Configuration variants: each fused kernel beside the identity GEMM of the same configuration.
+    for i, (label, kf, ki) in enumerate(variants):
+        out_f = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        out_i = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        variant_err = rel_err(kf(a, b, **kw), want)
+        if not variant_err <= 1e-2:
+            print(f"    variant {label}: WRONG RESULT (rel err {variant_err:.1e})")
+        fns[f"fused{i}"] = lambda kf=kf, out_f=out_f: kf(a, b, out=out_f, **kw)
+        fns[f"ident{i}"] = lambda ki=ki, out_i=out_i: ki(a, b, out=out_i)
     times = dict(zip(fns, time_paired(list(fns.values()), args.warmup, args.samples, args.reps),
                      strict=True))
     tc = f"{times['tc']:.3f}" if "tc" in times else "n/a"
@@ -157,6 +183,12 @@ def run_shape(text, k_fused, k_ident, compiled_eager, args, gen) -> dict:
           f"{times['eager'] / times['fused']:11.2f} | {err:.1e}")
     if tc_note:
         print("   ", tc_note)
+    for i, (label, kf, _) in enumerate(variants):
+        stages = kf._stages if hasattr(kf, "_stages") else {}
+        print(f"{'':>20}   variant {label} stages {stages}: ident {times[f'ident{i}']:.3f}  "
+              f"fused {times[f'fused{i}']:.3f}  "
+              f"fused/id {times[f'fused{i}'] / times[f'ident{i}']:.3f}  "
+              f"fused/default-id {times[f'fused{i}'] / times['ident']:.3f}")
     return {"shape": text, "ms": times, "rel_err": err, "torch_compile_note": tc_note}
 
 
@@ -169,6 +201,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--configs", default="",
+                        help="also time these GemmConfig overrides, ';'-separated, e.g. "
+                             "'load_stages=8,ab_stages=3,epi_stages=2;tile_n=128'")
+    parser.add_argument("--no-extras", action="store_true",
+                        help="skip the host-overhead and compile-time measurements")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -188,6 +225,11 @@ def main() -> None:
     print(f"compiled (or loaded) both kernels in {time.perf_counter() - t0:.2f} s "
           f"({k_fused.origin}, {k_ident.origin})")
 
+    variants = []
+    for cfg in parse_configs(args.configs):
+        variants.append((config_label(cfg), evtc.compile(fused, ex_meta, config=cfg),
+                         evtc.compile(identity, {"a": ex_meta["a"], "b": ex_meta["b"]}, config=cfg)))
+
     compiled_eager = None
     compile_note = ""
     if not args.no_torch_compile:
@@ -201,12 +243,14 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for text in args.shapes.split(","):
-        results["shapes"].append(run_shape(text, k_fused, k_ident, compiled_eager, args, gen))
+        results["shapes"].append(run_shape(text, k_fused, k_ident, compiled_eager, args, gen, variants))
     print("(milliseconds per call, medians; fused/id: fused epilogue over our identity GEMM)")
     if compile_note:
         print(compile_note)
         results["torch_compile_note"] = compile_note
 
+    if args.no_extras:
+        return
     # ---- host overhead per call ----
     a = torch.randn(128, 128, device="cuda").half()
     b = torch.randn(128, 128, device="cuda").half()
