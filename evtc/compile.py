@@ -247,7 +247,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
         knobs["epi_stages"] = 2
     try:
         cfg = GemmConfig(**knobs).validate()
-        cfg = _fit_load_stages(cfg, emitted, signature, user_set="load_stages" in knobs)
+        cfg = _plan_epilogue_loads(cfg, emitted, signature, knobs)
     except (ConfigError, TypeError) as exc:
         raise CompileError(f"configuration: {exc}", loc) from None
 
@@ -287,16 +287,44 @@ def _visitor_smem(emitted, signature, cfg, load_stages: int) -> int:
                for o in inputs + outputs[1:])
 
 
-def _fit_load_stages(cfg, emitted, signature, *, user_set: bool):
-    """Fewer epilogue-load stages (at least 2) when the default depth would cost an A/B stage."""
-    if user_set or not any(p.kind in ("tile", "row", "col") for p in emitted.inputs):
+def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
+    """Stage the epilogue's loads for a whole tile where shared memory allows.
+
+    At small K the epilogue's memory traffic is what a fused epilogue costs; loads staged for the
+    whole tile land while the mainloop runs. The A/B pipeline may go down to OVERLAP_AB_STAGES for
+    it (measured to cost nothing on the H100). Where a whole tile of 128x32 subtiles does not fit
+    (16-bit C: 64 KiB plus D staging), 128x16 subtiles are tried unless the user chose
+    `epi_tile_n`. Otherwise the deepest staging that keeps that many A/B stages wins, and failing
+    that the old rule: at least 2 stages, as deep as costs no A/B stage.
+    """
+    from .codegen.config import OVERLAP_AB_STAGES, ConfigError
+
+    if "load_stages" in knobs or not any(p.kind in ("tile", "row", "col") for p in emitted.inputs):
         return cfg
-    best = cfg.c_stages
-    floor = min(2, best)
+    candidates = [cfg] if "epi_tile_n" in knobs else [cfg, cfg.replace(epi_tile_n=16)]
+    best = None
+    for cand in candidates:
+        for depth in range(cand.num_subtiles, 1, -1):
+            planned = cand.replace(load_stages=depth)
+            try:
+                ab = planned.plan_stages(_visitor_smem(emitted, signature, planned, depth))[0]
+            except ConfigError:
+                continue
+            if ab >= OVERLAP_AB_STAGES:
+                covered = depth / cand.num_subtiles
+                if best is None or covered > best[0]:
+                    best = (covered, planned)
+                break
+        if best is not None and best[0] == 1:
+            break
+    if best is not None:
+        return best[1]
+    depth = cfg.c_stages
+    floor = min(2, depth)
     ab_at_floor = cfg.plan_stages(_visitor_smem(emitted, signature, cfg, floor))[0]
-    while best > floor and cfg.plan_stages(_visitor_smem(emitted, signature, cfg, best))[0] < ab_at_floor:
-        best -= 1
-    return cfg.replace(load_stages=best) if best != cfg.c_stages else cfg
+    while depth > floor and cfg.plan_stages(_visitor_smem(emitted, signature, cfg, depth))[0] < ab_at_floor:
+        depth -= 1
+    return cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg
 
 
 def clear_memory_cache() -> None:

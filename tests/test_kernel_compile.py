@@ -207,7 +207,12 @@ def test_config_validation(bad):
 def test_stage_budget():
     cfg = G()
     ab, d = cfg.plan_stages(0)
-    assert ab == 4 and d >= 2
+    # Default: D staged for the whole 128x256 tile (8 subtiles of 128x32) and 3 A/B stages in the
+    # rest of the 227 KiB; an explicit epi_stages=2 leaves room for 4 A/B stages.
+    assert (ab, d) == (3, cfg.num_subtiles) == (3, 8)
+    stage_bytes = cfg.ab_bytes_per_stage() * ab + cfg.d_bytes_per_stage() * d
+    assert stage_bytes <= 232448 - 2048
+    assert G(epi_stages=2).plan_stages(0) == (4, 2)
     # A visitor that wants most of shared memory leaves too few A/B stages: a clear error.
     with pytest.raises(ConfigError, match="stage"):
         cfg.plan_stages(200 * 1024)

@@ -30,6 +30,11 @@ SM90_SMEM_BYTES = 232448
 SMEM_RESERVED_BYTES = 2048
 MIN_AB_STAGES = 2
 MAX_AB_STAGES = 8
+# The A/B depth that whole-tile epilogue staging may bring the pipeline down to.  At small K the
+# epilogue's own memory traffic (D stores, C loads) is what costs: staged for a whole tile it drains
+# or lands during the next tile's mainloop.  On the H100, 3 stages of 128x256x64 kept the mainloop
+# as fast as 4 (docs/performance.md, 2026-11-22).
+OVERLAP_AB_STAGES = 3
 
 # Threads: one producer warpgroup (warp 0: A/B loads; warp 1: epilogue loads) + two consumer
 # warpgroups.  Register budgets are moved with setmaxnreg: 40 * 128 + 232 * 256 = 64512 <= 65536.
@@ -106,7 +111,8 @@ class GemmConfig:
 
         The epilogue's buffers are reserved first and the A/B pipeline gets what is left.  When
         ``epi_stages`` is not set, D gets 2 buffers (one draining while the next is written) and then
-        more, up to one per subtile (at most 8), for as long as that costs no A/B stage.
+        more, up to one per subtile (the whole tile), for as long as the A/B pipeline keeps
+        ``OVERLAP_AB_STAGES`` (or what it had with 2 D buffers, if that is fewer).
         """
         free = SM90_SMEM_BYTES - SMEM_RESERVED_BYTES - visitor_smem_bytes
 
@@ -117,9 +123,8 @@ class GemmConfig:
             d_stages = self.epi_stages
         else:
             d_stages = 2
-            while d_stages < min(self.num_subtiles, 8) and ab_fit(d_stages + 1) >= min(
-                ab_fit(2), MAX_AB_STAGES
-            ):
+            keep = min(ab_fit(2), OVERLAP_AB_STAGES)
+            while d_stages < self.num_subtiles and ab_fit(d_stages + 1) >= keep:
                 d_stages += 1
         fit = ab_fit(d_stages)
         if self.ab_stages is not None:
