@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from timing import time_paired  # noqa: E402  (bench/ is on sys.path: the script's own folder)
 
 import evtc  # noqa: E402
 
@@ -46,25 +46,6 @@ def identity(acc):
 
 def eager(a, b, C, bias, alpha: float, beta: float):
     return torch.relu(alpha * torch.matmul(a, b) + beta * C + bias)
-
-
-def time_paired(fns, warmup: int, samples: int, reps: int) -> list[float]:
-    """Median milliseconds per call of each of ``fns``, sampled in alternation."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(samples):
-        for i, fn in enumerate(fns):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end) / reps)
-    return [statistics.median(t) for t in times]
 
 
 def host_us_per_call(fn, calls: int = 2000) -> float:

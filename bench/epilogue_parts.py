@@ -10,17 +10,13 @@ GEMM of the same run. Each result is checked against torch first.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
 import sys
 
 import torch
+from epilogue import parse_configs  # bench/ is on sys.path: the script's own folder
+from timing import time_paired
 
 import evtc
-
-_spec = importlib.util.spec_from_file_location("bench_gemm", pathlib.Path(__file__).with_name("gemm.py"))
-_gemm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_gemm)
 
 PARTS = {
     "identity": (lambda acc: acc, ()),
@@ -44,8 +40,6 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from epilogue import parse_configs  # bench/ is on sys.path when run as a script
-
     config = (parse_configs(args.config) or [None])[0]
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}; config {config or 'default'}")
@@ -71,7 +65,7 @@ def main() -> None:
             outs = k_(a, b, **kw)
             fns.append(lambda k_=k_, kw=kw, outs=outs, a=a, b=b: k_(a, b, out=outs, **kw))
             labels.append(name)
-        times = _gemm.time_paired(fns, 5, args.samples, args.reps)
+        times = time_paired(fns, 5, args.samples, args.reps)
         ident = times[labels.index("identity")]
         print(f"--- {text}")
         for label, t in zip(labels, times, strict=True):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from timing import time_paired  # noqa: E402  (bench/ is on sys.path: the script's own folder)
 
 from evtc.codegen.config import GemmConfig  # noqa: E402
 from evtc.codegen.runtime import compile_gemm  # noqa: E402
@@ -44,35 +44,6 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 def parse_cluster(text: str) -> tuple[int, int]:
     cm, cn = (int(x) for x in text.lower().split("x"))
     return cm, cn
-
-
-def time_ms(fn, warmup: int, samples: int, reps: int) -> float:
-    """Median milliseconds per call of ``fn`` on the current stream."""
-    return time_paired([fn], warmup, samples, reps)[0]
-
-
-def time_paired(fns, warmup: int, samples: int, reps: int) -> list[float]:
-    """Median milliseconds per call of each of ``fns``, timed in alternation.
-
-    Each sample times every function once (``reps`` back-to-back launches between two events), so
-    clock and temperature drift during the run affect all of them alike.
-    """
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(samples):
-        for fn, bucket in zip(fns, times, strict=True):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            bucket.append(start.elapsed_time(end) / reps)
-    return [statistics.median(bucket) for bucket in times]
 
 
 def make_cublas(a, b, c, ref, alpha, beta):
