@@ -14,6 +14,7 @@ runtime arguments; only the config and the visitor's ``cache_key`` select a kern
 from __future__ import annotations
 
 import functools
+import tempfile
 import threading
 import warnings
 
@@ -268,11 +269,18 @@ def compile_gemm(config: GemmConfig, visitor: EpilogueVisitor | None = None) -> 
         # An empty visitor-argument tuple is "not a JitArgument": harmless, it simply has no values.
         warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
         compiled = cute.compile(kernel, a, b, d, epi, cutlass.Int32(1), cuda.CUstream(0),
-                                options=COMPILE_OPTIONS)
+                                options=f"{COMPILE_OPTIONS} --dump-dir={_dump_dir()}")
     result = CompiledGemm(config, visitor, compiled, kernel)
     with _CACHE_LOCK:
         _CACHE.setdefault(key, result)
         return _CACHE[key]
+
+
+@functools.cache
+def _dump_dir() -> str:
+    """Where the DSL writes the PTX and cubin it keeps: one temporary folder per process, never the
+    caller's working directory."""
+    return tempfile.mkdtemp(prefix="evtc-gemm-")
 
 
 def config_for(a, b, d, **overrides) -> GemmConfig:
