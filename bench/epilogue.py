@@ -110,7 +110,7 @@ def parse_configs(text: str) -> list[dict]:
         for pair in item.split(","):
             key, value = (x.strip() for x in pair.split("="))
             cfg[key] = tuple(int(v) for v in value.split("x")) if key == "cluster" else (
-                value if key == "raster" else int(value))
+                value if key in ("raster", "schedule") else int(value))
         configs.append(cfg)
     return configs
 

@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--epi-stages", type=int, default=None, help="D staging buffers (default: auto)")
     p.add_argument("--swizzle", default="8", help="comma list of raster swizzle widths")
     p.add_argument("--raster", default="m", help="comma list of raster orders (m, n)")
+    p.add_argument("--schedule", default="cooperative",
+                   help="comma list of consumer schedules (cooperative, pingpong)")
     p.add_argument("--a-major", default="k", choices=["k", "m"])
     p.add_argument("--b-major", default="k", choices=["k", "n"],
                    help="k: B = W.T with W (N, K) row-major (nn.Linear weights); n: B (K, N) row-major")
@@ -110,12 +112,14 @@ def main() -> None:
 
         knobs = itertools.product(parse_list(args.tile_n, int), parse_list(args.cluster, parse_cluster),
                                   parse_list(args.epi, int), parse_list(args.swizzle, int),
-                                  parse_list(args.raster))
-        for tile_n, cluster, epi_n, swizzle, raster in knobs:
+                                  parse_list(args.raster), parse_list(args.schedule))
+        for tile_n, cluster, epi_n, swizzle, raster, schedule in knobs:
             cfg = GemmConfig(ab_dtype=ab_name, d_dtype=d_name, a_major=args.a_major, b_major=args.b_major,
                              d_major="n", tile_n=tile_n, cluster=cluster, epi_tile_n=epi_n,
-                             epi_stages=args.epi_stages, swizzle=swizzle, raster=raster)
-            label = f"128x{tile_n} c{cluster[0]}x{cluster[1]} epi{epi_n} sw{swizzle}{raster}"
+                             epi_stages=args.epi_stages, swizzle=swizzle, raster=raster,
+                             schedule=schedule)
+            label = (f"{cfg.tile_m}x{tile_n} c{cluster[0]}x{cluster[1]} epi{epi_n} sw{swizzle}{raster}"
+                     + (" pp" if schedule == "pingpong" else ""))
             try:
                 cfg.validate()
                 visitor = Identity() if c is None else LinearCombination(d_name, "n")

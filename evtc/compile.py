@@ -282,7 +282,7 @@ def _visitor_smem(emitted, signature, cfg, load_stages: int) -> int:
     from .codegen.emit import operand_objects
 
     inputs, outputs = operand_objects(emitted, signature.tile_majors, signature.batched)
-    stores = cfg.epi_stages if cfg.epi_stages is not None else 2
+    stores = (cfg.epi_stages if cfg.epi_stages is not None else 2) * cfg.epi_groups
     return sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, load_stages, stores)
                for o in inputs + outputs[1:])
 

@@ -106,3 +106,42 @@ def test_uniform_values_are_computed_once_per_tile():
     fragment = src[src.index("def fragment"):]
     assert "op.exp(" in uniform and "op.sqrt(" in uniform
     assert "op.exp(" not in fragment and "op.sqrt(" not in fragment
+
+
+def _relu_lincomb_bias_aux(acc, C, bias, alpha: float, beta: float):
+    pre = alpha * acc + beta * C + bias
+    return torch.relu(pre), pre.to(torch.bfloat16)
+
+
+def test_pingpong_fused_epilogue_compiles(tmp_path):
+    """relu(alpha*acc + beta*C + bias) with a row bias and an aux output under the pingpong schedule."""
+    import re
+    import shutil
+    import subprocess
+
+    inputs = {
+        "a": torch.empty(256, 128, dtype=torch.float16, device="meta"),
+        "b": torch.empty(128, 512, dtype=torch.float16, device="meta"),
+        "C": torch.empty(256, 512, dtype=torch.float16, device="meta"),
+        "bias": torch.empty(512, dtype=torch.float32, device="meta"),
+        "alpha": 1.5,
+        "beta": 0.5,
+    }
+    k = evtc.compile(_relu_lincomb_bias_aux, inputs, config={"schedule": "pingpong"},
+                     cache_dir=str(tmp_path))
+    assert k.config.schedule == "pingpong" and k.config.tile_shape_mnk[0] == 64
+    ptx = k.ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx
+    assert len(TMA_LOAD.findall(ptx)) > 2
+    assert len(TMA_STORE.findall(ptx)) >= 2
+    assert "stmatrix" in ptx and "setmaxnreg.inc" in ptx
+    assert re.search(r"bar\.arrive\s+%r\d+, 256;", ptx)
+    ptxas = shutil.which("ptxas")
+    if ptxas is not None:
+        (tmp_path / "k.ptx").write_text(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                              str(tmp_path / "k.cubin")], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        report = out.stdout + out.stderr
+        assert all(s == ("0", "0") for s in
+                   re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)), report

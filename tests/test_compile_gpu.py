@@ -148,3 +148,34 @@ def test_empty_problem_returns_empty_outputs(cache_dir):
     inputs = make_inputs(e, 0, 512, 64, None, torch.float16, device="cuda")
     out = k(inputs["a"], inputs["b"], C=inputs["C"], bias=inputs["bias"], alpha=1.0, beta=1.0)
     assert out.shape == (0, 512)
+
+
+# ---- pingpong schedule --------------------------------------------------------------------------
+
+PINGPONG_ENTRIES = ["relu_lincomb_bias", "col_and_row", "every_kind", "float32_c", "aux_outputs",
+                    "fp8_e4m3_aux", "four_outputs", "batched_operands", "batched_two_outputs",
+                    "config_cluster2x1"]
+
+
+@pytest.mark.parametrize("name", PINGPONG_ENTRIES)
+def test_catalogue_pingpong(name, tmp_path):
+    e = _entry(name)
+    batch = 2 if e.batched else None
+    example = make_inputs(e, 256, 512, 128, batch, torch.float16)
+    k = evtc.compile(e.fn, example, out_dtypes=e.out_dtypes,
+                     config={**(e.config or {}), "schedule": "pingpong"}, cache_dir=str(tmp_path))
+    assert k.config.schedule == "pingpong"
+    shapes = BATCHED if e.batched else [(64, 256, 16, None), *UNBATCHED, (8192, 768, 256, None)]
+    for m, n, kk, b in shapes:
+        inputs = make_inputs(e, m, n, kk, b, torch.float16, device="cuda", seed=m + n)
+        operands = {nm: v for nm, v in inputs.items() if nm not in ("a", "b")}
+        ref = evtc.reference(e.fn, inputs)
+        out = _poisoned_like(k(inputs["a"], inputs["b"], **operands))
+        result = k(inputs["a"], inputs["b"], out=out, **operands)
+        torch.cuda.synchronize()
+        _check(result, ref, f"{name} pingpong {(m, n, kk, b)}")
+        first = [v.clone() for _, v in _flatten(result)]
+        again = k(inputs["a"], inputs["b"], **operands)
+        torch.cuda.synchronize()
+        for x, y in zip(first, [v for _, v in _flatten(again)], strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{name}: runs differ"

@@ -47,6 +47,22 @@ MATRIX = [
     (G(cluster=(2, 1)), LinearCombination("float16", "m")),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", cluster=(1, 2), tile_n=128, epi_tile_n=64),
      LinearCombination("float16", "n")),
+    # Pingpong schedule: one 64 x tile_n tile per consumer warpgroup.
+    (G(schedule="pingpong"), Identity()),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", a_major="m", b_major="k"), Identity()),
+    (G(schedule="pingpong", d_dtype="float32", d_major="m", tile_n=128, epi_tile_n=64), Identity()),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="float32", epi_tile_n=16), Identity()),
+    (G(schedule="pingpong", tile_n=64, epi_tile_n=64, b_major="k"), Identity()),
+    (G(schedule="pingpong", cluster=(2, 1)), Identity()),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2), tile_n=128),
+     Identity()),
+    (G(schedule="pingpong"), LinearCombination("float16", "n")),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", tile_n=128,
+       epi_tile_n=16), LinearCombination("bfloat16", "m")),
+    # (at tile_n=256 this one spills 8 bytes under pingpong: 168 registers is ptxas's cap)
+    (G(schedule="pingpong", d_dtype="float32", tile_n=128, epi_tile_n=64),
+     LinearCombination("float32", "n")),
+    (G(schedule="pingpong", cluster=(2, 1), a_major="m"), LinearCombination("float16", "m")),
 ]
 
 
@@ -94,6 +110,11 @@ def test_ptx_has_the_sm90_instructions(compiled):
         assert ".multicast::cluster" not in ptx
     if isinstance(compiled.visitor, LinearCombination) and compiled.visitor.c_dtype_name != "float32":
         assert "ldmatrix" in ptx
+    if cfg.schedule == "pingpong":
+        # Mainloop turn-taking between the two consumer warpgroups.
+        assert re.search(r"bar\.arrive\s+%r\d+, 256;", ptx)
+        assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx)
+        assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
 
 
 def test_no_local_memory_spills(compiled, tmp_path):
@@ -197,7 +218,7 @@ def test_infer_majors_and_config_for():
 @pytest.mark.parametrize("bad", [
     dict(ab_dtype="float32"), dict(d_dtype="int8"), dict(a_major="n"), dict(b_major="m"),
     dict(d_major="k"), dict(tile_n=96), dict(cluster=(2, 2)), dict(epi_tile_n=8),
-    dict(tile_n=64, epi_tile_n=64, ab_stages=1), dict(raster="z"),
+    dict(tile_n=64, epi_tile_n=64, ab_stages=1), dict(raster="z"), dict(schedule="pingpang"),
 ])
 def test_config_validation(bad):
     with pytest.raises(ConfigError):
@@ -218,6 +239,19 @@ def test_stage_budget():
         cfg.plan_stages(200 * 1024)
     with pytest.raises(ConfigError, match="ab_stages=8"):
         G(ab_stages=8).plan_stages(0)
+
+
+def test_pingpong_shapes_and_stage_budget():
+    cfg = G(schedule="pingpong")
+    assert cfg.tile_shape_mnk == (64, 256, 64) and cfg.epi_tile == (64, 32) and cfg.epi_groups == 2
+    assert G().tile_m == 128 and G().epi_groups == 1
+    # Each warpgroup stages its whole 64x256 tile of D (8 buffers of 64x32, 2 x 32 KiB in all); the
+    # smaller A tile leaves room for 4 A/B stages of 64x256x64.
+    ab, d = cfg.plan_stages(0)
+    assert (ab, d) == (4, 8)
+    assert cfg.d_bytes_per_stage() == 2 * 64 * 32 * 2
+    assert ab * cfg.ab_bytes_per_stage() + d * cfg.d_bytes_per_stage() <= 232448 - 2048
+    assert "pingpong" in cfg.short_name() and "pingpong" not in G().short_name()
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,batches,cluster,raster_m,swizzle", [

@@ -240,3 +240,86 @@ def test_runs_on_the_current_stream():
         out = d.float().clone()  # ordered after the kernel on the same stream
     stream.synchronize()
     check(out, a.float() @ b.float(), "side stream")
+
+
+# ---- pingpong schedule ------------------------------------------------------------------------
+# Smallest problems first: a hang here is a pipeline-phase or order-barrier mismatch, and the first
+# test that hangs names the case.  PP_ODD covers CTAs with 0 or 1 tiles (every small case), k_tiles
+# below the A/B stage count (K=16, K=64), and an odd number of tiles on some CTAs
+# (8192x768: 384 tiles of 64x256 over at most 132 CTAs).
+
+PP_ODD = [(8, 8, 8), (64, 256, 64), (128, 256, 64), (192, 512, 16), (264, 520, 1032),
+          (1000, 1000, 1000), (1, 4096, 4096), (4096, 8, 4096), (4096, 4096, 16), (8192, 768, 256)]
+
+
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)], ids=["c1x1", "c2x1", "c1x2"])
+@pytest.mark.parametrize("ab", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k", PP_ODD, ids=[f"{m}x{n}x{k}" for m, n, k in PP_ODD])
+def test_pingpong_odd_shapes(m, n, k, ab, cluster):
+    cfg = GemmConfig(schedule="pingpong", ab_dtype=ab, d_dtype=ab, cluster=cluster, b_major="k")
+    d, ref, _ = run_case(cfg, Identity(), m, n, k)
+    check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
+
+
+PP_KNOBS = [
+    GemmConfig(schedule="pingpong", a_major="m", d_major="m"),
+    GemmConfig(schedule="pingpong", d_dtype="float32", tile_n=128, epi_tile_n=64),
+    GemmConfig(schedule="pingpong", ab_dtype="bfloat16", tile_n=64, epi_tile_n=16),
+    GemmConfig(schedule="pingpong", epi_stages=2),
+]
+
+
+@pytest.mark.parametrize("cfg", PP_KNOBS, ids=lambda c: c.short_name())
+def test_pingpong_knobs(cfg):
+    d, ref, _ = run_case(cfg, Identity(), 600, 712, 520)
+    check(d, ref, cfg.short_name())
+
+
+@pytest.mark.parametrize("cfg", [
+    GemmConfig(schedule="pingpong"),
+    GemmConfig(schedule="pingpong", cluster=(2, 1), ab_dtype="bfloat16", d_dtype="float32", d_major="m"),
+], ids=lambda c: c.short_name())
+def test_pingpong_batched(cfg):
+    d, ref, _ = run_case(cfg, Identity(), 392, 264, 520, batches=3, batched=True)
+    check(d, ref, cfg.short_name())
+    for i in range(3):
+        check(d[i], ref[i], f"batch {i}")
+
+
+PP_LINCOMB = [
+    (GemmConfig(schedule="pingpong"), "float16", "n"),
+    (GemmConfig(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m"), "bfloat16", "m"),
+    (GemmConfig(schedule="pingpong", d_dtype="float32", tile_n=128, epi_tile_n=64), "float32", "n"),
+    (GemmConfig(schedule="pingpong", cluster=(2, 1), a_major="m"), "float16", "m"),
+    (GemmConfig(schedule="pingpong", cluster=(1, 2), epi_tile_n=16), "float16", "n"),
+    (GemmConfig(schedule="pingpong", tile_n=64, epi_tile_n=64, load_stages=1), "float16", "n"),
+]
+
+
+@pytest.mark.parametrize("cfg,c_dtype,c_major", PP_LINCOMB,
+                         ids=[f"{c.short_name()} C{t}{m}" for c, t, m in PP_LINCOMB])
+def test_pingpong_linear_combination(cfg, c_dtype, c_major):
+    for m, n, k in [(64, 256, 16), (600, 712, 1032), (8192, 768, 256)]:
+        d, ref, _ = run_case(cfg, LinearCombination(c_dtype, c_major), m, n, k)
+        check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
+
+
+def test_pingpong_linear_combination_batched():
+    cfg = GemmConfig(schedule="pingpong", cluster=(2, 1))
+    d, ref, _ = run_case(cfg, LinearCombination("float16", "n"), 1000, 1000, 1000, batches=3, batched=True)
+    check(d, ref, "batched lincomb pingpong")
+
+
+@pytest.mark.parametrize("cfg,visitor", [
+    (GemmConfig(schedule="pingpong"), Identity()),
+    (GemmConfig(schedule="pingpong", cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
+], ids=["pingpong-c1x1", "pingpong-c2x1-lincomb"])
+def test_pingpong_repeated_runs_bitwise_equal(cfg, visitor):
+    d, ref, (gemm, a, b, kwargs) = run_case(cfg, visitor, 2048, 2048, 2048)
+    check(d, ref)
+    first = d.clone()
+    for _ in range(3):
+        d.fill_(float("nan"))
+        gemm(a, b, d, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(d, first)

@@ -17,6 +17,10 @@ D_DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 TILE_M = 128  # two consumer warpgroups, 64 rows each (cooperative schedule)
+# Ping-pong schedule: each consumer warpgroup owns a whole 64 x tile_n tile (one m64nN wgmma per k16
+# step, tile_n / 2 fp32 accumulator registers per thread, as the cooperative schedule).
+PINGPONG_TILE_M = 64
+SCHEDULES = ("cooperative", "pingpong")
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
 TILE_NS = (64, 128, 256)
 EPI_TILE_NS = (16, 32, 64)
@@ -75,15 +79,28 @@ class GemmConfig:
     ab_stages: int | None = None
     raster: str = "m"
     swizzle: int = 8
+    schedule: str = "cooperative"
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
+    def tile_m(self) -> int:
+        """Rows of one output tile: 128 (cooperative: both consumer warpgroups) or 64 (pingpong:
+        one consumer warpgroup)."""
+        return PINGPONG_TILE_M if self.schedule == "pingpong" else TILE_M
+
+    @property
+    def epi_groups(self) -> int:
+        """Epilogues that run at once, each with its own D (and extra-output) staging buffers:
+        1 (cooperative) or 2 (pingpong, one per consumer warpgroup)."""
+        return 2 if self.schedule == "pingpong" else 1
+
+    @property
     def tile_shape_mnk(self) -> tuple[int, int, int]:
-        return (TILE_M, self.tile_n, TILE_K)
+        return (self.tile_m, self.tile_n, TILE_K)
 
     @property
     def epi_tile(self) -> tuple[int, int]:
-        return (TILE_M, self.epi_tile_n)
+        return (self.tile_m, self.epi_tile_n)
 
     @property
     def num_subtiles(self) -> int:
@@ -97,14 +114,15 @@ class GemmConfig:
         pipeline keeps its depth, at least 2 so a load can land while the previous one is read."""
         if self.load_stages is not None:
             return self.load_stages
-        by_bytes = (32 * 1024) // (TILE_M * self.epi_tile_n * 2)
+        by_bytes = (32 * 1024) // (self.tile_m * self.epi_tile_n * 2)
         return max(1, min(self.num_subtiles, max(2, min(4, by_bytes))))
 
     def d_bytes_per_stage(self) -> int:
-        return TILE_M * self.epi_tile_n * DTYPE_BYTES[self.d_dtype]
+        """D staging bytes of one stage of every concurrent epilogue (``epi_groups`` of them)."""
+        return self.epi_groups * self.tile_m * self.epi_tile_n * DTYPE_BYTES[self.d_dtype]
 
     def ab_bytes_per_stage(self) -> int:
-        return (TILE_M + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
+        return (self.tile_m + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
 
     def plan_stages(self, visitor_smem_bytes: int = 0) -> tuple[int, int]:
         """(A/B stages, D stages) for a visitor that needs ``visitor_smem_bytes`` of shared memory.
@@ -178,6 +196,8 @@ class GemmConfig:
             bad(f"raster must be 'm' or 'n', got {self.raster!r}")
         if not 1 <= self.swizzle <= 64:
             bad(f"swizzle must be in [1, 64], got {self.swizzle}")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         return self
 
     def replace(self, **changes) -> GemmConfig:
@@ -186,7 +206,9 @@ class GemmConfig:
     def short_name(self) -> str:
         """A compact, readable identifier (bench tables, test ids)."""
         ab = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-        return (
+        name = (
             f"{ab[self.ab_dtype]}->{ab[self.d_dtype]} A{self.a_major}B{self.b_major}D{self.d_major} "
-            f"128x{self.tile_n} c{self.cluster[0]}x{self.cluster[1]} epi128x{self.epi_tile_n}"
+            f"{self.tile_m}x{self.tile_n} c{self.cluster[0]}x{self.cluster[1]} "
+            f"epi{self.tile_m}x{self.epi_tile_n}"
         )
+        return name + " pingpong" if self.schedule == "pingpong" else name

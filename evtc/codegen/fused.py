@@ -53,7 +53,7 @@ class FusedVisitor(EpilogueVisitor):
                 tuple(o.cache_key() for o in self.outputs))
 
     def smem_bytes(self, config: GemmConfig, load_stages: int) -> int:
-        stores = config.epi_stages if config.epi_stages is not None else 2
+        stores = (config.epi_stages if config.epi_stages is not None else 2) * config.epi_groups
         return sum(o.smem_bytes(config.tile_shape_mnk[:2], config.epi_tile, load_stages, stores)
                    for o in self.operands)
 

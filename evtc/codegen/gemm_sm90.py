@@ -36,7 +36,6 @@ from .config import (
     NUM_THREADS,
     PRODUCER_REGS,
     TILE_K,
-    TILE_M,
     GemmConfig,
 )
 from .dtypes import cutlass_dtype
@@ -44,7 +43,10 @@ from .scheduler import TileScheduler
 from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
 
 # Named barrier ids (0 is __syncthreads).  The visitor gets EPILOGUE through ctx.barrier.
+# Pingpong: consumer warpgroup w (0 or 1) has epilogue barrier EPILOGUE_BARRIER_ID + w, and waits
+# for its mainloop turn on ORDER_BARRIER_ID + w.
 EPILOGUE_BARRIER_ID = 1
+ORDER_BARRIER_ID = 3
 WARPGROUP_THREADS = 128
 MAINLOOP_WARP = 0
 EPILOGUE_LOAD_WARP = 1
@@ -71,6 +73,8 @@ class Sm90GemmKernel:
         self.b_layout = LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else LayoutEnum.COL_MAJOR
         self.d_layout = LayoutEnum.ROW_MAJOR if cfg.d_major == "n" else LayoutEnum.COL_MAJOR
         self.tile_shape_mnk = cfg.tile_shape_mnk
+        self.tile_m = cfg.tile_m
+        self.pingpong = cfg.schedule == "pingpong"
         self.cluster = tuple(cfg.cluster)
         # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
         self.a_mcast = self.cluster[1]
@@ -82,14 +86,16 @@ class Sm90GemmKernel:
         self.ab_stages, self.d_stages = cfg.plan_stages(visitor_smem)
         self.shape = EpilogueShape(
             config=cfg,
-            tile=(TILE_M, cfg.tile_n),
+            tile=(self.tile_m, cfg.tile_n),
             epi_tile=cfg.epi_tile,
             num_subtiles=cfg.num_subtiles,
             load_stages=self.load_stages,
-            store_stages=self.d_stages,
+            # Pingpong: the two warpgroups' D buffers, WG w owning [w * d_stages, (w + 1) * d_stages).
+            store_stages=self.d_stages * cfg.epi_groups,
             acc_dtype=self.acc_dtype,
             d_dtype=self.d_dtype,
             d_layout=self.d_layout,
+            num_threads=WARPGROUP_THREADS * (2 // cfg.epi_groups),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -118,7 +124,8 @@ class Sm90GemmKernel:
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            (2, 1, 1),  # two consumer warpgroups stacked along M
+            # cooperative: two consumer warpgroups stacked along M; pingpong: one per tile
+            (1, 1, 1) if self.pingpong else (2, 1, 1),
             tiler_mn=(64, self.tile_shape_mnk[1]),
         )
         a_smem_staged = sm90_utils.make_smem_layout_a(
@@ -128,7 +135,7 @@ class Sm90GemmKernel:
             self.b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages
         )
         d_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.d_dtype, self.d_layout, self.shape.epi_tile, self.d_stages
+            self.d_dtype, self.d_layout, self.shape.epi_tile, self.shape.store_stages
         )
 
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
@@ -136,7 +143,7 @@ class Sm90GemmKernel:
             else cpasync.CopyBulkTensorTileG2SMulticastOp(),
             mA,
             cute.slice_(a_smem_staged, (None, None, 0)),
-            (TILE_M, TILE_K),
+            (self.tile_m, TILE_K),
             num_multicast=self.a_mcast,
         )
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
@@ -204,6 +211,18 @@ class Sm90GemmKernel:
     # ------------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _skip_tile(self, k_tiles: Int32, read_state, release_state, load_state):
+        """Pingpong: step this warpgroup's pipeline states over the other warpgroup's tile (its
+        ``k_tiles`` A/B stages and ``num_subtiles`` epilogue-load stages)."""
+        for _k in cutlass.range(k_tiles, unroll=1):
+            read_state.advance()
+            release_state.advance()
+        if cutlass.const_expr(self.has_epi_loads):
+            for _i in cutlass.range_constexpr(self.shape.num_subtiles):
+                load_state.advance()
+        return read_state, release_state, load_state
+
     @cute.kernel
     def kernel(
         self,
@@ -250,12 +269,14 @@ class Sm90GemmKernel:
             self.ab_dtype, b_stage_layout
         )
         # Every consumer warp releases a stage to each CTA that multicast into it (itself included).
+        # A stage is read by both consumer warpgroups (cooperative) or by one (pingpong).
+        consumer_warps = 4 if self.pingpong else 8
         mcast_peers = self.a_mcast + self.b_mcast - 1
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * 8),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * consumer_warps),
             tx_count=ab_tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
             defer_sync=True,
@@ -267,7 +288,7 @@ class Sm90GemmKernel:
                 barrier_storage=storage.load_barriers.data_ptr(),
                 num_stages=self.load_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
                 tx_count=self.load_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
@@ -281,7 +302,7 @@ class Sm90GemmKernel:
 
         # ---- global tiles and TMA partitions --------------------------------------------------
         # (bM, bK, tiles_m, tiles_k, L) and (bN, bK, tiles_n, tiles_k, L)
-        gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None, None))
+        gA = cute.local_tile(mA, (self.tile_m, TILE_K), (None, None, None))
         gB = cute.local_tile(mB, (self.tile_shape_mnk[1], TILE_K), (None, None, None))
         # (bM, bN, tiles_m, tiles_n, L)
         gD = cute.local_tile(mD, self.shape.tile, (None, None, None))
@@ -364,10 +385,15 @@ class Sm90GemmKernel:
         # ======================================================================================
         if warp_group > 0:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            epi_tidx = tidx - WARPGROUP_THREADS
-
-            # wgmma partitions are per warpgroup: slice the tiled MMA at the warpgroup's first thread.
-            thr_mma = tiled_mma.get_slice((warp_group - 1) * WARPGROUP_THREADS)
+            # Pingpong: wg is this consumer warpgroup (0 or 1); it owns every other tile of the CTA.
+            wg = warp_group - 1
+            if cutlass.const_expr(self.pingpong):
+                epi_tidx = tidx - warp_group * WARPGROUP_THREADS
+                thr_mma = tiled_mma.get_slice(0)
+            else:
+                epi_tidx = tidx - WARPGROUP_THREADS
+                # wgmma partitions are per warpgroup: slice the tiled MMA at the warpgroup's first thread.
+                thr_mma = tiled_mma.get_slice((warp_group - 1) * WARPGROUP_THREADS)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape
@@ -391,16 +417,25 @@ class Sm90GemmKernel:
             frag_out = cute.make_rmem_tensor(frag_shape, self.d_dtype)
             frag_size = cute.size(frag)
 
-            epi_barrier = pipeline.NamedBarrier(
-                barrier_id=EPILOGUE_BARRIER_ID, num_threads=2 * WARPGROUP_THREADS
-            )
+            if cutlass.const_expr(self.pingpong):
+                epi_barrier = pipeline.NamedBarrier(
+                    barrier_id=EPILOGUE_BARRIER_ID + wg, num_threads=WARPGROUP_THREADS
+                )
+            else:
+                epi_barrier = pipeline.NamedBarrier(
+                    barrier_id=EPILOGUE_BARRIER_ID, num_threads=2 * WARPGROUP_THREADS
+                )
             ctx = EpilogueContext(self.shape, epi_tidx, tiled_mma, tiled_copy_c_atom, tiled_copy_r2s,
                                   frag_layout, epi_barrier)
             store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.d_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WARPGROUP_THREADS),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.shape.num_threads),
             )
-            is_store_warp = warp_idx == STORE_WARP
+            if cutlass.const_expr(self.pingpong):
+                # The first warp of each consumer warpgroup stores that warpgroup's tiles.
+                is_store_warp = warp_idx == warp_group * 4
+            else:
+                is_store_warp = warp_idx == STORE_WARP
             num_subtiles = self.shape.num_subtiles
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
@@ -409,8 +444,25 @@ class Sm90GemmKernel:
             tiles_done = Int32(0)
 
             work = Int32(first_work)
+            work_step = work_stride
+            if cutlass.const_expr(self.pingpong):
+                # The CTA's tiles alternate between the warpgroups: WG 1 starts at the second one,
+                # and both skip the other's A/B stages and epilogue-load stages in the shared rings.
+                work = first_work + wg * work_stride
+                work_step = 2 * work_stride
+                d_base = wg * self.d_stages
+                if wg > 0:
+                    read_state, release_state, load_state = self._skip_tile(
+                        k_tiles, read_state, release_state, load_state
+                    )
             while work < num_work:
                 tile_coord = sched.cta_tile(work, cta_in_cluster)
+
+                if cutlass.const_expr(self.pingpong):
+                    # Our mainloop turn: after the other warpgroup has issued the previous tile's.
+                    if wg + tiles_done > 0:
+                        cute.arch.barrier(barrier_id=ORDER_BARRIER_ID + wg,
+                                          number_of_threads=2 * WARPGROUP_THREADS)
 
                 # ---- mainloop: keep one wgmma batch in flight, release stages one behind ---------
                 acc.fill(0.0)
@@ -434,6 +486,12 @@ class Sm90GemmKernel:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
                     read_state.advance()
+                if cutlass.const_expr(self.pingpong):
+                    # Hand the tensor cores to the other warpgroup if the CTA has a next tile (so
+                    # arrivals and waits on each order barrier pair up exactly).
+                    if work + work_stride < num_work:
+                        cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
+                                                 number_of_threads=2 * WARPGROUP_THREADS)
                 warpgroup.wait_group(0)
                 if k_tiles > 0:
                     ab_pipeline.consumer_release(release_state)
@@ -462,6 +520,8 @@ class Sm90GemmKernel:
                     values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
 
                     d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
+                    if cutlass.const_expr(self.pingpong):
+                        d_stage = d_base + d_stage
                     # The D buffer about to be written must have been read out by its TMA store.
                     if is_store_warp:
                         store_pipeline.producer_acquire()
@@ -482,7 +542,11 @@ class Sm90GemmKernel:
                 self.visitor.end(ctx, vstate)
 
                 tiles_done += 1
-                work += work_stride
+                work += work_step
+                if cutlass.const_expr(self.pingpong):
+                    read_state, release_state, load_state = self._skip_tile(
+                        k_tiles, read_state, release_state, load_state
+                    )
 
             # Shared memory must stay alive until the last TMA store has read it.
             if is_store_warp:

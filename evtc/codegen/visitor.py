@@ -42,8 +42,11 @@ from .dtypes import cutlass_dtype
 class EpilogueShape:
     """Static facts about the epilogue that a visitor may rely on (host and device).
 
-    ``tile``: (128, tile_n) output tile of one CTA.  ``epi_tile``: (128, epi_n) subtile; the tile is
-    walked in ``num_subtiles`` subtiles along N, subtile ``i`` covering columns
+    ``tile``: output tile of one epilogue: (128, tile_n) for a CTA under the cooperative schedule,
+    (64, tile_n) for one consumer warpgroup under pingpong (``num_threads`` is then 128, and
+    ``store_stages`` counts both warpgroups' D buffers; each uses its own half).
+    ``epi_tile``: (tile rows, epi_n) subtile; the tile is walked in ``num_subtiles`` subtiles
+    along N, subtile ``i`` covering columns
     ``[i * epi_n, (i + 1) * epi_n)`` of the tile.  ``load_stages``: shared-memory stages a visitor
     should give each loaded operand (the epilogue-load pipeline has this many).  ``store_stages``:
     number of D staging buffers (a visitor with extra TMA stores should stage its own outputs the
@@ -72,12 +75,13 @@ class EpilogueContext:
     Attributes a visitor may use:
 
     * ``shape``: the :class:`EpilogueShape`.
-    * ``tidx``: this thread's index among the 256 epilogue threads (``Int32``).
+    * ``tidx``: this thread's index among the ``shape.num_threads`` epilogue threads (``Int32``).
     * ``tiled_mma``: the kernel's tiled MMA (for partitioning tile-shaped data like the accumulator).
     * ``tiled_copy_r2s``: the register-to-shared copy used for D; its ``retile`` / partitions define
       where each fragment value lives in the subtile.
     * ``fragment_layout``: layout of the per-thread subtile fragment passed to ``visit``.
-    * ``barrier``: a named barrier over the 256 epilogue threads (``arrive_and_wait()``).
+    * ``barrier``: a named barrier over the ``shape.num_threads`` epilogue threads
+      (``arrive_and_wait()``).
     """
 
     def __init__(self, shape: EpilogueShape, tidx, tiled_mma, tiled_copy_c_atom, tiled_copy_r2s,
