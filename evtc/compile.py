@@ -283,7 +283,9 @@ def _visitor_smem(emitted, signature, cfg, load_stages: int) -> int:
 
     inputs, outputs = operand_objects(emitted, signature.tile_majors, signature.batched)
     stores = (cfg.epi_stages if cfg.epi_stages is not None else 2) * cfg.epi_groups
-    return sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, load_stages, stores)
+    # Pingpong: each consumer warpgroup has its own ring of ``load_stages`` epilogue-load buffers.
+    buffers = load_stages * cfg.epi_groups
+    return sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, buffers, stores)
                for o in inputs + outputs[1:])
 
 
@@ -449,7 +451,7 @@ class Kernel:
             (staged / "kernel.ptx").write_text(self._ptx or "")
             compiled.export_to_c(str(staged / "kernel.o"), function_name=self.function_name)
             self._stages = {"ab": kernel.ab_stages, "d": kernel.d_stages, "load": kernel.load_stages}
-            self._smem = {"visitor": visitor.smem_bytes(self.config, kernel.load_stages),
+            self._smem = {"visitor": visitor.smem_bytes(self.config, kernel.load_buffers),
                           "load_bytes_per_subtile": kernel.load_bytes}
             entry = self._cache.commit(
                 self.key, staged, ["epilogue.py", "kernel.ptx", "kernel.o"],

@@ -129,9 +129,9 @@ def test_pingpong_fused_epilogue_compiles(tmp_path):
     }
     k = evtc.compile(_relu_lincomb_bias_aux, inputs, config={"schedule": "pingpong"},
                      cache_dir=str(tmp_path))
-    assert k.config.schedule == "pingpong" and k.config.tile_shape_mnk[0] == 64
+    assert k.config.schedule == "pingpong" and k.config.tile_shape_mnk[:2] == (128, 128)
     ptx = k.ptx
-    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx
     assert len(TMA_LOAD.findall(ptx)) > 2
     assert len(TMA_STORE.findall(ptx)) >= 2
     assert "stmatrix" in ptx and "setmaxnreg.inc" in ptx

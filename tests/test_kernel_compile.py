@@ -47,22 +47,22 @@ MATRIX = [
     (G(cluster=(2, 1)), LinearCombination("float16", "m")),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", cluster=(1, 2), tile_n=128, epi_tile_n=64),
      LinearCombination("float16", "n")),
-    # Pingpong schedule: one 64 x tile_n tile per consumer warpgroup.
+    # Pingpong schedule: one 128 x tile_n tile per consumer warpgroup (two m64 atoms along M).
     (G(schedule="pingpong"), Identity()),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", a_major="m", b_major="k"), Identity()),
-    (G(schedule="pingpong", d_dtype="float32", d_major="m", tile_n=128, epi_tile_n=64), Identity()),
+    (G(schedule="pingpong", d_dtype="float32", d_major="m", epi_tile_n=64), Identity()),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="float32", epi_tile_n=16), Identity()),
     (G(schedule="pingpong", tile_n=64, epi_tile_n=64, b_major="k"), Identity()),
     (G(schedule="pingpong", cluster=(2, 1)), Identity()),
-    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2), tile_n=128),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2), tile_n=64),
      Identity()),
     (G(schedule="pingpong"), LinearCombination("float16", "n")),
-    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", tile_n=128,
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m",
        epi_tile_n=16), LinearCombination("bfloat16", "m")),
-    # (at tile_n=256 this one spills 8 bytes under pingpong: 168 registers is ptxas's cap)
-    (G(schedule="pingpong", d_dtype="float32", tile_n=128, epi_tile_n=64),
-     LinearCombination("float32", "n")),
+    (G(schedule="pingpong", d_dtype="float32"), LinearCombination("float32", "n")),
     (G(schedule="pingpong", cluster=(2, 1), a_major="m"), LinearCombination("float16", "m")),
+    (G(schedule="pingpong", tile_n=64, epi_tile_n=16, d_major="m", load_stages=1),
+     LinearCombination("float32", "m")),
 ]
 
 
@@ -243,15 +243,24 @@ def test_stage_budget():
 
 def test_pingpong_shapes_and_stage_budget():
     cfg = G(schedule="pingpong")
-    assert cfg.tile_shape_mnk == (64, 256, 64) and cfg.epi_tile == (64, 32) and cfg.epi_groups == 2
+    assert cfg.tile_n == 128 and G().tile_n == 256 and G() == G(tile_n=256)
+    assert cfg.tile_shape_mnk == (128, 128, 64) and cfg.epi_tile == (128, 32) and cfg.epi_groups == 2
     assert G().tile_m == 128 and G().epi_groups == 1
-    # Each warpgroup stages its whole 64x256 tile of D (8 buffers of 64x32, 2 x 32 KiB in all); the
-    # smaller A tile leaves room for 4 A/B stages of 64x256x64.
+    # Each warpgroup stages its whole 128x128 tile of D (4 buffers of 128x32, 2 x 32 KiB in all),
+    # leaving 5 A/B stages of 128x128x64 (the cooperative default 128x256 gets 4).
     ab, d = cfg.plan_stages(0)
-    assert (ab, d) == (4, 8)
-    assert cfg.d_bytes_per_stage() == 2 * 64 * 32 * 2
+    assert (ab, d) == (5, 4)
+    assert cfg.d_bytes_per_stage() == 2 * 128 * 32 * 2
     assert ab * cfg.ab_bytes_per_stage() + d * cfg.d_bytes_per_stage() <= 232448 - 2048
+    # Epilogue loads: one ring per warpgroup, the two sharing the 32 KiB a cooperative ring gets.
+    assert cfg.c_stages == 2 and G().c_stages == 4
     assert "pingpong" in cfg.short_name() and "pingpong" not in G().short_name()
+    assert G(schedule="pingpong", tile_n=64).validate().tile_shape_mnk == (128, 64, 64)
+
+
+def test_pingpong_rejects_tile_n_256():
+    with pytest.raises(ConfigError, match="tile_n must be one of \\(64, 128\\)"):
+        G(schedule="pingpong", tile_n=256).validate()
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,batches,cluster,raster_m,swizzle", [

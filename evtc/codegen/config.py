@@ -17,9 +17,11 @@ D_DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 TILE_M = 128  # two consumer warpgroups, 64 rows each (cooperative schedule)
-# Ping-pong schedule: each consumer warpgroup owns a whole 64 x tile_n tile (one m64nN wgmma per k16
-# step, tile_n / 2 fp32 accumulator registers per thread, as the cooperative schedule).
-PINGPONG_TILE_M = 64
+# Ping-pong schedule: each consumer warpgroup owns a whole 128 x tile_n tile (two m64nN wgmma atoms
+# along M per k16 step, as CUTLASS's ping-pong kernels); tile_n = 128 keeps the cooperative 128
+# fp32 accumulator registers per thread, 256 would need 256 and is rejected.
+PINGPONG_TILE_NS = (64, 128)
+PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
 TILE_NS = (64, 128, 256)
@@ -71,7 +73,7 @@ class GemmConfig:
     a_major: str = "k"
     b_major: str = "n"
     d_major: str = "n"
-    tile_n: int = 256
+    tile_n: int | None = None  # None: 256 (cooperative) or 128 (pingpong)
     cluster: tuple[int, int] = (1, 1)
     epi_tile_n: int = 32
     epi_stages: int | None = None
@@ -81,12 +83,16 @@ class GemmConfig:
     swizzle: int = 8
     schedule: str = "cooperative"
 
+    def __post_init__(self) -> None:
+        if self.tile_n is None:
+            object.__setattr__(self, "tile_n", PINGPONG_TILE_N if self.schedule == "pingpong" else 256)
+
     # ---- derived shapes -------------------------------------------------------------------------
     @property
     def tile_m(self) -> int:
-        """Rows of one output tile: 128 (cooperative: both consumer warpgroups) or 64 (pingpong:
-        one consumer warpgroup)."""
-        return PINGPONG_TILE_M if self.schedule == "pingpong" else TILE_M
+        """Rows of one output tile: 128 under both schedules (cooperative: the two consumer
+        warpgroups 64 rows each; pingpong: one consumer warpgroup, two m64 atoms along M)."""
+        return TILE_M
 
     @property
     def epi_groups(self) -> int:
@@ -111,10 +117,11 @@ class GemmConfig:
         """Staged buffers for epilogue loads (C and friends); used only by visitors that load.
 
         Up to 4 subtiles in flight (as CUTLASS), at most 32 KiB of 16-bit data so that the A/B
-        pipeline keeps its depth, at least 2 so a load can land while the previous one is read."""
+        pipeline keeps its depth, at least 2 so a load can land while the previous one is read.
+        Pingpong: stages of each warpgroup's own ring (``epi_groups`` rings share the 32 KiB)."""
         if self.load_stages is not None:
             return self.load_stages
-        by_bytes = (32 * 1024) // (self.tile_m * self.epi_tile_n * 2)
+        by_bytes = (32 * 1024) // (self.epi_groups * self.tile_m * self.epi_tile_n * 2)
         return max(1, min(self.num_subtiles, max(2, min(4, by_bytes))))
 
     def d_bytes_per_stage(self) -> int:
@@ -198,6 +205,10 @@ class GemmConfig:
             bad(f"swizzle must be in [1, 64], got {self.swizzle}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "pingpong" and self.tile_n not in PINGPONG_TILE_NS:
+            bad(f"schedule='pingpong' computes a 128 x tile_n tile per consumer warpgroup: tile_n must "
+                f"be one of {PINGPONG_TILE_NS}, got {self.tile_n} (128 x {self.tile_n} fp32 accumulators "
+                f"are {self.tile_n} registers per thread, too many with the epilogue's)")
         return self
 
     def replace(self, **changes) -> GemmConfig:

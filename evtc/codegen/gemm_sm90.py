@@ -79,17 +79,20 @@ class Sm90GemmKernel:
         # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
         self.a_mcast = self.cluster[1]
         self.b_mcast = self.cluster[0]
+        # Epilogue-load stages of one ring.  Pingpong: one ring per consumer warpgroup (ring w is
+        # stages [w * load_stages, (w + 1) * load_stages) of one pipeline and of the visitor's buffers).
         self.load_stages = cfg.c_stages
+        self.load_buffers = self.load_stages * cfg.epi_groups
         self.load_bytes = visitor.load_bytes(cfg)
         self.has_epi_loads = self.load_bytes > 0
-        visitor_smem = visitor.smem_bytes(cfg, self.load_stages)
+        visitor_smem = visitor.smem_bytes(cfg, self.load_buffers)
         self.ab_stages, self.d_stages = cfg.plan_stages(visitor_smem)
         self.shape = EpilogueShape(
             config=cfg,
             tile=(self.tile_m, cfg.tile_n),
             epi_tile=cfg.epi_tile,
             num_subtiles=cfg.num_subtiles,
-            load_stages=self.load_stages,
+            load_stages=self.load_buffers,
             # Pingpong: the two warpgroups' D buffers, WG w owning [w * d_stages, (w + 1) * d_stages).
             store_stages=self.d_stages * cfg.epi_groups,
             acc_dtype=self.acc_dtype,
@@ -124,7 +127,8 @@ class Sm90GemmKernel:
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            # cooperative: two consumer warpgroups stacked along M; pingpong: one per tile
+            # cooperative: two consumer warpgroups stacked along M; pingpong: one warpgroup per
+            # 128-row tile, its partition of the tile has two m64 atoms along M (MMA_M = 2)
             (1, 1, 1) if self.pingpong else (2, 1, 1),
             tiler_mn=(64, self.tile_shape_mnk[1]),
         )
@@ -170,7 +174,7 @@ class Sm90GemmKernel:
         num_clusters = cutlass.min(sched.num_work_units(), max_clusters)
 
         ab_stages = self.ab_stages
-        load_stages = self.load_stages
+        load_stages = self.load_buffers
 
         @cute.struct
         class SharedStorage:
@@ -212,16 +216,43 @@ class Sm90GemmKernel:
     # Device side
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _skip_tile(self, k_tiles: Int32, read_state, release_state, load_state):
-        """Pingpong: step this warpgroup's pipeline states over the other warpgroup's tile (its
-        ``k_tiles`` A/B stages and ``num_subtiles`` epilogue-load stages)."""
+    def _skip_tile(self, k_tiles: Int32, read_state, release_state):
+        """Pingpong: step this warpgroup's A/B pipeline states over the other warpgroup's tile (its
+        ``k_tiles`` stages).  Safe with parity waits only because of the order barriers: a
+        warpgroup starts a mainloop after the other has waited on every stage of the previous tile,
+        so the fill before the one it waits for has always completed."""
         for _k in cutlass.range(k_tiles, unroll=1):
             read_state.advance()
             release_state.advance()
-        if cutlass.const_expr(self.has_epi_loads):
-            for _i in cutlass.range_constexpr(self.shape.num_subtiles):
-                load_state.advance()
-        return read_state, release_state, load_state
+        return read_state, release_state
+
+    def _subtile_map(self, acc_shape, frag_shape) -> list[list[int]]:
+        """Pingpong: for each subtile, the index into the retiled accumulator (shape ((V, NC), M,
+        1)) of each value of the subtile fragment (shape (V, M, Nsub)), both indexed in cute's
+        colexicographic order."""
+        v_size = cute.size(frag_shape, mode=[0])
+        m_size = cute.size(frag_shape, mode=[1])
+        n_sub = cute.size(frag_shape, mode=[2])
+        chunks = cute.size(acc_shape, mode=[0]) // v_size
+        if (cute.size(acc_shape, mode=[1]) != m_size or cute.size(acc_shape, mode=[2]) != 1
+                or chunks * v_size != cute.size(acc_shape, mode=[0])
+                or chunks != n_sub * self.shape.num_subtiles):
+            raise ValueError(f"pingpong epilogue: unexpected accumulator {acc_shape} / fragment "
+                             f"{frag_shape} shapes")
+        return [
+            [v + v_size * (e * n_sub + n) + v_size * chunks * m
+             for n in range(n_sub) for m in range(m_size) for v in range(v_size)]
+            for e in range(self.shape.num_subtiles)
+        ]
+
+    def _ring_state(self, ring, count, position, producer: bool):
+        """Pingpong: the load-pipeline state of ``position`` (subtiles loaded before, counted in
+        ``ring``'s own order) in ``ring``, whose stages start at ``ring * load_stages``."""
+        lap = position // self.load_stages
+        phase = (lap % 2) ^ 1 if producer else lap % 2
+        return pipeline.PipelineState(
+            self.load_buffers, count, ring * self.load_stages + position % self.load_stages, phase
+        )
 
     @cute.kernel
     def kernel(
@@ -286,7 +317,7 @@ class Sm90GemmKernel:
             # CTA-local: epilogue inputs are not multicast.  One release per epilogue warp.
             load_pipeline = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.load_barriers.data_ptr(),
-                num_stages=self.load_stages,
+                num_stages=self.load_buffers,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
                 tx_count=self.load_bytes,
@@ -361,24 +392,56 @@ class Sm90GemmKernel:
                 ab_pipeline.producer_tail(state)
 
             if cutlass.const_expr(self.has_epi_loads):
-                if warp_idx == EPILOGUE_LOAD_WARP:
-                    state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, self.load_stages
-                    )
-                    work = Int32(first_work)
-                    while work < num_work:
-                        tile_coord = sched.cta_tile(work, cta_in_cluster)
-                        lstate = self.visitor.load_tile(self.shape, epi_params, visitor_storage, tile_coord)
-                        for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
-                            load_pipeline.producer_acquire(state)
-                            self.visitor.load_subtile(
-                                self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
-                                load_pipeline.producer_get_barrier(state),
+                if cutlass.const_expr(self.pingpong):
+                    if warp_idx == EPILOGUE_LOAD_WARP:
+                        # Tile t of the CTA goes to ring t % 2 (warpgroup t % 2's own stages), so each
+                        # ring is an ordinary one-consumer pipeline: no skipping, no parity aliasing.
+                        work = Int32(first_work)
+                        tiles = Int32(0)
+                        while work < num_work:
+                            tile_coord = sched.cta_tile(work, cta_in_cluster)
+                            lstate = self.visitor.load_tile(
+                                self.shape, epi_params, visitor_storage, tile_coord
                             )
-                            load_pipeline.producer_commit(state)
-                            state.advance()
-                        work += work_stride
-                    load_pipeline.producer_tail(state)
+                            ring = tiles % 2
+                            base = (tiles // 2) * self.shape.num_subtiles
+                            for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
+                                state = self._ring_state(ring, base + epi_idx, base + epi_idx, True)
+                                load_pipeline.producer_acquire(state)
+                                self.visitor.load_subtile(
+                                    self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
+                                    load_pipeline.producer_get_barrier(state),
+                                )
+                                load_pipeline.producer_commit(state)
+                            tiles += 1
+                            work += work_stride
+                        # Tail: every stage of both rings handed back before the warp exits.
+                        for ring in cutlass.range_constexpr(2):
+                            base = ((tiles + 1 - ring) // 2) * self.shape.num_subtiles
+                            for i in cutlass.range_constexpr(self.load_stages):
+                                state = self._ring_state(ring, base + i, base + i, True)
+                                load_pipeline.sync_object_empty.wait(state.index, state.phase)
+                else:
+                    if warp_idx == EPILOGUE_LOAD_WARP:
+                        state = pipeline.make_pipeline_state(
+                            pipeline.PipelineUserType.Producer, self.load_stages
+                        )
+                        work = Int32(first_work)
+                        while work < num_work:
+                            tile_coord = sched.cta_tile(work, cta_in_cluster)
+                            lstate = self.visitor.load_tile(
+                                self.shape, epi_params, visitor_storage, tile_coord
+                            )
+                            for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
+                                load_pipeline.producer_acquire(state)
+                                self.visitor.load_subtile(
+                                    self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
+                                    load_pipeline.producer_get_barrier(state),
+                                )
+                                load_pipeline.producer_commit(state)
+                                state.advance()
+                            work += work_stride
+                        load_pipeline.producer_tail(state)
 
         # ======================================================================================
         # Consumer warpgroups: MMA, then the epilogue
@@ -416,6 +479,12 @@ class Sm90GemmKernel:
             frag = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
             frag_out = cute.make_rmem_tensor(frag_shape, self.d_dtype)
             frag_size = cute.size(frag)
+            if cutlass.const_expr(self.pingpong):
+                # With two m64 atoms along M the accumulator seen by the D copy is ((V, NC), 2, 1):
+                # V values of one 16-column chunk, NC chunks along N, then the atom along M; a
+                # subtile fragment is (V, 2, Nsub).  Subtile e is chunks [e * Nsub, (e + 1) * Nsub)
+                # of both M halves, so it is not a contiguous run of tRS_acc (as it is at MMA_M = 1).
+                acc_map = self._subtile_map(tRS_acc.shape, frag.shape)
 
             if cutlass.const_expr(self.pingpong):
                 epi_barrier = pipeline.NamedBarrier(
@@ -447,14 +516,13 @@ class Sm90GemmKernel:
             work_step = work_stride
             if cutlass.const_expr(self.pingpong):
                 # The CTA's tiles alternate between the warpgroups: WG 1 starts at the second one,
-                # and both skip the other's A/B stages and epilogue-load stages in the shared rings.
+                # and both skip the other's A/B stages in the shared A/B ring (epilogue loads come
+                # through per-warpgroup rings, see _ring_state).
                 work = first_work + wg * work_stride
                 work_step = 2 * work_stride
                 d_base = wg * self.d_stages
                 if wg > 0:
-                    read_state, release_state, load_state = self._skip_tile(
-                        k_tiles, read_state, release_state, load_state
-                    )
+                    read_state, release_state = self._skip_tile(k_tiles, read_state, release_state)
             while work < num_work:
                 tile_coord = sched.cta_tile(work, cta_in_cluster)
 
@@ -506,9 +574,21 @@ class Sm90GemmKernel:
                 vstate = self.visitor.begin(ctx, epi_params, visitor_storage, tile_coord)
                 for epi_idx in cutlass.range_constexpr(num_subtiles):
                     self.visitor.begin_loop(ctx, vstate, epi_idx)
-                    for v in cutlass.range_constexpr(frag_size):
-                        frag[v] = tRS_acc[epi_idx * frag_size + v]
-                    if cutlass.const_expr(self.has_epi_loads):
+                    if cutlass.const_expr(self.pingpong):
+                        for v in cutlass.range_constexpr(frag_size):
+                            frag[v] = tRS_acc[acc_map[epi_idx][v]]
+                    else:
+                        for v in cutlass.range_constexpr(frag_size):
+                            frag[v] = tRS_acc[epi_idx * frag_size + v]
+                    if cutlass.const_expr(self.has_epi_loads and self.pingpong):
+                        # Our own ring: this warpgroup's tiles_done-th tile, subtile epi_idx.
+                        position = tiles_done * num_subtiles + epi_idx
+                        ring_state = self._ring_state(wg, position, position, False)
+                        load_pipeline.consumer_wait(ring_state)
+                        self.visitor.previsit(ctx, vstate, epi_idx, ring_state.index)
+                        cute.arch.fence_view_async_shared()
+                        load_pipeline.consumer_release(ring_state)
+                    elif cutlass.const_expr(self.has_epi_loads):
                         load_pipeline.consumer_wait(load_state)
                         self.visitor.previsit(ctx, vstate, epi_idx, load_state.index)
                         # Order our generic-proxy reads before the next TMA write into the stage.
@@ -544,9 +624,7 @@ class Sm90GemmKernel:
                 tiles_done += 1
                 work += work_step
                 if cutlass.const_expr(self.pingpong):
-                    read_state, release_state, load_state = self._skip_tile(
-                        k_tiles, read_state, release_state, load_state
-                    )
+                    read_state, release_state = self._skip_tile(k_tiles, read_state, release_state)
 
             # Shared memory must stay alive until the last TMA store has read it.
             if is_store_warp:

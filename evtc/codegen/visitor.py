@@ -42,9 +42,9 @@ from .dtypes import cutlass_dtype
 class EpilogueShape:
     """Static facts about the epilogue that a visitor may rely on (host and device).
 
-    ``tile``: output tile of one epilogue: (128, tile_n) for a CTA under the cooperative schedule,
-    (64, tile_n) for one consumer warpgroup under pingpong (``num_threads`` is then 128, and
-    ``store_stages`` counts both warpgroups' D buffers; each uses its own half).
+    ``tile``: output tile of one epilogue, (128, tile_n): of a CTA under the cooperative schedule,
+    of one consumer warpgroup under pingpong (``num_threads`` is then 128, and ``store_stages`` and
+    ``load_stages`` count both warpgroups' buffers; each uses its own half).
     ``epi_tile``: (tile rows, epi_n) subtile; the tile is walked in ``num_subtiles`` subtiles
     along N, subtile ``i`` covering columns
     ``[i * epi_n, (i + 1) * epi_n)`` of the tile.  ``load_stages``: shared-memory stages a visitor
