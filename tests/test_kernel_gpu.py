@@ -246,9 +246,9 @@ def test_runs_on_the_current_stream():
 # Smallest problems first: a hang here is a pipeline-phase or order-barrier mismatch, and the first
 # test that hangs names the case.  PP_ODD covers CTAs with 0 or 1 tiles (every small case), k_tiles
 # below the A/B stage count (K=16, K=64), and an odd number of tiles on some CTAs
-# (8192x768: 384 tiles of 64x256 over at most 132 CTAs).
+# (8192x768: 384 tiles of 128x128, one per warpgroup, over at most 132 CTAs).
 
-PP_ODD = [(8, 8, 8), (64, 256, 64), (128, 256, 64), (192, 512, 16), (264, 520, 1032),
+PP_ODD = [(8, 8, 8), (64, 256, 64), (128, 128, 64), (128, 256, 64), (192, 512, 16), (264, 520, 1032),
           (1000, 1000, 1000), (1, 4096, 4096), (4096, 8, 4096), (4096, 4096, 16), (8192, 768, 256)]
 
 
@@ -266,6 +266,7 @@ PP_KNOBS = [
     GemmConfig(schedule="pingpong", d_dtype="float32", tile_n=128, epi_tile_n=64),
     GemmConfig(schedule="pingpong", ab_dtype="bfloat16", tile_n=64, epi_tile_n=16),
     GemmConfig(schedule="pingpong", epi_stages=2),
+    GemmConfig(schedule="pingpong", epi_tile_n=64, b_major="k"),
 ]
 
 
@@ -289,17 +290,20 @@ def test_pingpong_batched(cfg):
 PP_LINCOMB = [
     (GemmConfig(schedule="pingpong"), "float16", "n"),
     (GemmConfig(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m"), "bfloat16", "m"),
-    (GemmConfig(schedule="pingpong", d_dtype="float32", tile_n=128, epi_tile_n=64), "float32", "n"),
+    (GemmConfig(schedule="pingpong", d_dtype="float32"), "float32", "n"),
     (GemmConfig(schedule="pingpong", cluster=(2, 1), a_major="m"), "float16", "m"),
     (GemmConfig(schedule="pingpong", cluster=(1, 2), epi_tile_n=16), "float16", "n"),
     (GemmConfig(schedule="pingpong", tile_n=64, epi_tile_n=64, load_stages=1), "float16", "n"),
+    # a ring of 1 stage per warpgroup against 4 subtiles per tile
+    (GemmConfig(schedule="pingpong", tile_n=64, epi_tile_n=16, load_stages=1), "float16", "n"),
 ]
 
 
 @pytest.mark.parametrize("cfg,c_dtype,c_major", PP_LINCOMB,
                          ids=[f"{c.short_name()} C{t}{m}" for c, t, m in PP_LINCOMB])
 def test_pingpong_linear_combination(cfg, c_dtype, c_major):
-    for m, n, k in [(64, 256, 16), (600, 712, 1032), (8192, 768, 256)]:
+    # smallest first; (256, 128, 64) gives a CTA both warpgroups' tiles, so both load rings
+    for m, n, k in [(64, 256, 16), (256, 128, 64), (600, 712, 1032), (8192, 768, 256)]:
         d, ref, _ = run_case(cfg, LinearCombination(c_dtype, c_major), m, n, k)
         check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
 
