@@ -70,3 +70,11 @@ class OutputError(EpilogueError):
 
 class GraphError(EpilogueError):
     """An IR graph that breaks an invariant (raised by validation: a bug in a pass, not the user)."""
+
+
+class CompileError(EpilogueError):
+    """An epilogue or configuration that evtc.compile cannot build (the message says why)."""
+
+
+class CallError(EpilogueError, ValueError):
+    """A call of a compiled kernel with arguments it cannot take (the message names the argument)."""

@@ -1,0 +1,109 @@
+"""The static signature of a compiled kernel: dtypes and layouts of every tensor argument.
+
+Everything about the arguments that changes the generated code (which dim is contiguous, which
+operand is per batch) is read once from the example inputs at compile time; sizes are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import CompileError
+from .frontend.source import definition_location
+from .ir.graph import Graph
+from .ir.shapes import ONE
+
+
+def dims_of(shape) -> tuple[str, ...]:
+    return tuple("1" if d == ONE else str(d) for d in shape)
+
+
+def contiguous_dim(spec_dims: tuple[str, ...], t: torch.Tensor) -> int | None:
+    strides = t.stride()
+    candidates = [i for i, d in enumerate(spec_dims) if d != "1" and strides[i] == 1]
+    return candidates[-1] if candidates else None
+
+
+_VIEW_MODES = {
+    "tile": (("M", "N", "L"), ("M", "N")),
+    "row": (("N", "L"), ("N",)),
+    "col": (("M", "L"), ("M",)),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class KernelSignature:
+    """Everything static about one kernel besides the graph: layouts of every tensor argument."""
+
+    def __init__(self, graph: Graph, emitted, example: Mapping[str, Any], fn: Callable[..., Any]):
+        from .codegen.launch import TensorSpec
+
+        loc = definition_location(fn)
+        a, b = example["a"], example["b"]
+        if a.dim() != b.dim():
+            raise CompileError(
+                f"a is {a.dim()}-d and b is {b.dim()}-d: evtc.compile needs both batched (L, ., .) or "
+                "both unbatched; expand the unbatched one (a.expand(L, M, K).contiguous())",
+                loc,
+            )
+        batch = ("L",) if a.dim() == 3 else ()
+        if batch and a.shape[0] != b.shape[0]:
+            raise CompileError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}: they must agree",
+                               loc)
+        self.batched = graph.batched
+        ab = dtype_name(a.dtype)
+        a_dims, b_dims = (*batch, "M", "K"), (*batch, "K", "N")
+        self.a = TensorSpec("a", ab, a_dims, contiguous_dim(a_dims, a))
+        self.b = TensorSpec("b", ab, b_dims, contiguous_dim(b_dims, b))
+        if self.a.contiguous is None or self.b.contiguous is None:
+            bad = "a" if self.a.contiguous is None else "b"
+            raise CompileError(f"{bad} has no unit-stride dim (strides {tuple(example[bad].stride())})", loc)
+        self.a_major = "k" if a_dims[self.a.contiguous] == "K" else "m"
+        self.b_major = "n" if b_dims[self.b.contiguous] == "N" else "k"
+        out_dims = (*batch, "M", "N")
+        self.outputs = [TensorSpec(o.name, dtype_name(o.dtype), out_dims, len(out_dims) - 1)
+                        for o in emitted.outputs]
+        self.inputs: list = []
+        self.views: list = []
+        self.tile_majors: dict[str, str] = {}
+        for plan in emitted.inputs:
+            if plan.kind in ("arg", "literal"):
+                self.inputs.append(None)
+                self.views.append("arg")
+                continue
+            operand = graph.operands[plan.name]
+            t = example[plan.name]
+            dims = dims_of(operand.shape)
+            if plan.kind == "scalar":
+                self.inputs.append(TensorSpec(plan.name, dtype_name(t.dtype), dims, None))
+                self.views.append("scalar")
+                continue
+            contiguous = contiguous_dim(dims, t)
+            spec = TensorSpec(plan.name, dtype_name(t.dtype), dims, contiguous)
+            want = {"row": ("N",), "col": ("M",), "tile": ("M", "N")}[plan.kind]
+            if contiguous is None or dims[contiguous] not in want:
+                along = " or ".join(want)
+                raise CompileError(
+                    f"input {plan.name!r} (a {plan.kind} operand of shape {tuple(t.shape)}) must have "
+                    f"unit stride along {along}, got strides {tuple(t.stride())}: evtc loads it by TMA",
+                    loc,
+                )
+            if plan.kind == "tile":
+                self.tile_majors[plan.name] = "n" if dims[contiguous] == "N" else "m"
+            self.inputs.append(spec)
+            self.views.append(_VIEW_MODES[plan.kind][0 if operand.batched else 1])
+
+    def describe(self) -> dict:
+        return {
+            "a": self.a.describe(), "b": self.b.describe(),
+            "outputs": [s.describe() for s in self.outputs],
+            "inputs": [s.describe() if s is not None else "scalar" for s in self.inputs],
+            "views": [list(v) if isinstance(v, tuple) else v for v in self.views],
+            "batched": self.batched,
+        }
