@@ -167,22 +167,29 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
     return kernel
 
 
-def _visitor_smem(emitted, signature, cfg, load_stages: int) -> int:
+def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
+    """A/B stages the kernel will have with ``load_stages`` epilogue-load stages (it plans its
+    shared memory the same way: the visitor's buffers, then D's unless D shares C's)."""
     from .codegen.emit import operand_objects
+    from .codegen.fused import d_buffer_input
 
+    cfg = cfg.replace(load_stages=load_stages)
     inputs, outputs = operand_objects(emitted, signature.tile_majors, signature.batched)
     stores = (cfg.epi_stages if cfg.epi_stages is not None else 2) * cfg.epi_groups
     # Pingpong: each consumer warpgroup has its own ring of ``load_stages`` epilogue-load buffers.
     buffers = load_stages * cfg.epi_groups
-    return sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, buffers, stores)
+    smem = sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, buffers, stores)
                for o in inputs + outputs[1:])
+    shares_d = cfg.shares_d_with_load(d_buffer_input(inputs, outputs[1:], cfg) is not None)
+    return cfg.plan_stages(smem, shares_d)[0]
 
 
 def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
     """Stage the epilogue's loads for a whole tile where shared memory allows.
 
     At small K the epilogue's memory traffic is what a fused epilogue costs; loads staged for the
-    whole tile land while the mainloop runs. The A/B pipeline may go down to OVERLAP_AB_STAGES for
+    whole tile land while the mainloop runs (and a C with D's dtype then holds D too, see
+    `GemmConfig.shares_d_with_load`). The A/B pipeline may go down to OVERLAP_AB_STAGES for
     it (measured to cost nothing on the H100). Where a whole tile of 128x32 subtiles does not fit
     (16-bit C: 64 KiB plus D staging), 128x16 subtiles are tried unless the user chose
     `epi_tile_n`. Otherwise the deepest staging that keeps that many A/B stages wins, and failing
@@ -198,7 +205,7 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
         for depth in range(cand.num_subtiles, 1, -1):
             planned = cand.replace(load_stages=depth)
             try:
-                ab = planned.plan_stages(_visitor_smem(emitted, signature, planned, depth))[0]
+                ab = _ab_stages(emitted, signature, cand, depth)
             except ConfigError:
                 continue
             if ab >= OVERLAP_AB_STAGES:
@@ -212,8 +219,8 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
         return best[1]
     depth = cfg.c_stages
     floor = min(2, depth)
-    ab_at_floor = cfg.plan_stages(_visitor_smem(emitted, signature, cfg, floor))[0]
-    while depth > floor and cfg.plan_stages(_visitor_smem(emitted, signature, cfg, depth))[0] < ab_at_floor:
+    ab_at_floor = _ab_stages(emitted, signature, cfg, floor)
+    while depth > floor and _ab_stages(emitted, signature, cfg, depth) < ab_at_floor:
         depth -= 1
     return cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg
 

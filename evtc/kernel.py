@@ -136,7 +136,8 @@ class Kernel:
             self._ptx = compiled.__ptx__
             (staged / "kernel.ptx").write_text(self._ptx or "")
             compiled.export_to_c(str(staged / "kernel.o"), function_name=self.function_name)
-            self._stages = {"ab": kernel.ab_stages, "d": kernel.d_stages, "load": kernel.load_stages}
+            self._stages = {"ab": kernel.ab_stages, "d": kernel.d_stages, "load": kernel.load_stages,
+                            "d_in_load": int(kernel.d_in_load_buffers)}
             self._smem = {"visitor": visitor.smem_bytes(self.config, kernel.load_buffers),
                           "load_bytes_per_subtile": kernel.load_bytes}
             entry = self._cache.commit(
@@ -180,7 +181,9 @@ class Kernel:
             role = "kernel D store (stmatrix + TMA)" if i == 0 else "extra TMA store"
             lines.append(f"    {spec.describe()}: {role}")
         if self._stages:
-            lines.append(f"  stages: A/B {self._stages['ab']}, D {self._stages['d']}, "
+            d_text = (f"D in the {self._stages['load']} load stages (written where C was read)"
+                      if self._stages.get("d_in_load") else f"D {self._stages['d']}")
+            lines.append(f"  stages: A/B {self._stages['ab']}, {d_text}, "
                          f"epilogue loads {self._stages['load']}")
         if self._smem:
             lines.append(f"  shared memory: epilogue operands {self._smem['visitor']} B, epilogue loads "

@@ -47,6 +47,10 @@ MATRIX = [
     (G(cluster=(2, 1)), LinearCombination("float16", "m")),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", cluster=(1, 2), tile_n=128, epi_tile_n=64),
      LinearCombination("float16", "n")),
+    # D staged in C's whole-tile load buffers (C has D's dtype and major).
+    (G(load_stages=8), LinearCombination("float16", "n")),
+    (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", epi_tile_n=64, load_stages=4, cluster=(2, 1)),
+     LinearCombination("bfloat16", "m")),
     # Pingpong schedule: one 128 x tile_n tile per consumer warpgroup (two m64 atoms along M).
     (G(schedule="pingpong"), Identity()),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", a_major="m", b_major="k"), Identity()),
@@ -134,8 +138,8 @@ def test_stage_plan_fits(compiled):
     cfg = compiled.config
     assert compiled.ab_stages >= 2 and compiled.d_stages >= 1
     visitor_bytes = compiled.visitor.smem_bytes(cfg, cfg.c_stages)
-    used = (compiled.ab_stages * cfg.ab_bytes_per_stage() + compiled.d_stages * cfg.d_bytes_per_stage()
-            + visitor_bytes)
+    d_bytes = 0 if compiled.kernel.d_in_load_buffers else cfg.d_bytes_per_stage()
+    used = compiled.ab_stages * cfg.ab_bytes_per_stage() + compiled.d_stages * d_bytes + visitor_bytes
     assert used <= 232448 - 2048
 
 
@@ -239,6 +243,29 @@ def test_stage_budget():
         cfg.plan_stages(200 * 1024)
     with pytest.raises(ConfigError, match="ab_stages=8"):
         G(ab_stages=8).plan_stages(0)
+
+
+def test_d_shares_c_buffers_only_when_it_can():
+    """D is staged in C's buffers exactly when C matches D's dtype and major, the C loads cover
+    the whole tile, and the schedule is cooperative; then D takes no shared memory of its own."""
+    lc = LinearCombination("float16", "n")
+    whole = G(load_stages=8)
+    assert compile_gemm(whole, lc).kernel.d_in_load_buffers
+    for cfg, vis in [
+        (G(), lc),                                         # 4 of 8 subtiles staged
+        (whole, LinearCombination("bfloat16", "n")),      # other dtype
+        (whole, LinearCombination("float16", "m")),       # other major
+        (G(d_dtype="float32", load_stages=8), lc),        # other dtype
+        (G(schedule="pingpong", load_stages=4), lc),      # pingpong
+    ]:
+        assert not cfg.shares_d_with_load(vis.offers_d_buffer(cfg)), cfg
+    assert not whole.shares_d_with_load(False)
+    ab, d = whole.plan_stages(8 * 128 * 32 * 2, d_in_load_buffers=True)
+    # 64 KiB of C (and D) leaves 3 stages of 128x256x64; the store ring count is the default 2.
+    assert (ab, d) == (3, 2)
+    # D's own two 8 KiB buffers are what costs the third A/B stage next to 70400 B of visitor buffers.
+    assert whole.plan_stages(70400, d_in_load_buffers=True)[0] == 3
+    assert whole.plan_stages(70400)[0] == 2
 
 
 def test_pingpong_shapes_and_stage_budget():

@@ -168,6 +168,44 @@ def test_linear_combination_batched_and_odd():
     check(d, ref, "batched lincomb")
 
 
+# D staged in C's buffers (whole-tile C loads, C with D's dtype and major): every tile's stages go
+# back to the loader during the next tile's mainloop.  Shapes give each CTA several tiles, and
+# K of one k-tile (release after the mainloop), two and many.
+D_IN_C = [
+    GemmConfig(load_stages=8),
+    GemmConfig(d_major="m", epi_tile_n=64, load_stages=4),
+    GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", tile_n=128, epi_tile_n=16, load_stages=8,
+               b_major="k"),
+    GemmConfig(cluster=(2, 1), load_stages=8, a_major="m"),
+    GemmConfig(cluster=(1, 2), tile_n=64, epi_tile_n=32, load_stages=2),
+]
+
+
+@pytest.mark.parametrize("cfg", D_IN_C, ids=[c.short_name() + f" L{c.load_stages}" for c in D_IN_C])
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 256), (3000, 2504, 64), (1000, 3000, 104),
+                                   (2048, 2048, 1032)])
+def test_d_in_c_buffers(cfg, m, n, k):
+    vis = LinearCombination(cfg.d_dtype, cfg.d_major)
+    gemm = compile_gemm(cfg, vis)
+    assert gemm.kernel.d_in_load_buffers
+    d, ref, _ = run_case(cfg, vis, m, n, k)
+    check(d, ref, f"{cfg.short_name()} {m}x{n}x{k}")
+
+
+def test_d_in_c_buffers_batched_bitwise():
+    cfg = GemmConfig(load_stages=8)
+    vis = LinearCombination("float16", "n")
+    d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 1000, 1000, 1000, batches=3, batched=True)
+    for i in range(3):
+        check(d[i], ref[i], f"batch {i}")
+    first = d.clone()
+    for _ in range(5):
+        d.fill_(float("nan"))
+        gemm(a, b, d, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(d, first)
+
+
 def test_scalars_are_runtime_values():
     cfg = GemmConfig()
     vis = LinearCombination("float16", "n")

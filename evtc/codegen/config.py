@@ -131,20 +131,39 @@ class GemmConfig:
     def ab_bytes_per_stage(self) -> int:
         return (self.tile_m + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
 
-    def plan_stages(self, visitor_smem_bytes: int = 0) -> tuple[int, int]:
+    def shares_d_with_load(self, visitor_offers: bool) -> bool:
+        """Whether D is staged in the epilogue-load buffers of a tile input (C) instead of its own.
+
+        Only when the visitor offers such a buffer (same dtype and major as D, no staged outputs of
+        its own), under the cooperative schedule, with the loads staged for the whole tile: subtile
+        ``i`` of D is then written into the stage that held subtile ``i`` of C, and the stage goes
+        back to the loader once the D store has read it (during the next tile's mainloop).  The
+        tile then needs one set of buffers for both, so C loads and D stores both overlap the
+        mainloop.
+        """
+        return (visitor_offers and self.schedule == "cooperative"
+                and self.c_stages == self.num_subtiles)
+
+    def plan_stages(self, visitor_smem_bytes: int = 0, d_in_load_buffers: bool = False) -> tuple[int, int]:
         """(A/B stages, D stages) for a visitor that needs ``visitor_smem_bytes`` of shared memory.
 
         The epilogue's buffers are reserved first and the A/B pipeline gets what is left.  When
         ``epi_stages`` is not set, D gets 2 buffers (one draining while the next is written) and then
         more, up to one per subtile (the whole tile), for as long as the A/B pipeline keeps
         ``OVERLAP_AB_STAGES`` (or what it had with 2 D buffers, if that is fewer).
+
+        ``d_in_load_buffers`` (see :meth:`shares_d_with_load`): D takes no shared memory of its own;
+        the D stage count returned is then that of the (unused) store ring, ``epi_stages`` or 2.
         """
         free = SM90_SMEM_BYTES - SMEM_RESERVED_BYTES - visitor_smem_bytes
+        d_bytes = 0 if d_in_load_buffers else self.d_bytes_per_stage()
 
         def ab_fit(d_stages: int) -> int:
-            return (free - d_stages * self.d_bytes_per_stage()) // self.ab_bytes_per_stage()
+            return (free - d_stages * d_bytes) // self.ab_bytes_per_stage()
 
-        if self.epi_stages is not None:
+        if d_in_load_buffers:
+            d_stages = self.epi_stages if self.epi_stages is not None else 2
+        elif self.epi_stages is not None:
             d_stages = self.epi_stages
         else:
             d_stages = 2
@@ -156,8 +175,8 @@ class GemmConfig:
             if self.ab_stages > fit:
                 raise ConfigError(
                     f"ab_stages={self.ab_stages} needs {self.ab_stages * self.ab_bytes_per_stage()} B of "
-                    f"shared memory but only {free - d_stages * self.d_bytes_per_stage()} B are left after "
-                    f"the epilogue (D staging {d_stages} x {self.d_bytes_per_stage()} B, visitor "
+                    f"shared memory but only {free - d_stages * d_bytes} B are left after "
+                    f"the epilogue (D staging {d_stages} x {d_bytes} B, visitor "
                     f"{visitor_smem_bytes} B)"
                 )
             return self.ab_stages, d_stages
@@ -165,7 +184,7 @@ class GemmConfig:
         if ab < MIN_AB_STAGES:
             raise ConfigError(
                 f"only {max(fit, 0)} A/B pipeline stage(s) fit in shared memory with tile_n={self.tile_n}, "
-                f"D staging {d_stages} x {self.d_bytes_per_stage()} B and visitor buffers "
+                f"D staging {d_stages} x {d_bytes} B and visitor buffers "
                 f"{visitor_smem_bytes} B; use a smaller tile_n, epi_tile_n or epi_stages"
             )
         return ab, d_stages

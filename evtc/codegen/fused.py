@@ -21,8 +21,20 @@ import inspect
 from types import SimpleNamespace
 
 from .config import GemmConfig
-from .operands import Operand, TileStore
+from .operands import Operand, TileLoad, TileStore
 from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
+
+
+def d_buffer_input(inputs, aux_outputs, config: GemmConfig) -> int | None:
+    """Index of the input whose staged tile buffers D can share (see
+    :meth:`EpilogueVisitor.offers_d_buffer`): the first tile input with D's dtype and major, and
+    only when there are no extra outputs (their stores pace the D stores through one ring)."""
+    if aux_outputs:
+        return None
+    for i, o in enumerate(inputs):
+        if isinstance(o, TileLoad) and o.dtype_name == config.d_dtype and o.major == config.d_major:
+            return i
+    return None
 
 
 class FusedVisitor(EpilogueVisitor):
@@ -57,6 +69,9 @@ class FusedVisitor(EpilogueVisitor):
         return sum(o.smem_bytes(config.tile_shape_mnk[:2], config.epi_tile, load_stages, stores)
                    for o in self.operands)
 
+    def offers_d_buffer(self, config: GemmConfig) -> bool:
+        return d_buffer_input(self.inputs, self._aux, config) is not None
+
     def load_bytes(self, config: GemmConfig) -> int:
         return sum(o.load_bytes(config.epi_tile) for o in self.inputs if o.loads)
 
@@ -73,6 +88,9 @@ class FusedVisitor(EpilogueVisitor):
                 if o.swizzled == first:
                     storage[i] = o.allocate(shape, p, smem)
         return tuple(storage[i] for i in range(len(self.operands)))
+
+    def d_buffer(self, shape, storage):
+        return storage[d_buffer_input(self.inputs, self._aux, shape.config)]
 
     def load_tile(self, shape, params, storage, tile_coord):
         return [o.load_tile(shape, p, s, tile_coord) if o.loads else None

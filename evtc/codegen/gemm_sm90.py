@@ -11,7 +11,9 @@ Roles of the 384 threads of a CTA:
 * warpgroups 1 and 2, the consumers (registers raised to 232): each runs wgmma on 64 rows of the
   128 x tile_n output tile, then both run the epilogue on the whole tile: per subtile the visitor's
   hooks, then registers -> stmatrix -> shared memory -> fence -> named barrier -> TMA store of D,
-  paced by a PipelineTmaStore so stores of one subtile overlap the next.
+  paced by a PipelineTmaStore so stores of one subtile overlap the next.  When the visitor offers
+  its C buffers (``GemmConfig.shares_d_with_load``), D is written where C was read and the store
+  warp hands those stages back to warp 1 during the next tile's mainloop (_release_load_ring).
 
 All roles walk the same persistent tile sequence (:mod:`evtc.codegen.scheduler`).  The problem
 shape (M, N, K, L) and the visitor's scalars are runtime values: one compile serves every size.
@@ -86,7 +88,12 @@ class Sm90GemmKernel:
         self.load_bytes = visitor.load_bytes(cfg)
         self.has_epi_loads = self.load_bytes > 0
         visitor_smem = visitor.smem_bytes(cfg, self.load_buffers)
-        self.ab_stages, self.d_stages = cfg.plan_stages(visitor_smem)
+        # D staged in the visitor's C buffers (cooperative, whole-tile loads): no D buffers of our
+        # own, and no wait for a D store anywhere in the epilogue (see _release_load_ring).
+        self.d_in_load_buffers = self.has_epi_loads and cfg.shares_d_with_load(
+            visitor.offers_d_buffer(cfg)
+        )
+        self.ab_stages, self.d_stages = cfg.plan_stages(visitor_smem, self.d_in_load_buffers)
         self.shape = EpilogueShape(
             config=cfg,
             tile=(self.tile_m, cfg.tile_n),
@@ -173,24 +180,7 @@ class Sm90GemmKernel:
         )
         num_clusters = cutlass.min(sched.num_work_units(), max_clusters)
 
-        ab_stages = self.ab_stages
-        load_stages = self.load_buffers
-
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
-            load_barriers: cute.struct.MemRange[cutlass.Int64, load_stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], BUFFER_ALIGN
-            ]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], BUFFER_ALIGN
-            ]
-            sD: cute.struct.Align[
-                cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem_staged)], BUFFER_ALIGN
-            ]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage(a_smem_staged, b_smem_staged, d_smem_staged)
 
         self.kernel(
             tiled_mma,
@@ -212,9 +202,44 @@ class Sm90GemmKernel:
             stream=stream,
         )
 
+    def _shared_storage(self, a_smem_staged, b_smem_staged, d_smem_staged):
+        """The kernel's own shared memory: pipeline barriers, A/B stages and (unless D is staged in
+        the visitor's load buffers) D stages.  Plain Python: the struct's fields are static."""
+        fields = {
+            "ab_barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
+            "load_barriers": cute.struct.MemRange[cutlass.Int64, self.load_buffers * 2],
+            "sA": cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], BUFFER_ALIGN
+            ],
+            "sB": cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], BUFFER_ALIGN
+            ],
+        }
+        if not self.d_in_load_buffers:
+            fields["sD"] = cute.struct.Align[
+                cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem_staged)], BUFFER_ALIGN
+            ]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     # ------------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _release_load_ring(self, load_pipeline):
+        """Store warp, D staged in the load buffers: once every D store issued so far has read its
+        stage out of shared memory, hand all stages of the tile back to the epilogue-load warp.
+
+        Called during the next tile's mainloop (or after the last tile), never in the epilogue, so
+        that no epilogue waits for a store: the stores drain while the tensor cores work, and the
+        next tile's C loads land in the stages before its epilogue needs them."""
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # The lane that issued the stores waited above; lane 0 signals the empty barriers.
+        cute.arch.sync_warp()
+        for i in cutlass.range_constexpr(self.load_buffers):
+            load_pipeline.consumer_release(
+                pipeline.PipelineState(self.load_buffers, Int32(0), Int32(i), Int32(0))
+            )
+
     @cute.jit
     def _skip_tile(self, k_tiles: Int32, read_state, release_state):
         """Pingpong: step this warpgroup's A/B pipeline states over the other warpgroup's tile (its
@@ -314,12 +339,15 @@ class Sm90GemmKernel:
         )
         load_pipeline = None
         if cutlass.const_expr(self.has_epi_loads):
-            # CTA-local: epilogue inputs are not multicast.  One release per epilogue warp.
+            # CTA-local: epilogue inputs are not multicast.  One release per epilogue warp, or one by
+            # the store warp when D is staged in the load buffers.
             load_pipeline = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.load_barriers.data_ptr(),
                 num_stages=self.load_buffers,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 1 if self.d_in_load_buffers else consumer_warps
+                ),
                 tx_count=self.load_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
@@ -329,7 +357,10 @@ class Sm90GemmKernel:
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        if cutlass.const_expr(self.d_in_load_buffers):
+            sD = self.visitor.d_buffer(self.shape, visitor_storage)
+        else:
+            sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
 
         # ---- global tiles and TMA partitions --------------------------------------------------
         # (bM, bK, tiles_m, tiles_k, L) and (bN, bK, tiles_n, tiles_k, L)
@@ -511,6 +542,10 @@ class Sm90GemmKernel:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.load_stages)
             tiles_done = Int32(0)
+            # D staged in the load buffers: the mainloop iteration at which the store warp hands the
+            # previous tile's stages back (halfway: its stores have drained by then, and the C loads
+            # of this tile still have half a mainloop to land).  0: after the mainloop.
+            ring_release_k = k_tiles // 2
 
             work = Int32(first_work)
             work_step = work_stride
@@ -549,6 +584,11 @@ class Sm90GemmKernel:
                         coord = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                     warpgroup.commit_group()
+                    if cutlass.const_expr(self.d_in_load_buffers):
+                        if is_store_warp:
+                            if tiles_done > 0:
+                                if _k == ring_release_k:
+                                    self._release_load_ring(load_pipeline)
                     # The batch issued one iteration ago is done: its stage can be refilled.
                     warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
@@ -564,6 +604,11 @@ class Sm90GemmKernel:
                 if k_tiles > 0:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
+                if cutlass.const_expr(self.d_in_load_buffers):
+                    if is_store_warp:
+                        if tiles_done > 0:
+                            if ring_release_k < 1:
+                                self._release_load_ring(load_pipeline)
 
                 # ---- epilogue ----------------------------------------------------------------------
                 m, n, batch = tile_coord
@@ -591,9 +636,10 @@ class Sm90GemmKernel:
                     elif cutlass.const_expr(self.has_epi_loads):
                         load_pipeline.consumer_wait(load_state)
                         self.visitor.previsit(ctx, vstate, epi_idx, load_state.index)
-                        # Order our generic-proxy reads before the next TMA write into the stage.
-                        cute.arch.fence_view_async_shared()
-                        load_pipeline.consumer_release(load_state)
+                        if cutlass.const_expr(not self.d_in_load_buffers):
+                            # Order our generic-proxy reads before the next TMA write into the stage.
+                            cute.arch.fence_view_async_shared()
+                            load_pipeline.consumer_release(load_state)
                         load_state.advance()
                     else:
                         self.visitor.previsit(ctx, vstate, epi_idx, None)
@@ -602,19 +648,25 @@ class Sm90GemmKernel:
                     d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
                     if cutlass.const_expr(self.pingpong):
                         d_stage = d_base + d_stage
+                    # D's buffer: its own stage, or the load stage subtile epi_idx of C was in (stage
+                    # epi_idx of a whole-tile ring, read out by every thread before the barrier).
+                    d_buf = d_stage
+                    if cutlass.const_expr(self.d_in_load_buffers):
+                        d_buf = epi_idx
                     # The D buffer about to be written must have been read out by its TMA store.
-                    if is_store_warp:
-                        store_pipeline.producer_acquire()
+                    if cutlass.const_expr(not self.d_in_load_buffers):
+                        if is_store_warp:
+                            store_pipeline.producer_acquire()
                     epi_barrier.arrive_and_wait()
-                    self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_stage)])
+                    self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_buf)])
                     frag_out.store(values.to(self.d_dtype))
-                    cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_stage)])
+                    cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_buf)])
                     self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
                     # stmatrix writes through the generic proxy, TMA reads through the async proxy.
                     cute.arch.fence_view_async_shared()
                     epi_barrier.arrive_and_wait()
                     if is_store_warp:
-                        cute.copy(tma_atom_d, bSG_sD[(None, d_stage)],
+                        cute.copy(tma_atom_d, bSG_sD[(None, d_buf)],
                                   bSG_gD[(None, self.shape.subtile_coord(epi_idx))])
                         self.visitor.tma_store(ctx, vstate, epi_idx, d_stage)
                         store_pipeline.producer_commit()
@@ -626,6 +678,11 @@ class Sm90GemmKernel:
                 if cutlass.const_expr(self.pingpong):
                     read_state, release_state = self._skip_tile(k_tiles, read_state, release_state)
 
+            if cutlass.const_expr(self.d_in_load_buffers):
+                # The last tile's stages: the epilogue-load warp waits for them before it exits.
+                if is_store_warp:
+                    if tiles_done > 0:
+                        self._release_load_ring(load_pipeline)
             # Shared memory must stay alive until the last TMA store has read it.
             if is_store_warp:
                 store_pipeline.producer_tail()

@@ -241,6 +241,15 @@ class EpilogueVisitor:
         The kernel arms the epilogue-load barrier with exactly this count; a mismatch hangs."""
         return 0
 
+    def offers_d_buffer(self, config: GemmConfig) -> bool:
+        """Whether the kernel may stage D in one of this visitor's loaded tile buffers (returned by
+        ``d_buffer``).  That buffer must have exactly D's staged layout (D's dtype and major,
+        ``shape.load_stages`` stages of ``epi_tile``), and the visitor must stage no outputs of its
+        own.  The kernel takes the offer under :meth:`GemmConfig.shares_d_with_load`: subtile ``i``
+        of D is then written where subtile ``i`` of the input was, after every thread has read it,
+        and the stage returns to the loader only once the D store has read it out."""
+        return False
+
     def example_args(self, config: GemmConfig) -> tuple:
         """Arguments of the same static types as ``runtime_args`` returns, used to compile.
 
@@ -267,6 +276,10 @@ class EpilogueVisitor:
         Must allocate no more than ``smem_bytes`` declared."""
         return None
 
+    def d_buffer(self, shape: EpilogueShape, storage: Any) -> cute.Tensor:
+        """The staged buffer offered by ``offers_d_buffer`` (called only when it returned True)."""
+        raise NotImplementedError(f"{self.name}: offers_d_buffer is True but d_buffer is missing")
+
     # ---- device: epilogue-load warp ----------------------------------------------------------------
     def load_tile(self, shape: EpilogueShape, params: tuple, storage: Any, tile_coord) -> Any:
         """Once per output tile, before its subtiles' loads: partition global tensors for the tile."""
@@ -289,7 +302,8 @@ class EpilogueVisitor:
     def previsit(self, ctx: EpilogueContext, state: Any, epi_idx: int, load_stage) -> None:
         """The loads of subtile ``epi_idx`` are visible in stage ``load_stage`` of the visitor's
         buffers (``None`` when the visitor loads nothing).  Copy what ``visit`` needs into registers;
-        the stage is handed back to the loader right after this hook returns."""
+        the stage is handed back to the loader right after this hook returns (when D is staged in
+        the visitor's buffer, once D's store has read the stage out)."""
 
     def visit(self, ctx: EpilogueContext, state: Any, epi_idx: int,
               acc: cute.TensorSSA) -> cute.TensorSSA:

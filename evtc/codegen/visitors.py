@@ -62,6 +62,9 @@ class LinearCombination(EpilogueVisitor):
     def load_bytes(self, config: GemmConfig) -> int:
         return self._stage_bytes(config)
 
+    def offers_d_buffer(self, config: GemmConfig) -> bool:
+        return self.c_dtype_name == config.d_dtype and self.c_major == config.d_major
+
     def example_args(self, config: GemmConfig) -> tuple:
         from .runtime import example_tensor
 
@@ -92,6 +95,9 @@ class LinearCombination(EpilogueVisitor):
         # Rebuilt here rather than kept from setup: layouts made in the host function stay there.
         staged = make_epi_smem_layout(self.c_dtype, self.c_layout, shape, shape.load_stages)
         return allocate_staged(smem, self.c_dtype, staged)
+
+    def d_buffer(self, shape: EpilogueShape, storage):
+        return storage
 
     def load_tile(self, shape, params, storage, tile_coord):
         atom, tma_c, _, _ = params
