@@ -279,6 +279,30 @@ class Sm90GemmKernel:
             self.load_buffers, count, ring * self.load_stages + position % self.load_stages, phase
         )
 
+    def _subtile_inputs(self, ctx, vstate, epi_idx: int, load_pipeline, load_state, tiles_done, wg):
+        """Consumers: wait for subtile ``epi_idx``'s epilogue loads and run the visitor's previsit on
+        them, then hand the stage back (unless D is staged in it).  Plain Python, traced inline;
+        returns ``load_state`` advanced (assigned by the caller so the tile loop carries it)."""
+        if not self.has_epi_loads:
+            self.visitor.previsit(ctx, vstate, epi_idx, None)
+        elif self.pingpong:
+            # Our own ring: this warpgroup's tiles_done-th tile, subtile epi_idx.
+            position = tiles_done * self.shape.num_subtiles + epi_idx
+            ring_state = self._ring_state(wg, position, position, False)
+            load_pipeline.consumer_wait(ring_state)
+            self.visitor.previsit(ctx, vstate, epi_idx, ring_state.index)
+            cute.arch.fence_view_async_shared()
+            load_pipeline.consumer_release(ring_state)
+        else:
+            load_pipeline.consumer_wait(load_state)
+            self.visitor.previsit(ctx, vstate, epi_idx, load_state.index)
+            if not self.d_in_load_buffers:
+                # Order our generic-proxy reads before the next TMA write into the stage.
+                cute.arch.fence_view_async_shared()
+                load_pipeline.consumer_release(load_state)
+            load_state.advance()
+        return load_state
+
     @cute.kernel
     def kernel(
         self,
@@ -618,32 +642,23 @@ class Sm90GemmKernel:
                 )
                 vstate = self.visitor.begin(ctx, epi_params, visitor_storage, tile_coord)
                 for epi_idx in cutlass.range_constexpr(num_subtiles):
-                    self.visitor.begin_loop(ctx, vstate, epi_idx)
+                    if cutlass.const_expr(epi_idx == 0):
+                        self.visitor.begin_loop(ctx, vstate, 0)
+                        load_state = self._subtile_inputs(ctx, vstate, 0, load_pipeline, load_state,
+                                                          tiles_done, wg)
                     if cutlass.const_expr(self.pingpong):
                         for v in cutlass.range_constexpr(frag_size):
                             frag[v] = tRS_acc[acc_map[epi_idx][v]]
                     else:
                         for v in cutlass.range_constexpr(frag_size):
                             frag[v] = tRS_acc[epi_idx * frag_size + v]
-                    if cutlass.const_expr(self.has_epi_loads and self.pingpong):
-                        # Our own ring: this warpgroup's tiles_done-th tile, subtile epi_idx.
-                        position = tiles_done * num_subtiles + epi_idx
-                        ring_state = self._ring_state(wg, position, position, False)
-                        load_pipeline.consumer_wait(ring_state)
-                        self.visitor.previsit(ctx, vstate, epi_idx, ring_state.index)
-                        cute.arch.fence_view_async_shared()
-                        load_pipeline.consumer_release(ring_state)
-                    elif cutlass.const_expr(self.has_epi_loads):
-                        load_pipeline.consumer_wait(load_state)
-                        self.visitor.previsit(ctx, vstate, epi_idx, load_state.index)
-                        if cutlass.const_expr(not self.d_in_load_buffers):
-                            # Order our generic-proxy reads before the next TMA write into the stage.
-                            cute.arch.fence_view_async_shared()
-                            load_pipeline.consumer_release(load_state)
-                        load_state.advance()
-                    else:
-                        self.visitor.previsit(ctx, vstate, epi_idx, None)
                     values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
+                    if cutlass.const_expr(epi_idx + 1 < num_subtiles):
+                        # The next subtile's inputs now, so that their shared-memory reads (and a
+                        # load still landing) overlap this subtile's barriers and D store.
+                        self.visitor.begin_loop(ctx, vstate, epi_idx + 1)
+                        load_state = self._subtile_inputs(ctx, vstate, epi_idx + 1, load_pipeline,
+                                                          load_state, tiles_done, wg)
 
                     d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
                     if cutlass.const_expr(self.pingpong):

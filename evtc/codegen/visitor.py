@@ -203,10 +203,13 @@ class EpilogueVisitor:
     (consumer side, the 256 epilogue threads, all of them)::
 
         state = begin(ctx, params, storage, tile_coord)
+        begin_loop(ctx, state, 0)
+        previsit(ctx, state, 0, load_stage)            # loads of subtile 0 have landed in smem
         for epi_idx in range(num_subtiles):          # unrolled: epi_idx is a Python int
-            begin_loop(ctx, state, epi_idx)
-            previsit(ctx, state, epi_idx, load_stage)  # loads of this subtile have landed in smem
             values = visit(ctx, state, epi_idx, acc)   # float32 TensorSSA in, float32 TensorSSA out
+            if epi_idx + 1 < num_subtiles:             # the next subtile's inputs, read early
+                begin_loop(ctx, state, epi_idx + 1)
+                previsit(ctx, state, epi_idx + 1, next_load_stage)
             # kernel: wait for the D buffer to be free, then barrier
             reduce(ctx, state, epi_idx, scratch)       # scratch: this subtile's D buffer (smem)
             # kernel: convert values to D's dtype, stmatrix into the D buffer
