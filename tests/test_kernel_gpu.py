@@ -59,6 +59,17 @@ def check(out, ref, what=""):
     assert err <= TOL, f"{what}: relative error {err}"  # NaN fails here too
 
 
+def assert_reruns_bitwise_equal(gemm, a, b, d, kwargs, runs: int) -> None:
+    """Run ``gemm`` again ``runs`` times into a NaN-poisoned ``d``: every result must equal the first
+    bit for bit."""
+    first = d.clone()
+    for _ in range(runs):
+        d.fill_(float("nan"))
+        gemm(a, b, d, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(d, first)
+
+
 def run_case(cfg: GemmConfig, visitor, m, n, k, batches=1, batched=False, seed=0, c_major=None,
              c_dtype=None, alpha=1.25, beta=-0.5):
     gen = _gen(seed)
@@ -198,12 +209,7 @@ def test_d_in_c_buffers_batched_bitwise():
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 1000, 1000, 1000, batches=3, batched=True)
     for i in range(3):
         check(d[i], ref[i], f"batch {i}")
-    first = d.clone()
-    for _ in range(5):
-        d.fill_(float("nan"))
-        gemm(a, b, d, **kwargs)
-        torch.cuda.synchronize()
-        assert torch.equal(d, first)
+    assert_reruns_bitwise_equal(gemm, a, b, d, kwargs, runs=5)
 
 
 def test_scalars_are_runtime_values():
@@ -258,12 +264,7 @@ def test_no_writes_outside_d(d_major):
 def test_repeated_runs_bitwise_equal(cfg, visitor):
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, visitor, 2048, 2048, 2048)
     check(d, ref)
-    first = d.clone()
-    for _ in range(3):
-        d.fill_(float("nan"))
-        gemm(a, b, d, **kwargs)
-        torch.cuda.synchronize()
-        assert torch.equal(d, first)
+    assert_reruns_bitwise_equal(gemm, a, b, d, kwargs, runs=3)
 
 
 def test_runs_on_the_current_stream():
