@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from timing import time_paired  # noqa: E402  (bench/ is on sys.path: the script's own folder)
 
-from evtc.codegen.config import GemmConfig  # noqa: E402
+from evtc.codegen.config import DEFAULT_SCHEDULE, GemmConfig  # noqa: E402
 from evtc.codegen.runtime import compile_gemm  # noqa: E402
 from evtc.codegen.visitors import Identity, LinearCombination  # noqa: E402
 
@@ -33,7 +33,8 @@ DEFAULT_SHAPES = "8192x8192x8192,4096x4096x4096,8192x8192x1024"
 
 
 def parse_list(text: str, conv=str):
-    return [conv(x) for x in text.split(",") if x]
+    """Comma list; the word ``default`` stands for GemmConfig's default (None)."""
+    return [None if x == "default" else conv(x) for x in text.split(",") if x]
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -61,13 +62,15 @@ def main() -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
     p.add_argument("--dtypes", default="f16,bf16", help="input dtypes: f16, bf16")
     p.add_argument("--d-dtype", default=None, help="output dtype (f16, bf16, f32); default: input dtype")
-    p.add_argument("--tile-n", default="256", help="comma list of tile N (64, 128, 256)")
-    p.add_argument("--cluster", default="1x1", help="comma list of clusters (1x1, 2x1, 1x2)")
+    p.add_argument("--tile-n", default="default",
+                   help="comma list of tile N (64, 128, 256; default: the schedule's)")
+    p.add_argument("--cluster", default="default",
+                   help="comma list of clusters (1x1, 2x1, 1x2; default: the schedule's)")
     p.add_argument("--epi", default="32", help="comma list of epilogue tile N (16, 32, 64)")
     p.add_argument("--epi-stages", type=int, default=None, help="D staging buffers (default: auto)")
     p.add_argument("--swizzle", default="8", help="comma list of raster swizzle widths")
     p.add_argument("--raster", default="m", help="comma list of raster orders (m, n)")
-    p.add_argument("--schedule", default="cooperative",
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE,
                    help="comma list of consumer schedules (cooperative, pingpong)")
     p.add_argument("--a-major", default="k", choices=["k", "m"])
     p.add_argument("--b-major", default="k", choices=["k", "n"],
@@ -118,7 +121,8 @@ def main() -> None:
                              d_major="n", tile_n=tile_n, cluster=cluster, epi_tile_n=epi_n,
                              epi_stages=args.epi_stages, swizzle=swizzle, raster=raster,
                              schedule=schedule)
-            label = (f"{cfg.tile_m}x{tile_n} c{cluster[0]}x{cluster[1]} epi{epi_n} sw{swizzle}{raster}"
+            label = (f"{cfg.tile_m}x{cfg.tile_n} c{cfg.cluster[0]}x{cfg.cluster[1]} epi{epi_n} "
+                     f"sw{swizzle}{raster}"
                      + (" pp" if schedule == "pingpong" else ""))
             try:
                 cfg.validate()

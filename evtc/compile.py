@@ -185,38 +185,39 @@ def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
 
 
 def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
-    """Stage the epilogue's loads for a whole tile where shared memory allows.
+    """Stage the epilogue's loads as deep as the A/B pipeline allows, ideally for the whole tile.
 
     At small K the epilogue's memory traffic is what a fused epilogue costs; loads staged for the
     whole tile land while the mainloop runs (and a C with D's dtype then holds D too, see
-    `GemmConfig.shares_d_with_load`). The A/B pipeline may go down to OVERLAP_AB_STAGES for
-    it (measured to cost nothing on the H100). Where a whole tile of 128x32 subtiles does not fit
-    (16-bit C: 64 KiB plus D staging), 128x16 subtiles are tried unless the user chose
-    `epi_tile_n`. Otherwise the deepest staging that keeps that many A/B stages wins, and failing
+    `GemmConfig.shares_d_with_load`). The A/B pipeline may go down to
+    `GemmConfig.overlap_ab_stages` for it (and no further: fewer stages starve the tensor cores).
+    Where a whole tile of the configured subtiles does not fit, 128x16 subtiles are tried for the
+    whole tile unless the user chose `epi_tile_n` (narrower subtiles cost barriers, so only the whole
+    tile is worth them). Otherwise the deepest staging that keeps those A/B stages wins, and failing
     that the old rule: at least 2 stages, as deep as costs no A/B stage.
     """
-    from .codegen.config import OVERLAP_AB_STAGES, ConfigError
+    from .codegen.config import ConfigError
 
     if "load_stages" in knobs or not any(p.kind in ("tile", "row", "col") for p in emitted.inputs):
         return cfg
-    candidates = [cfg] if "epi_tile_n" in knobs else [cfg, cfg.replace(epi_tile_n=16)]
-    best = None
-    for cand in candidates:
+
+    def deepest(cand) -> int | None:
         for depth in range(cand.num_subtiles, 1, -1):
-            planned = cand.replace(load_stages=depth)
             try:
                 ab = _ab_stages(emitted, signature, cand, depth)
             except ConfigError:
                 continue
-            if ab >= OVERLAP_AB_STAGES:
-                covered = depth / cand.num_subtiles
-                if best is None or covered > best[0]:
-                    best = (covered, planned)
-                break
-        if best is not None and best[0] == 1:
-            break
-    if best is not None:
-        return best[1]
+            if ab >= cand.overlap_ab_stages():
+                return depth
+        return None
+
+    depth = deepest(cfg)
+    if depth != cfg.num_subtiles and "epi_tile_n" not in knobs and cfg.epi_tile_n != 16:
+        narrow = cfg.replace(epi_tile_n=16)
+        if deepest(narrow) == narrow.num_subtiles:
+            return narrow.replace(load_stages=narrow.num_subtiles)
+    if depth is not None:
+        return cfg.replace(load_stages=depth)
     depth = cfg.c_stages
     floor = min(2, depth)
     ab_at_floor = _ab_stages(emitted, signature, cfg, floor)

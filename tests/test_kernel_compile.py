@@ -5,6 +5,7 @@ set in conftest)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -25,8 +26,11 @@ from evtc.codegen.visitors import Identity, LinearCombination
 
 # (config, visitor) pairs: every dtype, major, cluster and epilogue tile appears at least once, and
 # the linear combination runs with 16- and 32-bit C in both majors.
-G = GemmConfig
+# G: the cooperative schedule (GemmConfig's default is ping-pong; its entries below say so).
+G = functools.partial(GemmConfig, schedule="cooperative")
 MATRIX = [
+    (GemmConfig(), Identity()),  # the default: ping-pong, 128x128, cluster 1x2
+    (GemmConfig(), LinearCombination("float16", "n")),
     (G(), Identity()),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k"), Identity()),
     (G(d_dtype="float32", a_major="m"), Identity()),
@@ -52,18 +56,18 @@ MATRIX = [
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", epi_tile_n=64, load_stages=4, cluster=(2, 1)),
      LinearCombination("bfloat16", "m")),
     # Pingpong schedule: one 128 x tile_n tile per consumer warpgroup (two m64 atoms along M).
-    (G(schedule="pingpong"), Identity()),
+    (G(schedule="pingpong", cluster=(1, 1)), Identity()),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", a_major="m", b_major="k"), Identity()),
-    (G(schedule="pingpong", d_dtype="float32", d_major="m", epi_tile_n=64), Identity()),
+    (G(schedule="pingpong", d_dtype="float32", d_major="m", epi_tile_n=64, cluster=(1, 1)), Identity()),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="float32", epi_tile_n=16), Identity()),
     (G(schedule="pingpong", tile_n=64, epi_tile_n=64, b_major="k"), Identity()),
     (G(schedule="pingpong", cluster=(2, 1)), Identity()),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2), tile_n=64),
      Identity()),
-    (G(schedule="pingpong"), LinearCombination("float16", "n")),
+    (G(schedule="pingpong", cluster=(1, 1)), LinearCombination("float16", "n")),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m",
        epi_tile_n=16), LinearCombination("bfloat16", "m")),
-    (G(schedule="pingpong", d_dtype="float32"), LinearCombination("float32", "n")),
+    (G(schedule="pingpong", d_dtype="float32", cluster=(1, 1)), LinearCombination("float32", "n")),
     (G(schedule="pingpong", cluster=(2, 1), a_major="m"), LinearCombination("float16", "m")),
     (G(schedule="pingpong", tile_n=64, epi_tile_n=16, d_major="m", load_stages=1),
      LinearCombination("float32", "m")),
@@ -283,6 +287,31 @@ def test_pingpong_shapes_and_stage_budget():
     assert cfg.c_stages == 2 and G().c_stages == 4
     assert "pingpong" in cfg.short_name() and "pingpong" not in G().short_name()
     assert G(schedule="pingpong", tile_n=64).validate().tile_shape_mnk == (128, 64, 64)
+
+
+def test_default_config_is_pingpong_128x128_in_clusters_of_1x2():
+    cfg = GemmConfig()
+    assert cfg.schedule == "pingpong" and cfg.tile_shape_mnk == (128, 128, 64) and cfg.cluster == (1, 2)
+    # Each schedule brings its own defaults; explicit values win.
+    assert G().cluster == (1, 1) and G().tile_n == 256
+    assert GemmConfig(cluster=(2, 1)).cluster == (2, 1)
+    assert GemmConfig(cluster=[1, 1]).cluster == (1, 1)
+    assert GemmConfig() == GemmConfig(schedule="pingpong", tile_n=128, cluster=(1, 2))
+
+
+def test_overlap_ab_stages_keeps_the_bytes_in_flight():
+    """Epilogue buffers may take A/B stages down to about 144 KiB in flight, whatever the tile."""
+    assert G().overlap_ab_stages() == 3                      # 3 x 48 KiB
+    assert GemmConfig().overlap_ab_stages() == 5             # 5 x 32 KiB (4 would be 128 KiB)
+    assert GemmConfig(tile_n=64).overlap_ab_stages() == 6    # 6 x 24 KiB
+    for cfg in (G(), GemmConfig(), GemmConfig(tile_n=64), G(tile_n=128)):
+        n = cfg.overlap_ab_stages()
+        assert n * cfg.ab_bytes_per_stage() >= 144 * 1024 > (n - 1) * cfg.ab_bytes_per_stage()
+    # D staging grows only while that many A/B stages remain: ping-pong identity gets 4 D buffers
+    # per warpgroup and 5 A/B stages; next to two 128x32 C buffers per warpgroup, 2 D buffers (a
+    # third would cost the fifth A/B stage).
+    assert GemmConfig().plan_stages(0) == (5, 4)
+    assert GemmConfig().plan_stages(2 * 2 * 128 * 32 * 2) == (5, 2)
 
 
 def test_pingpong_rejects_tile_n_256():

@@ -6,6 +6,7 @@ normal, never zeros or small integers."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -16,6 +17,10 @@ from evtc.codegen.runtime import compile_gemm
 from evtc.codegen.visitors import Identity, LinearCombination
 
 pytestmark = pytest.mark.gpu
+
+# The cooperative schedule, named: GemmConfig's default is the ping-pong schedule, and the tests below
+# keep covering both (the pingpong sections say so).
+Coop = functools.partial(GemmConfig, schedule="cooperative")
 
 TOL = 1e-2
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -95,9 +100,10 @@ DTYPE_MAJORS = list(itertools.product(("float16", "bfloat16"), ("float32", "floa
                                       ("k", "m"), ("k", "n"), ("n", "m")))
 
 
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
 @pytest.mark.parametrize("ab,dt,am,bm,dm", DTYPE_MAJORS, ids=["-".join(c) for c in DTYPE_MAJORS])
-def test_identity_dtypes_and_majors(ab, dt, am, bm, dm):
-    cfg = GemmConfig(ab_dtype=ab, d_dtype=dt, a_major=am, b_major=bm, d_major=dm)
+def test_identity_dtypes_and_majors(ab, dt, am, bm, dm, schedule):
+    cfg = GemmConfig(ab_dtype=ab, d_dtype=dt, a_major=am, b_major=bm, d_major=dm, schedule=schedule)
     d, ref, _ = run_case(cfg, Identity(), 264, 520, 1032)
     check(d, ref, cfg.short_name())
 
@@ -110,14 +116,14 @@ SHAPES_KNOBS = list(itertools.product(((1, 1), (2, 1), (1, 2)), (16, 32, 64), (1
 @pytest.mark.parametrize("cluster,epi_n,tile_n", SHAPES_KNOBS,
                          ids=[f"c{c[0]}x{c[1]}-epi{e}-n{t}" for c, e, t in SHAPES_KNOBS])
 def test_identity_clusters_and_tiles(cluster, epi_n, tile_n):
-    cfg = GemmConfig(cluster=cluster, epi_tile_n=epi_n, tile_n=tile_n)
+    cfg = Coop(cluster=cluster, epi_tile_n=epi_n, tile_n=tile_n)
     # 5 x 3 tiles of 128 x 256 (ragged in both): odd cluster tiles at both edges.
     d, ref, _ = run_case(cfg, Identity(), 600, 712, 520)
     check(d, ref, cfg.short_name())
 
 
 def test_tile_n_64():
-    cfg = GemmConfig(tile_n=64, epi_tile_n=64, ab_dtype="bfloat16", d_dtype="float32")
+    cfg = Coop(tile_n=64, epi_tile_n=64, ab_dtype="bfloat16", d_dtype="float32")
     d, ref, _ = run_case(cfg, Identity(), 300, 200, 264)
     check(d, ref, cfg.short_name())
 
@@ -131,7 +137,7 @@ ODD = [(1000, 1000, 1000), (1, 4096, 4096), (4096, 8, 4096), (264, 512, 1032), (
 @pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)], ids=["c1x1", "c2x1", "c1x2"])
 @pytest.mark.parametrize("m,n,k", ODD, ids=[f"{m}x{n}x{k}" for m, n, k in ODD])
 def test_odd_shapes(m, n, k, cluster):
-    cfg = GemmConfig(cluster=cluster, b_major="k")
+    cfg = Coop(cluster=cluster, b_major="k")
     d, ref, _ = run_case(cfg, Identity(), m, n, k)
     check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
 
@@ -140,10 +146,10 @@ def test_odd_shapes(m, n, k, cluster):
 
 
 @pytest.mark.parametrize("cfg", [
-    GemmConfig(),
-    GemmConfig(ab_dtype="bfloat16", d_dtype="float32", a_major="m", b_major="k", d_major="m"),
-    GemmConfig(cluster=(2, 1), tile_n=128),
-    GemmConfig(cluster=(1, 2), epi_tile_n=64),
+    Coop(),
+    Coop(ab_dtype="bfloat16", d_dtype="float32", a_major="m", b_major="k", d_major="m"),
+    Coop(cluster=(2, 1), tile_n=128),
+    Coop(cluster=(1, 2), epi_tile_n=64),
 ], ids=lambda c: c.short_name())
 def test_batched(cfg):
     d, ref, _ = run_case(cfg, Identity(), 392, 264, 520, batches=3, batched=True)
@@ -155,14 +161,14 @@ def test_batched(cfg):
 # ---- linear combination ------------------------------------------------------------------------
 
 LINCOMB = [
-    (GemmConfig(), "float16", "n"),
-    (GemmConfig(), "float16", "m"),
-    (GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m"), "bfloat16", "m"),
-    (GemmConfig(d_dtype="float32", tile_n=128, epi_tile_n=64), "float32", "n"),
-    (GemmConfig(d_dtype="float32", d_major="m", epi_tile_n=16), "float32", "m"),
-    (GemmConfig(cluster=(2, 1), a_major="m"), "float16", "n"),
-    (GemmConfig(cluster=(1, 2), b_major="k", epi_tile_n=64), "bfloat16", "n"),
-    (GemmConfig(tile_n=64, epi_tile_n=64, load_stages=1), "float16", "n"),
+    (Coop(), "float16", "n"),
+    (Coop(), "float16", "m"),
+    (Coop(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m"), "bfloat16", "m"),
+    (Coop(d_dtype="float32", tile_n=128, epi_tile_n=64), "float32", "n"),
+    (Coop(d_dtype="float32", d_major="m", epi_tile_n=16), "float32", "m"),
+    (Coop(cluster=(2, 1), a_major="m"), "float16", "n"),
+    (Coop(cluster=(1, 2), b_major="k", epi_tile_n=64), "bfloat16", "n"),
+    (Coop(tile_n=64, epi_tile_n=64, load_stages=1), "float16", "n"),
 ]
 
 
@@ -174,7 +180,7 @@ def test_linear_combination(cfg, c_dtype, c_major):
 
 
 def test_linear_combination_batched_and_odd():
-    cfg = GemmConfig(cluster=(2, 1))
+    cfg = Coop(cluster=(2, 1))
     d, ref, _ = run_case(cfg, LinearCombination("float16", "n"), 1000, 1000, 1000, batches=2, batched=True)
     check(d, ref, "batched lincomb")
 
@@ -183,12 +189,12 @@ def test_linear_combination_batched_and_odd():
 # back to the loader during the next tile's mainloop.  Shapes give each CTA several tiles, and
 # K of one k-tile (release after the mainloop), two and many.
 D_IN_C = [
-    GemmConfig(load_stages=8),
-    GemmConfig(d_major="m", epi_tile_n=64, load_stages=4),
-    GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", tile_n=128, epi_tile_n=16, load_stages=8,
+    Coop(load_stages=8),
+    Coop(d_major="m", epi_tile_n=64, load_stages=4),
+    Coop(ab_dtype="bfloat16", d_dtype="bfloat16", tile_n=128, epi_tile_n=16, load_stages=8,
                b_major="k"),
-    GemmConfig(cluster=(2, 1), load_stages=8, a_major="m"),
-    GemmConfig(cluster=(1, 2), tile_n=64, epi_tile_n=32, load_stages=2),
+    Coop(cluster=(2, 1), load_stages=8, a_major="m"),
+    Coop(cluster=(1, 2), tile_n=64, epi_tile_n=32, load_stages=2),
 ]
 
 
@@ -204,7 +210,7 @@ def test_d_in_c_buffers(cfg, m, n, k):
 
 
 def test_d_in_c_buffers_batched_bitwise():
-    cfg = GemmConfig(load_stages=8)
+    cfg = Coop(load_stages=8)
     vis = LinearCombination("float16", "n")
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 1000, 1000, 1000, batches=3, batched=True)
     for i in range(3):
@@ -213,7 +219,7 @@ def test_d_in_c_buffers_batched_bitwise():
 
 
 def test_scalars_are_runtime_values():
-    cfg = GemmConfig()
+    cfg = Coop()
     vis = LinearCombination("float16", "n")
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 256, 512, 128, alpha=1.0, beta=0.0)
     check(d, ref, "alpha=1 beta=0")
@@ -235,7 +241,7 @@ def test_scalars_are_runtime_values():
 def test_no_writes_outside_d(d_major):
     """D is a window of a larger NaN buffer: the padding must stay NaN (TMA clips the stores)."""
     m, n, k = 200, 136, 264
-    cfg = GemmConfig(d_major=d_major)
+    cfg = Coop(d_major=d_major)
     gen = _gen(7)
     a = _randn((m, k), torch.float16, gen)
     b = _randn((k, n), torch.float16, gen)
@@ -255,12 +261,14 @@ def test_no_writes_outside_d(d_major):
 
 
 @pytest.mark.parametrize("cfg,visitor", [
-    (GemmConfig(), Identity()),
-    (GemmConfig(cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
-    (GemmConfig(cluster=(1, 2), d_dtype="float32"), Identity()),
-    (GemmConfig(schedule="pingpong"), Identity()),
+    (Coop(), Identity()),
+    (Coop(cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
+    (Coop(cluster=(1, 2), d_dtype="float32"), Identity()),
+    (GemmConfig(schedule="pingpong", cluster=(1, 1)), Identity()),
     (GemmConfig(schedule="pingpong", cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
-], ids=["c1x1", "c2x1-lincomb", "c1x2-f32", "pingpong-c1x1", "pingpong-c2x1-lincomb"])
+    (GemmConfig(), LinearCombination("float16", "n")),
+], ids=["c1x1", "c2x1-lincomb", "c1x2-f32", "pingpong-c1x1", "pingpong-c2x1-lincomb",
+        "default-lincomb"])
 def test_repeated_runs_bitwise_equal(cfg, visitor):
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, visitor, 2048, 2048, 2048)
     check(d, ref)
@@ -268,7 +276,7 @@ def test_repeated_runs_bitwise_equal(cfg, visitor):
 
 
 def test_runs_on_the_current_stream():
-    cfg = GemmConfig()
+    cfg = Coop()
     gen = _gen(11)
     a = _randn((1024, 1024), torch.float16, gen)
     b = _randn((1024, 1024), torch.float16, gen)
@@ -331,7 +339,7 @@ def test_pingpong_batched(cfg):
 PP_LINCOMB = [
     (GemmConfig(schedule="pingpong"), "float16", "n"),
     (GemmConfig(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m"), "bfloat16", "m"),
-    (GemmConfig(schedule="pingpong", d_dtype="float32"), "float32", "n"),
+    (GemmConfig(schedule="pingpong", d_dtype="float32", cluster=(1, 1)), "float32", "n"),
     (GemmConfig(schedule="pingpong", cluster=(2, 1), a_major="m"), "float16", "m"),
     (GemmConfig(schedule="pingpong", cluster=(1, 2), epi_tile_n=16), "float16", "n"),
     (GemmConfig(schedule="pingpong", tile_n=64, epi_tile_n=64, load_stages=1), "float16", "n"),

@@ -23,6 +23,11 @@ TILE_M = 128  # two consumer warpgroups, 64 rows each (cooperative schedule)
 PINGPONG_TILE_NS = (64, 128)
 PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
+# The default: ping-pong, 128x128 per warpgroup, clusters of 1x2 CTAs (A multicast to both).  On the
+# H100 it is the fastest configuration of ours at all three reference shapes (docs/performance.md,
+# "ping-pong becomes the default"); without multicast the 128x128 tiles are L2-bound.
+DEFAULT_SCHEDULE = "pingpong"
+DEFAULT_CLUSTER = {"pingpong": (1, 2), "cooperative": (1, 1)}
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
 TILE_NS = (64, 128, 256)
 EPI_TILE_NS = (16, 32, 64)
@@ -36,11 +41,13 @@ SM90_SMEM_BYTES = 232448
 SMEM_RESERVED_BYTES = 2048
 MIN_AB_STAGES = 2
 MAX_AB_STAGES = 8
-# The A/B depth that whole-tile epilogue staging may bring the pipeline down to.  At small K the
-# epilogue's own memory traffic (D stores, C loads) is what costs: staged for a whole tile it drains
-# or lands during the next tile's mainloop.  On the H100, 3 stages of 128x256x64 kept the mainloop
-# as fast as 4 (docs/performance.md, 2026-11-22).
-OVERLAP_AB_STAGES = 3
+# The A/B bytes in flight that epilogue staging may bring the pipeline down to (and no further).  At
+# small K the epilogue's own memory traffic (D stores, C loads) is what costs, so deeper epilogue
+# buffers pay, but only while the mainloop keeps enough loads in flight to hide their latency.  On
+# the H100: 3 stages of 128x256x64 (144 KiB) were as fast as 4, and 5 stages of 128x128x64 (160 KiB)
+# were 2-3% faster than 4 with a fused epilogue (docs/performance.md).  See
+# GemmConfig.overlap_ab_stages.
+OVERLAP_AB_BYTES = 144 * 1024
 
 # Threads: one producer warpgroup (warp 0: A/B loads; warp 1: epilogue loads) + two consumer
 # warpgroups.  Register budgets are moved with setmaxnreg: 40 * 128 + 232 * 256 = 64512 <= 65536.
@@ -64,6 +71,11 @@ class GemmConfig:
       Bt[N, K] row-major, the usual weight layout of a linear layer).
     * ``d_major``: ``"n"`` (D row-major) or ``"m"`` (D column-major).
 
+    ``schedule``: ``"pingpong"`` (the default: each consumer warpgroup computes its own 128 x tile_n
+    tile, and one warpgroup's epilogue runs while the other's MMAs do) or ``"cooperative"`` (both
+    warpgroups on one 128 x tile_n tile).  ``tile_n=None`` and ``cluster=None`` take the schedule's
+    defaults: 128 and 1x2 (pingpong), 256 and 1x1 (cooperative).
+
     ``ab_stages=None`` picks the largest number of A/B pipeline stages that fits in shared memory
     after the epilogue's buffers (D staging and whatever the visitor declares).
     """
@@ -74,18 +86,22 @@ class GemmConfig:
     b_major: str = "n"
     d_major: str = "n"
     tile_n: int | None = None  # None: 256 (cooperative) or 128 (pingpong)
-    cluster: tuple[int, int] = (1, 1)
+    cluster: tuple[int, int] | None = None  # None: DEFAULT_CLUSTER of the schedule
     epi_tile_n: int = 32
     epi_stages: int | None = None
     load_stages: int | None = None
     ab_stages: int | None = None
     raster: str = "m"
     swizzle: int = 8
-    schedule: str = "cooperative"
+    schedule: str = DEFAULT_SCHEDULE
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
             object.__setattr__(self, "tile_n", PINGPONG_TILE_N if self.schedule == "pingpong" else 256)
+        if self.cluster is None:
+            object.__setattr__(self, "cluster", DEFAULT_CLUSTER.get(self.schedule, (1, 1)))
+        else:
+            object.__setattr__(self, "cluster", tuple(self.cluster))
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
@@ -131,6 +147,11 @@ class GemmConfig:
     def ab_bytes_per_stage(self) -> int:
         return (self.tile_m + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
 
+    def overlap_ab_stages(self) -> int:
+        """The fewest A/B stages that epilogue buffers may leave: enough to hold OVERLAP_AB_BYTES
+        (3 stages of a 128x256 tile, 5 of a 128x128 one, in 16-bit inputs)."""
+        return max(MIN_AB_STAGES, -(-OVERLAP_AB_BYTES // self.ab_bytes_per_stage()))
+
     def shares_d_with_load(self, visitor_offers: bool) -> bool:
         """Whether D is staged in the epilogue-load buffers of a tile input (C) instead of its own.
 
@@ -150,7 +171,7 @@ class GemmConfig:
         The epilogue's buffers are reserved first and the A/B pipeline gets what is left.  When
         ``epi_stages`` is not set, D gets 2 buffers (one draining while the next is written) and then
         more, up to one per subtile (the whole tile), for as long as the A/B pipeline keeps
-        ``OVERLAP_AB_STAGES`` (or what it had with 2 D buffers, if that is fewer).
+        :meth:`overlap_ab_stages` (or what it had with 2 D buffers, if that is fewer).
 
         ``d_in_load_buffers`` (see :meth:`shares_d_with_load`): D takes no shared memory of its own;
         the D stage count returned is then that of the (unused) store ring, ``epi_stages`` or 2.
@@ -167,7 +188,7 @@ class GemmConfig:
             d_stages = self.epi_stages
         else:
             d_stages = 2
-            keep = min(ab_fit(2), OVERLAP_AB_STAGES)
+            keep = min(ab_fit(2), self.overlap_ab_stages())
             while d_stages < self.num_subtiles and ab_fit(d_stages + 1) >= keep:
                 d_stages += 1
         fit = ab_fit(d_stages)
