@@ -125,7 +125,10 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
     if config is None:
         knobs = {}
     elif isinstance(config, GemmConfig):
-        knobs = {k: getattr(config, k) for k in GemmConfig.__dataclass_fields__}
+        # The fields the user set: those that differ from the defaults of its schedule.
+        default = GemmConfig(schedule=config.schedule)
+        knobs = {k: getattr(config, k) for k in GemmConfig.__dataclass_fields__
+                 if k == "schedule" or getattr(config, k) != getattr(default, k)}
     else:
         knobs = dict(config)
     d_dtype = dtype_name(emitted.outputs[0].dtype)
@@ -141,6 +144,23 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
         raise CompileError(f"configuration: {exc}", loc) from None
 
     arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
+    kernel = _kernel_for(graph, emitted, signature, cfg, arch, cache_dir)
+    if "cluster" in knobs:
+        return kernel
+    # No cluster asked for: the cluster shape is chosen per call (Kernel.cluster_for), the other
+    # shapes compiled on first use through the same caches.  A kernel of its own, since a pinned
+    # cluster of the same configuration shares the plain one.
+    with _MEMORY_LOCK:
+        twin = _MEMORY.get(kernel.key + ":clusters")
+        if twin is None:
+            factory = functools.partial(_kernel_for, graph, emitted, signature, arch=arch,
+                                        cache_dir=cache_dir)
+            twin = _MEMORY[kernel.key + ":clusters"] = kernel._choosing_clusters(factory)
+    return twin
+
+
+def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir) -> Kernel:
+    """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
     meta = {
         "versions": _versions(),
         "config": repr(cfg),

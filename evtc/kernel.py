@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -59,7 +61,58 @@ class Kernel:
         self._visitor = None
         self._stages: dict[str, int] = {}
         self._smem: dict[str, int] = {}
+        # Cluster shape per call (see cluster_for): None keeps config.cluster for every problem.
+        self._variant_factory = None
+        self._variants: dict[tuple[int, int], Kernel] = {}
+        self._variant_lock = threading.Lock()
+        self._cluster_memo: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._call_setup()
+
+    def _choosing_clusters(self, factory) -> Kernel:
+        """A twin of this kernel that picks the cluster shape per problem; ``factory(config)`` gives
+        the kernel of another cluster shape."""
+        twin = copy.copy(self)
+        twin._variant_factory = factory
+        twin._variants = {self.config.cluster: self}
+        twin._variant_lock = threading.Lock()
+        twin._cluster_memo = {}
+        return twin
+
+    def cluster_for(self, m: int, n: int, batches: int = 1) -> tuple[int, int]:
+        """The cluster shape a call on an (L, M, N) problem runs with.
+
+        ``config.cluster`` unless the kernel was compiled without a cluster knob and another shape
+        needs fewer waves of tiles: a 1x2 cluster over a problem with one column of tiles leaves half
+        the CTAs idle, so a 2x1 (or 1x1) kernel runs instead. Those are compiled, or loaded from
+        the disk cache, on first use."""
+        if self._variant_factory is None:
+            return self.config.cluster
+        tiles_m = -(-m // self.config.tile_m)
+        tiles_n = -(-n // self.config.tile_n)
+        memo_key = (tiles_m, tiles_n, batches)
+        chosen = self._cluster_memo.get(memo_key)
+        if chosen is None:
+            from .codegen.runtime import max_active_clusters
+            from .codegen.scheduler import cluster_for_problem
+
+            def slots(cluster):
+                size = cluster[0] * cluster[1]
+                return max_active_clusters(size) * size
+
+            chosen = cluster_for_problem(tiles_m, tiles_n, batches, self.config.cluster, slots,
+                                         self.config.schedule)
+            self._cluster_memo[memo_key] = chosen
+        return chosen
+
+    def _variant(self, cluster: tuple[int, int]) -> Kernel:
+        variant = self._variants.get(cluster)
+        if variant is None:
+            with self._variant_lock:
+                variant = self._variants.get(cluster)
+                if variant is None:
+                    variant = self._variant_factory(self.config.replace(cluster=cluster))
+                    self._variants[cluster] = variant
+        return variant
 
     # ---- build or load -------------------------------------------------------------------------
     @property
@@ -165,6 +218,10 @@ class Kernel:
         lines = [f"evtc kernel {self.graph.name!r} ({self.origin}, {self.seconds:.2f} s)"]
         lines.append(f"  GEMM: {cfg.short_name()}; a {self._signature.a.describe()}, "
                      f"b {self._signature.b.describe()}")
+        if self._variant_factory is not None:
+            built = ", ".join(f"{c[0]}x{c[1]}" for c in self._variants if c != cfg.cluster) or "none yet"
+            lines.append(f"  cluster: {cfg.cluster[0]}x{cfg.cluster[1]}, or per call another shape where "
+                         f"that needs fewer waves of tiles (other shapes built: {built})")
         lines.append("  inputs:")
         for plan, spec in zip(self._emitted.inputs, self._signature.inputs, strict=True):
             if plan.kind == "arg":
@@ -278,9 +335,14 @@ class Kernel:
                             "epilogue of zeros with torch instead)")
         from .codegen.runtime import max_active_clusters
 
-        clusters = max_active_clusters(self.config.cluster[0] * self.config.cluster[1])
+        fn, cluster = self._fn, self.config.cluster
+        if self._variant_factory is not None:
+            chosen = self.cluster_for(m, n, batches)
+            if chosen != cluster:
+                fn, cluster = self._variant(chosen)._fn, chosen
+        clusters = max_active_clusters(cluster[0] * cluster[1])
         try:
-            self._fn(a, b, tuple(outs), tuple(ins), clusters)
+            fn(a, b, tuple(outs), tuple(ins), clusters)
         except (ValueError, TypeError, RuntimeError) as exc:
             self._validate(a, b, out, operands)
             raise CallError(f"the kernel rejected its arguments: {exc}") from None

@@ -95,6 +95,30 @@ def _entry(name):
     return next(e for e in CATALOGUE if e.name == name)
 
 
+def test_cluster_shape_per_call(cache_dir):
+    """Without a cluster knob the kernel picks the cluster shape per problem: 1x2 where every CTA of
+    a cluster has a tile, 2x1 where a 1x2 cluster would leave half the CTAs idle (one column of
+    tiles, more tiles than fit at once).  Every shape gives the reference result."""
+    e = _entry("relu_lincomb_bias")
+    k = compile_entry(e, torch.float16, cache_dir)
+    assert k.config.cluster == (1, 2)
+    for (m, n, kk), cluster in [((16384, 128, 64), (2, 1)), ((600, 512, 200), (1, 2)),
+                                ((16896, 384, 72), (2, 1)), ((8192, 1024, 64), (1, 2))]:
+        assert k.cluster_for(m, n) == cluster, (m, n)
+        inputs = make_inputs(e, m, n, kk, None, torch.float16, device="cuda", seed=m + n)
+        operands = {name: v for name, v in inputs.items() if name not in ("a", "b")}
+        ref = evtc.reference(e.fn, inputs)
+        out = _poisoned_like(k(inputs["a"], inputs["b"], **operands))
+        result = k(inputs["a"], inputs["b"], out=out, **operands)
+        torch.cuda.synchronize()
+        _check(result, ref, f"{(m, n, kk)} cluster {cluster}")
+    assert "other shapes built: 2x1" in k.explain()
+    # A pinned cluster is kept for every problem.
+    pinned = evtc.compile(e.fn, make_inputs(e, 256, 512, 128, None, torch.float16),
+                          config={"cluster": (1, 2)}, cache_dir=cache_dir)
+    assert pinned is not k and pinned.cluster_for(16384, 128) == (1, 2)
+
+
 def test_new_scalar_values_need_no_recompile(cache_dir):
     e = _entry("relu_lincomb_bias")
     k = compile_entry(e, torch.float16, cache_dir)

@@ -50,6 +50,35 @@ def test_same_signature_is_compiled_once(kernel):
     assert again is kernel  # sizes are runtime: same kernel
 
 
+def test_cluster_shape_is_chosen_per_problem(kernel):
+    assert kernel.config.cluster == (1, 2)
+    assert kernel.cluster_for(8192, 8192) == (1, 2)
+    assert kernel.cluster_for(600, 512) == (1, 2)     # one wave of tiles: the configured kernel
+    assert kernel.cluster_for(16384, 128) == (2, 1)   # a 1x2 cluster would idle half its CTAs
+    assert kernel.cluster_for(128, 128, 200) == (1, 1)
+    assert "cluster: 1x2, or per call another shape" in kernel.explain()
+    # A pinned cluster is kept for every problem; it shares the compiled kernel, not the object.
+    pinned = evtc.compile(bias_relu, example(), config={"cluster": (1, 2)},
+                          cache_dir=kernel.cache_path.parents[1])
+    assert pinned is not kernel and pinned.key == kernel.key
+    assert pinned.cluster_for(16384, 128) == (1, 2) and "per call" not in pinned.explain()
+
+
+def test_config_object_counts_only_the_fields_it_changes(kernel, tmp_path):
+    """A GemmConfig passed as config pins what differs from its schedule's defaults, nothing else:
+    the cluster is still chosen per call and the epilogue loads still planned."""
+    from evtc.codegen.config import GemmConfig
+
+    k = evtc.compile(bias_relu, example(), config=GemmConfig(epi_tile_n=64), cache_dir=tmp_path)
+    assert k is evtc.compile(bias_relu, example(), config={"epi_tile_n": 64}, cache_dir=tmp_path)
+    assert k.config.epi_tile_n == 64 and k.cluster_for(16384, 128) == (2, 1)
+    # The epilogue loads are planned for the default config (2 stages per warpgroup here); a config
+    # that sets load_stages keeps its own.
+    assert kernel.config.load_stages == 2
+    fixed = evtc.compile(bias_relu, example(), config=GemmConfig(load_stages=3), cache_dir=tmp_path)
+    assert fixed.config.load_stages == 3
+
+
 def test_layout_changes_recompile(kernel, tmp_path):
     ex = example()
     ex["C"] = torch.empty(512, 256, dtype=torch.float16, device="meta").t()

@@ -314,6 +314,26 @@ def test_overlap_ab_stages_keeps_the_bytes_in_flight():
     assert GemmConfig().plan_stages(2 * 2 * 128 * 32 * 2) == (5, 2)
 
 
+def test_cluster_for_problem_counts_the_idle_ctas_of_overhanging_clusters():
+    from evtc.codegen.scheduler import cluster_for_problem, waves
+
+    assert waves(128, 1, 1, (1, 2), 132) == 2 and waves(128, 1, 1, (2, 1), 132) == 1
+    assert waves(3, 3, 2, (1, 2), 132) == 1 and waves(133, 1, 1, (1, 1), 132) == 2
+
+    def pick(m, n, batches=1, schedule="pingpong", tile_n=128, preferred=(1, 2)):
+        return cluster_for_problem(-(-m // 128), -(-n // tile_n), batches, preferred, lambda c: 132,
+                                   schedule)
+
+    assert pick(8192, 8192) == (1, 2)
+    assert pick(16384, 128) == (2, 1)         # one column of tiles
+    assert pick(16384, 384) == (2, 1)         # three columns: 1x2 pads to four
+    assert pick(257, 384) == (1, 2)           # one wave whatever the shape: keep the configured one
+    assert pick(128, 128, batches=200) == (1, 1)
+    # Cooperative 128x256 tiles: the shapes cost alike, so only fewer waves move it off its 1x1.
+    assert pick(16384, 128, schedule="cooperative", tile_n=256, preferred=(1, 1)) == (1, 1)
+    assert pick(8192, 8192, schedule="cooperative", tile_n=256, preferred=(1, 1)) == (1, 1)
+
+
 def test_pingpong_rejects_tile_n_256():
     with pytest.raises(ConfigError, match="tile_n must be one of \\(64, 128\\)"):
         G(schedule="pingpong", tile_n=256).validate()

@@ -132,3 +132,46 @@ def reference_order(tiles_m: int, tiles_n: int, batches: int, cluster, raster_m:
         across = band_start + off
         out.append((along, across, batch) if raster_m else (across, along, batch))
     return out
+
+
+# ---- choosing a cluster shape per problem (host side) ---------------------------------------------
+
+# Relative time per tile of each cluster shape when every CTA has work, per schedule, from the H100
+# measurements (docs/performance.md, "cluster shape per call").  Ping-pong 128x128 tiles: A multicast
+# to a 1x2 cluster is what keeps the mainloop off the L2 bandwidth limit; 2x1 (B multicast) comes
+# close, 1x1 is 20-40% slower on large problems.  Cooperative 128x256: the three within noise.
+CLUSTER_COST = {
+    "pingpong": {(1, 2): 1.0, (2, 1): 1.1, (1, 1): 1.25},
+    "cooperative": {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
+}
+
+
+def waves(tiles_m: int, tiles_n: int, batches: int, cluster: tuple[int, int], slots: int) -> int:
+    """Rounds of ``slots`` concurrent CTAs that a persistent launch needs for the problem's tiles,
+    counting the idle CTAs of clusters that overhang the edge (they run, and occupy an SM)."""
+    cm, cn = cluster
+    padded = ceil_div(tiles_m, cm) * cm * ceil_div(tiles_n, cn) * cn * batches
+    return ceil_div(padded, max(slots, 1))
+
+
+def cluster_for_problem(tiles_m: int, tiles_n: int, batches: int, preferred: tuple[int, int],
+                        slots_of, schedule: str) -> tuple[int, int]:
+    """The cluster shape with the fewest expected waves, weighted by :data:`CLUSTER_COST`.
+
+    A 1x2 cluster over a problem with one column of tiles leaves every second CTA idle, and so
+    doubles the time; 2x1 or 1x1 clusters then finish sooner.  ``slots_of(cluster)`` is how many
+    CTAs of that cluster shape run at once.  Ties go to ``preferred``, so problems that fit in one
+    wave (whatever their shape) keep the configured kernel.
+    """
+    costs = CLUSTER_COST[schedule]
+
+    def cost(cluster):
+        return waves(tiles_m, tiles_n, batches, cluster, slots_of(cluster)) * costs.get(cluster, 1.0)
+
+    best = preferred
+    best_cost = cost(preferred)
+    for cluster in costs:
+        c = cost(cluster)
+        if c < best_cost * 0.999:
+            best, best_cost = cluster, c
+    return best
