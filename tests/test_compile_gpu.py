@@ -75,6 +75,19 @@ def _check(out, ref, what: str) -> None:
         assert rel <= TOL, f"{what} output {key} ({g.dtype}): relative error {rel:.3g}"
 
 
+def _run_poisoned(k, e, m, n, kk, batch, what, dtype=torch.float16):
+    """Run ``k`` on fresh inputs of entry ``e`` into NaN-poisoned outputs and check the result against
+    evtc.reference; returns (inputs, operands, result)."""
+    inputs = make_inputs(e, m, n, kk, batch, dtype, device="cuda", seed=m + n)
+    operands = {name: v for name, v in inputs.items() if name not in ("a", "b")}
+    ref = evtc.reference(e.fn, inputs)
+    out = _poisoned_like(k(inputs["a"], inputs["b"], **operands))
+    result = k(inputs["a"], inputs["b"], out=out, **operands)
+    torch.cuda.synchronize()
+    _check(result, ref, what)
+    return inputs, operands, result
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("entry", CATALOGUE, ids=[e.name for e in CATALOGUE])
 def test_catalogue_matches_reference(entry, dtype, cache_dir):
@@ -105,13 +118,7 @@ def test_cluster_shape_per_call(cache_dir):
     for (m, n, kk), cluster in [((16384, 128, 64), (2, 1)), ((600, 512, 200), (1, 2)),
                                 ((16896, 384, 72), (2, 1)), ((8192, 1024, 64), (1, 2))]:
         assert k.cluster_for(m, n) == cluster, (m, n)
-        inputs = make_inputs(e, m, n, kk, None, torch.float16, device="cuda", seed=m + n)
-        operands = {name: v for name, v in inputs.items() if name not in ("a", "b")}
-        ref = evtc.reference(e.fn, inputs)
-        out = _poisoned_like(k(inputs["a"], inputs["b"], **operands))
-        result = k(inputs["a"], inputs["b"], out=out, **operands)
-        torch.cuda.synchronize()
-        _check(result, ref, f"{(m, n, kk)} cluster {cluster}")
+        _run_poisoned(k, e, m, n, kk, None, f"{(m, n, kk)} cluster {cluster}")
     assert "other shapes built: 2x1" in k.explain()
     # A pinned cluster is kept for every problem.
     pinned = evtc.compile(e.fn, make_inputs(e, 256, 512, 128, None, torch.float16),
@@ -193,13 +200,7 @@ def test_catalogue_cooperative(name, tmp_path):
     assert k.config.schedule == "cooperative"
     shapes = BATCHED if e.batched else [(64, 256, 16, None), *UNBATCHED, (8192, 768, 256, None)]
     for m, n, kk, b in shapes:
-        inputs = make_inputs(e, m, n, kk, b, torch.float16, device="cuda", seed=m + n)
-        operands = {nm: v for nm, v in inputs.items() if nm not in ("a", "b")}
-        ref = evtc.reference(e.fn, inputs)
-        out = _poisoned_like(k(inputs["a"], inputs["b"], **operands))
-        result = k(inputs["a"], inputs["b"], out=out, **operands)
-        torch.cuda.synchronize()
-        _check(result, ref, f"{name} cooperative {(m, n, kk, b)}")
+        inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, f"{name} cooperative {(m, n, kk, b)}")
         first = [v.clone() for _, v in _flatten(result)]
         again = k(inputs["a"], inputs["b"], **operands)
         torch.cuda.synchronize()
