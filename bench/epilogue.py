@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from timing import time_paired  # noqa: E402  (bench/ is on sys.path: the script's own folder)
 
 import evtc  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x4096x4096,8192x8192x1024"
 ALPHA, BETA = 1.5, 0.5

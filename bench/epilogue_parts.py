@@ -14,9 +14,9 @@ import sys
 
 import torch
 from epilogue import parse_configs  # bench/ is on sys.path: the script's own folder
-from timing import time_paired
 
 import evtc
+from evtc.timing import time_paired
 
 PARTS = {
     "identity": (lambda acc: acc, ()),

@@ -21,11 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from timing import time_paired  # noqa: E402  (bench/ is on sys.path: the script's own folder)
 
 from evtc.codegen.config import DEFAULT_SCHEDULE, GemmConfig  # noqa: E402
 from evtc.codegen.runtime import compile_gemm  # noqa: E402
 from evtc.codegen.visitors import Identity, LinearCombination  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
 
 DTYPES = {"f16": ("float16", torch.float16), "bf16": ("bfloat16", torch.bfloat16),
           "f32": ("float32", torch.float32)}

@@ -5,6 +5,8 @@ trace it into an IR graph with :func:`trace`, compile it into a fused GEMM kerne
 :func:`compile`, and check results with :func:`reference`.
 """
 
+import logging as _logging
+
 from .api import reference, trace
 from .compile import CallError, CompileError, Kernel, compile
 from .errors import (
@@ -23,8 +25,14 @@ from .errors import (
 from .frontend.epilogue import Epilogue, epilogue
 from .ir.graph import Graph, Node, Operand
 from .ir.interpreter import evaluate
+from .linear import Linear, linear
 
 __version__ = "0.1.0"
+
+# A library logs and leaves the handlers to the application: logging.basicConfig(level=logging.INFO)
+# (or a handler on the "evtc" logger) shows compile steps, cache hits and misses and the chosen
+# configuration.
+_logging.getLogger("evtc").addHandler(_logging.NullHandler())
 
 __all__ = [
     "CallError",
@@ -38,6 +46,7 @@ __all__ = [
     "InPlaceError",
     "InputError",
     "Kernel",
+    "Linear",
     "Node",
     "Operand",
     "OutputError",
@@ -48,6 +57,7 @@ __all__ = [
     "compile",
     "epilogue",
     "evaluate",
+    "linear",
     "reference",
     "trace",
 ]

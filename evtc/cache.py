@@ -79,6 +79,34 @@ class DiskCache:
     def discard(self, key: str) -> None:
         shutil.rmtree(self.entry(key), ignore_errors=True)
 
+    def entries(self) -> list[dict]:
+        """Every entry with a readable manifest (not checksummed: for listing), newest first, each
+        with ``dir``, ``bytes`` and ``mtime`` added."""
+        found = []
+        for manifest_path in self.root.glob(f"??/*/{MANIFEST}"):
+            try:
+                manifest = json.loads(manifest_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(manifest, dict) or "key" not in manifest:
+                continue
+            entry = manifest_path.parent
+            manifest["dir"] = str(entry)
+            manifest["bytes"] = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+            manifest["mtime"] = manifest_path.stat().st_mtime
+            found.append(manifest)
+        return sorted(found, key=lambda m: m["mtime"], reverse=True)
+
+    def clear(self) -> int:
+        """Remove every entry, lock file and unfinished build; returns the number of entries removed."""
+        count = len(self.entries())
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                if child.is_dir() and (len(child.name) == 2 or child.name in ("locks",)
+                                       or child.name.startswith("build-")):
+                    shutil.rmtree(child, ignore_errors=True)
+        return count
+
     # ---- writing -----------------------------------------------------------------------------
     def staging(self) -> Path:
         """A fresh directory on the cache's file system, to build an entry in."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -70,6 +71,8 @@ def _versions() -> dict[str, str]:
 
 # ---- compile ---------------------------------------------------------------------------------------
 
+log = logging.getLogger("evtc")
+
 _MEMORY: dict[str, Kernel] = {}
 _MEMORY_LOCK = threading.Lock()
 
@@ -115,6 +118,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
 
     user_fn = unwrap(fn)
     graph = trace(fn, example_inputs, out_dtypes=out_dtypes)
+    log.debug("traced %r: %d nodes, operands %s", graph.name, len(graph.nodes), list(graph.operands))
     loc = definition_location(user_fn)
     emitted = emit(graph)
     signature = KernelSignature(graph, emitted, example_inputs, user_fn)
@@ -142,10 +146,13 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
         cfg = _plan_epilogue_loads(cfg, emitted, signature, knobs)
     except (ConfigError, TypeError) as exc:
         raise CompileError(f"configuration: {exc}", loc) from None
+    log.info("%r: GEMM %s, epilogue loads staged %d deep%s", graph.name, cfg.short_name(), cfg.c_stages,
+             "" if "cluster" in knobs else ", cluster chosen per call")
 
     arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
     kernel = _kernel_for(graph, emitted, signature, cfg, arch, cache_dir)
     if "cluster" in knobs:
+        kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         return kernel
     # No cluster asked for: the cluster shape is chosen per call (Kernel.cluster_for), the other
     # shapes compiled on first use through the same caches.  A kernel of its own, since a pinned
@@ -156,6 +163,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
             factory = functools.partial(_kernel_for, graph, emitted, signature, arch=arch,
                                         cache_dir=cache_dir)
             twin = _MEMORY[kernel.key + ":clusters"] = kernel._choosing_clusters(factory)
+    twin.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
     return twin
 
 
@@ -173,6 +181,7 @@ def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir) -> Kernel:
     with _MEMORY_LOCK:
         hit = _MEMORY.get(key)
     if hit is not None:
+        log.debug("memory cache hit: %r, key %s", graph.name, key[:16])
         return hit
     cache = DiskCache(cache_dir)
     with cache.lock(key):

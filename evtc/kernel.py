@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import logging
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from .ir.shapes import L, M, N
 from .signature import KernelSignature
 
 COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx"
+
+log = logging.getLogger("evtc")
 
 
 @functools.cache
@@ -66,6 +69,7 @@ class Kernel:
         self._variants: dict[tuple[int, int], Kernel] = {}
         self._variant_lock = threading.Lock()
         self._cluster_memo: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._op = None
         self._call_setup()
 
     def _choosing_clusters(self, factory) -> Kernel:
@@ -76,6 +80,7 @@ class Kernel:
         twin._variants = {self.config.cluster: self}
         twin._variant_lock = threading.Lock()
         twin._cluster_memo = {}
+        twin._op = None
         return twin
 
     def cluster_for(self, m: int, n: int, batches: int = 1) -> tuple[int, int]:
@@ -110,6 +115,8 @@ class Kernel:
             with self._variant_lock:
                 variant = self._variants.get(cluster)
                 if variant is None:
+                    log.info("%r: cluster %dx%d needs fewer waves for this problem; getting that "
+                             "kernel (compiled on first use)", self.graph.name, *cluster)
                     variant = self._variant_factory(self.config.replace(cluster=cluster))
                     self._variants[cluster] = variant
         return variant
@@ -121,18 +128,26 @@ class Kernel:
 
     def _materialize(self, meta: dict) -> None:
         t0 = time.perf_counter()
+        what = f"{self.graph.name!r} ({self.config.short_name()})"
         entry = self._cache.load(self.key)
         if entry is not None:
             try:
                 self._load(entry)
                 self.origin = "disk"
                 self.seconds = time.perf_counter() - t0
+                log.info("disk cache hit: %s loaded from %s in %.2f s", what, entry, self.seconds)
                 return
-            except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
+            except Exception as exc:  # noqa: BLE001 - an entry that does not load is rebuilt
+                log.warning("disk cache entry %s of %s does not load (%s); rebuilding it", entry, what, exc)
                 self._cache.discard(self.key)
+        else:
+            log.info("disk cache miss: %s, key %s", what, self.key[:16])
+        log.info("building %s: generating the kernel and compiling it with the CuTe DSL "
+                 "(a few seconds, once per configuration)", what)
         self._build(meta)
         self.origin = "compiled"
         self.seconds = time.perf_counter() - t0
+        log.info("built %s in %.2f s; cached in %s", what, self.seconds, self.cache_path)
 
     def _load(self, entry: dict) -> None:
         import cutlass.cute as cute
@@ -195,7 +210,8 @@ class Kernel:
                           "load_bytes_per_subtile": kernel.load_bytes}
             entry = self._cache.commit(
                 self.key, staged, ["epilogue.py", "kernel.ptx", "kernel.o"],
-                {**meta, "function": self.function_name, "stages": self._stages, "smem": self._smem},
+                {**meta, "function": self.function_name, "epilogue": self.graph.name, "stages": self._stages,
+                 "smem": self._smem},
             )
             self.cache_path = entry
             self._fn = compiled
@@ -263,9 +279,14 @@ class Kernel:
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return f"unknown (ptxas failed: {exc})"
-        report = " ".join(line.split("info    : ")[-1] for line in out.stderr.splitlines()
-                          if "registers" in line or "spill" in line)
-        return (report or out.stderr.strip() or "unknown") + "; producer 40 / consumers 232 by setmaxnreg"
+        lines = out.stderr.splitlines()
+        # ptxas reports (C7517/C7519) where it serializes wgmma around register use: worth knowing,
+        # not worth its full text.
+        injected = sum(1 for line in lines if "C7517" in line or "C7519" in line)
+        report = " ".join(line.split("info    : ")[-1].strip() for line in lines
+                          if ("registers" in line or "spill" in line) and "C751" not in line)
+        note = f"; ptxas injected {injected} wgmma wait(s)/arrive(s)" if injected else ""
+        return (report or "unknown") + note + "; producer 40 / consumers 232 by setmaxnreg"
 
     def __repr__(self) -> str:
         return f"<evtc.Kernel {self.graph.name} {self.config.short_name()}>"
@@ -292,13 +313,52 @@ class Kernel:
 
     def __call__(self, a, b, *, out=None, **operands):
         """``D = k(a, b, C=C, alpha=0.7, ...)``: the epilogue of ``a @ b``, launched on the current CUDA
-        stream. ``out`` (the same structure as the result) receives the outputs instead of new tensors."""
+        stream. ``out`` (the same structure as the result) receives the outputs instead of new tensors.
+
+        Under ``torch.compile`` the call is the kernel's custom operator (:attr:`op`), which the
+        compiler sees as one opaque op with a shape function: no graph break."""
+        if torch.compiler.is_compiling():
+            return self._call_op(a, b, out, operands)
         try:
-            return self._call(a, b, out, operands)
+            outs = self._launch(a, b, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
+        return self._tree.build(dict(zip(self._kernel_order, outs, strict=True)))
 
-    def _call(self, a, b, out, operands):
+    @property
+    def op(self):
+        """This kernel as a PyTorch custom operator, ``torch.ops.evtc.<name>``: ``op(a, b, *operands)``
+        with the operands in :attr:`operand_names` order, returning a tensor or a tuple of tensors
+        in the kernel's output order. It has a fake (meta) implementation, so ``torch.compile``
+        traces through it and CUDA graphs capture it."""
+        if self._op is None:
+            from .torch_op import register
+
+            self._op = register(self)
+        return self._op
+
+    @property
+    def operand_names(self) -> list[str]:
+        """The epilogue's operands after ``acc``, in the order :attr:`op` takes them."""
+        return list(self._names)
+
+    def _call_op(self, a, b, out, operands):
+        result = self.op(a, b, *[operands[name] for name in self._names])
+        outs = [result] if len(self._kernel_order) == 1 else list(result)
+        if out is not None:
+            # The operator returns new tensors (a functional op is what the compiler can reorder);
+            # out= then costs one copy per output.
+            given = flatten_outputs(out, self._tree)
+            if given is None:
+                raise CallError("out= must have the structure the epilogue returns "
+                                f"({self._describe_tree()})")
+            for name, value in zip(self._kernel_order, outs, strict=True):
+                given[name].copy_(value)
+            outs = [given[name] for name in self._kernel_order]
+        return self._tree.build(dict(zip(self._kernel_order, outs, strict=True)))
+
+    def _launch(self, a, b, out, operands) -> list[torch.Tensor]:
+        """Check (on the slow path only), launch, and return the outputs in kernel order."""
         reason = _gpu_ok()
         if reason is not None:
             # Say what is wrong with the arguments first; devices cannot be right without a GPU.
@@ -329,7 +389,7 @@ class Kernel:
             self._validate(a, b, out, operands)
         outs = self._outputs(a, out, m, n, batches)
         if m == 0 or n == 0 or batches == 0:
-            return self._tree.build(dict(zip(self._kernel_order, outs, strict=True)))
+            return outs
         if k == 0:
             raise CallError("K = 0 is not supported (the accumulator would be all zeros; compute the "
                             "epilogue of zeros with torch instead)")
@@ -346,7 +406,7 @@ class Kernel:
         except (ValueError, TypeError, RuntimeError) as exc:
             self._validate(a, b, out, operands)
             raise CallError(f"the kernel rejected its arguments: {exc}") from None
-        return self._tree.build(dict(zip(self._kernel_order, outs, strict=True)))
+        return outs
 
     def _outputs(self, a, out, m, n, batches):
         shape = (batches, m, n) if self._signature.batched else (m, n)

@@ -245,3 +245,22 @@ def test_valid_arguments_without_a_gpu_say_so(kernel):
     a, b, C, bias = _cpu_args()
     with pytest.raises(evtc.CallError, match="no CUDA GPU.*k.source, k.ptx and k.graph are available"):
         kernel(a, b, C=C, bias=bias, alpha=1.0)
+
+
+def test_logging_reports_compile_steps_and_cache(tmp_path, caplog):
+    def gelu_bias(acc, bias):
+        return torch.nn.functional.gelu(acc + bias)
+
+    ex = dict(a=torch.empty(64, 32, dtype=torch.float16, device="meta"),
+              b=torch.empty(32, 64, dtype=torch.float16, device="meta"),
+              bias=torch.empty(64, dtype=torch.float16, device="meta"))
+    with caplog.at_level("INFO", logger="evtc"):
+        evtc.compile(gelu_bias, ex, cache_dir=tmp_path)
+    text = caplog.text
+    assert "'gelu_bias': GEMM f16->f16 AkBnDn 128x128 c1x2" in text and "cluster chosen per call" in text
+    assert "disk cache miss" in text and "building 'gelu_bias'" in text and "built 'gelu_bias' (" in text
+    caplog.clear()
+    clear_memory_cache()
+    with caplog.at_level("INFO", logger="evtc"):
+        evtc.compile(gelu_bias, ex, cache_dir=tmp_path)
+    assert "disk cache hit: 'gelu_bias'" in caplog.text and "building" not in caplog.text

@@ -70,3 +70,32 @@ def test_dot_renders_with_graphviz(tmp_path):
     out = tmp_path / "g.svg"
     subprocess.run(["dot", "-Tsvg", str(src), "-o", str(out)], check=True)
     assert out.read_text().lstrip().startswith("<?xml")
+
+
+def test_render_writes_an_svg_picture_without_graphviz(tmp_path):
+    """The built-in layout: a well-formed SVG with one coloured box per node, labelled with the
+    user's expressions, and one arrow per edge."""
+    import xml.etree.ElementTree as ET
+
+    graph, _ = _graph()
+    out = graph.render(tmp_path / "g.svg", engine="builtin")
+    root = ET.parse(out).getroot()
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    rects = root.findall(".//s:g/s:rect", ns)
+    assert len(rects) == len(graph.nodes)
+    assert len({r.get("fill") for r in rects}) == 4  # load, compute, reduction, store
+    assert len(root.findall(".//s:line", ns)) == sum(len(n.inputs) for n in graph.nodes)
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert "F.gelu(alpha * acc + bias)" in " ".join(texts)
+    # Boxes do not overlap within a row, and every arrow points downwards.
+    boxes = sorted((float(r.get("y")), float(r.get("x")), float(r.get("width"))) for r in rects)
+    for (y1, x1, w1), (y2, x2, _) in zip(boxes, boxes[1:], strict=False):
+        assert y1 != y2 or x1 + w1 <= x2
+    for line in root.findall(".//s:line", ns):
+        assert float(line.get("y2")) > float(line.get("y1"))
+    assert graph.render(tmp_path / "g.dot").read_text() == graph.to_dot()
+    with pytest.raises(ValueError, match="suffix"):
+        graph.render(tmp_path / "g.jpg")
+    if shutil.which("dot") is None:
+        with pytest.raises(RuntimeError, match="Graphviz"):
+            graph.render(tmp_path / "g.png")

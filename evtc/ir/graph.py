@@ -203,6 +203,13 @@ class Graph:
 
         return graph_to_dot(self)
 
+    def render(self, path: Any, *, engine: str = "auto") -> Any:
+        """Write a picture of the DAG (.svg, .png or .dot): Graphviz when installed, else a
+        built-in SVG layout. See :func:`evtc.ir.picture.render`."""
+        from .picture import render
+
+        return render(self, path, engine=engine)
+
     def evaluate(self, inputs: dict[str, Any], *, compute_dtype: torch.dtype = torch.float32,
                  cast_outputs: bool = True) -> Any:
         """Run the graph on tensors: see :func:`evtc.ir.interpreter.evaluate`."""

@@ -117,11 +117,21 @@ def format_graph(graph: Graph) -> str:
     return "\n".join(lines)
 
 
-_COLOURS = {"load": "#cfe8ff", "compute": "#fff2c2", "reduction": "#e6d5ff", "store": "#c9f2c9"}
+COLOURS = {"load": "#cfe8ff", "compute": "#fff2c2", "reduction": "#e6d5ff", "store": "#c9f2c9"}
 
 
 def _dot_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def node_label(node, names: dict[int, str]) -> list[str]:
+    """The lines that label a node in a picture: its expression, its type, the user's source line."""
+    first = f"store {names[node.id]}" if node.op == "store" else \
+        f"{names[node.id]} = {expression(node, names)}"
+    label = [first, f"{short_name(node.dtype)}{format_shape(node.shape)}"]
+    if node.loc is not None and node.op not in ("acc", "load", "arg", "literal"):
+        label.append(node.loc.text.strip())
+    return label
 
 
 def graph_to_dot(graph: Graph) -> str:
@@ -129,13 +139,9 @@ def graph_to_dot(graph: Graph) -> str:
     lines = [f'digraph "{_dot_escape(graph.name)}" {{', "  rankdir=TB;",
              '  node [shape=box, style="rounded,filled", fontname="Helvetica"];']
     for node in graph.nodes:
-        first = f"store {names[node.id]}" if node.op == "store" else \
-            f"{names[node.id]} = {expression(node, names)}"
-        label = [first, f"{short_name(node.dtype)}{format_shape(node.shape)}"]
-        if node.loc is not None and node.op not in ("acc", "load", "arg", "literal"):
-            label.append(node.loc.text.strip())
+        label = node_label(node, names)
         text = "\\n".join(_dot_escape(part) for part in label)
-        lines.append(f'  n{node.id} [label="{text}", fillcolor="{_COLOURS[node.category]}", '
+        lines.append(f'  n{node.id} [label="{text}", fillcolor="{COLOURS[node.category]}", '
                      f'tooltip="{node.category}"];')
     for node in graph.nodes:
         for i in node.inputs:

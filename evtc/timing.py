@@ -1,4 +1,5 @@
-"""Timing on the GPU, shared by the benchmarks: CUDA events, warm-up, medians, in alternation."""
+"""Timing on the GPU, shared by the benchmarks and `python -m evtc demo`: CUDA events, warm-up,
+medians, in alternation."""
 
 from __future__ import annotations
 

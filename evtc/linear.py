@@ -1,0 +1,114 @@
+"""``evtc.linear``: the commonest fused GEMM, ``fn(x @ weight.t(), ...)`` with an ``nn.Linear`` weight.
+
+The weight stays in its (out_features, in_features) layout: ``weight.t()`` is a K-major B, which the
+kernel loads as it is (no copy, no transpose). ``x`` may have any leading dims, as for
+``torch.nn.functional.linear``; they are flattened into M (a view when ``x`` is contiguous) and the
+outputs get them back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .api import OutDtypes
+from .compile import compile as _compile_kernel
+from .errors import CallError, EpilogueError
+from .kernel import Kernel
+
+
+class Linear:
+    """A compiled ``fn(x @ weight.t(), **operands)``; call it as ``lin(x, weight, **operands)``.
+
+    Operands shaped like the output (``(*lead, out_features)``) or like a per-row column
+    (``(*lead, 1)``) are flattened with ``x``; row vectors (``(out_features,)``) and scalars pass as
+    they are. ``lin.kernel`` is the underlying :class:`evtc.Kernel` (source, graph, PTX, explain).
+    """
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+
+    @property
+    def source(self) -> str:
+        return self.kernel.source
+
+    def explain(self) -> str:
+        return self.kernel.explain()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, *, out: Any = None, **operands: Any) -> Any:
+        try:
+            return self._call(x, weight, out, operands)
+        except EpilogueError as err:
+            raise err.with_traceback(None) from None
+
+    def _call(self, x, weight, out, operands):
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise CallError("evtc.linear: x and weight must be torch tensors")
+        if x.dim() < 1 or weight.dim() != 2:
+            raise CallError(f"evtc.linear: x must be (..., in_features) and weight (out_features, "
+                            f"in_features); got {tuple(x.shape)} and {tuple(weight.shape)}")
+        if x.shape[-1] != weight.shape[1]:
+            raise CallError(f"evtc.linear: x has {x.shape[-1]} input features, weight {weight.shape[1]} "
+                            f"(weight is (out_features, in_features) = {tuple(weight.shape)})")
+        lead = tuple(x.shape[:-1])
+        flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
+        if out is not None:
+            out = _map_tensors(out, lambda t: _flatten_like(t, lead))
+        result = self.kernel(x.reshape(-1, x.shape[-1]), weight.t(), out=out, **flat)
+        return _map_tensors(result, lambda t: t.view(*lead, t.shape[-1]))
+
+
+def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
+    """(*lead, n) -> (prod(lead), n); anything else unchanged."""
+    if isinstance(value, torch.Tensor) and len(lead) != 1 and value.dim() == len(lead) + 1 \
+            and tuple(value.shape[:-1]) == lead:
+        return value.reshape(-1, value.shape[-1])
+    return value
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def linear(
+    fn: Callable[..., Any],
+    example_inputs: Mapping[str, Any],
+    *,
+    out_dtypes: OutDtypes = None,
+    config: Mapping[str, Any] | Any | None = None,
+    arch: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Linear:
+    """Compile ``fn(x @ weight.t(), ...)`` for ``nn.Linear``-style inputs.
+
+    Args:
+        fn: the epilogue ``fn(acc, *operands)``, as for :func:`evtc.compile`.
+        example_inputs: ``x`` (``(..., in_features)``), ``weight`` (``(out_features, in_features)``)
+            and one entry per operand; operands with ``x``'s leading dims are flattened like it.
+        out_dtypes, config, arch, cache_dir: as for :func:`evtc.compile`.
+
+    Returns:
+        a :class:`Linear`: ``lin(x, weight, **operands, out=None)``.
+    """
+    try:
+        example = dict(example_inputs)
+        if "x" not in example or "weight" not in example:
+            raise CallError("evtc.linear: example_inputs needs 'x' (..., in_features) and 'weight' "
+                            "(out_features, in_features)")
+        x, weight = example.pop("x"), example.pop("weight")
+        lead = tuple(x.shape[:-1])
+        example = {name: _flatten_like(v, lead) for name, v in example.items()}
+        kernel = _compile_kernel(fn, {"a": x.reshape(-1, x.shape[-1]), "b": weight.t(), **example},
+                                 out_dtypes=out_dtypes, config=config, arch=arch, cache_dir=cache_dir)
+    except EpilogueError as err:
+        raise err.with_traceback(None) from None
+    return Linear(kernel)

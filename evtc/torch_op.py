@@ -1,0 +1,74 @@
+"""Compiled kernels as PyTorch custom operators (``torch.library``).
+
+``torch.compile`` cannot trace into a kernel launched through the CuTe DSL; as a custom operator with
+a fake implementation (output shapes and dtypes from the input shapes) the kernel is one opaque node
+of the compiler's graph: no graph break, and the compiler may reorder it like any functional op.
+CUDA graph capture needs nothing more than a launch on the current stream, which every call makes.
+
+Operator names are ``evtc::<epilogue name>_<hash>``, stable across processes for the same kernel, so
+a compiler's caches stay valid.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .kernel import Kernel
+
+_LIBRARY = torch.library.Library("evtc", "FRAGMENT")
+_OPS: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def op_name(kernel: Kernel) -> str:
+    """``<epilogue>_<key prefix>``, with a suffix for kernels that choose their cluster per call (a
+    pinned kernel of the same configuration shares the compiled code but not the behaviour)."""
+    base = re.sub(r"\W", "_", kernel.graph.name) or "epilogue"
+    auto = "_c" if kernel._variant_factory is not None else ""
+    return f"{base}_{kernel.key[:16]}{auto}"
+
+
+def schema(kernel: Kernel, name: str) -> str:
+    args = ["Tensor a", "Tensor b"]
+    kinds = {p.name: p.kind for p in kernel._emitted.inputs}
+    for operand in kernel.operand_names:
+        args.append(f"float {operand}" if kinds[operand] == "arg" else f"Tensor {operand}")
+    n_out = len(kernel._kernel_order)
+    returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
+    return f"{name}({', '.join(args)}) -> {returns}"
+
+
+def register(kernel: Kernel):
+    """Define (once per process) the operator of ``kernel`` and return its OpOverload."""
+    name = op_name(kernel)
+    with _LOCK:
+        op = _OPS.get(name)
+        if op is not None:
+            return op
+        names = kernel.operand_names
+        single = len(kernel._kernel_order) == 1
+        batched = kernel._signature.batched
+        out_dtypes = list(kernel._out_dtypes)
+
+        def run(a, b, *operands):
+            outs = kernel._launch(a, b, None, dict(zip(names, operands, strict=True)))
+            return outs[0] if single else tuple(outs)
+
+        def fake(a, b, *operands):
+            shape = (a.shape[0], a.shape[-2], b.shape[-1]) if batched else (a.shape[-2], b.shape[-1])
+            outs = [a.new_empty(shape, dtype=dt) for dt in out_dtypes]
+            return outs[0] if single else tuple(outs)
+
+        _LIBRARY.define(schema(kernel, name))
+        _LIBRARY.impl(name, run, "CUDA")
+        # CPU tensors reach the same checks, which name the tensor that is not on the GPU.
+        _LIBRARY.impl(name, run, "CPU")
+        torch.library.register_fake(f"evtc::{name}", fake, lib=_LIBRARY)
+        op = getattr(torch.ops.evtc, name).default
+        _OPS[name] = op
+        return op

@@ -1,0 +1,118 @@
+"""`python -m evtc`: demo, show and cache, on a CPU (kernels compile for sm_90a; the demo checks the
+reference path instead of running the kernel)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from evtc.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("EVTC_CACHE_DIR", str(path))
+    return path
+
+
+def test_demo_runs_as_a_module(cache_dir, tmp_path):
+    picture = tmp_path / "demo.svg"
+    out = subprocess.run([sys.executable, "-m", "evtc", "demo", "--picture", str(picture)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "def bias_gelu_residual(acc, bias, residual, alpha: float):" in text   # the epilogue
+    assert "store D0" in text and "F.gelu(alpha * acc + bias)" in text            # the graph
+    assert "class BiasGeluResidualEpilogue(FusedVisitor):" in text                # the source
+    assert "GEMM: f16->f16" in text and "PTX:" in text and "wgmma.mma_async" in text
+    if not _gpu():
+        assert "reference check on the CPU" in text and "(ok)" in text
+    root = ET.parse(picture).getroot()
+    assert root.tag.endswith("svg") and len(list(root.iter("{http://www.w3.org/2000/svg}rect"))) > 5
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+USER_FILE = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+
+
+    def scaled_silu(acc, bias, scale: float):
+        return F.silu(acc * scale + bias)
+
+
+    def with_inputs(acc, C, s):
+        return acc + C * s
+
+
+    with_inputs_inputs = dict(
+        a=torch.empty(128, 64, dtype=torch.bfloat16, device="meta"),
+        b=torch.empty(64, 256, dtype=torch.bfloat16, device="meta"),
+        C=torch.empty(128, 256, dtype=torch.bfloat16, device="meta"),
+        s=torch.empty(1, dtype=torch.float32, device="meta"),
+    )
+''')
+
+
+def test_show_prints_graph_source_and_ptx_statistics(cache_dir, tmp_path, capsys):
+    user = tmp_path / "my_epilogues.py"
+    user.write_text(USER_FILE)
+    picture = tmp_path / "g.dot"
+    assert main(["show", f"{user}:scaled_silu", "--kind", "bias=row", "--picture", str(picture)]) == 0
+    text = capsys.readouterr().out
+    assert "bias: (512,)" in text and "scale: scalar" in text
+    assert "F.silu(acc * scale + bias)" in text and "class ScaledSiluEpilogue(FusedVisitor):" in text
+    assert "RowVector('bias'" in text and "ArgScalar('scale')" in text
+    assert "PTX:" in text and "TMA stores" in text
+    assert picture.read_text().startswith('digraph "scaled_silu"')
+    # A module-level <function>_inputs is used as the example inputs.
+    assert main(["show", f"{user}:with_inputs"]) == 0
+    text = capsys.readouterr().out
+    assert "example inputs from with_inputs_inputs" in text and "bf16->bf16" in text
+    assert "DeviceScalar('s'" in text
+
+
+def test_show_and_cache_errors_are_clear(cache_dir, tmp_path, capsys):
+    user = tmp_path / "my_epilogues.py"
+    user.write_text(USER_FILE)
+    with pytest.raises(SystemExit, match="path/to/file.py:function"):
+        main(["show", "no_colon"])
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["show", "missing.py:f"])
+    with pytest.raises(SystemExit, match="has no function 'nope'"):
+        main(["show", f"{user}:nope"])
+    with pytest.raises(SystemExit, match="does not take"):
+        main(["show", f"{user}:scaled_silu", "--kind", "C=row"])
+    with pytest.raises(SystemExit, match="NAME=KIND"):
+        main(["show", f"{user}:scaled_silu", "--kind", "bias=vector"])
+
+
+def test_cache_lists_and_clears(cache_dir, tmp_path, capsys):
+    user = tmp_path / "my_epilogues.py"
+    user.write_text(USER_FILE)
+    from evtc.compile import clear_memory_cache
+
+    clear_memory_cache()  # so the kernel lands in this test's cache directory
+    assert main(["show", f"{user}:scaled_silu"]) == 0
+    capsys.readouterr()
+    assert main(["cache", "list"]) == 0
+    text = capsys.readouterr().out
+    assert f"{cache_dir}: 1 kernel(s)" in text and "scaled_silu" in text and "sm_90a" in text
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 kernel(s)" in capsys.readouterr().out
+    assert main(["cache", "list"]) == 0
+    assert ": 0 kernel(s)" in capsys.readouterr().out

@@ -1,0 +1,121 @@
+"""Compiled kernels as PyTorch custom operators: the schema, the fake (meta) implementation, and
+torch.compile(fullgraph=True) tracing through a model that calls a kernel.  CPU only: meta tensors
+stand in for CUDA ones, and nothing launches (tests/test_torch_op_gpu.py runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import evtc
+
+
+def bias_relu_aux(acc, C, bias, alpha: float):
+    return torch.relu(alpha * acc + C + bias), acc * 2
+
+
+def scaled(acc, s):
+    return (acc * s).to(torch.bfloat16)
+
+
+def meta(*shape, dtype=torch.float16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def example():
+    return dict(a=meta(256, 128), b=meta(128, 512), C=meta(256, 512), bias=meta(512, dtype=torch.float32),
+                alpha=1.0)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return evtc.compile(bias_relu_aux, example(), cache_dir=tmp_path_factory.mktemp("evtc-op"))
+
+
+def test_operator_schema_follows_the_epilogue(kernel):
+    assert kernel.operand_names == ["C", "bias", "alpha"]
+    schema = str(kernel.op._schema)
+    assert schema.startswith("evtc::bias_relu_aux_")
+    assert "(Tensor a, Tensor b, Tensor C, Tensor bias, float alpha) -> (Tensor, Tensor)" in schema
+    # One operator per kernel and process: compiling again finds it.
+    assert evtc.compile(bias_relu_aux, example(), cache_dir=kernel.cache_path.parents[1]).op is kernel.op
+
+
+def test_pinned_and_per_call_cluster_kernels_are_different_operators(kernel):
+    pinned = evtc.compile(bias_relu_aux, example(), config={"cluster": (1, 2)},
+                          cache_dir=kernel.cache_path.parents[1])
+    assert pinned.key == kernel.key and pinned.op is not kernel.op
+
+
+def test_fake_implementation_gives_shapes_and_dtypes(kernel, tmp_path):
+    with FakeTensorMode():
+        a, b = torch.empty(300, 64, dtype=torch.float16), torch.empty(64, 200, dtype=torch.float16)
+        y, z = kernel.op(a, b, torch.empty(300, 200, dtype=torch.float16), torch.empty(200), 0.5)
+        assert y.shape == z.shape == (300, 200) and y.dtype == z.dtype == torch.float16
+    batched = evtc.compile(scaled, dict(a=meta(2, 64, 32), b=meta(2, 32, 64), s=meta(1, dtype=torch.float32)),
+                           cache_dir=tmp_path)
+    with FakeTensorMode():
+        a = torch.empty(3, 100, 32, dtype=torch.float16)
+        d = batched.op(a, torch.empty(3, 32, 48, dtype=torch.float16), torch.empty(1))
+        assert d.shape == (3, 100, 48) and d.dtype == torch.bfloat16
+
+
+def test_torch_compile_fullgraph_traces_the_kernel_as_one_op(kernel):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def model(a, b, C, bias):
+        y, z = kernel(a, b, C=C, bias=bias, alpha=1.5)
+        return torch.relu(y) + z
+
+    a, b, C, bias = meta(300, 64), meta(64, 200), meta(300, 200), meta(200, dtype=torch.float32)
+    out = torch.compile(model, fullgraph=True, backend=backend)(a, b, C, bias)
+    assert out.shape == (300, 200) and out.dtype == torch.float16
+    assert len(graphs) == 1
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "evtc" in str(n.target)]
+    assert len(calls) == 1 and str(calls[0].target).startswith("evtc.bias_relu_aux_")
+
+
+def test_torch_compile_with_out_copies_into_it(kernel):
+    def model(a, b, C, bias, y, z):
+        return kernel(a, b, C=C, bias=bias, alpha=1.5, out=(y, z))
+
+    args = (meta(300, 64), meta(64, 200), meta(300, 200), meta(200, dtype=torch.float32), meta(300, 200),
+            meta(300, 200))
+    y, z = torch.compile(model, fullgraph=True, backend="eager")(*args)
+    assert y.shape == (300, 200)
+
+
+def test_operator_on_cpu_tensors_names_the_problem(kernel):
+    with pytest.raises(evtc.CallError, match="no CUDA GPU|CUDA"):
+        kernel.op(torch.randn(300, 64).half(), torch.randn(64, 200).half(), torch.randn(300, 200).half(),
+                  torch.randn(200), 1.0)
+
+
+def residual_gelu(acc, bias, residual):
+    return torch.nn.functional.gelu(acc + bias) + residual
+
+
+def test_linear_takes_the_weight_as_it_is_and_any_leading_dims(tmp_path):
+    ex = dict(x=meta(2, 8, 64), weight=meta(96, 64), bias=meta(96, dtype=torch.float32),
+              residual=meta(2, 8, 96))
+    lin = evtc.linear(residual_gelu, ex, cache_dir=tmp_path)
+    # weight.t() is a K-major B: loaded as it is, never transposed or copied.
+    assert lin.kernel.config.b_major == "k" and lin.kernel.config.a_major == "k"
+    assert "residual: float16[M, N]" in lin.explain() and "bias: float32[N]" in lin.explain()
+
+    def model(x, weight, bias, residual):
+        return lin(x, weight, bias=bias, residual=residual)
+
+    out = torch.compile(model, fullgraph=True, backend="eager")(meta(3, 5, 64), meta(96, 64),
+                                                                meta(96, dtype=torch.float32), meta(3, 5, 96))
+    assert out.shape == (3, 5, 96) and out.dtype == torch.float16
+    with pytest.raises(evtc.CallError, match="input features"):
+        lin(torch.randn(4, 32).half(), torch.randn(96, 64).half(), bias=torch.randn(96),
+            residual=torch.randn(4, 96).half())
+    with pytest.raises(evtc.CallError, match="needs 'x'"):
+        evtc.linear(residual_gelu, dict(a=meta(8, 64), b=meta(64, 96)), cache_dir=tmp_path)
