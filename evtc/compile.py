@@ -142,8 +142,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
         # Extra outputs are staged like D, one buffer per D stage: fix the count so both agree.
         knobs["epi_stages"] = 2
     try:
-        cfg = GemmConfig(**knobs).validate()
-        cfg = _plan_epilogue_loads(cfg, emitted, signature, knobs)
+        cfg = _fit(knobs, emitted, signature)
     except (ConfigError, TypeError) as exc:
         raise CompileError(f"configuration: {exc}", loc) from None
     log.info("%r: GEMM %s, epilogue loads staged %d deep%s", graph.name, cfg.short_name(), cfg.c_stages,
@@ -194,6 +193,41 @@ def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir) -> Kernel:
         with _MEMORY_LOCK:
             _MEMORY[key] = kernel
     return kernel
+
+
+def _fit(knobs: dict[str, Any], emitted, signature):
+    """The configuration of ``knobs``, its epilogue loads planned, checked to fit in shared memory.
+
+    Where the epilogue's buffers (many or wide outputs) leave too few A/B stages, and the user did not
+    choose them, narrower 128 x 16 subtiles are tried, then the cooperative schedule (one epilogue's
+    buffers instead of the ping-pong schedule's two). Otherwise the first error says what to shrink.
+    """
+    from .codegen.config import ConfigError, GemmConfig
+
+    attempts: list[dict[str, Any]] = [{}]
+    if "epi_tile_n" not in knobs:
+        attempts.append({"epi_tile_n": 16})
+    if "schedule" not in knobs and "tile_n" not in knobs and "cluster" not in knobs:
+        attempts.append({"schedule": "cooperative", **attempts[-1]})
+    first_error = None
+    for extra in attempts:
+        try:
+            cfg = GemmConfig(**{**knobs, **extra}).validate()
+            cfg = _plan_epilogue_loads(cfg, emitted, signature, {**knobs, **extra})
+            _ab_stages(emitted, signature, cfg, cfg.c_stages)  # raises where it does not fit
+        except ConfigError as exc:
+            first_error = first_error or exc
+            continue
+        if extra:
+            log.info("%r: the epilogue's buffers do not fit with the default tiles; using %s",
+                     emitted.class_name, extra)
+        return cfg
+    assert first_error is not None
+    if len(attempts) > 1:
+        tried = ", ".join("128x16 subtiles" if a == {"epi_tile_n": 16} else "the cooperative schedule"
+                          for a in attempts[1:])
+        raise ConfigError(f"{first_error} (also tried: {tried})")
+    raise first_error
 
 
 def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:

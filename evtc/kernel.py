@@ -251,7 +251,8 @@ class Kernel:
                 lines.append(f"    {spec.describe()}: {plan.kind}, {batch}; {how}")
         lines.append("  outputs:")
         for i, spec in enumerate(self._signature.outputs):
-            role = "kernel D store (stmatrix + TMA)" if i == 0 else "extra TMA store"
+            how = "stmatrix" if spec.dtype in ("float16", "bfloat16") else "register-to-shared copy"
+            role = f"kernel D store ({how} + TMA)" if i == 0 else "extra TMA store"
             lines.append(f"    {spec.describe()}: {role}")
         if self._stages:
             d_text = (f"D in the {self._stages['load']} load stages (written where C was read)"

@@ -285,6 +285,24 @@ def fp8_e5m2_aux(acc):
     return acc.float(), (acc * 8.0).to(torch.float8_e5m2)
 
 
+@entry({"C": "tile"})
+def six_float32_outputs(acc, C):
+    # Too many staged outputs for the default ping-pong tiles: compiled cooperative with 128x16.
+    y = acc + C
+    return y.float(), (y * 2).float(), torch.relu(y).float(), (y * y).float(), acc.float(), C.float()
+
+
+@entry({"bias": "row", "s": "scalar"})
+def fp8_only_scaled(acc, bias, s):
+    # Every output float8: the kernel's own D is the float8 tile.
+    return ((acc + bias) * s).to(torch.float8_e4m3fn)
+
+
+@entry()
+def fp8_two_formats(acc):
+    return (acc * 4.0).to(torch.float8_e5m2), acc.to(torch.float8_e4m3fn)
+
+
 @entry({"C": "tile", "alpha": 1.0})
 def four_outputs(acc, C, alpha: float):
     y = acc + C

@@ -168,13 +168,22 @@ def test_reductions_are_rejected_for_now(tmp_path):
         evtc.compile(with_amax, ex, cache_dir=tmp_path)
 
 
-def test_only_float8_outputs_are_rejected(tmp_path):
+def test_float8_only_outputs_make_a_float8_d(tmp_path):
     def fp8_only(acc):
         return acc.to(torch.float8_e4m3fn)
 
+    def fp8_pair(acc):
+        return acc.to(torch.float8_e5m2), (acc * 2).to(torch.float8_e4m3fn), acc.half()
+
     ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
-    with pytest.raises(evtc.DTypeError, match="every output is float8"):
-        evtc.compile(fp8_only, ex, cache_dir=tmp_path)
+    k = evtc.compile(fp8_only, ex, cache_dir=tmp_path)
+    assert k.config.d_dtype == "float8_e4m3fn"
+    assert "cvt.rn.satfinite.e4m3x2.f32" in k.ptx and "stmatrix" not in k.ptx
+    assert "kernel D store (register-to-shared copy + TMA)" in k.explain()
+    # With a 16-bit output among them, that one is the kernel's D (stmatrix) and the float8 ones
+    # are extra stores.
+    k2 = evtc.compile(fp8_pair, ex, cache_dir=tmp_path)
+    assert k2.config.d_dtype == "float16" and "stmatrix" in k2.ptx
 
 
 def test_operand_layouts_tma_cannot_load(tmp_path):
@@ -264,3 +273,26 @@ def test_logging_reports_compile_steps_and_cache(tmp_path, caplog):
     with caplog.at_level("INFO", logger="evtc"):
         evtc.compile(gelu_bias, ex, cache_dir=tmp_path)
     assert "disk cache hit: 'gelu_bias'" in caplog.text and "building" not in caplog.text
+
+
+def test_epilogues_with_many_outputs_get_smaller_tiles_or_a_clear_error(tmp_path, caplog):
+    ex = dict(a=torch.empty(64, 32, dtype=torch.float16, device="meta"),
+              b=torch.empty(32, 128, dtype=torch.float16, device="meta"))
+
+    def outputs(count):
+        def many(acc):
+            return tuple((acc * (i + 1)).float() for i in range(count))
+        return many
+
+    with caplog.at_level("INFO", logger="evtc"):
+        four = evtc.compile(outputs(4), ex, cache_dir=tmp_path)
+    assert four.config.epi_tile_n == 16 and four.config.schedule == "pingpong"
+    assert "do not fit with the default tiles" in caplog.text
+    six = evtc.compile(outputs(6), ex, cache_dir=tmp_path)
+    assert six.config.schedule == "cooperative" and six.config.epi_tile_n == 16
+    with pytest.raises(evtc.CompileError, match="also tried: 128x16 subtiles, the cooperative") as err:
+        evtc.compile(outputs(9), ex, cache_dir=tmp_path)
+    assert "test_compile_runtime.py" in str(err.value)
+    # A choice the user made is kept: the error says what to shrink.
+    with pytest.raises(evtc.CompileError, match="use a smaller tile_n, epi_tile_n or epi_stages"):
+        evtc.compile(outputs(4), ex, config={"epi_tile_n": 32, "schedule": "pingpong"}, cache_dir=tmp_path)

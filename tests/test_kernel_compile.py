@@ -31,6 +31,8 @@ G = functools.partial(GemmConfig, schedule="cooperative")
 MATRIX = [
     (GemmConfig(), Identity()),  # the default: ping-pong, 128x128, cluster 1x2
     (GemmConfig(), LinearCombination("float16", "n")),
+    (GemmConfig(d_dtype="float8_e4m3fn"), Identity()),   # a float8 D: satfinite cvt, no stmatrix
+    (G(ab_dtype="bfloat16", d_dtype="float8_e5m2", epi_tile_n=64), Identity()),
     (G(), Identity()),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k"), Identity()),
     (G(d_dtype="float32", a_major="m"), Identity()),
@@ -112,6 +114,10 @@ def test_ptx_has_the_sm90_instructions(compiled):
     assert "fence.proxy.async.shared::cta" in ptx
     if cfg.d_dtype in ("float16", "bfloat16"):
         assert "stmatrix" in ptx
+    if cfg.d_dtype.startswith("float8"):
+        # Saturating conversion of pairs (as the IR's casts), then a plain copy to shared memory.
+        fmt = "e4m3" if cfg.d_dtype == "float8_e4m3fn" else "e5m2"
+        assert f"cvt.rn.satfinite.{fmt}x2.f32" in ptx and "stmatrix" not in ptx
     if cfg.cluster != (1, 1):
         assert ".multicast::cluster" in ptx
     else:
@@ -332,6 +338,12 @@ def test_cluster_for_problem_counts_the_idle_ctas_of_overhanging_clusters():
     # Cooperative 128x256 tiles: the shapes cost alike, so only fewer waves move it off its 1x1.
     assert pick(16384, 128, schedule="cooperative", tile_n=256, preferred=(1, 1)) == (1, 1)
     assert pick(8192, 8192, schedule="cooperative", tile_n=256, preferred=(1, 1)) == (1, 1)
+
+
+def test_float8_d_must_be_row_major():
+    assert GemmConfig(d_dtype="float8_e4m3fn").validate().d_dtype == "float8_e4m3fn"
+    with pytest.raises(ConfigError, match="must be row-major"):
+        GemmConfig(d_dtype="float8_e5m2", d_major="m").validate()
 
 
 def test_pingpong_rejects_tile_n_256():

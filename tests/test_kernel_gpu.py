@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 Coop = functools.partial(GemmConfig, schedule="cooperative")
 
 TOL = 1e-2
-TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+         "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -51,7 +52,10 @@ def make_b(k, n, batches, major, dtype, gen, batched):
 def make_mn(m, n, batches, major, dtype, batched, fill=float("nan"), gen=None):
     lead = (batches,) if batched else ()
     shape = lead + ((m, n) if major == "n" else (n, m))
-    t = _randn(shape, dtype, gen) if gen is not None else torch.full(shape, fill, device="cuda", dtype=dtype)
+    if gen is not None:
+        t = _randn(shape, dtype, gen)
+    else:  # via float32: float8 NaN poison too
+        t = torch.full(shape, fill, device="cuda", dtype=torch.float32).to(dtype)
     return t if major == "n" else t.transpose(-1, -2)
 
 
@@ -126,6 +130,25 @@ def test_tile_n_64():
     cfg = Coop(tile_n=64, epi_tile_n=64, ab_dtype="bfloat16", d_dtype="float32")
     d, ref, _ = run_case(cfg, Identity(), 300, 200, 264)
     check(d, ref, cfg.short_name())
+
+
+# ---- float8 D --------------------------------------------------------------------------------
+
+FP8_D = [GemmConfig(d_dtype="float8_e4m3fn"), Coop(d_dtype="float8_e5m2", b_major="k"),
+         GemmConfig(ab_dtype="bfloat16", d_dtype="float8_e4m3fn", epi_tile_n=64, cluster=(2, 1))]
+
+
+@pytest.mark.parametrize("cfg", FP8_D, ids=lambda c: c.short_name())
+@pytest.mark.parametrize("m,n,k", [(1000, 1008, 520), (264, 512, 1032), (16384, 128, 64)])
+def test_float8_d(cfg, m, n, k):
+    """A float8 D: against torch's float32 result rounded to float8 as the IR rounds (saturating);
+    every element written (the NaN poison is gone)."""
+    from evtc.ir.dtypes import round_to
+
+    d, ref, _ = run_case(cfg, Identity(), m, n, k)
+    expected = round_to(ref, TORCH[cfg.d_dtype])
+    assert torch.isfinite(d.float()).all()
+    check(d, expected.float(), cfg.short_name())
 
 
 # ---- odd shapes --------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 # Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
 # cutlass or torch; :mod:`evtc.codegen.dtypes` maps them to both.
 AB_DTYPES = ("float16", "bfloat16")
-D_DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 TILE_M = 128  # two consumer warpgroups, 64 rows each (cooperative schedule)
 # Ping-pong schedule: each consumer warpgroup owns a whole 128 x tile_n tile (two m64nN wgmma atoms
@@ -219,6 +220,9 @@ class GemmConfig:
             bad(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
         if self.d_dtype not in D_DTYPES:
             bad(f"d_dtype must be one of {D_DTYPES}, got {self.d_dtype!r}")
+        if self.d_dtype in FLOAT8_DTYPES and self.d_major != "n":
+            bad(f"a {self.d_dtype} D must be row-major (d_major='n'): 8-bit elements are stored by "
+                "rows of the epilogue subtile")
         if self.a_major not in ("k", "m"):
             bad(f"a_major must be 'k' or 'm', got {self.a_major!r}")
         if self.b_major not in ("k", "n"):
@@ -256,7 +260,8 @@ class GemmConfig:
 
     def short_name(self) -> str:
         """A compact, readable identifier (bench tables, test ids)."""
-        ab = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+        ab = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3",
+              "float8_e5m2": "e5m2"}
         name = (
             f"{ab[self.ab_dtype]}->{ab[self.d_dtype]} A{self.a_major}B{self.b_major}D{self.d_major} "
             f"{self.tile_m}x{self.tile_n} c{self.cluster[0]}x{self.cluster[1]} "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from ..errors import DTypeError, ReductionError
+from ..errors import ReductionError
 from ..ir.dtypes import short_name
 from ..ir.graph import Graph, Node
 from ..ir.ops import ELEMENTWISE
@@ -213,13 +213,9 @@ class _Emitter:
         outputs = [OutputPlan(s.attrs["name"], s.dtype, s) for s in graph.stores]
         by_name = {o.name: o for o in outputs}
         ordered = [by_name[n] for n in graph.outputs.names]
-        first = next((i for i, o in enumerate(ordered) if o.dtype in KERNEL_D_DTYPES), None)
-        if first is None:
-            raise DTypeError(
-                "every output is float8: evtc.compile needs one float32, float16 or bfloat16 "
-                "full-tile output for the kernel's own store (float8 outputs are extra stores)",
-                ordered[0].node.loc,
-            )
+        # The kernel's own D store takes the first 16- or 32-bit output (stmatrix for 16-bit), else
+        # the first output (a float8 D, stored by rows).
+        first = next((i for i, o in enumerate(ordered) if o.dtype in KERNEL_D_DTYPES), 0)
         kernel_order = [ordered[first]] + ordered[:first] + ordered[first + 1:]
         return kernel_order, list(graph.outputs.names)
 
