@@ -185,9 +185,10 @@ class Kernel:
             visitor = self._import_visitor(source_path)
             kernel = Sm90GemmKernel(self.config, visitor)
             sig = self._signature
-            launcher = Launcher(kernel, sig.a, sig.b, sig.outputs, sig.inputs, sig.views, sig.batched)
+            launcher = Launcher(kernel, sig.a, sig.b, sig.outputs + sig.workspaces, sig.inputs, sig.views,
+                                sig.batched, workspaces=len(sig.workspaces))
             symbols = Symbols()
-            fake_outs = tuple(fake_tensor(s, symbols) for s in sig.outputs)
+            fake_outs = tuple(fake_tensor(s, symbols) for s in sig.outputs + sig.workspaces)
             fake_ins = tuple(
                 cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in sig.inputs
             )
@@ -250,6 +251,10 @@ class Kernel:
                 batch = "per batch" if plan.batched else "shared by all batches"
                 lines.append(f"    {spec.describe()}: {plan.kind}, {batch}; {how}")
         lines.append("  outputs:")
+        for plan in self._emitted.reductions:
+            axis = {"row": "per row", "batch": "per batch", "all": "over everything"}[plan.node.attrs["axis"]]
+            lines.append(f"    {plan.ident}: {plan.op} {axis}: partials per row of each tile in the kernel "
+                         "(float32 workspace), finished on the host")
         for i, spec in enumerate(self._signature.outputs):
             how = "stmatrix" if spec.dtype in ("float16", "bfloat16") else "register-to-shared copy"
             role = f"kernel D store ({how} + TMA)" if i == 0 else "extra TMA store"
@@ -310,6 +315,9 @@ class Kernel:
         self._out_dtypes = [getattr(torch, s.dtype) for s in self._signature.outputs]
         # outputs in kernel order -> position in the returned structure
         self._kernel_order = [o.name for o in emitted.outputs]
+        # Outputs finished on the host from the reductions' partials (evtc.reductions), after those.
+        self._host_outputs = [s for s in graph.stores if s.attrs["name"] not in self._kernel_order]
+        self._kernel_order += [s.attrs["name"] for s in self._host_outputs]
         self._tree = graph.outputs
 
     def __call__(self, a, b, *, out=None, **operands):
@@ -389,8 +397,15 @@ class Kernel:
         if len(operands) != len(self._names):
             self._validate(a, b, out, operands)
         outs = self._outputs(a, out, m, n, batches)
+        workspaces = []
+        if self._host_outputs:
+            from .reductions import workspace_numel
+
+            size = workspace_numel(m, n, batches, self.config.tile_n)
+            workspaces = [torch.empty(size, dtype=torch.float32, device=a.device)
+                          for _ in self._emitted.reductions]
         if m == 0 or n == 0 or batches == 0:
-            return outs
+            return outs + self._finish(out, workspaces, m, n, batches, operands)
         if k == 0:
             raise CallError("K = 0 is not supported (the accumulator would be all zeros; compute the "
                             "epilogue of zeros with torch instead)")
@@ -403,11 +418,43 @@ class Kernel:
                 fn, cluster = self._variant(chosen)._fn, chosen
         clusters = max_active_clusters(cluster[0] * cluster[1])
         try:
-            fn(a, b, tuple(outs), tuple(ins), clusters)
+            fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
         except (ValueError, TypeError, RuntimeError) as exc:
             self._validate(a, b, out, operands)
             raise CallError(f"the kernel rejected its arguments: {exc}") from None
-        return outs
+        return outs + self._finish(out, workspaces, m, n, batches, operands)
+
+    def _output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of every output in kernel order (sizes may be symbolic: fake tensors)."""
+        tile = (batches, m, n) if self._signature.batched else (m, n)
+        meta = [(tile, dt) for dt in self._out_dtypes]
+        dims = {M: m, N: n, L: batches}
+        for node in self._host_outputs:
+            meta.append((tuple(dims.get(d, d) if not isinstance(d, int) else d for d in node.shape),
+                         node.dtype))
+        return [(tuple(int(d) if isinstance(d, sympy.Integer) else d for d in shape), dt)
+                for shape, dt in meta]
+
+    def _finish(self, out, workspaces, m, n, batches, operands) -> list[torch.Tensor]:
+        """The host outputs (reductions and what follows them), into ``out``'s tensors if given."""
+        if not self._host_outputs:
+            return []
+        from .reductions import finish
+
+        done = finish(self.graph, self._emitted.reductions, workspaces, m, n, batches,
+                      self.config.tile_n, operands)
+        results = [done[s.attrs["name"]] for s in self._host_outputs]
+        if out is None:
+            return results
+        given = flatten_outputs(out, self._tree)
+        for node, value in zip(self._host_outputs, results, strict=True):
+            target = given[node.attrs["name"]]
+            if not isinstance(target, torch.Tensor) or target.shape != value.shape \
+                    or target.dtype != value.dtype:
+                raise CallError(f"out[{node.attrs['name']!r}] must be a {value.dtype} tensor of shape "
+                                f"{tuple(value.shape)}")
+            target.copy_(value)
+        return [given[s.attrs["name"]] for s in self._host_outputs]
 
     def _outputs(self, a, out, m, n, batches):
         shape = (batches, m, n) if self._signature.batched else (m, n)
@@ -417,7 +464,8 @@ class Kernel:
         if given is None:
             raise CallError(f"out= must have the structure the epilogue returns ({self._describe_tree()})")
         tensors = []
-        for name, spec, dt in zip(self._kernel_order, self._signature.outputs, self._out_dtypes, strict=True):
+        tile_names = self._kernel_order[:len(self._signature.outputs)]
+        for name, spec, dt in zip(tile_names, self._signature.outputs, self._out_dtypes, strict=True):
             t = given[name]
             check_tensor(f"out[{name!r}]" if self._tree.kind != "single" else "out", t, spec, dt,
                           {"L": batches, "M": m, "N": n})

@@ -69,6 +69,8 @@ class KernelSignature:
         out_dims = (*batch, "M", "N")
         self.outputs = [TensorSpec(o.name, dtype_name(o.dtype), out_dims, len(out_dims) - 1)
                         for o in emitted.outputs]
+        # One float32 workspace per reduction, flat: (M, n tiles, L) partials, allocated per call.
+        self.workspaces = [TensorSpec(r.ident, "float32", ("W",), 0) for r in emitted.reductions]
         self.inputs: list = []
         self.views: list = []
         self.tile_majors: dict[str, str] = {}

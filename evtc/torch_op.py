@@ -53,15 +53,15 @@ def register(kernel: Kernel):
         names = kernel.operand_names
         single = len(kernel._kernel_order) == 1
         batched = kernel._signature.batched
-        out_dtypes = list(kernel._out_dtypes)
 
         def run(a, b, *operands):
             outs = kernel._launch(a, b, None, dict(zip(names, operands, strict=True)))
             return outs[0] if single else tuple(outs)
 
         def fake(a, b, *operands):
-            shape = (a.shape[0], a.shape[-2], b.shape[-1]) if batched else (a.shape[-2], b.shape[-1])
-            outs = [a.new_empty(shape, dtype=dt) for dt in out_dtypes]
+            batches = a.shape[0] if batched else 1
+            outs = [a.new_empty(shape, dtype=dt)
+                    for shape, dt in kernel._output_meta(a.shape[-2], b.shape[-1], batches)]
             return outs[0] if single else tuple(outs)
 
         _LIBRARY.define(schema(kernel, name))

@@ -285,6 +285,39 @@ def fp8_e5m2_aux(acc):
     return acc.float(), (acc * 8.0).to(torch.float8_e5m2)
 
 
+# ---- reductions: partials per row of each tile, finished on the host --------------------------
+
+
+@entry({"bias": "row"})
+def gelu_row_sum_of_squares(acc, bias):
+    y = F.gelu(acc + bias)
+    return y, (y * y).sum(-1)
+
+
+@entry()
+def row_max_min_keepdim(acc):
+    # max and min need masking (not zeros) for the columns past N of ragged tiles
+    return acc, (acc - 1000.0).amax(-1, keepdim=True), (acc + 1000.0).amin(-1)
+
+
+@entry({"eps": 1e-6})
+def rms_per_row(acc, eps: float):
+    # a reduction, then the final stage on the host: mean's 1/N, + eps, sqrt
+    return acc, torch.sqrt((acc * acc).mean(-1) + eps)
+
+
+@entry({"bias": "row", "s": "scalar"})
+def fp8_with_amax(acc, bias, s):
+    y = acc + bias
+    return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
+
+
+@entry(batched=True)
+def batched_reductions(acc):
+    # per batch, per row, and over everything
+    return acc, acc.sum((-2, -1)), acc.amax(-1), acc.sum()
+
+
 @entry({"C": "tile"})
 def six_float32_outputs(acc, C):
     # Too many staged outputs for the default ping-pong tiles: compiled cooperative with 128x16.

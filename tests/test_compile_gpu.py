@@ -126,6 +126,24 @@ def test_cluster_shape_per_call(cache_dir):
     assert pinned is not k and pinned.cluster_for(16384, 128) == (1, 2)
 
 
+@pytest.mark.parametrize("name", ["gelu_row_sum_of_squares", "fp8_with_amax", "batched_reductions"])
+def test_reductions_are_deterministic(name, cache_dir):
+    """Ten runs on the same inputs give bitwise the same reductions (partials per tile, reduced in a
+    fixed order), on a problem of many tiles with ragged edges."""
+    e = _entry(name)
+    k = compile_entry(e, torch.float16, cache_dir)
+    batch = 3 if e.batched else None
+    _, operands, first = _run_poisoned(k, e, 1000, 1040, 520, batch, f"{name} first run")
+    inputs = make_inputs(e, 1000, 1040, 520, batch, torch.float16, device="cuda", seed=1000 + 1040)
+    first = [v.clone() for _, v in _flatten(first)]
+    for _ in range(10):
+        again = k(inputs["a"], inputs["b"], **operands)
+        torch.cuda.synchronize()
+        for x, y in zip(first, [v for _, v in _flatten(again)], strict=True):
+            bits = (x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            assert torch.equal(*bits), f"{name}: runs differ"
+
+
 def test_new_scalar_values_need_no_recompile(cache_dir):
     e = _entry("relu_lincomb_bias")
     k = compile_entry(e, torch.float16, cache_dir)

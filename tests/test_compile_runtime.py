@@ -159,13 +159,18 @@ def test_threads_compile_one_kernel(tmp_path):
 # ---- compile-time errors -----------------------------------------------------------------------------
 
 
-def test_reductions_are_rejected_for_now(tmp_path):
-    def with_amax(acc):
-        return acc, acc.abs().amax()
+def test_reductions_the_kernel_cannot_do_are_rejected(tmp_path):
+    def column_sums(acc):
+        return acc, acc.sum(-2)
+
+    def only_a_reduction(acc):
+        return acc.abs().amax()
 
     ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
-    with pytest.raises(evtc.ReductionError, match="does not compile reductions yet"):
-        evtc.compile(with_amax, ex, cache_dir=tmp_path)
+    with pytest.raises(evtc.ReductionError, match="per-column reductions"):
+        evtc.compile(column_sums, ex, cache_dir=tmp_path)
+    with pytest.raises(evtc.ReductionError, match="every output of this epilogue is a reduction"):
+        evtc.compile(only_a_reduction, ex, cache_dir=tmp_path)
 
 
 def test_float8_only_outputs_make_a_float8_d(tmp_path):

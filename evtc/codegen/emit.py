@@ -54,7 +54,7 @@ _CALLED = {  # ops emitted as calls of evtc.codegen.dsl_ops (imported as `op`)
 }
 _RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", "Float8E4M3FN",
              "Float8E5M2", "FusedVisitor", "ArgScalar", "ColVector", "DeviceScalar", "RowVector",
-             "TileLoad", "TileStore"}
+             "TileLoad", "TileStore", "RowReduction"}
 _LOGICAL = {"logical_and", "logical_or", "logical_not"}
 
 
@@ -82,6 +82,18 @@ class OutputPlan:
 
 
 @dataclass
+class ReductionPlan:
+    """A reduction the kernel computes partials of (per row of each tile); the host finishes it."""
+
+    ident: str
+    node: Node  # the reduce node
+
+    @property
+    def op(self) -> str:
+        return self.node.attrs["reduce"]
+
+
+@dataclass
 class EmittedEpilogue:
     source: str
     class_name: str
@@ -89,6 +101,8 @@ class EmittedEpilogue:
     outputs: list[OutputPlan]  # in kernel order: the kernel's D first
     #: Output names in the order the epilogue returns them.
     output_names: list[str] = field(default_factory=list)
+    #: Reductions, in graph order: the kernel writes their per-tile partials, the host finishes them.
+    reductions: list[ReductionPlan] = field(default_factory=list)
 
 
 def _identifier(name: str, taken: set[str]) -> str:
@@ -125,6 +139,14 @@ def _where(node: Node) -> str | None:
     return f"{os.path.basename(node.loc.filename)}:{node.loc.lineno}  {node.loc.text.strip()}"
 
 
+def on_host(node: Node) -> bool:
+    """True for values computed on the host after the kernel, from the reductions' partials:
+    reductions, the ``final`` stage after them, and stores of either."""
+    if node.op == "store":
+        node = node.inputs[0]
+    return node.op == "reduce" or node.stage in ("reduce", "final")
+
+
 class _Emitter:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
@@ -137,17 +159,25 @@ class _Emitter:
         self.uniform_lines: list[str] = []
         self.fragment_lines: list[str] = []
         self.uniform_results: list[str] = []
+        self.reductions: list[ReductionPlan] = []
         self._last_where: dict[str, str | None] = {"uniform": None, "tile": None}
 
     # ---- checks ----------------------------------------------------------------------------------
     def check(self) -> None:
         for node in self.graph.nodes:
-            if node.op == "reduce" or node.stage in ("reduce", "final"):
+            if node.op == "reduce" and node.attrs["axis"] == "col":
                 raise ReductionError(
-                    "evtc.compile does not compile reductions yet (sum / mean / amax / amin of the "
-                    "tile; they come with the next release); evtc.trace and evtc.reference accept them",
+                    "evtc.compile does not compile per-column reductions (over dim -2) yet; per-row, "
+                    "per-batch and whole-output reductions it does. evtc.trace and evtc.reference "
+                    "accept them all",
                     node.loc,
                 )
+        if all(on_host(store) for store in self.graph.stores):
+            raise ReductionError(
+                "every output of this epilogue is a reduction: evtc.compile needs at least one full "
+                "(M, N) output for the kernel's own store (return the reduced value too)",
+                self.graph.stores[0].loc,
+            )
 
     # ---- names -----------------------------------------------------------------------------------
     def value_name(self, node: Node) -> str:
@@ -182,6 +212,10 @@ class _Emitter:
         self.taken.add(_identifier(graph.acc_name, set()))
         for node in graph.nodes:
             op = node.op
+            if on_host(node):
+                if op == "reduce":
+                    self.reductions.append(ReductionPlan(f"r{len(self.reductions)}", node))
+                continue
             if op == "acc":
                 self.names[node.id] = _identifier(graph.acc_name, set())
             elif op == "load":
@@ -210,9 +244,9 @@ class _Emitter:
                 self.elementwise(node)
             else:  # pragma: no cover - validate() admits nothing else
                 raise CompileError(f"cannot emit node {op}")
-        outputs = [OutputPlan(s.attrs["name"], s.dtype, s) for s in graph.stores]
+        outputs = [OutputPlan(s.attrs["name"], s.dtype, s) for s in graph.stores if not on_host(s)]
         by_name = {o.name: o for o in outputs}
-        ordered = [by_name[n] for n in graph.outputs.names]
+        ordered = [by_name[n] for n in graph.outputs.names if n in by_name]
         # The kernel's own D store takes the first 16- or 32-bit output (stmatrix for 16-bit), else
         # the first output (a float8 D, stored by rows).
         first = next((i for i, o in enumerate(ordered) if o.dtype in KERNEL_D_DTYPES), 0)
@@ -313,13 +347,14 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     scalar_kinds = ("arg", "scalar", "literal")
     uniform_params = [p.ident for p in em.inputs if p.kind in scalar_kinds]
     fragment_params = [p.ident for p in em.inputs] + em.uniform_results
-    returned = {em.names[o.node.inputs[0].id] for o in outputs}
+    reduced = [em.names[r.node.inputs[0].id] for r in em.reductions]
+    returned = {em.names[o.node.inputs[0].id] for o in outputs} | set(reduced)
     fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))
     uniform_body = "\n".join(x for x in em.uniform_lines if not x.startswith("#"))
     fragment_params = [p for p in fragment_params if p in returned or _mentions(fragment_body, p)]
     uniform_params = [p for p in uniform_params if _mentions(uniform_body, p)]
 
-    partial = EmittedEpilogue("", class_name, em.inputs, outputs, output_names)
+    partial = EmittedEpilogue("", class_name, em.inputs, outputs, output_names, em.reductions)
     in_objs, out_objs = operand_objects(partial, tile_majors, graph.batched)
     in_lines = [f"{o!r}," for o in in_objs]
     out_lines = [f"{o!r}," for o in out_objs]
@@ -340,7 +375,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w("from evtc.codegen import dsl_ops as op  # noqa: F401")
     w("from evtc.codegen.fused import FusedVisitor")
     w("from evtc.codegen.operands import (  # noqa: F401")
-    w("    ArgScalar, ColVector, DeviceScalar, RowVector, TileLoad, TileStore,")
+    w("    ArgScalar, ColVector, DeviceScalar, RowReduction, RowVector, TileLoad, TileStore,")
     w(")")
     w("")
     w("")
@@ -359,6 +394,13 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     for line in out_lines:
         w("        " + line)
     w("    )")
+    if em.reductions:
+        w("    # Reductions: partials per row of each tile (fragment returns their inputs last); the host")
+        w("    # reduces the partials over the tiles and computes what follows the reductions.")
+        w("    reductions = (")
+        for r in em.reductions:
+            w(f"        RowReduction({r.ident!r}, {r.op!r}),  # {_where(r.node) or r.node.attrs['axis']}")
+        w("    )")
     w("")
     w(f"    def uniform(self{''.join(', ' + p for p in uniform_params)}):")
     w('        """Once per tile: the values that do not vary over it."""')
@@ -371,14 +413,15 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w('        """One subtile: this thread\'s float32 values in, one value per output out."""')
     for line in em.fragment_lines:
         w(("        " + line) if line else "")
-    returned = [em.names[o.node.inputs[0].id] for o in outputs]  # noqa: F811
-    comment = ", ".join(f"{o.name}: {short_name(o.dtype)}{format_shape(o.node.shape)}" for o in outputs)
+    returned = [em.names[o.node.inputs[0].id] for o in outputs] + reduced  # noqa: F811
+    comment = ", ".join([f"{o.name}: {short_name(o.dtype)}{format_shape(o.node.shape)}" for o in outputs]
+                        + [f"{r.ident}: {r.op} per row" for r in em.reductions])
     if em.fragment_lines:
         w("")
     value = f"{returned[0]}," if len(returned) == 1 else ", ".join(returned)
     w(f"        return ({value})  # {comment}")
     source = "\n".join(lines) + "\n"
-    return EmittedEpilogue(source, class_name, em.inputs, outputs, output_names)
+    return EmittedEpilogue(source, class_name, em.inputs, outputs, output_names, em.reductions)
 
 
 __all__ = ["CompileError", "EmittedEpilogue", "InputPlan", "OutputPlan", "emit"]

@@ -41,6 +41,8 @@ class FusedVisitor(EpilogueVisitor):
     name = "fused"
     inputs: tuple[Operand, ...] = ()
     outputs: tuple[TileStore, ...] = ()
+    #: Reductions of tile values (RowReduction): ``fragment`` returns their inputs after the outputs.
+    reductions: tuple[Operand, ...] = ()
 
     def uniform(self) -> dict:
         return {}
@@ -57,12 +59,13 @@ class FusedVisitor(EpilogueVisitor):
 
     @property
     def operands(self) -> tuple[Operand, ...]:
-        """Everything that takes a kernel argument: inputs, then the extra outputs."""
-        return tuple(self.inputs) + self._aux
+        """Everything that takes a kernel argument: inputs, the extra outputs, the reductions'
+        workspaces."""
+        return tuple(self.inputs) + self._aux + tuple(self.reductions)
 
     def cache_key(self) -> tuple:
         return (type(self).__qualname__, tuple(o.cache_key() for o in self.inputs),
-                tuple(o.cache_key() for o in self.outputs))
+                tuple(o.cache_key() for o in self.outputs), tuple(o.cache_key() for o in self.reductions))
 
     def smem_bytes(self, config: GemmConfig, load_stages: int) -> int:
         stores = (config.epi_stages if config.epi_stages is not None else 2) * config.epi_groups
@@ -104,11 +107,12 @@ class FusedVisitor(EpilogueVisitor):
     def begin(self, ctx: EpilogueContext, params, storage, tile_coord):
         states = [o.begin(ctx, p, s, tile_coord)
                   for o, p, s in zip(self.operands, params, storage, strict=True)]
-        n_in = len(self.inputs)
+        n_in, n_aux = len(self.inputs), len(self._aux)
         values = {o.name: st.value for o, st in zip(self.inputs, states[:n_in], strict=True)
                   if not o.loads}
         values.update(self.uniform(**{k: values[k] for k in self._uniform_params}))
-        return SimpleNamespace(inputs=states[:n_in], aux=states[n_in:], values=values, outs=None)
+        return SimpleNamespace(inputs=states[:n_in], aux=states[n_in:n_in + n_aux],
+                               reductions=states[n_in + n_aux:], values=values, outs=None)
 
     def previsit(self, ctx, state, epi_idx, load_stage):
         for o, st in zip(self.inputs, state.inputs, strict=True):
@@ -120,9 +124,12 @@ class FusedVisitor(EpilogueVisitor):
         for o, st in zip(self.inputs, state.inputs, strict=True):
             if o.loads:
                 values[o.name] = st.value
-        outs = self.fragment(acc, **{k: values[k] for k in self._fragment_params})
-        state.outs = outs
-        return outs[0]
+        results = self.fragment(acc, **{k: values[k] for k in self._fragment_params})
+        n_out = len(self.outputs)
+        state.outs = results[:n_out]
+        for o, st, value in zip(self.reductions, state.reductions, results[n_out:], strict=True):
+            o.accumulate(ctx, st, epi_idx, value)
+        return results[0]
 
     def postreduce(self, ctx, state, epi_idx, store_stage):
         for o, st, value in zip(self._aux, state.aux, state.outs[1:], strict=True):
@@ -131,6 +138,10 @@ class FusedVisitor(EpilogueVisitor):
     def tma_store(self, ctx, state, epi_idx, store_stage):
         for o, st in zip(self._aux, state.aux, strict=True):
             o.tma_store(ctx, st, epi_idx, store_stage)
+
+    def end(self, ctx, state):
+        for o, st in zip(self.reductions, state.reductions, strict=True):
+            o.end(ctx, st)
 
 
 __all__ = ["FusedVisitor"]

@@ -66,7 +66,8 @@ class Symbols:
     """The shared symbolic sizes of one compile."""
 
     def __init__(self) -> None:
-        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K")}
+        # W: the length of the reductions' flat workspaces (all the same: M x n tiles x L).
+        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W")}
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -138,8 +139,9 @@ class Launcher:
     tensor, its spec and the view the kernel or its operand wants."""
 
     def __init__(self, kernel, a_spec: TensorSpec, b_spec: TensorSpec, out_specs, in_specs, in_views,
-                 batched: bool):
+                 batched: bool, workspaces: int = 0):
         self.kernel = kernel
+        self.workspaces = workspaces  # the last ``workspaces`` outputs are reduction workspaces
         self.a_spec = a_spec
         self.b_spec = b_spec
         self.out_specs = tuple(out_specs)
@@ -161,10 +163,18 @@ class Launcher:
         mB = view(b, self.b_spec, ("N", "K", "L"), pad_batch=True)
         mD = view(outputs[0], self.out_specs[0], ("M", "N", "L"), pad_batch=True)
         aux_modes = ("M", "N", "L") if self.batched else ("M", "N")
+        n_tiles = len(outputs) - self.workspaces
         epi_args = tuple(
             self._input_view(t, spec, modes)
             for t, spec, modes in zip(inputs, self.in_specs, self.in_views, strict=True)
-        ) + tuple(view(t, spec, aux_modes) for t, spec in zip(outputs[1:], self.out_specs[1:], strict=True))
+        ) + tuple(view(t, spec, aux_modes)
+                  for t, spec in zip(outputs[1:n_tiles], self.out_specs[1:n_tiles], strict=True))
+        # A reduction's flat workspace ((M, n tiles, L) partials, then one spare element) with the
+        # sizes the kernel indexes it by.
+        m, n, batches = mD.shape
+        tile_n = self.kernel.shape.tile[1]
+        tiles_n = (n + tile_n - 1) // tile_n
+        epi_args = epi_args + tuple((t, n, m, tiles_n) for t in outputs[n_tiles:])
         self.kernel(mA, mB, mD, epi_args, max_clusters, stream)
 
 

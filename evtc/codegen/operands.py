@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
@@ -375,8 +375,92 @@ class TileStore(Operand):
         cute.copy(state.atom, state.s[(None, store_stage)], state.g[(None, ctx.shape.subtile_coord(epi_idx))])
 
 
+class RowReduction(Operand):
+    """Per-tile partials of a reduction over N (``sum``, ``max`` or ``min``) of a tile value.
+
+    Each thread folds the values of its fragment into a fragment-shaped register tensor, subtile after
+    subtile (value ``k`` stays in the same row as the subtile moves along N); columns past N count as
+    the reduction's identity (0 or -/+inf), never as the zeros TMA loaded there. At the end of a tile
+    the thread folds its values row by row (a thread holds 2 rows per m64 atom: 8 apart, and 64 apart
+    across atoms), the 4 threads of a quad that share those rows combine theirs with butterfly
+    shuffles (every lane then holds the same value, whatever the order), and lane 0 of the quad writes
+    the row's partial to the workspace at (row, n tile, batch). The host then reduces over the n tiles
+    with torch (a fixed order: deterministic) and finishes means and whole-output reductions.
+    """
+
+    kind = "reduction"
+    IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}  # the IR's reduce kinds
+
+    def __init__(self, name: str, op: str, *, batched: bool = False):
+        super().__init__(name, "float32", batched=batched)
+        if op not in self.IDENTITY:
+            raise ValueError(f"RowReduction: op must be one of {sorted(self.IDENTITY)}, got {op!r}")
+        self.op = op
+
+    def __repr__(self) -> str:
+        return f"RowReduction({self.name!r}, {self.op!r}, batched={self.batched})"
+
+    def cache_key(self) -> tuple:
+        return (*super().cache_key(), self.op)
+
+    def _combine(self, x, y):
+        if self.op == "sum":
+            return x + y
+        return cute.arch.fmax(x, y) if self.op == "max" else cute.arch.fmin(x, y)
+
+    def begin(self, ctx, params, storage, tile_coord):
+        workspace, n_size, m_size, tiles_n = params
+        partial = ctx.make_fragment(Float32)
+        partial.fill(self.IDENTITY[self.op])
+        rows, cols = ctx.fragment_coords()
+        return SimpleNamespace(workspace=workspace, n_size=n_size, m_size=m_size, tiles_n=tiles_n,
+                               partial=partial, value=ctx.make_fragment(Float32), rows=rows, cols=cols,
+                               tile=tile_coord)
+
+    def accumulate(self, ctx, state, epi_idx: int, value) -> None:
+        state.value.store(value)
+        n0 = state.tile[1] * ctx.shape.tile[1] + epi_idx * ctx.shape.epi_tile[1]
+        identity = Float32(self.IDENTITY[self.op])
+        for k in range(cute.size(state.partial)):  # unrolled at trace time
+            inside = n0 + state.cols[k] < state.n_size
+            state.partial[k] = self._combine(state.partial[k],
+                                             cutlass.select_(inside, state.value[k], identity))
+
+    def end(self, ctx, state) -> None:
+        identity = Float32(self.IDENTITY[self.op])
+        size = cute.size(state.partial)
+        # Rows of this thread: slot 0/1 for a row and the row 8 below it, +2 for the second m64 atom
+        # (64 rows below).
+        slots = [(state.rows[k] // 8) % 2 + 2 * (state.rows[k] // 64) for k in range(size)]
+        m_tile = state.tile[0] * ctx.shape.tile[0]
+        lane0 = cute.arch.lane_idx() % 4 == 0
+        # (m, n tile, batch) -> flat index; threads with nothing to write (lanes 1-3 of a quad, rows
+        # past M, tiles past N, slots this thread does not have) write the spare last element
+        # instead: stores without a branch (this code runs in the kernel's trace, not as preprocessed
+        # DSL source).
+        spare = cute.size(state.workspace) - 1
+        base = state.m_size * (state.tile[1] + state.tiles_n * state.tile[2])
+        for slot in range(4):
+            total = identity
+            row = Int32(-1)
+            for k in range(size):
+                mine = slots[k] == slot
+                total = cutlass.select_(mine, self._combine(total, state.partial[k]), total)
+                row = cutlass.select_(mine, state.rows[k], row)
+            for offset in (1, 2):
+                total = self._combine(total, cute.arch.shuffle_sync_bfly(total, offset=offset))
+            m = m_tile + row
+            index = cutlass.select_(m < state.m_size, base + m, spare)
+            # Tiles of a cluster that overhangs the problem along N still run: not theirs to write.
+            index = cutlass.select_(state.tile[1] < state.tiles_n, index, spare)
+            index = cutlass.select_(row >= 0, index, spare)
+            index = cutlass.select_(lane0, index, spare)
+            state.workspace[index] = total
+
+
 __all__ = [
     "ArgScalar",
+    "RowReduction",
     "ColVector",
     "DeviceScalar",
     "Operand",

@@ -98,6 +98,24 @@ class EpilogueContext:
         """A register tensor shaped like the per-thread subtile fragment."""
         return cute.make_rmem_tensor(self.fragment_layout.shape, dtype)
 
+    def fragment_coords(self) -> tuple[list, list]:
+        """(rows, cols): for each value ``k`` of the fragment given to ``visit``, its row and column
+        within the subtile (``Int32``; they depend on the thread). Built like
+        :class:`SmemFragmentReader`'s copy, on an identity tensor instead of shared memory."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        tiled_copy = cute.make_tiled_copy_S(atom, self.tiled_copy_c_atom)
+        thr_copy = tiled_copy.get_slice(self.tidx)
+        coords = thr_copy.partition_S(cute.make_identity_tensor(self.shape.epi_tile))
+        frag_view = thr_copy.retile(self.make_fragment(Float32))
+        size = cute.size(self.fragment_layout)
+        rows: list = [None] * size
+        cols: list = [None] * size
+        for i in range(cute.size(coords)):
+            k = frag_view.layout(i)  # where copy element i lands in the fragment (static)
+            m, n = coords[i]
+            rows[k], cols[k] = m, n
+        return rows, cols
+
     def smem_reader(self, staged: cute.Tensor, layout: LayoutEnum) -> SmemFragmentReader:
         """A reader of a staged (epi_m, epi_n, stages) shared-memory operand into fragments that line
         up value for value with the accumulator fragment given to ``visit``."""
