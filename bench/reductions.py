@@ -1,5 +1,5 @@
 """What a reduction costs in the epilogue: ``gelu(acc + bias)`` alone, with a per-row sum of squares,
-and with the FP8 recipe's amax, all timed in one process on the same random inputs (CUDA events,
+with a per-column sum, and with the FP8 recipe's amax, all timed in one process on the same random inputs (CUDA events,
 warm-up, medians, in alternation).
 
     python3 bench/reductions.py                       # 8192^3 and 8192x8192x1024, float16
@@ -27,6 +27,11 @@ def gelu_bias(acc, bias):
 def gelu_bias_row_norm(acc, bias):
     y = F.gelu(acc + bias)
     return y, (y * y).sum(-1)
+
+
+def gelu_bias_col_sum(acc, bias):
+    y = F.gelu(acc + bias)
+    return y, y.sum(-2)
 
 
 def gelu_bias_amax(acc, bias):
@@ -58,6 +63,7 @@ def main() -> None:
         kernels = {
             "gelu(acc + bias)": (evtc.compile(gelu_bias, ex), dict(bias=bias)),
             "+ row sum of squares": (evtc.compile(gelu_bias_row_norm, ex), dict(bias=bias)),
+            "+ column sum": (evtc.compile(gelu_bias_col_sum, ex), dict(bias=bias)),
             "+ amax": (evtc.compile(gelu_bias_amax, ex), dict(bias=bias)),
             "fp8 out + amax": (evtc.compile(fp8_with_amax, {**ex, "scale": s}), dict(bias=bias, scale=s)),
         }

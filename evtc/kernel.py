@@ -252,8 +252,10 @@ class Kernel:
                 lines.append(f"    {spec.describe()}: {plan.kind}, {batch}; {how}")
         lines.append("  outputs:")
         for plan in self._emitted.reductions:
-            axis = {"row": "per row", "batch": "per batch", "all": "over everything"}[plan.node.attrs["axis"]]
-            lines.append(f"    {plan.ident}: {plan.op} {axis}: partials per row of each tile in the kernel "
+            axis = {"row": "per row", "col": "per column", "batch": "per batch",
+                    "all": "over everything"}[plan.axis]
+            parts = "per column of each warp's rows" if plan.axis == "col" else "per row of each tile"
+            lines.append(f"    {plan.ident}: {plan.op} {axis}: partials {parts} in the kernel "
                          "(float32 workspace), finished on the host")
         for i, spec in enumerate(self._signature.outputs):
             how = "stmatrix" if spec.dtype in ("float16", "bfloat16") else "register-to-shared copy"
@@ -401,9 +403,9 @@ class Kernel:
         if self._host_outputs:
             from .reductions import workspace_numel
 
-            size = workspace_numel(m, n, batches, self.config.tile_n)
-            workspaces = [torch.empty(size, dtype=torch.float32, device=a.device)
-                          for _ in self._emitted.reductions]
+            workspaces = [torch.empty(workspace_numel(plan, m, n, batches, self.config),
+                                      dtype=torch.float32, device=a.device)
+                          for plan in self._emitted.reductions]
         if m == 0 or n == 0 or batches == 0:
             return outs + self._finish(out, workspaces, m, n, batches, operands)
         if k == 0:
@@ -442,7 +444,7 @@ class Kernel:
         from .reductions import finish
 
         done = finish(self.graph, self._emitted.reductions, workspaces, m, n, batches,
-                      self.config.tile_n, operands)
+                      self.config, operands)
         results = [done[s.attrs["name"]] for s in self._host_outputs]
         if out is None:
             return results

@@ -1,11 +1,17 @@
 """Finishing reductions on the host, after the kernel.
 
-The kernel writes, per reduction, the partial of every row of every tile (a float32 workspace of
-(M, n tiles, L) values, see :class:`evtc.codegen.operands.RowReduction`). Here torch reduces them
-over the n tiles (a fixed order, so the result is the same bit for bit on every run), then over rows
-and batches for per-batch and whole-output reductions, and evaluates what the epilogue computes from
-finished reductions (the ``final`` stage: the 1/N of a mean, ``sqrt(ms + eps)``, a scale) with the
-reference evaluator's own node semantics.
+The kernel writes, per reduction, float32 partials into a flat workspace (one spare element last, see
+:mod:`evtc.codegen.operands`):
+
+* per row (``RowReduction``, also behind per-batch and whole-output reductions): each row's partial
+  of each tile, (L, n tiles, M);
+* per column (``ColReduction``): each column's partial over the rows of each warp of each tile,
+  (L, m tiles x warps, N).
+
+Here torch reduces them over the partials (a fixed order, so the result is the same bit for bit on
+every run), then over rows and batches for per-batch and whole-output reductions, and evaluates what
+the epilogue computes from finished reductions (the ``final`` stage: the 1/N of a mean,
+``sqrt(ms + eps)``, a scale) with the reference evaluator's own node semantics.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 import sympy
 import torch
 
+from .codegen.config import GemmConfig
 from .codegen.emit import ReductionPlan, on_host
 from .ir.graph import Graph
 from .ir.interpreter import _evaluate_node
@@ -24,22 +31,38 @@ from .ir.shapes import L, M, N
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
-def workspace_numel(m: int, n: int, batches: int, tile_n: int) -> int:
-    """(M, n tiles, L) partials and one spare element (the kernel's branch-free stores go there)."""
-    return m * (-(-n // tile_n)) * batches + 1
+def _tiles(size: int, tile: int) -> int:
+    return -(-size // tile)
+
+
+def partial_rows(plan: ReductionPlan, m: int, n: int, config: GemmConfig) -> tuple[int, int]:
+    """(partials per reduced value, reduced values) of one batch: (n tiles, M) per row, (m tiles x
+    warps, N) per column."""
+    if plan.axis == "col":
+        return _tiles(m, config.tile_m) * (config.epilogue_threads // 32), n
+    return _tiles(n, config.tile_n), m
+
+
+def workspace_numel(plan: ReductionPlan, m: int, n: int, batches: int, config: GemmConfig) -> int:
+    """The partials of every batch and one spare element (the kernel's branch-free stores go there)."""
+    parts, values = partial_rows(plan, m, n, config)
+    return parts * values * batches + 1
 
 
 def finish(graph: Graph, plans: Sequence[ReductionPlan], workspaces: Sequence[torch.Tensor], m: int, n: int,
-           batches: int, tile_n: int, operands: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+           batches: int, config: GemmConfig, operands: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The host outputs (stores of reductions and of values computed from them), by output name."""
     sizes = {M: m, N: n, L: batches}
-    tiles_n = -(-n // tile_n)
     values: dict[int, Any] = {}
     for plan, ws in zip(plans, workspaces, strict=True):
         reduce = _REDUCE[plan.op]
-        rows = reduce(ws[:-1].view(batches, tiles_n, m), dim=1)  # (L, M)
-        axis = plan.node.attrs["axis"]
-        value = rows if axis == "row" else reduce(rows, dim=1) if axis == "batch" else reduce(rows)
+        parts, count = partial_rows(plan, m, n, config)
+        reduced = reduce(ws[:-1].view(batches, parts, count), dim=1)  # (L, M) or (L, N)
+        axis = plan.axis
+        if axis in ("row", "col"):
+            value = reduced
+        else:
+            value = reduce(reduced, dim=1) if axis == "batch" else reduce(reduced)
         shape = [int(sympy.sympify(d).subs(sizes)) for d in plan.node.shape]
         values[plan.node.id] = value.reshape(shape)
     device = workspaces[0].device

@@ -69,8 +69,10 @@ class KernelSignature:
         out_dims = (*batch, "M", "N")
         self.outputs = [TensorSpec(o.name, dtype_name(o.dtype), out_dims, len(out_dims) - 1)
                         for o in emitted.outputs]
-        # One float32 workspace per reduction, flat: (M, n tiles, L) partials, allocated per call.
-        self.workspaces = [TensorSpec(r.ident, "float32", ("W",), 0) for r in emitted.reductions]
+        # One float32 workspace per reduction, flat, allocated per call (evtc.reductions): W elements
+        # for per-row partials, V for per-column ones.
+        self.workspaces = [TensorSpec(r.ident, "float32", ("V" if r.axis == "col" else "W",), 0)
+                           for r in emitted.reductions]
         self.inputs: list = []
         self.views: list = []
         self.tile_majors: dict[str, str] = {}

@@ -318,6 +318,19 @@ def batched_reductions(acc):
     return acc, acc.sum((-2, -1)), acc.amax(-1), acc.sum()
 
 
+@entry({"bias": "row"})
+def column_sum_max_min(acc, bias):
+    # per column (over M): rows past M of ragged tiles must count as 0 / -inf / +inf
+    y = acc + bias
+    return y, y.sum(-2), (y - 1000.0).amax(0, keepdim=True), (y + 1000.0).amin(-2)
+
+
+@entry(batched=True)
+def batched_rows_and_columns(acc):
+    # per column of each batch (a mean), per row, and per column of squares
+    return acc, acc.mean(-2), acc.sum(-1), (acc * acc).sum(1, keepdim=True)
+
+
 @entry({"C": "tile"})
 def six_float32_outputs(acc, C):
     # Too many staged outputs for the default ping-pong tiles: compiled cooperative with 128x16.

@@ -126,7 +126,8 @@ def test_cluster_shape_per_call(cache_dir):
     assert pinned is not k and pinned.cluster_for(16384, 128) == (1, 2)
 
 
-@pytest.mark.parametrize("name", ["gelu_row_sum_of_squares", "fp8_with_amax", "batched_reductions"])
+@pytest.mark.parametrize("name", ["gelu_row_sum_of_squares", "fp8_with_amax", "batched_reductions",
+                                  "column_sum_max_min", "batched_rows_and_columns"])
 def test_reductions_are_deterministic(name, cache_dir):
     """Ten runs on the same inputs give bitwise the same reductions (partials per tile, reduced in a
     fixed order), on a problem of many tiles with ragged edges."""
@@ -205,7 +206,8 @@ def test_empty_problem_returns_empty_outputs(cache_dir):
 
 COOPERATIVE_ENTRIES = ["relu_lincomb_bias", "col_and_row", "every_kind", "float32_c", "aux_outputs",
                     "fp8_e4m3_aux", "four_outputs", "batched_operands", "batched_two_outputs",
-                    "config_cluster2x1"]
+                    "config_cluster2x1", "gelu_row_sum_of_squares", "column_sum_max_min",
+                    "batched_rows_and_columns"]
 
 
 @pytest.mark.parametrize("name", COOPERATIVE_ENTRIES)

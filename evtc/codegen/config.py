@@ -118,6 +118,12 @@ class GemmConfig:
         return 2 if self.schedule == "pingpong" else 1
 
     @property
+    def epilogue_threads(self) -> int:
+        """Threads of one epilogue (one tile): a consumer warpgroup under pingpong, both under
+        cooperative."""
+        return 128 * (2 // self.epi_groups)
+
+    @property
     def tile_shape_mnk(self) -> tuple[int, int, int]:
         return (self.tile_m, self.tile_n, TILE_K)
 

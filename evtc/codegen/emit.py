@@ -54,7 +54,7 @@ _CALLED = {  # ops emitted as calls of evtc.codegen.dsl_ops (imported as `op`)
 }
 _RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", "Float8E4M3FN",
              "Float8E5M2", "FusedVisitor", "ArgScalar", "ColVector", "DeviceScalar", "RowVector",
-             "TileLoad", "TileStore", "RowReduction"}
+             "TileLoad", "TileStore", "RowReduction", "ColReduction"}
 _LOGICAL = {"logical_and", "logical_or", "logical_not"}
 
 
@@ -83,7 +83,8 @@ class OutputPlan:
 
 @dataclass
 class ReductionPlan:
-    """A reduction the kernel computes partials of (per row of each tile); the host finishes it."""
+    """A reduction the kernel computes partials of (per row of each tile, or per column of each
+    warp's rows for ``axis == "col"``); the host finishes it."""
 
     ident: str
     node: Node  # the reduce node
@@ -91,6 +92,16 @@ class ReductionPlan:
     @property
     def op(self) -> str:
         return self.node.attrs["reduce"]
+
+    @property
+    def axis(self) -> str:
+        """row / col / batch / all, as in the IR."""
+        return self.node.attrs["axis"]
+
+    @property
+    def operand(self) -> str:
+        """The kernel operand class that computes the partials."""
+        return "ColReduction" if self.axis == "col" else "RowReduction"
 
 
 @dataclass
@@ -164,14 +175,6 @@ class _Emitter:
 
     # ---- checks ----------------------------------------------------------------------------------
     def check(self) -> None:
-        for node in self.graph.nodes:
-            if node.op == "reduce" and node.attrs["axis"] == "col":
-                raise ReductionError(
-                    "evtc.compile does not compile per-column reductions (over dim -2) yet; per-row, "
-                    "per-batch and whole-output reductions it does. evtc.trace and evtc.reference "
-                    "accept them all",
-                    node.loc,
-                )
         if all(on_host(store) for store in self.graph.stores):
             raise ReductionError(
                 "every output of this epilogue is a reduction: evtc.compile needs at least one full "
@@ -375,7 +378,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w("from evtc.codegen import dsl_ops as op  # noqa: F401")
     w("from evtc.codegen.fused import FusedVisitor")
     w("from evtc.codegen.operands import (  # noqa: F401")
-    w("    ArgScalar, ColVector, DeviceScalar, RowReduction, RowVector, TileLoad, TileStore,")
+    w("    ArgScalar, ColReduction, ColVector, DeviceScalar, RowReduction, RowVector, TileLoad, TileStore,")
     w(")")
     w("")
     w("")
@@ -395,11 +398,11 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w("        " + line)
     w("    )")
     if em.reductions:
-        w("    # Reductions: partials per row of each tile (fragment returns their inputs last); the host")
-        w("    # reduces the partials over the tiles and computes what follows the reductions.")
+        w("    # Reductions: partials per row of each tile, or per column of each warp's rows (fragment")
+        w("    # returns their inputs last); the host reduces the partials and computes what follows them.")
         w("    reductions = (")
         for r in em.reductions:
-            w(f"        RowReduction({r.ident!r}, {r.op!r}),  # {_where(r.node) or r.node.attrs['axis']}")
+            w(f"        {r.operand}({r.ident!r}, {r.op!r}),  # {_where(r.node) or r.axis}")
         w("    )")
     w("")
     w(f"    def uniform(self{''.join(', ' + p for p in uniform_params)}):")
@@ -415,7 +418,8 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w(("        " + line) if line else "")
     returned = [em.names[o.node.inputs[0].id] for o in outputs] + reduced  # noqa: F811
     comment = ", ".join([f"{o.name}: {short_name(o.dtype)}{format_shape(o.node.shape)}" for o in outputs]
-                        + [f"{r.ident}: {r.op} per row" for r in em.reductions])
+                        + [f"{r.ident}: {r.op} per {'column' if r.axis == 'col' else 'row'}"
+                           for r in em.reductions])
     if em.fragment_lines:
         w("")
     value = f"{returned[0]}," if len(returned) == 1 else ", ".join(returned)

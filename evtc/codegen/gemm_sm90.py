@@ -105,7 +105,7 @@ class Sm90GemmKernel:
             acc_dtype=self.acc_dtype,
             d_dtype=self.d_dtype,
             d_layout=self.d_layout,
-            num_threads=WARPGROUP_THREADS * (2 // cfg.epi_groups),
+            num_threads=cfg.epilogue_threads,
         )
 
     # ------------------------------------------------------------------------------------------

@@ -66,8 +66,9 @@ class Symbols:
     """The shared symbolic sizes of one compile."""
 
     def __init__(self) -> None:
-        # W: the length of the reductions' flat workspaces (all the same: M x n tiles x L).
-        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W")}
+        # W and V: the lengths of the reductions' flat workspaces, per row (M x n tiles x L) and per
+        # column (N x m tiles x warps x L).
+        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W", "V")}
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -169,12 +170,13 @@ class Launcher:
             for t, spec, modes in zip(inputs, self.in_specs, self.in_views, strict=True)
         ) + tuple(view(t, spec, aux_modes)
                   for t, spec in zip(outputs[1:n_tiles], self.out_specs[1:n_tiles], strict=True))
-        # A reduction's flat workspace ((M, n tiles, L) partials, then one spare element) with the
-        # sizes the kernel indexes it by.
+        # A reduction's flat workspace (partials, then one spare element) with the sizes the kernel
+        # indexes it by.
         m, n, batches = mD.shape
-        tile_n = self.kernel.shape.tile[1]
+        tile_m, tile_n = self.kernel.shape.tile
+        tiles_m = (m + tile_m - 1) // tile_m
         tiles_n = (n + tile_n - 1) // tile_n
-        epi_args = epi_args + tuple((t, n, m, tiles_n) for t in outputs[n_tiles:])
+        epi_args = epi_args + tuple((t, m, n, tiles_m, tiles_n) for t in outputs[n_tiles:])
         self.kernel(mA, mB, mD, epi_args, max_clusters, stream)
 
 

@@ -375,17 +375,50 @@ class TileStore(Operand):
         cute.copy(state.atom, state.s[(None, store_stage)], state.g[(None, ctx.shape.subtile_coord(epi_idx))])
 
 
-class RowReduction(Operand):
-    """Per-tile partials of a reduction over N (``sum``, ``max`` or ``min``) of a tile value.
+def _pow2_padded(values: list, keys: list, identity) -> tuple[list, list]:
+    """Pads slot lists to a power of two with identity values whose key (-1) marks "no slot"."""
+    size = 1
+    while size < len(values):
+        size *= 2
+    pad = size - len(values)
+    return values + [identity] * pad, keys + [-1] * pad
 
-    Each thread folds the values of its fragment into a fragment-shaped register tensor, subtile after
-    subtile (value ``k`` stays in the same row as the subtile moves along N); columns past N count as
-    the reduction's identity (0 or -/+inf), never as the zeros TMA loaded there. At the end of a tile
-    the thread folds its values row by row (a thread holds 2 rows per m64 atom: 8 apart, and 64 apart
-    across atoms), the 4 threads of a quad that share those rows combine theirs with butterfly
-    shuffles (every lane then holds the same value, whatever the order), and lane 0 of the quad writes
-    the row's partial to the workspace at (row, n tile, batch). The host then reduces over the n tiles
-    with torch (a fixed order: deterministic) and finishes means and whole-output reductions.
+
+def _reduce_scatter(values: list, keys: list, lane, offsets: tuple[int, ...], combine) -> tuple[list, list]:
+    """Combines slot values across the lanes that differ in the bits of ``offsets``.
+
+    While a lane holds several slots, each step halves them: the lane keeps one half (its bit of the
+    offset says which), sends the other to its partner, and combines what it receives into the half
+    it kept. ``keys`` (which slot a value belongs to) ride along. Once one slot is left, the remaining
+    steps combine it whole (every lane of the pair then holds the same value). Compared with every
+    lane reducing every slot, this needs S - 1 shuffles for S slots instead of S per step.
+    """
+    for offset in offsets:
+        if len(values) > 1:
+            half = len(values) // 2
+            upper = (lane & offset) != 0
+            kept_values, kept_keys = [], []
+            for i in range(half):
+                low, high = values[i], values[i + half]
+                send = cutlass.select_(upper, low, high)
+                keep = cutlass.select_(upper, high, low)
+                received = cute.arch.shuffle_sync_bfly(send, offset=offset)
+                kept_values.append(combine(keep, received))
+                kept_keys.append(cutlass.select_(upper, Int32(keys[i + half]), Int32(keys[i])))
+            values, keys = kept_values, kept_keys
+        else:
+            values = [combine(v, cute.arch.shuffle_sync_bfly(v, offset=offset)) for v in values]
+    return values, keys
+
+
+class _Reduction(Operand):
+    """Partials of a reduction (``sum``, ``max`` or ``min``) of a tile value, written per tile to a
+    float32 workspace that the host finishes (:mod:`evtc.reductions`: a fixed order, deterministic).
+
+    Values outside the problem (rows past M, columns past N of ragged tiles) count as the
+    reduction's identity (0 or -/+inf), never as whatever the accumulator or TMA put there. Stores
+    have no branch (this code is traced into the kernel, not preprocessed DSL source): a thread with
+    nothing to write stores to the workspace's spare last element.
     """
 
     kind = "reduction"
@@ -394,11 +427,11 @@ class RowReduction(Operand):
     def __init__(self, name: str, op: str, *, batched: bool = False):
         super().__init__(name, "float32", batched=batched)
         if op not in self.IDENTITY:
-            raise ValueError(f"RowReduction: op must be one of {sorted(self.IDENTITY)}, got {op!r}")
+            raise ValueError(f"{type(self).__name__}: op must be one of {sorted(self.IDENTITY)}, got {op!r}")
         self.op = op
 
     def __repr__(self) -> str:
-        return f"RowReduction({self.name!r}, {self.op!r}, batched={self.batched})"
+        return f"{type(self).__name__}({self.name!r}, {self.op!r}, batched={self.batched})"
 
     def cache_key(self) -> tuple:
         return (*super().cache_key(), self.op)
@@ -408,58 +441,122 @@ class RowReduction(Operand):
             return x + y
         return cute.arch.fmax(x, y) if self.op == "max" else cute.arch.fmin(x, y)
 
+    def _identity(self):
+        return Float32(self.IDENTITY[self.op])
+
     def begin(self, ctx, params, storage, tile_coord):
-        workspace, n_size, m_size, tiles_n = params
-        partial = ctx.make_fragment(Float32)
-        partial.fill(self.IDENTITY[self.op])
-        rows, cols = ctx.fragment_coords()
-        return SimpleNamespace(workspace=workspace, n_size=n_size, m_size=m_size, tiles_n=tiles_n,
-                               partial=partial, value=ctx.make_fragment(Float32), rows=rows, cols=cols,
-                               tile=tile_coord)
+        workspace, m_size, n_size, tiles_m, tiles_n = params
+        return SimpleNamespace(workspace=workspace, m_size=m_size, n_size=n_size, tiles_m=tiles_m,
+                               tiles_n=tiles_n, pattern=ctx.fragment_pattern(), tile=tile_coord,
+                               value=ctx.make_fragment(Float32),
+                               spare=cute.size(workspace) - 1)
+
+
+class RowReduction(_Reduction):
+    """Per-tile partials of a reduction over N: the workspace holds (L, n tiles, M) values.
+
+    Each thread folds its fragment into a fragment-shaped register tensor, subtile after subtile
+    (value ``k`` stays in its row as the subtile moves along N). At the end of the tile it folds its
+    values row by row (its rows are known when tracing, see ``fragment_pattern``), the 4 lanes of a
+    quad, which hold the same rows, combine them (each lane ends with one row), and each lane
+    stores its row's partial at (batch, n tile, row).
+    """
+
+    def begin(self, ctx, params, storage, tile_coord):
+        state = super().begin(ctx, params, storage, tile_coord)
+        state.partial = ctx.make_fragment(Float32)
+        state.partial.fill(self.IDENTITY[self.op])
+        corners = state.pattern.corners
+        if any(corners[t][0] != corners[t - t % 4][0] for t in corners):
+            raise AssertionError("RowReduction: the lanes of a quad do not share rows")
+        return state
 
     def accumulate(self, ctx, state, epi_idx: int, value) -> None:
         state.value.store(value)
-        n0 = state.tile[1] * ctx.shape.tile[1] + epi_idx * ctx.shape.epi_tile[1]
-        identity = Float32(self.IDENTITY[self.op])
+        pattern = state.pattern
+        first_col = state.tile[1] * ctx.shape.tile[1] + epi_idx * ctx.shape.epi_tile[1] + pattern.base_col
+        room = state.n_size - first_col  # columns left in the problem, from this thread's first
+        inside = {c: c < room for c in sorted(set(pattern.cols))}
+        identity = self._identity()
         for k in range(cute.size(state.partial)):  # unrolled at trace time
-            inside = n0 + state.cols[k] < state.n_size
-            state.partial[k] = self._combine(state.partial[k],
-                                             cutlass.select_(inside, state.value[k], identity))
+            masked = cutlass.select_(inside[pattern.cols[k]], state.value[k], identity)
+            state.partial[k] = self._combine(state.partial[k], masked)
 
     def end(self, ctx, state) -> None:
-        identity = Float32(self.IDENTITY[self.op])
-        size = cute.size(state.partial)
-        # Rows of this thread: slot 0/1 for a row and the row 8 below it, +2 for the second m64 atom
-        # (64 rows below).
-        slots = [(state.rows[k] // 8) % 2 + 2 * (state.rows[k] // 64) for k in range(size)]
-        m_tile = state.tile[0] * ctx.shape.tile[0]
-        lane0 = cute.arch.lane_idx() % 4 == 0
-        # (m, n tile, batch) -> flat index; threads with nothing to write (lanes 1-3 of a quad, rows
-        # past M, tiles past N, slots this thread does not have) write the spare last element
-        # instead: stores without a branch (this code runs in the kernel's trace, not as preprocessed
-        # DSL source).
-        spare = cute.size(state.workspace) - 1
+        pattern = state.pattern
+        row_offsets = sorted(set(pattern.rows))
+        totals = []
+        for r in row_offsets:
+            ks = [k for k, rk in enumerate(pattern.rows) if rk == r]
+            total = state.partial[ks[0]]
+            for k in ks[1:]:
+                total = self._combine(total, state.partial[k])
+            totals.append(total)
+        totals, keys = _pow2_padded(totals, row_offsets, self._identity())
+        totals, keys = _reduce_scatter(totals, keys, cute.arch.lane_idx(), (2, 1), self._combine)
+        m = state.tile[0] * ctx.shape.tile[0] + pattern.base_row + keys[0]
         base = state.m_size * (state.tile[1] + state.tiles_n * state.tile[2])
-        for slot in range(4):
+        index = cutlass.select_(m < state.m_size, base + m, state.spare)
+        # Tiles of a cluster that overhangs the problem along N still run: not theirs to write.
+        index = cutlass.select_(state.tile[1] < state.tiles_n, index, state.spare)
+        index = cutlass.select_(Int32(keys[0]) >= 0, index, state.spare)
+        state.workspace[index] = totals[0]
+
+
+class ColReduction(_Reduction):
+    """Per-warp partials of a reduction over M: the workspace holds (L, m tiles x warps, N) values.
+
+    Per subtile, each thread folds its values column by column (rows past M masked), then the 8
+    lanes of a warp that hold the same columns (lanes equal mod 4) combine them so that each lane
+    ends with one column, and every lane stores its column's partial. Warps hold different rows, so
+    each writes its own partial; the host reduces over m tiles and warps.
+    """
+
+    def begin(self, ctx, params, storage, tile_coord):
+        state = super().begin(ctx, params, storage, tile_coord)
+        corners = state.pattern.corners
+        if any(corners[t][1] != corners[t % 4][1] for t in corners):
+            raise AssertionError("ColReduction: lanes equal mod 4 do not share columns")
+        # Rows past M (ragged or overhanging tiles): masked once per tile, for every subtile.
+        pattern = state.pattern
+        room = state.m_size - (state.tile[0] * ctx.shape.tile[0] + pattern.base_row)
+        state.row_inside = {r: r < room for r in sorted(set(pattern.rows))}
+        warps = ctx.shape.num_threads // 32
+        partial_row = state.tile[0] * warps + ctx.tidx // 32  # (m tile, warp)
+        state.row_base = (state.tile[2] * state.tiles_m * warps + partial_row) * state.n_size
+        state.tile_inside = state.tile[0] < state.tiles_m
+        return state
+
+    def accumulate(self, ctx, state, epi_idx: int, value) -> None:
+        state.value.store(value)
+        pattern = state.pattern
+        identity = self._identity()
+        col_offsets = sorted(set(pattern.cols))
+        totals = []
+        for c in col_offsets:
             total = identity
-            row = Int32(-1)
-            for k in range(size):
-                mine = slots[k] == slot
-                total = cutlass.select_(mine, self._combine(total, state.partial[k]), total)
-                row = cutlass.select_(mine, state.rows[k], row)
-            for offset in (1, 2):
-                total = self._combine(total, cute.arch.shuffle_sync_bfly(total, offset=offset))
-            m = m_tile + row
-            index = cutlass.select_(m < state.m_size, base + m, spare)
-            # Tiles of a cluster that overhangs the problem along N still run: not theirs to write.
-            index = cutlass.select_(state.tile[1] < state.tiles_n, index, spare)
-            index = cutlass.select_(row >= 0, index, spare)
-            index = cutlass.select_(lane0, index, spare)
+            for k, ck in enumerate(pattern.cols):
+                if ck == c:
+                    masked = cutlass.select_(state.row_inside[pattern.rows[k]], state.value[k], identity)
+                    total = self._combine(total, masked)
+            totals.append(total)
+        totals, keys = _pow2_padded(totals, col_offsets, identity)
+        totals, keys = _reduce_scatter(totals, keys, cute.arch.lane_idx(), (16, 8, 4), self._combine)
+        first_col = state.tile[1] * ctx.shape.tile[1] + epi_idx * ctx.shape.epi_tile[1] + pattern.base_col
+        for total, key in zip(totals, keys, strict=True):
+            n = first_col + key
+            index = cutlass.select_(n < state.n_size, state.row_base + n, state.spare)
+            index = cutlass.select_(state.tile_inside, index, state.spare)
+            index = cutlass.select_(Int32(key) >= 0, index, state.spare)
             state.workspace[index] = total
+
+    def end(self, ctx, state) -> None:
+        pass
 
 
 __all__ = [
     "ArgScalar",
+    "ColReduction",
     "RowReduction",
     "ColVector",
     "DeviceScalar",

@@ -69,6 +69,18 @@ class EpilogueShape:
         return (0, epi_idx)
 
 
+@dataclass(frozen=True)
+class FragmentPattern:
+    """See :meth:`EpilogueContext.fragment_pattern`. ``corners``: the static (row, column) of value 0
+    of a sample of threads (for checks of which lanes share rows or columns)."""
+
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    base_row: Any
+    base_col: Any
+    corners: dict[int, tuple[int, int]]
+
+
 class EpilogueContext:
     """Device-side helpers handed to every consumer hook.
 
@@ -115,6 +127,43 @@ class EpilogueContext:
             m, n = coords[i]
             rows[k], cols[k] = m, n
         return rows, cols
+
+    def thread_coords(self, thread: int) -> list[tuple[int, int]]:
+        """For a thread given as a Python ``int``: the (row, column) of each fragment value, as Python
+        ints (the layouts are static, so this is plain arithmetic at trace time)."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        thr_copy = cute.make_tiled_copy_S(atom, self.tiled_copy_c_atom).get_slice(thread)
+        coords = thr_copy.partition_S(cute.make_identity_tensor(self.shape.epi_tile))
+        frag_view = thr_copy.retile(self.make_fragment(Float32))
+        result: list = [None] * cute.size(self.fragment_layout)
+        for i in range(cute.size(coords)):
+            m, n = coords[i]
+            result[frag_view.layout(i)] = (int(m), int(n))
+        return result
+
+    def fragment_pattern(self) -> FragmentPattern:
+        """This thread's fragment as one dynamic corner plus static offsets: value ``k`` sits at
+        ``(base_row + rows[k], base_col + cols[k])``, the offsets being the same for every thread.
+
+        Reductions rely on it to group values by row or column when tracing, with no runtime
+        selects. The shape is checked on a sample of threads (the wgmma accumulator layout has it);
+        a layout without it fails here, at compile time."""
+        first = self.thread_coords(0)
+        rows = tuple(m - first[0][0] for m, _ in first)
+        cols = tuple(n - first[0][1] for _, n in first)
+        corners = {}
+        threads = self.shape.num_threads
+        sample = {t for t in (0, 1, 2, 3, 4, 5, 8, 16, 31, 32, 33, 36, 64, threads - 1) if t < threads}
+        sample |= {t - t % 4 for t in sample}  # each quad's first lane, for the reductions' checks
+        for t in sorted(sample):
+            coords = self.thread_coords(t)
+            corner = coords[0]
+            if any((m - corner[0], n - corner[1]) != (r, c)
+                   for (m, n), r, c in zip(coords, rows, cols, strict=True)):
+                raise AssertionError(f"epilogue fragment of thread {t} is not a shifted copy of thread 0's")
+            corners[t] = corner
+        dyn_rows, dyn_cols = self.fragment_coords()
+        return FragmentPattern(rows, cols, dyn_rows[0], dyn_cols[0], corners)
 
     def smem_reader(self, staged: cute.Tensor, layout: LayoutEnum) -> SmemFragmentReader:
         """A reader of a staged (epi_m, epi_n, stages) shared-memory operand into fragments that line
