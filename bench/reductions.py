@@ -1,6 +1,6 @@
 """What a reduction costs in the epilogue: ``gelu(acc + bias)`` alone, with a per-row sum of squares,
-with a per-column sum, and with the FP8 recipe's amax, all timed in one process on the same random inputs (CUDA events,
-warm-up, medians, in alternation).
+with a per-column sum, and with the FP8 recipe's amax, all timed in one process on the same random
+inputs (CUDA events, warm-up, medians, in alternation).
 
     python3 bench/reductions.py                       # 8192^3 and 8192x8192x1024, float16
 """

@@ -27,6 +27,7 @@ from .cache import DiskCache
 from .errors import CallError, CompileError, EpilogueError
 from .frontend.epilogue import unwrap
 from .frontend.source import definition_location
+from .ir.passes.gated import kernel_graph
 from .kernel import Kernel
 from .signature import KernelSignature, dtype_name
 
@@ -117,7 +118,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
     from .codegen.emit import emit
 
     user_fn = unwrap(fn)
-    graph = trace(fn, example_inputs, out_dtypes=out_dtypes)
+    graph = kernel_graph(trace(fn, example_inputs, out_dtypes=out_dtypes))
     log.debug("traced %r: %d nodes, operands %s", graph.name, len(graph.nodes), list(graph.operands))
     loc = definition_location(user_fn)
     emitted = emit(graph)
@@ -137,7 +138,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
         knobs = dict(config)
     d_dtype = dtype_name(emitted.outputs[0].dtype)
     knobs.update(ab_dtype=signature.a.dtype, d_dtype=d_dtype, a_major=signature.a_major,
-                 b_major=signature.b_major, d_major="n")
+                 b_major=signature.b_major, d_major="n", gated=graph.gated)
     if len(emitted.outputs) > 1 and knobs.get("epi_stages") is None:
         # Extra outputs are staged like D, one buffer per D stage: fix the count so both agree.
         knobs["epi_stages"] = 2

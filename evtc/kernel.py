@@ -22,7 +22,7 @@ from .call_checks import check_device, check_tensor, flatten_outputs
 from .errors import CallError, EpilogueError
 from .ir.graph import Graph
 from .ir.shapes import L, M, N
-from .signature import KernelSignature
+from .signature import KernelSignature, kernel_arguments
 
 COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx"
 
@@ -93,7 +93,7 @@ class Kernel:
         if self._variant_factory is None:
             return self.config.cluster
         tiles_m = -(-m // self.config.tile_m)
-        tiles_n = -(-n // self.config.tile_n)
+        tiles_n = -(-n // self.config.out_tile_n)
         memo_key = (tiles_m, tiles_n, batches)
         chosen = self._cluster_memo.get(memo_key)
         if chosen is None:
@@ -176,7 +176,7 @@ class Kernel:
         from cutlass.runtime import make_fake_stream
 
         from .codegen.gemm_sm90 import Sm90GemmKernel
-        from .codegen.launch import Launcher, Symbols, fake_tensor
+        from .codegen.launch import GatedLauncher, Launcher, Symbols, fake_tensor
 
         staged = self._cache.staging()
         try:
@@ -185,8 +185,9 @@ class Kernel:
             visitor = self._import_visitor(source_path)
             kernel = Sm90GemmKernel(self.config, visitor)
             sig = self._signature
-            launcher = Launcher(kernel, sig.a, sig.b, sig.outputs + sig.workspaces, sig.inputs, sig.views,
-                                sig.batched, workspaces=len(sig.workspaces))
+            entry = GatedLauncher if self.config.gated else Launcher
+            launcher = entry(kernel, sig.a, sig.b, sig.outputs + sig.workspaces, sig.inputs, sig.views,
+                             sig.batched, workspaces=len(sig.workspaces))
             symbols = Symbols()
             fake_outs = tuple(fake_tensor(s, symbols) for s in sig.outputs + sig.workspaces)
             fake_ins = tuple(
@@ -197,8 +198,11 @@ class Kernel:
                 options += f" --gpu-arch {self._arch}"
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+                fake_b = fake_tensor(sig.b, symbols)
+                if self.config.gated:
+                    fake_b = (fake_b, fake_tensor(sig.b, symbols))  # the gate and up halves
                 compiled = cute.compile(
-                    launcher, fake_tensor(sig.a, symbols), fake_tensor(sig.b, symbols), fake_outs,
+                    launcher, fake_tensor(sig.a, symbols), fake_b, fake_outs,
                     fake_ins, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True),
                     options=options,
                 )
@@ -300,10 +304,27 @@ class Kernel:
         return f"<evtc.Kernel {self.graph.name} {self.config.short_name()}>"
 
     # ---- calling ---------------------------------------------------------------------------------
+    def _user_name(self, kernel_name: str) -> str:
+        operand = self.graph.operands.get(kernel_name)
+        return operand.half_of[0] if operand is not None and operand.half_of else kernel_name
+
+    def _split(self, b, operands):
+        """A gated kernel's arguments: b's (gate, up) halves and the halves of wide operands (views).
+        Others pass through."""
+        if not self.graph.gated:
+            return b, operands
+        if b.shape[-1] % 2:
+            raise ValueError("odd N")  # the caller's _validate says what is wrong
+        return kernel_arguments(self.graph, None, b, operands)
+
     def _call_setup(self) -> None:
         graph, emitted = self.graph, self._emitted
-        self._names = [p.name for p in emitted.inputs if p.kind != "literal"]
+        # The kernel's operands (a gated kernel's include the halves of wide operands, "bias.gate"
+        # and "bias.up", see kernel_arguments) and the names the user passes.
+        self._kernel_names = [p.name for p in emitted.inputs if p.kind != "literal"]
+        self._names = list(dict.fromkeys(self._user_name(n) for n in self._kernel_names))
         self._name_set = frozenset(self._names)
+        self._user_kinds = {self._user_name(p.name): p.kind for p in emitted.inputs}
         getters: list = []
         for p in emitted.inputs:
             if p.kind == "literal":
@@ -376,13 +397,15 @@ class Kernel:
             self._validate(a, b, out, operands, check_devices=False)
             raise CallError(f"cannot run {self.graph.name!r}: {reason}. It was compiled (k.source, "
                             "k.ptx and k.graph are available), but running it needs an SM90 GPU")
+        user_b, user_operands = b, operands
         try:
+            b, operands = self._split(b, operands)
             m = a.shape[-2]
-            n = b.shape[-1]
+            n = (b[0] if self.graph.gated else b).shape[-1]  # the output's width
             batches = a.shape[0] if a.dim() == 3 else 1
             k = a.shape[-1]
-        except (AttributeError, IndexError, TypeError):
-            self._validate(a, b, out, operands)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            self._validate(a, user_b, out, user_operands)
             raise
         ins = []
         try:
@@ -394,10 +417,10 @@ class Kernel:
                 else:
                     ins.append(float(what(batches, m, n)))
         except (KeyError, TypeError, ValueError):
-            self._validate(a, b, out, operands)
+            self._validate(a, user_b, out, user_operands)
             raise
-        if len(operands) != len(self._names):
-            self._validate(a, b, out, operands)
+        if len(operands) != len(self._kernel_names):
+            self._validate(a, user_b, out, user_operands)
         outs = self._outputs(a, out, m, n, batches)
         workspaces = []
         if self._host_outputs:
@@ -407,7 +430,7 @@ class Kernel:
                                       dtype=torch.float32, device=a.device)
                           for plan in self._emitted.reductions]
         if m == 0 or n == 0 or batches == 0:
-            return outs + self._finish(out, workspaces, m, n, batches, operands)
+            return outs + self._finish(out, workspaces, m, n, batches, user_operands)
         if k == 0:
             raise CallError("K = 0 is not supported (the accumulator would be all zeros; compute the "
                             "epilogue of zeros with torch instead)")
@@ -422,12 +445,15 @@ class Kernel:
         try:
             fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
         except (ValueError, TypeError, RuntimeError) as exc:
-            self._validate(a, b, out, operands)
+            self._validate(a, user_b, out, user_operands)
             raise CallError(f"the kernel rejected its arguments: {exc}") from None
-        return outs + self._finish(out, workspaces, m, n, batches, operands)
+        return outs + self._finish(out, workspaces, m, n, batches, user_operands)
 
     def _output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
-        """(shape, dtype) of every output in kernel order (sizes may be symbolic: fake tensors)."""
+        """(shape, dtype) of every output in kernel order, for an (L, M, N) GEMM (sizes may be
+        symbolic: fake tensors)."""
+        if self.graph.gated:
+            n = n // 2  # N is the output's width in a gated graph
         tile = (batches, m, n) if self._signature.batched else (m, n)
         meta = [(tile, dt) for dt in self._out_dtypes]
         dims = {M: m, N: n, L: batches}
@@ -498,15 +524,23 @@ class Kernel:
         missing = [nm for nm in self._names if nm not in operands]
         if missing:
             raise CallError(f"missing argument(s) {missing}; the epilogue takes {self._names}")
-        sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b.shape[-1],
-                 "L": a.shape[0] if a.dim() == 3 else 1}
-        if b.shape[-2] != sizes["K"]:
+        if b.shape[-2] != a.shape[-1]:
             raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
-        if sig.batched and b.shape[0] != sizes["L"]:
+        if sig.batched and b.shape[0] != a.shape[0]:
             raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}")
+        b_parts = [("b", b)]
+        if self.graph.gated:
+            if b.shape[-1] % 2:
+                raise CallError(f"b has {b.shape[-1]} columns: this gated epilogue splits them into gate "
+                                "and up halves (acc.chunk(2, dim=-1)), so N must be even")
+            (gate, up), operands = kernel_arguments(self.graph, a, b, operands)
+            b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
+        sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
+                 "L": a.shape[0] if a.dim() == 3 else 1}
         device = a.device
         check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), sizes)
-        check_tensor("b", b, sig.b, getattr(torch, sig.b.dtype), sizes)
+        for name, part in b_parts:
+            check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), sizes)
         for plan, spec in zip(self._emitted.inputs, sig.inputs, strict=True):
             if plan.kind == "literal":
                 continue

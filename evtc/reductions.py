@@ -40,7 +40,7 @@ def partial_rows(plan: ReductionPlan, m: int, n: int, config: GemmConfig) -> tup
     warps, N) per column."""
     if plan.axis == "col":
         return _tiles(m, config.tile_m) * (config.epilogue_threads // 32), n
-    return _tiles(n, config.tile_n), m
+    return _tiles(n, config.out_tile_n), m
 
 
 def workspace_numel(plan: ReductionPlan, m: int, n: int, batches: int, config: GemmConfig) -> int:

@@ -38,6 +38,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def half_view(t: torch.Tensor, index: int) -> torch.Tensor:
+    """The gate (0) or up (1) half of ``t`` along its last dim: a view, never a copy."""
+    half = t.shape[-1] // 2
+    return t[..., index * half:(index + 1) * half]
+
+
+def kernel_arguments(graph: Graph, a: Any, b: Any, operands: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``b`` and the operands as the kernel of ``graph`` takes them: for a split gated graph (see
+    :mod:`evtc.ir.passes.gated`), b as its (gate, up) halves and each operand as wide as the
+    accumulator as its two halves, under the names the split graph gives them."""
+    if not graph.gated:
+        return b, dict(operands)
+    args: dict[str, Any] = {}
+    for name, operand in graph.operands.items():
+        if operand.half_of is not None:
+            source, index = operand.half_of
+            if source in operands:
+                args[name] = half_view(operands[source], index)
+        elif name in operands:
+            args[name] = operands[name]
+    return (half_view(b, 0), half_view(b, 1)), args
+
+
 class KernelSignature:
     """Everything static about one kernel besides the graph: layouts of every tensor argument."""
 
@@ -46,6 +69,10 @@ class KernelSignature:
 
         loc = definition_location(fn)
         a, b = example["a"], example["b"]
+        if graph.gated:
+            b, halves = kernel_arguments(graph, a, b, example)
+            b = b[0]
+            example = {**example, **halves}
         if a.dim() != b.dim():
             raise CompileError(
                 f"a is {a.dim()}-d and b is {b.dim()}-d: evtc.compile needs both batched (L, ., .) or "

@@ -35,9 +35,9 @@ def op_name(kernel: Kernel) -> str:
 
 def schema(kernel: Kernel, name: str) -> str:
     args = ["Tensor a", "Tensor b"]
-    kinds = {p.name: p.kind for p in kernel._emitted.inputs}
     for operand in kernel.operand_names:
-        args.append(f"float {operand}" if kinds[operand] == "arg" else f"Tensor {operand}")
+        kind = kernel._user_kinds[operand]
+        args.append(f"float {operand}" if kind == "arg" else f"Tensor {operand}")
     n_out = len(kernel._kernel_order)
     returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
     return f"{name}({', '.join(args)}) -> {returns}"

@@ -331,6 +331,35 @@ def batched_rows_and_columns(acc):
     return acc, acc.mean(-2), acc.sum(-1), (acc * acc).sum(1, keepdim=True)
 
 
+# ---- gated epilogues: acc.chunk(2, dim=-1), the output half as wide ------------------------------
+
+
+@entry()
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@entry({"bias": "row", "r": "tile_half"})
+def geglu_bias_residual(acc, bias, r):
+    # a bias as wide as the GEMM (split with acc), a residual as wide as the output
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.gelu(gate) * up + r
+
+
+@entry({"s": "row_half"})
+def reglu_outputs_and_stats(acc, s):
+    gate, up = torch.chunk(acc, 2, dim=-1)
+    y = torch.relu(gate) * up * s
+    return y, y.float(), (y * y).sum(-1), y.amax(-2)
+
+
+@entry({"bias": "row_b"}, batched=True)
+def batched_swiglu_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, -1)
+    return F.silu(gate) * up
+
+
 @entry({"C": "tile"})
 def six_float32_outputs(acc, C):
     # Too many staged outputs for the default ping-pong tiles: compiled cooperative with 128x16.
@@ -412,6 +441,10 @@ def make_inputs(e: Entry, m: int, n: int, k: int, batch: int | None, ab_dtype: t
             t = randn(n, m_pad, dtype=dtype or ab_dtype)[:, :m].t()
         elif kind == "row":
             t = randn(n, dtype=dtype or torch.float32)
+        elif kind == "row_half":  # as wide as a gated epilogue's output
+            t = randn(n // 2, dtype=dtype or torch.float32)
+        elif kind == "tile_half":
+            t = randn(m, n // 2, dtype=dtype or ab_dtype)
         elif kind == "row2":
             t = randn(1, n, dtype=dtype or torch.float32)
         elif kind == "row_b":

@@ -207,7 +207,7 @@ def test_empty_problem_returns_empty_outputs(cache_dir):
 COOPERATIVE_ENTRIES = ["relu_lincomb_bias", "col_and_row", "every_kind", "float32_c", "aux_outputs",
                     "fp8_e4m3_aux", "four_outputs", "batched_operands", "batched_two_outputs",
                     "config_cluster2x1", "gelu_row_sum_of_squares", "column_sum_max_min",
-                    "batched_rows_and_columns"]
+                    "batched_rows_and_columns", "swiglu", "geglu_bias_residual", "reglu_outputs_and_stats"]
 
 
 @pytest.mark.parametrize("name", COOPERATIVE_ENTRIES)

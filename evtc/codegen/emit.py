@@ -183,6 +183,11 @@ class _Emitter:
             )
 
     # ---- names -----------------------------------------------------------------------------------
+    def acc_params(self) -> list[str]:
+        """The accumulator parameters of ``fragment``: acc, or its gate and up halves."""
+        base = _identifier(self.graph.acc_name, set())
+        return [f"{base}_gate", f"{base}_up"] if self.graph.gated else [base]
+
     def value_name(self, node: Node) -> str:
         printed = self.printed[node.id]
         ident = "v" + printed.lstrip("%")  # operands never take these names (see _identifier)
@@ -212,7 +217,8 @@ class _Emitter:
     def build(self) -> tuple[list[OutputPlan], list[str]]:
         graph = self.graph
         self.check()
-        self.taken.add(_identifier(graph.acc_name, set()))
+        for ident in self.acc_params():
+            self.taken.add(ident)
         for node in graph.nodes:
             op = node.op
             if on_host(node):
@@ -220,7 +226,7 @@ class _Emitter:
                     self.reductions.append(ReductionPlan(f"r{len(self.reductions)}", node))
                 continue
             if op == "acc":
-                self.names[node.id] = _identifier(graph.acc_name, set())
+                self.names[node.id] = self.acc_params()[node.attrs.get("half", 0)]
             elif op == "load":
                 operand = graph.operands[node.attrs["name"]]
                 ident = _identifier(operand.name, self.taken)
@@ -344,8 +350,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     em = _Emitter(graph)
     outputs, output_names = em.build()
     class_name = _class_name(graph.name)
-    acc = em.names[graph.nodes[0].id] if graph.nodes and graph.nodes[0].op == "acc" else \
-        _identifier(graph.acc_name, set())
+    acc = ", ".join(em.acc_params())
 
     scalar_kinds = ("arg", "scalar", "literal")
     uniform_params = [p.ident for p in em.inputs if p.kind in scalar_kinds]
@@ -384,6 +389,10 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w("")
     w(f"class {class_name}(FusedVisitor):")
     w(f"    name = {graph.name!r}")
+    if graph.gated:
+        w("    # Gated: each 128-wide accumulator tile holds a block of gate columns, then the matching")
+        w("    # block of up columns; fragment gets both halves of a subtile and the output is half as wide.")
+        w("    gated = True")
     w("    # Inputs in call order. Each owns its resources: TMA atom, shared memory, registers.")
     if in_lines:
         w("    inputs = (")

@@ -8,7 +8,9 @@ A generated visitor (see :mod:`evtc.codegen.emit`) declares its operands and two
   (:class:`~evtc.codegen.operands.TileStore`) by their own TMA stores;
 * ``uniform(**scalars) -> dict``: the values that do not vary over the tile, computed once per tile;
 * ``fragment(acc, **values) -> tuple``: the computation on this thread's float32 fragment of one
-  subtile, returning one value per output.
+  subtile, returning one value per output. A gated visitor (``gated = True``) takes two
+  accumulator fragments, ``fragment(acc_gate, acc_up, **values)``: the gate and up halves of one
+  output subtile (see :mod:`evtc.ir.passes.gated`).
 
 This class turns that into the kernel's visitor protocol (docs/kernel.md): every hook calls the same
 hook of each operand, then ``visit`` calls ``fragment``. Parameters of ``uniform`` and ``fragment``
@@ -43,6 +45,8 @@ class FusedVisitor(EpilogueVisitor):
     outputs: tuple[TileStore, ...] = ()
     #: Reductions of tile values (RowReduction): ``fragment`` returns their inputs after the outputs.
     reductions: tuple[Operand, ...] = ()
+    #: Gated: the kernel pairs gate and up columns, and ``fragment`` takes both accumulator halves.
+    gated: bool = False
 
     def uniform(self) -> dict:
         return {}
@@ -54,7 +58,8 @@ class FusedVisitor(EpilogueVisitor):
     def __init__(self) -> None:
         self._uniform_params = list(inspect.signature(self.uniform).parameters)
         params = list(inspect.signature(self.fragment).parameters)
-        self._acc_param, self._fragment_params = params[0], params[1:]
+        n_acc = 2 if self.gated else 1
+        self._fragment_params = params[n_acc:]
         self._aux = tuple(self.outputs[1:])
 
     @property
@@ -124,7 +129,8 @@ class FusedVisitor(EpilogueVisitor):
         for o, st in zip(self.inputs, state.inputs, strict=True):
             if o.loads:
                 values[o.name] = st.value
-        results = self.fragment(acc, **{k: values[k] for k in self._fragment_params})
+        accs = acc if self.gated else (acc,)  # gated: the kernel passes (gate, up)
+        results = self.fragment(*accs, **{k: values[k] for k in self._fragment_params})
         n_out = len(self.outputs)
         state.outs = results[:n_out]
         for o, st, value in zip(self.reductions, state.reductions, results[n_out:], strict=True):

@@ -77,6 +77,12 @@ class Sm90GemmKernel:
         self.tile_shape_mnk = cfg.tile_shape_mnk
         self.tile_m = cfg.tile_m
         self.pingpong = cfg.schedule == "pingpong"
+        # Gated (SwiGLU): B comes as two halves; tile n of the output loads block n of each into
+        # the two halves of one B tile, and each output subtile reads two accumulator subtiles.
+        self.gated = cfg.gated
+        if getattr(visitor, "gated", False) != cfg.gated:
+            raise ValueError(f"visitor gated={getattr(visitor, 'gated', False)} but config gated={cfg.gated}")
+        self.acc_subtiles = cfg.tile_n // cfg.epi_tile_n
         self.cluster = tuple(cfg.cluster)
         # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
         self.a_mcast = self.cluster[1]
@@ -96,7 +102,7 @@ class Sm90GemmKernel:
         self.ab_stages, self.d_stages = cfg.plan_stages(visitor_smem, self.d_in_load_buffers)
         self.shape = EpilogueShape(
             config=cfg,
-            tile=(self.tile_m, cfg.tile_n),
+            tile=(self.tile_m, cfg.out_tile_n),
             epi_tile=cfg.epi_tile,
             num_subtiles=cfg.num_subtiles,
             load_stages=self.load_buffers,
@@ -122,9 +128,12 @@ class Sm90GemmKernel:
         stream,
     ):
         """Launch on ``stream``.  mA (M,K,L), mB (N,K,L), mD (M,N,L); ``epi_args`` is the visitor's
-        runtime tuple; ``max_clusters`` caps the persistent grid (clusters resident at once)."""
-        if cutlass.const_expr(mA.element_type != self.ab_dtype or mB.element_type != self.ab_dtype):
-            raise TypeError(f"A and B must be {self.ab_dtype}, got {mA.element_type}, {mB.element_type}")
+        runtime tuple; ``max_clusters`` caps the persistent grid (clusters resident at once).
+        Gated: ``mB`` is the pair (gate half, up half) of B, each (N,K,L) with N the output's width."""
+        b_halves = mB if cutlass.const_expr(self.gated) else (mB,)
+        if cutlass.const_expr(mA.element_type != self.ab_dtype
+                              or any(h.element_type != self.ab_dtype for h in b_halves)):
+            raise TypeError(f"A and B must be {self.ab_dtype}")
         if cutlass.const_expr(mD.element_type != self.d_dtype):
             raise TypeError(f"D must be {self.d_dtype}, got {mD.element_type}")
 
@@ -157,14 +166,24 @@ class Sm90GemmKernel:
             (self.tile_m, TILE_K),
             num_multicast=self.a_mcast,
         )
-        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp() if self.b_mcast == 1
-            else cpasync.CopyBulkTensorTileG2SMulticastOp(),
-            mB,
-            cute.slice_(b_smem_staged, (None, None, 0)),
-            (self.tile_shape_mnk[1], TILE_K),
-            num_multicast=self.b_mcast,
+        # One TMA per B block: the whole tile, or (gated) a half tile from each half of B. The two
+        # halves of a B stage are contiguous blocks laid out like a half-wide tile's stage.
+        b_block_n = self.tile_shape_mnk[1] // len(b_halves)
+        b_block_staged = sm90_utils.make_smem_layout_b(
+            self.b_layout, (self.tile_m, b_block_n, TILE_K), self.ab_dtype, self.ab_stages
         )
+        b_atoms = []
+        for half in b_halves:
+            b_atoms.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp() if self.b_mcast == 1
+                else cpasync.CopyBulkTensorTileG2SMulticastOp(),
+                half,
+                cute.slice_(b_block_staged, (None, None, 0)),
+                (b_block_n, TILE_K),
+                num_multicast=self.b_mcast,
+            ))
+        tma_atom_b = tuple(atom for atom, _ in b_atoms)
+        tma_b = tuple(t for _, t in b_atoms)
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
             mD,
@@ -261,14 +280,23 @@ class Sm90GemmKernel:
         chunks = cute.size(acc_shape, mode=[0]) // v_size
         if (cute.size(acc_shape, mode=[1]) != m_size or cute.size(acc_shape, mode=[2]) != 1
                 or chunks * v_size != cute.size(acc_shape, mode=[0])
-                or chunks != n_sub * self.shape.num_subtiles):
+                or chunks != n_sub * self.acc_subtiles):
             raise ValueError(f"pingpong epilogue: unexpected accumulator {acc_shape} / fragment "
                              f"{frag_shape} shapes")
         return [
             [v + v_size * (e * n_sub + n) + v_size * chunks * m
              for n in range(n_sub) for m in range(m_size) for v in range(v_size)]
-            for e in range(self.shape.num_subtiles)
+            for e in range(self.acc_subtiles)
         ]
+
+    def _read_subtile(self, frag, tRS_acc, acc_map, subtile: int, frag_size: int) -> None:
+        """Copy accumulator subtile ``subtile`` (a Python int) into ``frag``, traced inline."""
+        if self.pingpong:
+            for v in range(frag_size):
+                frag[v] = tRS_acc[acc_map[subtile][v]]
+        else:
+            for v in range(frag_size):
+                frag[v] = tRS_acc[subtile * frag_size + v]
 
     def _ring_state(self, ring, count, position, producer: bool):
         """Pingpong: the load-pipeline state of ``position`` (subtiles loaded before, counted in
@@ -309,8 +337,8 @@ class Sm90GemmKernel:
         tiled_mma: cute.TiledMma,
         tma_atom_a: cute.CopyAtom,
         mA: cute.Tensor,
-        tma_atom_b: cute.CopyAtom,
-        mB: cute.Tensor,
+        tma_atom_b: tuple,
+        mB: tuple,
         tma_atom_d: cute.CopyAtom,
         mD: cute.Tensor,
         a_smem_staged: cute.ComposedLayout,
@@ -324,7 +352,8 @@ class Sm90GemmKernel:
 
         if warp_idx == MAINLOOP_WARP:
             cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
+            for atom in tma_atom_b:
+                cpasync.prefetch_descriptor(atom)
             cpasync.prefetch_descriptor(tma_atom_d)
 
         # ---- cluster position and multicast masks -------------------------------------------
@@ -389,7 +418,9 @@ class Sm90GemmKernel:
         # ---- global tiles and TMA partitions --------------------------------------------------
         # (bM, bK, tiles_m, tiles_k, L) and (bN, bK, tiles_n, tiles_k, L)
         gA = cute.local_tile(mA, (self.tile_m, TILE_K), (None, None, None))
-        gB = cute.local_tile(mB, (self.tile_shape_mnk[1], TILE_K), (None, None, None))
+        b_block_n = self.tile_shape_mnk[1] // len(mB)
+        # (bN, bK, tiles_n, tiles_k, L) of each B block (gated: N tiles of the output's width)
+        gBs = [cute.local_tile(half, (b_block_n, TILE_K), (None, None, None)) for half in mB]
         # (bM, bN, tiles_m, tiles_n, L)
         gD = cute.local_tile(mD, self.shape.tile, (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
@@ -401,13 +432,18 @@ class Sm90GemmKernel:
             cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2),
         )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b,
-            cta_coord[0],
-            cute.make_layout(self.cluster[0]),
-            cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
-        )
+        # Each B block goes to its own part of the stage: the whole stage, or (gated) its first or
+        # second half along N.
+        sB_blocks = cute.zipped_divide(sB, (b_block_n, TILE_K))  # ((bN', bK), (blocks, 1, stages))
+        b_parts = []
+        for i, (atom, gB) in enumerate(zip(tma_atom_b, gBs, strict=True)):
+            b_parts.append(cpasync.tma_partition(
+                atom,
+                cta_coord[0],
+                cute.make_layout(self.cluster[0]),
+                sB_blocks[(None, (i, 0, None))],
+                cute.group_modes(gB, 0, 2),
+            ))
 
         sched = TileScheduler.for_problem(
             mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
@@ -432,14 +468,14 @@ class Sm90GemmKernel:
                 while work < num_work:
                     m, n, batch = sched.cta_tile(work, cta_in_cluster)
                     tAgA_tile = tAgA[(None, m, None, batch)]
-                    tBgB_tile = tBgB[(None, n, None, batch)]
                     for k in cutlass.range(k_tiles, unroll=1):
                         ab_pipeline.producer_acquire(state)
                         barrier = ab_pipeline.producer_get_barrier(state)
                         cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, state.index)],
                                   tma_bar_ptr=barrier, mcast_mask=a_mask)
-                        cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, state.index)],
-                                  tma_bar_ptr=barrier, mcast_mask=b_mask)
+                        for atom, (tBsB, tBgB) in zip(tma_atom_b, b_parts, strict=True):
+                            cute.copy(atom, tBgB[(None, n, k, batch)], tBsB[(None, state.index)],
+                                      tma_bar_ptr=barrier, mcast_mask=b_mask)
                         ab_pipeline.producer_commit(state)
                         state.advance()
                     work += work_stride
@@ -514,7 +550,8 @@ class Sm90GemmKernel:
                 thr_mma = tiled_mma.get_slice((warp_group - 1) * WARPGROUP_THREADS)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape
+            # The MMA tile (gated: twice as wide as the output tile gD is cut into).
+            acc_shape = thr_mma.partition_C(cute.make_identity_tensor(self.tile_shape_mnk[:2])).shape
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             k_blocks = cute.size(tCrA, mode=[2])
 
@@ -532,8 +569,10 @@ class Sm90GemmKernel:
             frag_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
             frag_layout = cute.make_layout(frag_shape)
             frag = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            frag_up = cute.make_rmem_tensor(frag_shape, self.acc_dtype)  # gated: the up half
             frag_out = cute.make_rmem_tensor(frag_shape, self.d_dtype)
             frag_size = cute.size(frag)
+            acc_map = None
             if cutlass.const_expr(self.pingpong):
                 # With two m64 atoms along M the accumulator seen by the D copy is ((V, NC), 2, 1):
                 # V values of one 16-column chunk, NC chunks along N, then the atom along M; a
@@ -646,13 +685,15 @@ class Sm90GemmKernel:
                         self.visitor.begin_loop(ctx, vstate, 0)
                         load_state = self._subtile_inputs(ctx, vstate, 0, load_pipeline, load_state,
                                                           tiles_done, wg)
-                    if cutlass.const_expr(self.pingpong):
-                        for v in cutlass.range_constexpr(frag_size):
-                            frag[v] = tRS_acc[acc_map[epi_idx][v]]
+                    self._read_subtile(frag, tRS_acc, acc_map, epi_idx, frag_size)
+                    if cutlass.const_expr(self.gated):
+                        # Output subtile i: gate columns in accumulator subtile i, the matching
+                        # up columns half a tile further along N.
+                        self._read_subtile(frag_up, tRS_acc, acc_map, epi_idx + self.shape.num_subtiles,
+                                           frag_size)
+                        values = self.visitor.visit(ctx, vstate, epi_idx, (frag.load(), frag_up.load()))
                     else:
-                        for v in cutlass.range_constexpr(frag_size):
-                            frag[v] = tRS_acc[epi_idx * frag_size + v]
-                    values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
+                        values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
                     if cutlass.const_expr(epi_idx + 1 < num_subtiles):
                         # The next subtile's inputs now, so that their shared-memory reads (and a
                         # load still landing) overlap this subtile's barriers and D store.

@@ -160,8 +160,12 @@ class Launcher:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, outputs: tuple, inputs: tuple, max_clusters: Int32,
                  stream):
+        self._launch(a, view(b, self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
+                     max_clusters, stream)
+
+    def _launch(self, a, mB, outputs, inputs, max_clusters, stream):
+        """The body of the entry point, traced inline (``mB``: the kernel's view of B)."""
         mA = view(a, self.a_spec, ("M", "K", "L"), pad_batch=True)
-        mB = view(b, self.b_spec, ("N", "K", "L"), pad_batch=True)
         mD = view(outputs[0], self.out_specs[0], ("M", "N", "L"), pad_batch=True)
         aux_modes = ("M", "N", "L") if self.batched else ("M", "N")
         n_tiles = len(outputs) - self.workspaces
@@ -180,4 +184,15 @@ class Launcher:
         self.kernel(mA, mB, mD, epi_args, max_clusters, stream)
 
 
-__all__ = ["Launcher", "Symbols", "TensorSpec", "fake_tensor", "spec_for", "view"]
+class GatedLauncher(Launcher):
+    """The entry point of a gated kernel: ``b`` is the pair of B's halves (gate, up), views of the
+    user's weight, each with ``b_spec`` (N being the output's width)."""
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
+                 stream):
+        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b)
+        self._launch(a, halves, outputs, inputs, max_clusters, stream)
+
+
+__all__ = ["GatedLauncher", "Launcher", "Symbols", "TensorSpec", "fake_tensor", "spec_for", "view"]

@@ -18,7 +18,7 @@ import torch
 from ..errors import DTypeError, InputError, ShapeError, SourceLoc
 from ..ir.dtypes import GEMM_INPUT_DTYPES, OPERAND_DTYPES, short_name
 from ..ir.graph import Operand
-from ..ir.shapes import ONE, L, M, N, Shape
+from ..ir.shapes import HALF_N, ONE, L, M, N, Shape, varying_dims
 from .source import definition_location
 
 RESERVED = ("a", "b")
@@ -140,6 +140,9 @@ def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc
     for size, dim in zip(t.shape, aligned, strict=True):
         if size == problem.sizes[dim] and size != 1:
             shape.append(dim)
+        elif dim == N and size != 1 and 2 * size == problem.sizes[N]:
+            # Half of N: an operand of a gated epilogue's output (after acc.chunk(2, dim=-1)).
+            shape.append(HALF_N)
         elif size == 1:
             shape.append(ONE)
         else:
@@ -150,7 +153,7 @@ def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc
                 loc,
             )
     sym: Shape = tuple(shape)
-    varying = {d for d in sym if d != ONE}
+    varying = varying_dims(sym)
     if {M, N} <= varying:
         kind = "tile"
     elif N in varying:

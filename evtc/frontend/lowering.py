@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import DTypeError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import CAST_DTYPES, short_name
-from ..ir.shapes import ONE
+from ..ir.shapes import ONE, N
 from .source import user_location
 
 if TYPE_CHECKING:
@@ -206,6 +206,49 @@ def _reduction(kind: str, mean: bool = False) -> Handler:
     return handler
 
 
+# --- gated epilogues: acc.chunk(2, dim=-1) -----------------------------------------------------
+def _halves(t: Tracer, input: Any, what: str) -> tuple[Any, Any]:
+    """(gate, up): the two halves of the last dim, each a node of its own (op "half")."""
+    node = t.node_of(input)
+    loc = user_location()
+    return tuple(t.wrap(t.builder.add("half", (node,), {"index": i}, loc=loc)) for i in (0, 1))
+
+
+def _last_dim(t: Tracer, input: Any, dim: Any, what: str) -> None:
+    rank = len(t.node_of(input).shape)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim % max(rank, 1) != rank - 1:
+        raise UnsupportedOpError(
+            f"{what} with dim={dim!r}: epilogues split only the last dim (dim=-1), into the gate and "
+            "up halves of a gated epilogue such as SwiGLU",
+            user_location(),
+        )
+
+
+def _chunk(t: Tracer, input: Any, chunks: Any, dim: Any = 0) -> Any:
+    _last_dim(t, input, dim, "chunk")
+    if chunks != 2:
+        raise UnsupportedOpError(
+            f"chunk({chunks!r}, dim=-1): epilogues split the last dim into 2 halves only (the gate "
+            "and up of a gated epilogue)",
+            user_location(),
+        )
+    return _halves(t, input, "chunk")
+
+
+def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> Any:
+    _last_dim(t, input, dim, "split")
+    half = t.problem.sizes[N] // 2
+    size = split_size_or_sections
+    even = t.problem.sizes[N] % 2 == 0
+    if not (even and (size == half or (isinstance(size, list | tuple) and list(size) == [half, half]))):
+        raise UnsupportedOpError(
+            f"split({size!r}, dim=-1): epilogues split the last dim into 2 equal halves only (N = "
+            f"{t.problem.sizes[N]}); write x.chunk(2, dim=-1)",
+            user_location(),
+        )
+    return _halves(t, input, "split")
+
+
 # --- casts ------------------------------------------------------------------------------------
 def _cast_to(t: Tracer, input: Any, dtype: torch.dtype) -> Any:
     if dtype not in CAST_DTYPES:
@@ -319,6 +362,9 @@ register([torch.amax], ["amax"], _reduction("max"), inplace=False)
 register([torch.amin], ["amin"], _reduction("min"), inplace=False)
 register([torch.max], ["max"], _max_min("max"), inplace=False)
 register([torch.min], ["min"], _max_min("min"), inplace=False)
+
+register([torch.chunk], ["chunk"], _chunk, inplace=False)
+register([torch.split], ["split"], _split, inplace=False)
 
 register([], ["to"], _to, inplace=False)
 register([], ["type"], _type, inplace=False)

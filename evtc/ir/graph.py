@@ -51,6 +51,9 @@ class Operand:
     shape: Shape = ()
     #: Whether the tensor varies along the batch dim L.
     batched: bool = False
+    #: In a split gated graph (see :mod:`evtc.ir.passes.gated`): (the user's operand, 0 or 1) for
+    #: the gate (0) or up (1) half of an operand as wide as the accumulator.
+    half_of: tuple[str, int] | None = None
 
     def describe(self) -> str:
         from .dtypes import short_name
@@ -164,6 +167,9 @@ class Graph:
     ab_dtype: torch.dtype = torch.float16
     #: Fused units, filled by the fusion pass: group id -> ordered node list.
     groups: dict[int, list[Node]] = field(default_factory=dict)
+    #: True for a gated graph split into halves (:mod:`evtc.ir.passes.gated`): N is then the
+    #: output's width, half the GEMM's, and acc is two nodes (attrs half 0 and 1).
+    gated: bool = False
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -285,4 +291,5 @@ def replace_nodes(graph: Graph, nodes: list[Node]) -> Graph:
         batched=graph.batched,
         acc_name=graph.acc_name,
         ab_dtype=graph.ab_dtype,
+        gated=graph.gated,
     )

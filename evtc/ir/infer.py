@@ -8,7 +8,7 @@ import torch
 
 from ..errors import ReductionError, ShapeError, SourceLoc
 from .ops import ELEMENTWISE
-from .shapes import ONE, L, M, N, Shape, broadcast, format_shape, problem_shape, varying_dims
+from .shapes import HALF_N, ONE, L, M, N, Shape, broadcast, format_shape, problem_shape, varying_dims
 
 if TYPE_CHECKING:
     from .graph import Node
@@ -39,6 +39,15 @@ def infer_shape(
         return ()
     if op in ("cast", "store"):
         return inputs[0].shape
+    if op == "half":
+        shape = inputs[0].shape
+        if not shape or shape[-1] != N:
+            raise ShapeError(
+                f"chunk(2, dim=-1) of a value of shape {format_shape(shape)}: only values as wide as "
+                "the accumulator (N along the last dim) split into gate and up halves",
+                loc,
+            )
+        return (*shape[:-1], HALF_N)
     if op == "reduce":
         shape = inputs[0].shape
         if len(shape) < 2 or not {M, N} <= varying_dims(shape):
@@ -95,7 +104,7 @@ def infer_dtype(op: str, inputs: tuple[Node, ...], attrs: dict[str, Any]) -> tor
         return torch.float32
     if op in ("cast", "store"):
         return attrs["dtype"]
-    if op == "reduce":
+    if op in ("reduce", "half"):
         return inputs[0].dtype
     definition = ELEMENTWISE[op]
     if definition.boolean:

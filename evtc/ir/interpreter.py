@@ -85,6 +85,8 @@ def _evaluate_node(
         return _cast(args[0], node.dtype, compute_dtype)
     if op == "store":
         return _cast(args[0], node.dtype, compute_dtype)
+    if op == "half":
+        return torch.chunk(args[0], 2, dim=-1)[node.attrs["index"]]
     if op == "reduce":
         dims = _reduce_dims(node.attrs["axis"], args[0].dim())
         reduced = REDUCE_FUNCS[node.attrs["reduce"]](args[0], dim=dims, keepdim=node.attrs["keepdim"])

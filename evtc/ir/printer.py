@@ -21,7 +21,8 @@ def node_names(graph: Graph) -> dict[int, str]:
     counter = 0
     for node in graph.nodes:
         if node.op == "acc":
-            names[node.id] = "%" + graph.acc_name
+            half = node.attrs.get("half")
+            names[node.id] = "%" + graph.acc_name + ("" if half is None else (".gate", ".up")[half])
         elif node.op in ("load", "arg"):
             names[node.id] = "%" + node.attrs["name"]
         elif node.op == "literal":
@@ -47,7 +48,8 @@ def expression(node: Node, names: dict[int, str]) -> str:
     args = [names[i.id] for i in node.inputs]
     op = node.op
     if op == "acc":
-        return "a @ b"
+        half = node.attrs.get("half")
+        return "a @ b" if half is None else f"(a @ b).chunk(2, -1)[{half}]"
     if op == "load":
         batch = ", per batch" if node.attrs["batched"] else ""
         return f"load {node.attrs['kind']} {node.attrs['name']!r}{batch}"
@@ -57,6 +59,8 @@ def expression(node: Node, names: dict[int, str]) -> str:
         return format_literal(node.attrs["value"])
     if op == "cast":
         return f"{args[0]}.to({short_name(node.dtype)})"
+    if op == "half":
+        return f"{args[0]}.chunk(2, -1)[{node.attrs['index']}]"
     if op == "reduce":
         method = _REDUCE_METHOD[node.attrs["reduce"]]
         dims = _REDUCE_DIM[node.attrs["axis"]]

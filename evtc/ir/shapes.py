@@ -13,6 +13,8 @@ import sympy
 
 L, M, N = sympy.symbols("L M N", positive=True, integer=True)
 ONE = sympy.Integer(1)
+#: The width of one half of N, after ``acc.chunk(2, dim=-1)`` (the gate and up of SwiGLU).
+HALF_N = N / 2
 
 Shape = tuple[sympy.Expr, ...]
 
@@ -43,8 +45,8 @@ def broadcast(shapes: Sequence[Shape]) -> Shape | None:
 
 
 def varying_dims(shape: Shape) -> frozenset[sympy.Symbol]:
-    """Which of L, M, N a value of this shape varies along."""
-    return frozenset(d for d in shape if isinstance(d, sympy.Symbol))
+    """Which of L, M, N a value of this shape varies along (N for a half-width N/2 dim too)."""
+    return frozenset(s for d in shape for s in sympy.sympify(d).free_symbols)
 
 
 def format_shape(shape: Shape) -> str:

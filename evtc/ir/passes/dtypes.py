@@ -45,8 +45,8 @@ def make_casts_explicit(graph: Graph) -> Graph:
         return builder.add("cast", (value,), {"dtype": COMPUTE_DTYPE, "implicit": True}, loc=value.loc)
 
     def visit(node: Node, inputs: tuple[Node, ...], builder: GraphBuilder) -> Node | None:
-        if node.category == "load" or node.op == "cast":
-            return None
+        if node.category == "load" or node.op in ("cast", "half"):
+            return None  # a half is a view of its input: it keeps the input's dtype
         if node.op == "store":
             value = inputs[0]
             if value.dtype != node.dtype:

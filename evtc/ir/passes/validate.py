@@ -29,7 +29,7 @@ def validate(graph: Graph, *, lowered: bool = True) -> None:
             missing = [p for p in definition.params if p not in node.attrs]
             if missing:
                 raise GraphError(f"{node.op} lacks parameter(s) {missing}")
-        elif node.op not in LOAD_OPS | {"cast", "reduce", "store"}:
+        elif node.op not in LOAD_OPS | {"cast", "reduce", "store", "half"}:
             raise GraphError(f"unknown op {node.op!r}")
         expected = infer_shape(node.op, node.inputs, node.attrs, graph.batched, node.loc)
         if tuple(expected) != tuple(node.shape):

@@ -1,0 +1,154 @@
+"""Gated epilogues (SwiGLU, GeGLU, ReGLU): from the graph the user wrote to the one the kernel runs.
+
+The user splits the accumulator's N into two halves, ``gate, up = acc.chunk(2, dim=-1)``, with the
+ordinary weight ``[W_gate; W_up]``. The kernel computes a 128-wide accumulator tile whose first half
+is a block of gate columns and whose second half the matching block of up columns (it loads both
+blocks of B into one tile), so each thread holds gate column j and up column j side by side in
+registers, and the epilogue writes a half-width output tile.
+
+:func:`split_halves` rewrites the graph into those coordinates:
+
+* every value as wide as the accumulator (N along its last dim: acc, operands such as a bias of the
+  GEMM's width, and what is computed from them before the chunk) becomes two values, its gate half
+  and its up half; an operand ``bias`` becomes two operands ``bias.gate`` and ``bias.up`` (the
+  kernel reads them as views of the user's tensor, no copy);
+* ``x.chunk(2, -1)[i]`` becomes half ``i`` of ``x``;
+* every shape is rewritten so that N is the output's width (the user's N/2).
+
+Values as wide as the accumulator may only flow into the chunk: an output or a reduction of one
+needs the two halves side by side, which the split kernel does not produce; those are rejected here
+with the user's line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from ...errors import ReductionError, ShapeError
+from ..graph import Graph, GraphBuilder, Node, Operand
+from ..shapes import N, Shape
+
+HALF_NAMES = ("gate", "up")
+
+
+def is_gated(graph: Graph) -> bool:
+    """True when the epilogue splits the accumulator with ``chunk(2, dim=-1)``."""
+    return any(n.op == "half" for n in graph.nodes)
+
+
+def _to_output_width(value: Any) -> Any:
+    """A size expression in the user's coordinates (N = the GEMM's width) in the kernel's (N = the
+    output's width, half the GEMM's)."""
+    return sympy.sympify(value).subs(N, 2 * N)
+
+
+def _shape(shape: Shape) -> Shape:
+    return tuple(_to_output_width(d) for d in shape)
+
+
+def _half_shape(shape: Shape) -> Shape:
+    return (*shape[:-1], N)
+
+
+def _is_full_width(node: Node) -> bool:
+    return bool(node.shape) and node.shape[-1] == N
+
+
+def _check_full_width_uses(graph: Graph, full: set[int]) -> None:
+    users = graph.users()
+    for node in graph.nodes:
+        if node.id not in full:
+            continue
+        for user in users[node.id]:
+            if user.op == "store":
+                raise ShapeError(
+                    "this gated epilogue returns a value as wide as the accumulator (N); after "
+                    "acc.chunk(2, dim=-1) the kernel computes the gate and up halves side by side, so "
+                    "every output must be half as wide (N/2): return values computed from the halves",
+                    user.loc,
+                )
+            if user.op == "reduce":
+                raise ReductionError(
+                    "a reduction of a value as wide as the accumulator in a gated epilogue: reduce "
+                    "values computed from the gate and up halves instead",
+                    user.loc,
+                )
+
+
+def split_halves(graph: Graph) -> Graph:
+    """The kernel's graph of a gated epilogue (see the module docstring); others are returned as
+    they are."""
+    if not is_gated(graph):
+        return graph
+    full = {n.id for n in graph.nodes if _is_full_width(n)}
+    _check_full_width_uses(graph, full)
+    builder = GraphBuilder(graph.batched)
+    halves: dict[int, tuple[Node, Node]] = {}
+    mapped: dict[int, Node] = {}
+    operands: dict[str, Operand] = {}
+    for name, operand in graph.operands.items():
+        if operand.shape and operand.shape[-1] == N:
+            for i, suffix in enumerate(HALF_NAMES):
+                half_name = f"{name}.{suffix}"
+                operands[half_name] = Operand(half_name, operand.kind, operand.dtype,
+                                              _half_shape(operand.shape), operand.batched, (name, i))
+        else:
+            operands[name] = Operand(operand.name, operand.kind, operand.dtype, _shape(operand.shape),
+                                     operand.batched)
+
+    def value(node: Node, half: int) -> Node:
+        return halves[node.id][half] if node.id in halves else mapped[node.id]
+
+    for node in graph.nodes:
+        if node.id in full:
+            pair = []
+            for i, suffix in enumerate(HALF_NAMES):
+                attrs = dict(node.attrs)
+                if node.op == "acc":
+                    attrs["half"] = i
+                elif node.op == "load":
+                    attrs["name"] = f"{node.attrs['name']}.{suffix}"
+                    attrs["shape"] = _half_shape(node.attrs["shape"])
+                inputs = tuple(value(x, i) for x in node.inputs)
+                pair.append(builder.add(node.op, inputs, attrs, loc=node.loc, dtype=node.dtype,
+                                        shape=_half_shape(node.shape)))
+            halves[node.id] = (pair[0], pair[1])
+        elif node.op == "half":
+            mapped[node.id] = halves[node.inputs[0].id][node.attrs["index"]]
+        else:
+            attrs = dict(node.attrs)
+            if "value" in attrs:
+                attrs["value"] = _to_output_width(attrs["value"])
+            if "shape" in attrs:
+                attrs["shape"] = _shape(attrs["shape"])
+            inputs = tuple(mapped[x.id] for x in node.inputs)
+            mapped[node.id] = builder.add(node.op, inputs, attrs, loc=node.loc, dtype=node.dtype,
+                                          shape=_shape(node.shape))
+    return Graph(
+        name=graph.name,
+        nodes=builder.nodes,
+        operands=operands,
+        outputs=graph.outputs,
+        batched=graph.batched,
+        acc_name=graph.acc_name,
+        ab_dtype=graph.ab_dtype,
+        gated=True,
+    )
+
+
+def kernel_graph(graph: Graph) -> Graph:
+    """The graph evtc.compile generates code from: an optimized graph (:func:`evtc.trace`), split into
+    halves when gated, fused again and validated."""
+    if not is_gated(graph):
+        return graph
+    from .fusion import fuse_elementwise
+    from .validate import validate
+
+    split = fuse_elementwise(split_halves(graph))
+    validate(split, lowered=True)
+    return split
+
+
+__all__ = ["HALF_NAMES", "is_gated", "kernel_graph", "split_halves"]

@@ -1,0 +1,125 @@
+"""CPU: gated epilogues (acc.chunk(2, dim=-1)) through tracing, the reference, the split pass and the
+generated code, and the errors for what the kernel cannot do."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+
+import evtc
+from evtc.ir.passes.gated import is_gated, kernel_graph, split_halves
+from evtc.ir.shapes import HALF_N, M, N
+
+
+def inputs(m=64, n=256, k=32, **extra):
+    g = torch.Generator().manual_seed(0)
+    out = {"a": torch.randn(m, k, generator=g).half(), "b": torch.randn(k, n, generator=g).half()}
+    for name, shape in extra.items():
+        out[name] = torch.randn(shape, generator=g).half()
+    return out
+
+
+def swiglu_bias_residual(acc, bias, residual):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up + residual, (gate * up).sum(-1)
+
+
+def test_reference_is_torch_on_the_halves():
+    x = inputs(bias=(256,), residual=(64, 128))
+    y, sums = evtc.reference(swiglu_bias_residual, x)
+    acc = x["a"].float() @ x["b"].float() + x["bias"].float()
+    gate, up = acc[:, :128], acc[:, 128:]
+    torch.testing.assert_close(y, F.silu(gate) * up + x["residual"].float())
+    torch.testing.assert_close(sums, (gate * up).sum(-1))
+
+
+@pytest.mark.parametrize("split", [
+    lambda acc: acc.chunk(2, dim=-1),
+    lambda acc: torch.chunk(acc, 2, -1),
+    lambda acc: acc.split(128, dim=-1),
+    lambda acc: torch.split(acc, [128, 128], dim=1),
+])
+def test_every_spelling_of_the_split(split):
+    def fn(acc):
+        gate, up = split(acc)
+        return gate * up
+
+    graph = evtc.trace(fn, inputs())
+    assert is_gated(graph) and graph.count("half") == 2
+    assert graph.stores[0].shape == (M, HALF_N)
+
+
+def test_split_pass_halves_wide_values_and_renames_n():
+    graph = evtc.trace(swiglu_bias_residual, inputs(bias=(256,), residual=(64, 128)))
+    assert graph.operands["bias"].shape == (N,) and graph.operands["residual"].shape == (M, HALF_N)
+    split = split_halves(graph)
+    assert split.gated and not is_gated(split)  # no half nodes left
+    assert list(split.operands) == ["bias.gate", "bias.up", "residual"]
+    assert split.operands["bias.up"].half_of == ("bias", 1)
+    assert split.operands["bias.gate"].shape == (N,) and split.operands["residual"].shape == (M, N)
+    assert sorted(n.attrs["half"] for n in split.nodes if n.op == "acc") == [0, 1]
+    # every shape is in the output's width now: no N/2 anywhere
+    assert all(sympy.sympify(d) != HALF_N for n in split.nodes for d in n.shape)
+    assert "%acc.gate" in str(split) and "(a @ b).chunk(2, -1)[1]" in str(split)
+
+
+def test_split_graph_keeps_the_mean_of_a_half_right():
+    def fn(acc):
+        gate, up = acc.chunk(2, -1)
+        return gate * up, (gate * up).mean(-1)
+
+    split = kernel_graph(evtc.trace(fn, inputs()))
+    literals = [sympy.sympify(n.attrs["value"]) for n in split.nodes if n.op == "literal"]
+    assert 1 / N in literals  # 1/(N/2) of the user's N is 1/N of the output's
+
+
+def test_generated_fragment_takes_both_halves(tmp_path):
+    meta = {k: v.to("meta") for k, v in inputs(bias=(256,), residual=(64, 128)).items()}
+    k = evtc.compile(swiglu_bias_residual, meta, cache_dir=tmp_path)
+    assert k.config.gated and "gated" in k.config.short_name()
+    assert "def fragment(self, acc_gate, acc_up, bias_gate, bias_up, residual)" in k.source
+    assert "gated = True" in k.source
+    assert k.operand_names == ["bias", "residual"]
+    assert "wgmma.mma_async" in k.ptx and "rcp.approx" in k.ptx
+
+
+def test_full_width_outputs_and_reductions_are_rejected_at_the_line():
+    def returns_acc(acc):
+        gate, up = acc.chunk(2, -1)
+        return gate * up, acc * 2  # error here
+
+    def reduces_acc(acc):
+        gate, up = acc.chunk(2, -1)
+        return gate * up, acc.sum(-1)  # error here
+
+    meta = {k: v.to("meta") for k, v in inputs().items()}
+    with pytest.raises(evtc.ShapeError, match="half as wide") as err:
+        evtc.compile(returns_acc, meta)
+    assert "error here" in str(err.value)
+    with pytest.raises(evtc.ReductionError, match="as wide as the accumulator") as err:
+        evtc.compile(reduces_acc, meta)
+    assert "error here" in str(err.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda acc: acc.chunk(3, dim=-1)[0], "2 halves only"),
+    (lambda acc: acc.chunk(2, dim=0)[0], "only the last dim"),
+    (lambda acc: acc.split(64, dim=-1)[0], "2 equal halves"),
+])
+def test_other_splits_are_rejected(body, message):
+    def fn(acc):
+        return body(acc)
+
+    with pytest.raises(evtc.UnsupportedOpError, match=message):
+        evtc.trace(fn, inputs())
+
+
+def test_chunk_of_a_narrow_value_is_a_shape_error():
+    def fn(acc, s):
+        gate, up = (acc.chunk(2, -1)[0] * s).chunk(2, -1)
+        return gate * up
+
+    with pytest.raises(evtc.ShapeError, match="only values as wide as the accumulator"):
+        evtc.trace(fn, inputs(s=(128,)))

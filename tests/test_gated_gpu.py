@@ -1,0 +1,100 @@
+"""GPU: gated epilogues (SwiGLU) with an nn.Linear weight [W_gate; W_up], every cluster shape, the
+cooperative schedule, evtc.linear, torch.compile and argument errors, against torch in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evtc
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up, (F.silu(gate) * up).float().amax(-1)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def weight_inputs(m, n_out, k, seed=0, dtype=torch.float16):
+    """x (M, K) and a linear layer's weight (2 N_out, K): gate rows first, then up rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(m, k, device="cuda", generator=g) * k ** -0.25).to(dtype)
+    w = (torch.randn(2 * n_out, k, device="cuda", generator=g) * k ** -0.25).to(dtype)
+    bias = torch.randn(2 * n_out, device="cuda", generator=g)
+    return x, w, bias
+
+
+def torch_swiglu_bias(x, w, bias):
+    gate, up = (x.float() @ w.float().t() + bias).chunk(2, dim=-1)
+    y = F.silu(gate) * up
+    return y, y.amax(-1)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("evtc-gated"))
+
+
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
+def test_weight_layout_every_cluster_shape(schedule, cache):
+    """B = weight.t() (K-major, no copy) on problems whose cluster shape differs: the 2x1 shape
+    multicasts each half of B to two CTAs."""
+    x, w, bias = weight_inputs(256, 256, 128)
+    config = None if schedule == "pingpong" else {"schedule": "cooperative"}
+    k = evtc.compile(swiglu_bias, dict(a=x, b=w.t(), bias=bias), config=config, cache_dir=cache)
+    assert k.config.gated and k.config.b_major == "k"
+    shapes = [(256, 256, 128), (16384, 64, 72), (1000, 520, 200), (129, 8, 64)]
+    if schedule == "pingpong":
+        assert k.cluster_for(16384, 64) == (2, 1)
+    for m, n_out, kk in shapes:
+        x, w, bias = weight_inputs(m, n_out, kk, seed=m)
+        w_before = w.clone()
+        y, row_max = k(x, w.t(), bias=bias)
+        torch.cuda.synchronize()
+        ref_y, ref_max = torch_swiglu_bias(x, w, bias)
+        assert y.shape == (m, n_out) and row_max.shape == (m,)
+        assert rel_err(y, ref_y) < TOL, (m, n_out, kk)
+        assert rel_err(row_max, ref_max) < TOL, (m, n_out, kk)
+        assert torch.equal(w, w_before)
+
+
+def test_linear_and_torch_compile(cache):
+    x, w, _ = weight_inputs(300, 192, 96)
+    x3 = x.reshape(3, 100, 96)
+    lin = evtc.linear(swiglu, dict(x=x3, weight=w), cache_dir=cache)
+    y = lin(x3, w)
+    gate, up = F.linear(x3.float(), w.float()).chunk(2, -1)
+    ref = F.silu(gate) * up
+    assert y.shape == (3, 100, 192) and rel_err(y, ref) < TOL
+
+    k = lin.kernel
+
+    @torch.compile(fullgraph=True)
+    def model(x, w):
+        return k(x, w.t()) * 2
+
+    out = model(x, w)
+    assert rel_err(out, 2 * ref.reshape(300, 192)) < TOL
+
+
+def test_gated_argument_errors(cache):
+    x, w, bias = weight_inputs(256, 256, 128)
+    k = evtc.compile(swiglu_bias, dict(a=x, b=w.t(), bias=bias), cache_dir=cache)
+    odd = torch.randn(255, 128, device="cuda", dtype=torch.float16)
+    with pytest.raises(evtc.CallError, match="N must be even"):
+        k(x, odd.t(), bias=torch.randn(255, device="cuda"))
+    with pytest.raises(evtc.CallError, match="bias"):
+        k(x, w.t(), bias=torch.randn(100, device="cuda"))
