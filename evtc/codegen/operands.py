@@ -506,10 +506,12 @@ class RowReduction(_Reduction):
 class ColReduction(_Reduction):
     """Per-warp partials of a reduction over M: the workspace holds (L, m tiles x warps, N) values.
 
-    Per subtile, each thread folds its values column by column (rows past M masked), then the 8
-    lanes of a warp that hold the same columns (lanes equal mod 4) combine them so that each lane
-    ends with one column, and every lane stores its column's partial. Warps hold different rows, so
-    each writes its own partial; the host reduces over m tiles and warps.
+    Per subtile, each thread folds its values column by column (rows past M masked) and keeps the
+    column totals in registers. At the end of the tile the 8 lanes of a warp that hold the same
+    columns (lanes equal mod 4) combine the totals of every subtile at once, so that each lane ends
+    with a quarter of its columns (three rounds of independent shuffles per tile rather than per
+    subtile), and every lane stores those. Warps hold different rows, so each writes its own
+    partial; the host reduces over m tiles and warps.
     """
 
     def begin(self, ctx, params, storage, tile_coord):
@@ -525,33 +527,34 @@ class ColReduction(_Reduction):
         partial_row = state.tile[0] * warps + ctx.tidx // 32  # (m tile, warp)
         state.row_base = (state.tile[2] * state.tiles_m * warps + partial_row) * state.n_size
         state.tile_inside = state.tile[0] < state.tiles_m
+        # Column totals of the subtiles so far (Python lists of traced values: the subtile loop is
+        # unrolled), keyed by the column's offset in the tile from this thread's first column.
+        state.totals, state.keys = [], []
         return state
 
     def accumulate(self, ctx, state, epi_idx: int, value) -> None:
         state.value.store(value)
         pattern = state.pattern
         identity = self._identity()
-        col_offsets = sorted(set(pattern.cols))
-        totals = []
-        for c in col_offsets:
+        for c in sorted(set(pattern.cols)):
             total = identity
             for k, ck in enumerate(pattern.cols):
                 if ck == c:
                     masked = cutlass.select_(state.row_inside[pattern.rows[k]], state.value[k], identity)
                     total = self._combine(total, masked)
-            totals.append(total)
-        totals, keys = _pow2_padded(totals, col_offsets, identity)
+            state.totals.append(total)
+            state.keys.append(epi_idx * ctx.shape.epi_tile[1] + c)
+
+    def end(self, ctx, state) -> None:
+        totals, keys = _pow2_padded(state.totals, state.keys, self._identity())
         totals, keys = _reduce_scatter(totals, keys, cute.arch.lane_idx(), (16, 8, 4), self._combine)
-        first_col = state.tile[1] * ctx.shape.tile[1] + epi_idx * ctx.shape.epi_tile[1] + pattern.base_col
+        first_col = state.tile[1] * ctx.shape.tile[1] + state.pattern.base_col
         for total, key in zip(totals, keys, strict=True):
             n = first_col + key
             index = cutlass.select_(n < state.n_size, state.row_base + n, state.spare)
             index = cutlass.select_(state.tile_inside, index, state.spare)
             index = cutlass.select_(Int32(key) >= 0, index, state.spare)
             state.workspace[index] = total
-
-    def end(self, ctx, state) -> None:
-        pass
 
 
 __all__ = [
