@@ -136,9 +136,11 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
                  if k == "schedule" or getattr(config, k) != getattr(default, k)}
     else:
         knobs = dict(config)
-    d_dtype = dtype_name(emitted.outputs[0].dtype)
+    # Only reductions: no D (the kernel's D dtype is then that of a and b, for its unused buffer).
+    d_dtype = dtype_name(emitted.outputs[0].dtype) if emitted.outputs else signature.a.dtype
     knobs.update(ab_dtype=signature.a.dtype, d_dtype=d_dtype, a_major=signature.a_major,
-                 b_major=signature.b_major, d_major="n", gated=graph.gated)
+                 b_major=signature.b_major, d_major="n", gated=graph.gated,
+                 store_d=bool(emitted.outputs))
     if len(emitted.outputs) > 1 and knobs.get("epi_stages") is None:
         # Extra outputs are staged like D, one buffer per D stage: fix the count so both agree.
         knobs["epi_stages"] = 2

@@ -83,6 +83,9 @@ class GemmConfig:
     ``gated``: a gated epilogue (SwiGLU): B is given as its two halves (gate and up), each
     tile_n / 2 wide per tile, loaded side by side into one tile_n-wide B tile; the output tile is
     ``out_tile_n = tile_n / 2`` wide (see :mod:`evtc.ir.passes.gated`).
+
+    ``store_d=False``: an epilogue whose outputs are all reductions; the kernel writes no D (the D
+    buffers shrink to one unused stage).
     """
 
     ab_dtype: str = "float16"
@@ -100,6 +103,7 @@ class GemmConfig:
     swizzle: int = 8
     schedule: str = DEFAULT_SCHEDULE
     gated: bool = False
+    store_d: bool = True
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
@@ -180,7 +184,7 @@ class GemmConfig:
         tile then needs one set of buffers for both, so C loads and D stores both overlap the
         mainloop.
         """
-        return (visitor_offers and self.schedule == "cooperative"
+        return (visitor_offers and self.store_d and self.schedule == "cooperative"
                 and self.c_stages == self.num_subtiles)
 
     def plan_stages(self, visitor_smem_bytes: int = 0, d_in_load_buffers: bool = False) -> tuple[int, int]:
@@ -201,7 +205,9 @@ class GemmConfig:
         def ab_fit(d_stages: int) -> int:
             return (free - d_stages * d_bytes) // self.ab_bytes_per_stage()
 
-        if d_in_load_buffers:
+        if not self.store_d:
+            d_stages = 1  # allocated (the epilogue's copy layouts come from it), never written
+        elif d_in_load_buffers:
             d_stages = self.epi_stages if self.epi_stages is not None else 2
         elif self.epi_stages is not None:
             d_stages = self.epi_stages
@@ -292,4 +298,5 @@ class GemmConfig:
             f"epi{self.tile_m}x{self.epi_tile_n}"
         )
         name = name + " gated" if self.gated else name
+        name = name if self.store_d else name + " no-D"
         return name + " pingpong" if self.schedule == "pingpong" else name

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from ..errors import ReductionError
 from ..ir.dtypes import short_name
 from ..ir.graph import Graph, Node
 from ..ir.ops import ELEMENTWISE
@@ -173,15 +172,6 @@ class _Emitter:
         self.reductions: list[ReductionPlan] = []
         self._last_where: dict[str, str | None] = {"uniform": None, "tile": None}
 
-    # ---- checks ----------------------------------------------------------------------------------
-    def check(self) -> None:
-        if all(on_host(store) for store in self.graph.stores):
-            raise ReductionError(
-                "every output of this epilogue is a reduction: evtc.compile needs at least one full "
-                "(M, N) output for the kernel's own store (return the reduced value too)",
-                self.graph.stores[0].loc,
-            )
-
     # ---- names -----------------------------------------------------------------------------------
     def acc_params(self) -> list[str]:
         """The accumulator parameters of ``fragment``: acc, or its gate and up halves."""
@@ -216,7 +206,6 @@ class _Emitter:
 
     def build(self) -> tuple[list[OutputPlan], list[str]]:
         graph = self.graph
-        self.check()
         for ident in self.acc_params():
             self.taken.add(ident)
         for node in graph.nodes:
@@ -257,7 +246,10 @@ class _Emitter:
         by_name = {o.name: o for o in outputs}
         ordered = [by_name[n] for n in graph.outputs.names if n in by_name]
         # The kernel's own D store takes the first 16- or 32-bit output (stmatrix for 16-bit), else
-        # the first output (a float8 D, stored by rows).
+        # the first output (a float8 D, stored by rows). No tile output at all (only reductions):
+        # the kernel stores no D.
+        if not ordered:
+            return [], list(graph.outputs.names)
         first = next((i for i, o in enumerate(ordered) if o.dtype in KERNEL_D_DTYPES), 0)
         kernel_order = [ordered[first]] + ordered[:first] + ordered[first + 1:]
         return kernel_order, list(graph.outputs.names)
@@ -401,11 +393,15 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w("    )")
     else:
         w("    inputs = ()")
-    w("    # Outputs: the first is the kernel's own D store; the others are extra TMA stores.")
-    w("    outputs = (")
-    for line in out_lines:
-        w("        " + line)
-    w("    )")
+    if out_lines:
+        w("    # Outputs: the first is the kernel's own D store; the others are extra TMA stores.")
+        w("    outputs = (")
+        for line in out_lines:
+            w("        " + line)
+        w("    )")
+    else:
+        w("    # No full-tile output: the kernel stores no D, only the reductions' partials.")
+        w("    outputs = ()")
     if em.reductions:
         w("    # Reductions: partials per row of each tile, or per column of each warp's rows (fragment")
         w("    # returns their inputs last); the host reduces the partials and computes what follows them.")

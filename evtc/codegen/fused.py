@@ -55,6 +55,11 @@ class FusedVisitor(EpilogueVisitor):
         return (acc,)
 
     # ---- host, plain Python ------------------------------------------------------------------------
+    @property
+    def stores_d(self) -> bool:
+        """False when every output is a reduction: the kernel then writes no D tile."""
+        return bool(self.outputs)
+
     def __init__(self) -> None:
         self._uniform_params = list(inspect.signature(self.uniform).parameters)
         params = list(inspect.signature(self.fragment).parameters)
@@ -135,7 +140,7 @@ class FusedVisitor(EpilogueVisitor):
         state.outs = results[:n_out]
         for o, st, value in zip(self.reductions, state.reductions, results[n_out:], strict=True):
             o.accumulate(ctx, st, epi_idx, value)
-        return results[0]
+        return results[0] if n_out else None  # None: no D (see stores_d)
 
     def postreduce(self, ctx, state, epi_idx, store_stage):
         for o, st, value in zip(self._aux, state.aux, state.outs[1:], strict=True):

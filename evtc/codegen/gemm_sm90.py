@@ -83,6 +83,11 @@ class Sm90GemmKernel:
         if getattr(visitor, "gated", False) != cfg.gated:
             raise ValueError(f"visitor gated={getattr(visitor, 'gated', False)} but config gated={cfg.gated}")
         self.acc_subtiles = cfg.tile_n // cfg.epi_tile_n
+        # Only reductions: no D tile is written (mD is then a placeholder of the problem's shape).
+        self.store_d = cfg.store_d
+        if getattr(visitor, "stores_d", True) != cfg.store_d:
+            raise ValueError(f"visitor stores_d={getattr(visitor, 'stores_d', True)} but config "
+                             f"store_d={cfg.store_d}")
         self.cluster = tuple(cfg.cluster)
         # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
         self.a_mcast = self.cluster[1]
@@ -701,31 +706,32 @@ class Sm90GemmKernel:
                         load_state = self._subtile_inputs(ctx, vstate, epi_idx + 1, load_pipeline,
                                                           load_state, tiles_done, wg)
 
-                    d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
-                    if cutlass.const_expr(self.pingpong):
-                        d_stage = d_base + d_stage
-                    # D's buffer: its own stage, or the load stage subtile epi_idx of C was in (stage
-                    # epi_idx of a whole-tile ring, read out by every thread before the barrier).
-                    d_buf = d_stage
-                    if cutlass.const_expr(self.d_in_load_buffers):
-                        d_buf = epi_idx
-                    # The D buffer about to be written must have been read out by its TMA store.
-                    if cutlass.const_expr(not self.d_in_load_buffers):
+                    if cutlass.const_expr(self.store_d):
+                        d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
+                        if cutlass.const_expr(self.pingpong):
+                            d_stage = d_base + d_stage
+                        # D's buffer: its own stage, or the load stage subtile epi_idx of C was in (stage
+                        # epi_idx of a whole-tile ring, read out by every thread before the barrier).
+                        d_buf = d_stage
+                        if cutlass.const_expr(self.d_in_load_buffers):
+                            d_buf = epi_idx
+                        # The D buffer about to be written must have been read out by its TMA store.
+                        if cutlass.const_expr(not self.d_in_load_buffers):
+                            if is_store_warp:
+                                store_pipeline.producer_acquire()
+                        epi_barrier.arrive_and_wait()
+                        self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_buf)])
+                        frag_out.store(values.to(self.d_dtype))
+                        cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_buf)])
+                        self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
+                        # stmatrix writes through the generic proxy, TMA reads through the async proxy.
+                        cute.arch.fence_view_async_shared()
+                        epi_barrier.arrive_and_wait()
                         if is_store_warp:
-                            store_pipeline.producer_acquire()
-                    epi_barrier.arrive_and_wait()
-                    self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_buf)])
-                    frag_out.store(values.to(self.d_dtype))
-                    cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_buf)])
-                    self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
-                    # stmatrix writes through the generic proxy, TMA reads through the async proxy.
-                    cute.arch.fence_view_async_shared()
-                    epi_barrier.arrive_and_wait()
-                    if is_store_warp:
-                        cute.copy(tma_atom_d, bSG_sD[(None, d_buf)],
-                                  bSG_gD[(None, self.shape.subtile_coord(epi_idx))])
-                        self.visitor.tma_store(ctx, vstate, epi_idx, d_stage)
-                        store_pipeline.producer_commit()
+                            cute.copy(tma_atom_d, bSG_sD[(None, d_buf)],
+                                      bSG_gD[(None, self.shape.subtile_coord(epi_idx))])
+                            self.visitor.tma_store(ctx, vstate, epi_idx, d_stage)
+                            store_pipeline.producer_commit()
                     self.visitor.end_loop(ctx, vstate, epi_idx)
                 self.visitor.end(ctx, vstate)
 
@@ -740,5 +746,6 @@ class Sm90GemmKernel:
                     if tiles_done > 0:
                         self._release_load_ring(load_pipeline)
             # Shared memory must stay alive until the last TMA store has read it.
-            if is_store_warp:
-                store_pipeline.producer_tail()
+            if cutlass.const_expr(self.store_d):
+                if is_store_warp:
+                    store_pipeline.producer_tail()

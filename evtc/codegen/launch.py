@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -166,9 +167,12 @@ class Launcher:
     def _launch(self, a, mB, outputs, inputs, max_clusters, stream):
         """The body of the entry point, traced inline (``mB``: the kernel's view of B)."""
         mA = view(a, self.a_spec, ("M", "K", "L"), pad_batch=True)
-        mD = view(outputs[0], self.out_specs[0], ("M", "N", "L"), pad_batch=True)
-        aux_modes = ("M", "N", "L") if self.batched else ("M", "N")
         n_tiles = len(outputs) - self.workspaces
+        if cutlass.const_expr(n_tiles > 0):
+            mD = view(outputs[0], self.out_specs[0], ("M", "N", "L"), pad_batch=True)
+        else:
+            mD = self._placeholder_d(mA, mB, outputs[0])
+        aux_modes = ("M", "N", "L") if self.batched else ("M", "N")
         epi_args = tuple(
             self._input_view(t, spec, modes)
             for t, spec, modes in zip(inputs, self.in_specs, self.in_views, strict=True)
@@ -182,6 +186,17 @@ class Launcher:
         tiles_n = (n + tile_n - 1) // tile_n
         epi_args = epi_args + tuple((t, m, n, tiles_m, tiles_n) for t in outputs[n_tiles:])
         self.kernel(mA, mB, mD, epi_args, max_clusters, stream)
+
+
+    def _placeholder_d(self, mA, mB, workspace):
+        """An epilogue of reductions only writes no D, but the kernel still takes D's shape (its
+        tile scheduler, its TMA descriptor, which is never used): a view of that shape over the
+        first workspace's address, with rows padded to 16 bytes as TMA requires of any tensor."""
+        m, _, batches = mA.shape
+        n = (mB[0] if cutlass.const_expr(isinstance(mB, tuple)) else mB).shape[0]
+        row = (n + 7) // 8 * 8
+        layout = cute.make_layout((m, n, batches), stride=(row, 1, m * row))
+        return cute.make_tensor(cute.recast_ptr(workspace.iterator, dtype=self.kernel.d_dtype), layout)
 
 
 class GatedLauncher(Launcher):
