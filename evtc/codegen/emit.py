@@ -334,6 +334,17 @@ def operand_objects(emitted: EmittedEpilogue, tile_majors: dict[str, str] | None
     return inputs, outputs
 
 
+def _class_tuple(w, name: str, lines: list[str]) -> None:
+    """A class attribute holding a tuple, one element per line."""
+    if not lines:
+        w(f"    {name} = ()")
+        return
+    w(f"    {name} = (")
+    for line in lines:
+        w("        " + line)
+    w("    )")
+
+
 def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str = "") -> EmittedEpilogue:
     """Generate the visitor source for an optimized ``graph`` (``evtc.trace``'s result).
 
@@ -386,22 +397,12 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w("    # block of up columns; fragment gets both halves of a subtile and the output is half as wide.")
         w("    gated = True")
     w("    # Inputs in call order. Each owns its resources: TMA atom, shared memory, registers.")
-    if in_lines:
-        w("    inputs = (")
-        for line in in_lines:
-            w("        " + line)
-        w("    )")
-    else:
-        w("    inputs = ()")
+    _class_tuple(w, "inputs", in_lines)
     if out_lines:
         w("    # Outputs: the first is the kernel's own D store; the others are extra TMA stores.")
-        w("    outputs = (")
-        for line in out_lines:
-            w("        " + line)
-        w("    )")
     else:
         w("    # No full-tile output: the kernel stores no D, only the reductions' partials.")
-        w("    outputs = ()")
+    _class_tuple(w, "outputs", out_lines)
     if em.reductions:
         w("    # Reductions: partials per row of each tile, or per column of each warp's rows (fragment")
         w("    # returns their inputs last); the host reduces the partials and computes what follows them.")

@@ -22,12 +22,13 @@ with the user's line.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import sympy
 
 from ...errors import ReductionError, ShapeError
-from ..graph import Graph, GraphBuilder, Node, Operand
+from ..graph import Graph, GraphBuilder, Node, Operand, replace_nodes
 from ..shapes import N, Shape
 
 HALF_NAMES = ("gate", "up")
@@ -126,16 +127,7 @@ def split_halves(graph: Graph) -> Graph:
             inputs = tuple(mapped[x.id] for x in node.inputs)
             mapped[node.id] = builder.add(node.op, inputs, attrs, loc=node.loc, dtype=node.dtype,
                                           shape=_shape(node.shape))
-    return Graph(
-        name=graph.name,
-        nodes=builder.nodes,
-        operands=operands,
-        outputs=graph.outputs,
-        batched=graph.batched,
-        acc_name=graph.acc_name,
-        ab_dtype=graph.ab_dtype,
-        gated=True,
-    )
+    return dataclasses.replace(replace_nodes(graph, builder.nodes), operands=operands, gated=True)
 
 
 def kernel_graph(graph: Graph) -> Graph:
