@@ -354,6 +354,13 @@ def geglu_bias_residual(acc, bias, r):
     return F.gelu(gate) * up + r
 
 
+@entry({"C": "tile"})
+def swiglu_wide_c(acc, C):
+    # a C tile as wide as the GEMM: split into gate and up halves like acc
+    gate, up = (acc + C).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 @entry({"s": "row_half"})
 def reglu_outputs_and_stats(acc, s):
     gate, up = torch.chunk(acc, 2, dim=-1)

@@ -25,6 +25,9 @@ from evtc.ir.dtypes import is_float8, round_to
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
+# Reductions are float32 sums / extrema of float32 values: only the GEMM's and the reduction's
+# summation orders differ from torch's.
+REDUCTION_TOL = 1e-4
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # (M, N, K, L): odd M and K, M == N, batched. N stays a multiple of 16 (float8 outputs need
 # 16-byte rows for TMA).
@@ -75,6 +78,18 @@ def _check(out, ref, what: str) -> None:
         assert rel <= TOL, f"{what} output {key} ({g.dtype}): relative error {rel:.3g}"
 
 
+def _check_reductions(k, out, ref, what: str) -> None:
+    """The outputs finished from reductions match float32 torch to within summation error."""
+    host = {s.attrs["name"] for s in k._host_outputs}
+    flat_out, flat_ref = _flatten(out), _flatten(ref)
+    for name, (key, g), (_, r) in zip(k.graph.outputs.names, flat_out, flat_ref, strict=True):
+        if name not in host:
+            continue
+        expected = r.double()
+        rel = ((g.double() - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+        assert rel <= REDUCTION_TOL, f"{what} reduction {key}: relative error {rel:.3g}"
+
+
 def _run_poisoned(k, e, m, n, kk, batch, what, dtype=torch.float16):
     """Run ``k`` on fresh inputs of entry ``e`` into NaN-poisoned outputs and check the result against
     evtc.reference; returns (inputs, operands, result)."""
@@ -102,6 +117,7 @@ def test_catalogue_matches_reference(entry, dtype, cache_dir):
         torch.cuda.synchronize()
         _check(result, ref, f"{entry.name} {dtype} {(m, n, kk, batch)}")
         _check(fresh, ref, f"{entry.name} {dtype} {(m, n, kk, batch)} (fresh outputs)")
+        _check_reductions(k, result, ref, f"{entry.name} {dtype} {(m, n, kk, batch)}")
 
 
 def _entry(name):
