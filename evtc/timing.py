@@ -3,6 +3,7 @@ medians, in alternation."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -13,15 +14,21 @@ def time_paired(fns: Sequence[Callable[[], object]], warmup: int, samples: int, 
     """Median milliseconds per call of each of ``fns``, timed in alternation.
 
     Each sample times every function once (``reps`` back-to-back launches between two events), so
-    clock and temperature drift during a run affect all of them alike.
+    clock and temperature drift during a run affect all of them alike. The order is shuffled for each
+    sample (with a fixed seed): a large GEMM runs at the H100's power limit, where the clock it gets
+    depends on what ran just before it (after a memory-bound kernel the clock is higher), so a fixed
+    order favours whichever function follows the lightest one.
     """
     for fn in fns:
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     times: list[list[float]] = [[] for _ in fns]
+    pairs = list(zip(fns, times, strict=True))
+    order = random.Random(0)
     for _ in range(samples):
-        for fn, bucket in zip(fns, times, strict=True):
+        order.shuffle(pairs)
+        for fn, bucket in pairs:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
