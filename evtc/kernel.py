@@ -313,8 +313,14 @@ class Kernel:
         Others pass through."""
         if not self.graph.gated:
             return b, operands
-        if b.shape[-1] % 2:
-            raise ValueError("odd N")  # the caller's _validate says what is wrong
+        # Anything unusual (odd N, an unknown keyword, a wide operand of another width) goes to the
+        # caller's _validate, which says what is wrong.
+        n = b.shape[-1]
+        if n % 2 or operands.keys() != self._name_set:
+            raise ValueError("not a plain gated call")
+        for name in self._wide_operands:
+            if operands[name].shape[-1] != n:
+                raise ValueError("not a plain gated call")
         return kernel_arguments(self.graph, None, b, operands)
 
     def _call_setup(self) -> None:
@@ -325,6 +331,8 @@ class Kernel:
         self._names = list(dict.fromkeys(self._user_name(n) for n in self._kernel_names))
         self._name_set = frozenset(self._names)
         self._user_kinds = {self._user_name(p.name): p.kind for p in emitted.inputs}
+        # A gated kernel's operands as wide as the GEMM (the call splits them into halves).
+        self._wide_operands = sorted({o.half_of[0] for o in graph.operands.values() if o.half_of})
         getters: list = []
         for p in emitted.inputs:
             if p.kind == "literal":
@@ -507,6 +515,22 @@ class Kernel:
             return f"a tuple of {len(self._tree.names)} tensors"
         return f"a dict with keys {self._tree.keys}"
 
+    def _validate_gated(self, b, operands) -> None:
+        """A gated call's own rules, checked on the tensors the user passed (before splitting)."""
+        n = b.shape[-1]
+        if n % 2:
+            raise CallError(f"b has {n} columns: this gated epilogue splits them into gate and up halves "
+                            "(acc.chunk(2, dim=-1)), so N must be even")
+        for name, t in [("b", b)] + [(w, operands[w]) for w in self._wide_operands]:
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[-1] != n:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CallError(f"{name} must be a tensor whose last dim is N = {n} (as wide as the GEMM: "
+                                f"it is split into gate and up halves like acc), got {shape}")
+            if t.stride(-1) == 1 and (n // 2) * t.element_size() % 16:
+                raise CallError(f"{name}: its up half starts N/2 = {n // 2} columns in, which must be a "
+                                f"multiple of 16 bytes for TMA ({16 // t.element_size()} {t.dtype} "
+                                "elements); pad N or pass a K-major weight")
+
     def _validate(self, a, b, out, operands, check_devices: bool = True) -> None:
         """Raise a CallError naming what is wrong with the arguments (the slow path of a call)."""
         sig = self._signature
@@ -530,9 +554,7 @@ class Kernel:
             raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}")
         b_parts = [("b", b)]
         if self.graph.gated:
-            if b.shape[-1] % 2:
-                raise CallError(f"b has {b.shape[-1]} columns: this gated epilogue splits them into gate "
-                                "and up halves (acc.chunk(2, dim=-1)), so N must be even")
+            self._validate_gated(b, operands)
             (gate, up), operands = kernel_arguments(self.graph, a, b, operands)
             b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
         sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],

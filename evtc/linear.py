@@ -17,6 +17,7 @@ import torch
 from .api import OutDtypes
 from .compile import compile as _compile_kernel
 from .errors import CallError, EpilogueError
+from .ir.shapes import M
 from .kernel import Kernel
 
 
@@ -56,9 +57,27 @@ class Linear:
         lead = tuple(x.shape[:-1])
         flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
         if out is not None:
-            out = _map_tensors(out, lambda t: _flatten_like(t, lead))
+            try:
+                out = self._per_output(out, lambda t: t.reshape(-1, *t.shape[len(lead):]))
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+                pass  # not the epilogue's structure: the kernel's own check says what is wrong
         result = self.kernel(x.reshape(-1, x.shape[-1]), weight.t(), out=out, **flat)
-        return _map_tensors(result, lambda t: t.view(*lead, t.shape[-1]))
+        return self._per_output(result, lambda t: t.view(*lead, *t.shape[1:]))
+
+    def _per_output(self, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """``value`` (the epilogue's output structure) with ``along_m`` applied to the outputs whose
+        first dim is M (tiles, per-row reductions); per-column and whole-output reductions pass."""
+        graph = self.kernel.graph
+        names = graph.outputs.names
+        if graph.outputs.kind == "single":
+            leaves = {names[0]: value}
+        elif graph.outputs.kind == "tuple":
+            leaves = dict(zip(names, value, strict=True))
+        else:
+            leaves = {name: value[key] for name, key in zip(names, graph.outputs.keys, strict=True)}
+        mapped = {name: along_m(t) if isinstance(t, torch.Tensor) and graph.store(name).shape[:1] == (M,)
+                  else t for name, t in leaves.items()}
+        return graph.outputs.build(mapped)
 
 
 def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
@@ -66,16 +85,6 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
     if isinstance(value, torch.Tensor) and len(lead) != 1 and value.dim() == len(lead) + 1 \
             and tuple(value.shape[:-1]) == lead:
         return value.reshape(-1, value.shape[-1])
-    return value
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple | list):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
 
 

@@ -123,3 +123,61 @@ def test_chunk_of_a_narrow_value_is_a_shape_error():
 
     with pytest.raises(evtc.ShapeError, match="only values as wide as the accumulator"):
         evtc.trace(fn, inputs(s=(128,)))
+
+
+def test_split_graph_evaluates_like_the_users():
+    x = inputs(bias=(256,), residual=(64, 128))
+    graph = evtc.trace(swiglu_bias_residual, x)
+    got = kernel_graph(graph).evaluate(x)
+    want = graph.evaluate(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_odd_n_and_bad_dims_are_rejected_when_tracing():
+    def fn(acc):
+        gate, up = acc.chunk(2, dim=-1)
+        return gate * up
+
+    def dim3(acc):
+        return acc.chunk(2, dim=3)[0]
+
+    with pytest.raises(evtc.UnsupportedOpError, match="even N"):
+        evtc.trace(fn, inputs(n=255))
+    with pytest.raises(evtc.UnsupportedOpError, match="only the last dim"):
+        evtc.trace(dim3, inputs())
+
+
+def test_narrow_halves_of_an_n_major_b_are_a_config_error(tmp_path):
+    meta = {k: v.to("meta") for k, v in inputs().items()}
+    with pytest.raises(evtc.CompileError, match="too narrow"):
+        evtc.compile(_swiglu, {"a": meta["a"], "b": meta["b"]}, config={"tile_n": 64}, cache_dir=tmp_path)
+    # K-major B (a linear layer's weight) has no such limit
+    w = torch.empty(256, 32, dtype=torch.float16, device="meta")
+    k = evtc.compile(_swiglu, {"a": meta["a"], "b": w.t()}, config={"tile_n": 64}, cache_dir=tmp_path)
+    assert k.config.gated and k.config.out_tile_n == 32
+
+
+def _swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def test_call_errors_name_the_users_tensors(tmp_path):
+    """On CPU tensors the checks run before the missing GPU is reported."""
+    x = inputs(bias=(256,), residual=(64, 128))
+    meta = {k: v.to("meta") for k, v in x.items()}
+    k = evtc.compile(swiglu_bias_residual, meta, cache_dir=tmp_path)
+    a, b = x["a"], x["b"]
+    ops = {"bias": x["bias"], "residual": x["residual"]}
+    with pytest.raises(evtc.CallError, match="unexpected argument"):
+        k(a, b, **ops, typo=1.0)
+    with pytest.raises(evtc.CallError, match=r"bias must be a tensor whose last dim is N = 256"):
+        k(a, b, bias=torch.randn(257).half(), residual=ops["residual"])
+    with pytest.raises(evtc.CallError, match="bias must be a tensor"):
+        k(a, b, bias=1.0, residual=ops["residual"])
+    with pytest.raises(evtc.CallError, match="N must be even"):
+        k(a, torch.randn(32, 255).half(), **ops)
+    b_odd_half = torch.randn(32, 2 * 60).half()  # N/2 = 60 halves: 120 bytes, not a multiple of 16
+    with pytest.raises(evtc.CallError, match="multiple of 16 bytes"):
+        k(a, b_odd_half, bias=torch.randn(120).half(), residual=torch.randn(64, 60).half())

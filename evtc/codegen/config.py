@@ -279,6 +279,10 @@ class GemmConfig:
             bad(f"swizzle must be in [1, 64], got {self.swizzle}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.gated and self.b_major == "n" and self.out_tile_n * DTYPE_BYTES[self.ab_dtype] < 128:
+            bad(f"a gated kernel with an N-major B loads each half of a B tile as its own 128-byte "
+                f"swizzled block: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "
+                f"too narrow; use tile_n >= {2 * 128 // DTYPE_BYTES[self.ab_dtype]} or a K-major B")
         if self.schedule == "pingpong" and self.tile_n not in PINGPONG_TILE_NS:
             bad(f"schedule='pingpong' computes a 128 x tile_n tile per consumer warpgroup: tile_n must "
                 f"be one of {PINGPONG_TILE_NS}, got {self.tile_n} (128 x {self.tile_n} fp32 accumulators "

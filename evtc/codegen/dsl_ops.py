@@ -129,8 +129,8 @@ def erf(x):
 def sigmoid(x):
     # 1 / (1 + e^-x) with the hardware's approximate exp and reciprocal (a few ulp in float32): an
     # IEEE division costs ~10 instructions and a slow path per value, which SwiGLU-sized epilogues
-    # feel at small K. The denominator is >= 1, so flushing denormals changes nothing; e^-x = inf
-    # gives 0 and NaN stays NaN, as in torch.
+    # feel at small K. The denominator is >= 1; below x = -87.3 the result, a float32 denormal in
+    # torch, flushes to 0. e^-x = inf gives 0 and NaN stays NaN, as in torch.
     denominator = cute.math.exp(_f32(-x), fastmath=True) + 1.0
     return cute.math.rcp(denominator, approx=True, ftz=True)
 

@@ -191,11 +191,12 @@ class Launcher:
     def _placeholder_d(self, mA, mB, workspace):
         """An epilogue of reductions only writes no D, but the kernel still takes D's shape (its
         tile scheduler, its TMA descriptor, which is never used): a view of that shape over the
-        first workspace's address, with rows padded to 16 bytes as TMA requires of any tensor."""
+        first workspace's address, with strides that are legal for TMA (16-byte multiples) and
+        small (batches overlap: nothing is ever read or written through it)."""
         m, _, batches = mA.shape
         n = (mB[0] if cutlass.const_expr(isinstance(mB, tuple)) else mB).shape[0]
         row = (n + 7) // 8 * 8
-        layout = cute.make_layout((m, n, batches), stride=(row, 1, m * row))
+        layout = cute.make_layout((m, n, batches), stride=(row, 1, row))
         return cute.make_tensor(cute.recast_ptr(workspace.iterator, dtype=self.kernel.d_dtype), layout)
 
 

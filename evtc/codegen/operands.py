@@ -509,7 +509,7 @@ class ColReduction(_Reduction):
     Per subtile, each thread folds its values column by column (rows past M masked) and keeps the
     column totals in registers. At the end of the tile the 8 lanes of a warp that hold the same
     columns (lanes equal mod 4) combine the totals of every subtile at once, so that each lane ends
-    with a quarter of its columns (three rounds of independent shuffles per tile rather than per
+    with an eighth of its columns (three rounds of independent shuffles per tile rather than per
     subtile), and every lane stores those. Warps hold different rows, so each writes its own
     partial; the host reduces over m tiles and warps.
     """

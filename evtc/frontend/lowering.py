@@ -216,7 +216,8 @@ def _halves(t: Tracer, input: Any, what: str) -> tuple[Any, Any]:
 
 def _last_dim(t: Tracer, input: Any, dim: Any, what: str) -> None:
     rank = len(t.node_of(input).shape)
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim % max(rank, 1) != rank - 1:
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -rank <= dim < rank \
+            or dim % rank != rank - 1:
         raise UnsupportedOpError(
             f"{what} with dim={dim!r}: epilogues split only the last dim (dim=-1), into the gate and "
             "up halves of a gated epilogue such as SwiGLU",
@@ -230,6 +231,12 @@ def _chunk(t: Tracer, input: Any, chunks: Any, dim: Any = 0) -> Any:
         raise UnsupportedOpError(
             f"chunk({chunks!r}, dim=-1): epilogues split the last dim into 2 halves only (the gate "
             "and up of a gated epilogue)",
+            user_location(),
+        )
+    if t.problem.sizes[N] % 2:
+        raise UnsupportedOpError(
+            f"chunk(2, dim=-1) of N = {t.problem.sizes[N]} columns: a gated epilogue needs an even N "
+            "(equal gate and up halves)",
             user_location(),
         )
     return _halves(t, input, "chunk")

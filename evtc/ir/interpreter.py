@@ -49,7 +49,9 @@ def evaluate(
         acc = inputs[graph.acc_name].to(compute_dtype)
     else:
         acc = accumulator(inputs["a"], inputs["b"], compute_dtype)
-    sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
+    # A split gated graph (evtc.ir.passes.gated) is in the output's coordinates: N is half the GEMM's.
+    width = acc.shape[-1] // 2 if graph.gated else acc.shape[-1]
+    sizes = {M: acc.shape[-2], N: width, L: acc.shape[0] if acc.dim() == 3 else 1}
     values: dict[int, Any] = {}
     outputs: dict[str, torch.Tensor] = {}
     for node in graph.nodes:
@@ -72,10 +74,16 @@ def _evaluate_node(
     args = [values[i.id] for i in node.inputs]
     op = node.op
     if op == "acc":
-        return acc
+        half = node.attrs.get("half")  # a split gated graph's gate (0) or up (1) accumulator
+        return acc if half is None else torch.chunk(acc, 2, dim=-1)[half]
     if op == "load":
         # Widening a stored value to the compute dtype is exact.
-        return inputs[node.attrs["name"]].to(device=acc.device, dtype=compute_dtype)
+        if "half_of" in node.attrs:  # a half of a wide operand of a split gated graph
+            source, half = node.attrs["half_of"]
+            value = torch.chunk(inputs[source], 2, dim=-1)[half]
+        else:
+            value = inputs[node.attrs["name"]]
+        return value.to(device=acc.device, dtype=compute_dtype)
     if op == "arg":
         return torch.tensor(float(inputs[node.attrs["name"]]), dtype=compute_dtype, device=acc.device)
     if op == "literal":

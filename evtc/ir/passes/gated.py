@@ -112,6 +112,7 @@ def split_halves(graph: Graph) -> Graph:
                 elif node.op == "load":
                     attrs["name"] = f"{node.attrs['name']}.{suffix}"
                     attrs["shape"] = _half_shape(node.attrs["shape"])
+                    attrs["half_of"] = (node.attrs["name"], i)
                 inputs = tuple(value(x, i) for x in node.inputs)
                 pair.append(builder.add(node.op, inputs, attrs, loc=node.loc, dtype=node.dtype,
                                         shape=_half_shape(node.shape)))
