@@ -236,7 +236,7 @@ def _fit(knobs: dict[str, Any], emitted, signature):
 def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
     """A/B stages the kernel will have with ``load_stages`` epilogue-load stages (it plans its
     shared memory the same way: the visitor's buffers, then D's unless D shares C's)."""
-    from .codegen.emit import operand_objects
+    from .codegen.emit import operand_objects, reduction_objects
     from .codegen.fused import d_buffer_input
 
     cfg = cfg.replace(load_stages=load_stages)
@@ -245,7 +245,7 @@ def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
     # Pingpong: each consumer warpgroup has its own ring of ``load_stages`` epilogue-load buffers.
     buffers = load_stages * cfg.epi_groups
     smem = sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, buffers, stores)
-               for o in inputs + outputs[1:])
+               for o in inputs + outputs[1:] + reduction_objects(emitted))
     shares_d = cfg.shares_d_with_load(d_buffer_input(inputs, outputs[1:], cfg) is not None)
     return cfg.plan_stages(smem, shares_d)[0]
 

@@ -258,7 +258,7 @@ class Kernel:
         for plan in self._emitted.reductions:
             axis = {"row": "per row", "col": "per column", "batch": "per batch",
                     "all": "over everything"}[plan.axis]
-            parts = "per column of each warp's rows" if plan.axis == "col" else "per row of each tile"
+            parts = "per column of each tile" if plan.axis == "col" else "per row of each tile"
             lines.append(f"    {plan.ident}: {plan.op} {axis}: partials {parts} in the kernel "
                          "(float32 workspace), finished on the host")
         for i, spec in enumerate(self._signature.outputs):

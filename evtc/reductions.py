@@ -5,8 +5,8 @@ The kernel writes, per reduction, float32 partials into a flat workspace (one sp
 
 * per row (``RowReduction``, also behind per-batch and whole-output reductions): each row's partial
   of each tile, (L, n tiles, M);
-* per column (``ColReduction``): each column's partial over the rows of each warp of each tile,
-  (L, m tiles x warps, N).
+* per column (``ColReduction``): each column's partial of each tile (the warps' partials combined
+  in shared memory), (L, m tiles, N).
 
 Here torch reduces them over the partials (a fixed order, so the result is the same bit for bit on
 every run), then over rows and batches for per-batch and whole-output reductions, and evaluates what
@@ -36,10 +36,10 @@ def _tiles(size: int, tile: int) -> int:
 
 
 def partial_rows(plan: ReductionPlan, m: int, n: int, config: GemmConfig) -> tuple[int, int]:
-    """(partials per reduced value, reduced values) of one batch: (n tiles, M) per row, (m tiles x
-    warps, N) per column."""
+    """(partials per reduced value, reduced values) of one batch: (n tiles, M) per row, (m tiles, N)
+    per column."""
     if plan.axis == "col":
-        return _tiles(m, config.tile_m) * (config.epilogue_threads // 32), n
+        return _tiles(m, config.tile_m), n
     return _tiles(n, config.out_tile_n), m
 
 

@@ -334,6 +334,14 @@ def operand_objects(emitted: EmittedEpilogue, tile_majors: dict[str, str] | None
     return inputs, outputs
 
 
+def reduction_objects(emitted: EmittedEpilogue) -> list:
+    """The visitor's reduction operands (the generated source spells each by its class and op)."""
+    from .operands import ColReduction, RowReduction
+
+    kinds = {"ColReduction": ColReduction, "RowReduction": RowReduction}
+    return [kinds[r.operand](r.ident, r.op) for r in emitted.reductions]
+
+
 def _class_tuple(w, name: str, lines: list[str]) -> None:
     """A class attribute holding a tuple, one element per line."""
     if not lines:
@@ -404,8 +412,8 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w("    # No full-tile output: the kernel stores no D, only the reductions' partials.")
     _class_tuple(w, "outputs", out_lines)
     if em.reductions:
-        w("    # Reductions: partials per row of each tile, or per column of each warp's rows (fragment")
-        w("    # returns their inputs last); the host reduces the partials and computes what follows them.")
+        w("    # Reductions: partials per row or per column of each tile (fragment returns their inputs")
+        w("    # last); the host reduces the partials and computes what follows them.")
         w("    reductions = (")
         for r in em.reductions:
             w(f"        {r.operand}({r.ident!r}, {r.op!r}),  # {_where(r.node) or r.axis}")

@@ -594,7 +594,7 @@ class Sm90GemmKernel:
                     barrier_id=EPILOGUE_BARRIER_ID, num_threads=2 * WARPGROUP_THREADS
                 )
             ctx = EpilogueContext(self.shape, epi_tidx, tiled_mma, tiled_copy_c_atom, tiled_copy_r2s,
-                                  frag_layout, epi_barrier)
+                                  frag_layout, epi_barrier, wg if self.pingpong else 0)
             store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.d_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.shape.num_threads),

@@ -68,7 +68,7 @@ class Symbols:
 
     def __init__(self) -> None:
         # W and V: the lengths of the reductions' flat workspaces, per row (M x n tiles x L) and per
-        # column (N x m tiles x warps x L).
+        # column (N x m tiles x L).
         self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W", "V")}
 
 

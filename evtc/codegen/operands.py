@@ -504,29 +504,46 @@ class RowReduction(_Reduction):
 
 
 class ColReduction(_Reduction):
-    """Per-warp partials of a reduction over M: the workspace holds (L, m tiles x warps, N) values.
+    """Per-tile partials of a reduction over M: the workspace holds (L, m tiles, N) values.
 
     Per subtile, each thread folds its values column by column (rows past M masked) and keeps the
     column totals in registers. At the end of the tile the 8 lanes of a warp that hold the same
-    columns (lanes equal mod 4) combine the totals of every subtile at once, so that each lane ends
-    with an eighth of its columns (three rounds of independent shuffles per tile rather than per
-    subtile), and every lane stores those. Warps hold different rows, so each writes its own
-    partial; the host reduces over m tiles and warps.
+    columns (lanes equal mod 4) combine the totals of every subtile at once (three rounds of
+    independent shuffles; each lane ends with an eighth of its columns) and write them to shared
+    memory, one row of the tile's columns per warp. After a barrier, each thread adds up one column
+    over the warps, in a fixed order, and stores the tile's partial; a second barrier keeps the
+    buffer until every thread has read it. The host reduces over the m tiles.
     """
+
+    #: Warp rows of the shared buffer: 4 warps x 2 warpgroups (pingpong) or 8 warps (cooperative).
+    WARP_ROWS = 8
+
+    def _columns(self, tile_n: int) -> int:
+        return tile_n + 1  # the last column: where padding slots write (never read)
+
+    def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
+        return self._columns(shape_tile[1]) * self.WARP_ROWS * 4 + VECTOR_ALIGN
+
+    def allocate(self, shape, params, smem):
+        columns = self._columns(shape.config.tile_n)
+        layout = cute.make_layout((columns, self.WARP_ROWS), stride=(1, columns))
+        return smem.allocate_tensor(Float32, layout, VECTOR_ALIGN)
 
     def begin(self, ctx, params, storage, tile_coord):
         state = super().begin(ctx, params, storage, tile_coord)
         corners = state.pattern.corners
         if any(corners[t][1] != corners[t % 4][1] for t in corners):
             raise AssertionError("ColReduction: lanes equal mod 4 do not share columns")
+        warps = ctx.shape.num_threads // 32
+        if warps * ctx.shape.config.epi_groups != self.WARP_ROWS:
+            raise AssertionError(f"ColReduction: {warps} warps x {ctx.shape.config.epi_groups} epilogues")
         # Rows past M (ragged or overhanging tiles): masked once per tile, for every subtile.
         pattern = state.pattern
         room = state.m_size - (state.tile[0] * ctx.shape.tile[0] + pattern.base_row)
         state.row_inside = {r: r < room for r in sorted(set(pattern.rows))}
-        warps = ctx.shape.num_threads // 32
-        partial_row = state.tile[0] * warps + ctx.tidx // 32  # (m tile, warp)
-        state.row_base = (state.tile[2] * state.tiles_m * warps + partial_row) * state.n_size
-        state.tile_inside = state.tile[0] < state.tiles_m
+        state.buffer = storage
+        state.first_row = ctx.group * warps  # this epilogue's rows of the shared buffer
+        state.warp = ctx.tidx // 32
         # Column totals of the subtiles so far (Python lists of traced values: the subtile loop is
         # unrolled), keyed by the column's offset in the tile from this thread's first column.
         state.totals, state.keys = [], []
@@ -546,15 +563,34 @@ class ColReduction(_Reduction):
             state.keys.append(epi_idx * ctx.shape.epi_tile[1] + c)
 
     def end(self, ctx, state) -> None:
+        tile_n = ctx.shape.tile[1]
+        spare_column = self._columns(ctx.shape.config.tile_n) - 1
         totals, keys = _pow2_padded(state.totals, state.keys, self._identity())
         totals, keys = _reduce_scatter(totals, keys, cute.arch.lane_idx(), (16, 8, 4), self._combine)
-        first_col = state.tile[1] * ctx.shape.tile[1] + state.pattern.base_col
+        row = state.first_row + state.warp
         for total, key in zip(totals, keys, strict=True):
-            n = first_col + key
-            index = cutlass.select_(n < state.n_size, state.row_base + n, state.spare)
-            index = cutlass.select_(state.tile_inside, index, state.spare)
-            index = cutlass.select_(Int32(key) >= 0, index, state.spare)
+            column = cutlass.select_(Int32(key) >= 0, state.pattern.base_col + key, Int32(spare_column))
+            state.buffer[column, row] = total
+        ctx.barrier.arrive_and_wait()
+        # Each thread: one column of the tile (more where the tile is wider than the threads).
+        threads = ctx.shape.num_threads
+        warps = threads // 32
+        n0 = state.tile[1] * tile_n
+        base = (state.tile[2] * state.tiles_m + state.tile[0]) * state.n_size
+        for first in range(0, tile_n, threads):
+            column = ctx.tidx + first
+            inside = column < tile_n
+            read = cutlass.select_(inside, column, Int32(0))
+            total = state.buffer[read, state.first_row]
+            for w in range(1, warps):  # a fixed order: deterministic
+                total = self._combine(total, state.buffer[read, state.first_row + w])
+            n = n0 + column
+            index = cutlass.select_(n < state.n_size, base + n, state.spare)
+            index = cutlass.select_(inside, index, state.spare)
+            # Tiles of a cluster that overhangs the problem along M still run: not theirs to write.
+            index = cutlass.select_(state.tile[0] < state.tiles_m, index, state.spare)
             state.workspace[index] = total
+        ctx.barrier.arrive_and_wait()  # the buffer is free for the next tile
 
 
 __all__ = [

@@ -94,12 +94,15 @@ class EpilogueContext:
     * ``fragment_layout``: layout of the per-thread subtile fragment passed to ``visit``.
     * ``barrier``: a named barrier over the ``shape.num_threads`` epilogue threads
       (``arrive_and_wait()``).
+    * ``group``: which of the concurrent epilogues this is (``Int32``): the consumer warpgroup under
+      pingpong (each has its own share of a visitor's shared-memory scratch), 0 under cooperative.
     """
 
     def __init__(self, shape: EpilogueShape, tidx, tiled_mma, tiled_copy_c_atom, tiled_copy_r2s,
-                 fragment_layout, barrier):
+                 fragment_layout, barrier, group=0):
         self.shape = shape
         self.tidx = tidx
+        self.group = group
         self.tiled_mma = tiled_mma
         self.tiled_copy_c_atom = tiled_copy_c_atom
         self.tiled_copy_r2s = tiled_copy_r2s
