@@ -71,6 +71,38 @@ def test_unsupported_functional_and_method_are_named():
     _assert_points_at_marked_line(err, method)
 
 
+def _matmul_operator(acc, C):
+    return acc @ C  # error here
+
+
+def _matmul_reflected(acc, C):
+    return C @ acc  # error here
+
+
+def _torch_matmul(acc, C):
+    return torch.matmul(acc, C)  # error here
+
+
+def _tensor_mm(acc, C):
+    return acc.mm(C)  # error here
+
+
+def _linear(acc, C):
+    return F.linear(acc, C)  # error here
+
+
+def _einsum(acc, C):
+    return torch.einsum("mn,kn->mk", acc, C)  # error here
+
+
+@pytest.mark.parametrize("fn", [_matmul_operator, _matmul_reflected, _torch_matmul, _tensor_mm, _linear,
+                                _einsum])
+def test_a_matrix_product_in_an_epilogue_says_it_needs_a_second_compile(fn):
+    err = _trace_error(fn, EX, evtc.UnsupportedOpError)
+    assert "matrix product" in str(err) and "second evtc.compile" in str(err)
+    _assert_points_at_marked_line(err, fn)
+
+
 def test_indexing_is_rejected():
     def epilogue(acc):
         return acc[:, :4]  # error here
@@ -170,8 +202,11 @@ def test_unsupported_operand_dtype(dtype):
 
 
 def test_unsupported_gemm_and_cast_dtypes():
-    err = _trace_error(lambda acc: acc, gemm_inputs(8, 8, 8, None, dtype=torch.float32), evtc.DTypeError)
+    err = _trace_error(lambda acc: acc, gemm_inputs(8, 8, 8, None, dtype=torch.float64), evtc.DTypeError)
     assert "'a'" in str(err)
+    mixed = gemm_inputs(8, 8, 8, None) | {"b": torch.ones(8, 8, dtype=torch.bfloat16)}
+    err = _trace_error(lambda acc: acc, mixed, evtc.DTypeError)
+    assert "must match" in str(err)
 
     def cast(acc):
         return acc.to(torch.int8)  # error here

@@ -31,6 +31,31 @@ def _control_flow_error(what: str) -> ControlFlowError:
     )
 
 
+#: Matrix products: an epilogue is elementwise over one GEMM, so these get their own message.
+MATRIX_PRODUCTS = frozenset({
+    "matmul", "mm", "bmm", "mv", "dot", "vdot", "inner", "outer", "ger", "einsum", "tensordot",
+    "linear", "bilinear", "addmm", "addbmm", "baddbmm", "addmv", "addr", "chain_matmul", "kron",
+    "__matmul__", "__rmatmul__", "__imatmul__", "@",
+})
+
+
+def unsupported(what: str) -> UnsupportedOpError:
+    """The error for an op the epilogue language does not have (``what``: ``torch.sin``,
+    ``Tensor.mm``, ``@``), at the user's line."""
+    if what.rsplit(".", 1)[-1] in MATRIX_PRODUCTS:
+        shown = "the @ operator" if what == "@" else what
+        return UnsupportedOpError(
+            f"{shown} is a matrix product: an epilogue is elementwise over the accumulator of one GEMM "
+            "(with row, column and full reductions). A second GEMM is a second evtc.compile: pass "
+            "this kernel's output as its `a`",
+            user_location(),
+        )
+    return UnsupportedOpError(
+        f"{what} is not supported in epilogues (see docs/epilogues.md for the list of supported ops)",
+        user_location(),
+    )
+
+
 class SymDim:
     """A problem size (M, N, L or a product of them) as seen through `x.shape` while tracing.
 
@@ -281,6 +306,11 @@ class TracedValue:
             "whole tiles",
             user_location(),
         )
+
+    def __matmul__(self, o: Any) -> Any:
+        raise unsupported("@")
+
+    __rmatmul__ = __imatmul__ = __matmul__
 
     def __getitem__(self, index: Any) -> Any:
         raise UnsupportedOpError(

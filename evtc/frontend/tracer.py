@@ -14,7 +14,7 @@ from ..ir.dtypes import COMPUTE_DTYPE
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
-from .proxy import SymDim, TracedValue
+from .proxy import SymDim, TracedValue, unsupported
 from .source import definition_location, user_location
 
 
@@ -68,11 +68,7 @@ class Tracer:
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         handler = lowering.FUNCTIONS.get(func)
         if handler is None:
-            raise UnsupportedOpError(
-                f"{_describe(func)} is not supported in epilogues (see docs/epilogues.md for the "
-                "list of supported ops)",
-                user_location(),
-            )
+            raise unsupported(_describe(func))
         return handler(self, *args, **kwargs)
 
     def method(self, value: TracedValue, name: str) -> Callable[..., Any]:
@@ -88,11 +84,7 @@ class Tracer:
 
             return inplace
         if hasattr(torch.Tensor, name):
-            raise UnsupportedOpError(
-                f"Tensor.{name} is not supported in epilogues (see docs/epilogues.md for the list "
-                "of supported ops)",
-                user_location(),
-            )
+            raise unsupported(f"Tensor.{name}")
         raise AttributeError(f"a traced epilogue value has no attribute {name!r}")
 
     def operator(self, op: str, args: tuple[Any, ...]) -> Any:
