@@ -25,8 +25,9 @@ def flatten_outputs(out, tree) -> dict | None:
     return {n: out[k] for k, n in zip(tree.keys or (), tree.names, strict=True)}
 
 
-def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict) -> None:
-    """Raise a CallError unless ``t`` fits ``spec`` (checks the kernel also makes, with messages)."""
+def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout: bool = True) -> None:
+    """Raise a CallError unless ``t`` fits ``spec`` (checks the kernel also makes, with messages).
+    ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != spec.rank:
@@ -39,7 +40,7 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict) -> None:
         dims = ", ".join(spec.dims)
         raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
                         f"{want}")
-    if spec.contiguous is not None:
+    if layout and spec.contiguous is not None:
         strides = t.stride()
         c = spec.contiguous
         if strides[c] != 1 and t.shape[c] > 1:
@@ -58,7 +59,5 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict) -> None:
 
 
 def check_device(name: str, t, device) -> None:
-    if t.device.type != "cuda":
-        raise CallError(f"{name} is on {t.device}; the kernel needs CUDA tensors")
     if t.device != device:
         raise CallError(f"{name} is on {t.device} but a is on {device}: all tensors must share a device")

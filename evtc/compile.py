@@ -19,16 +19,22 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .api import OutDtypes, trace
 from .cache import DiskCache
 from .errors import CallError, CompileError, EpilogueError
 from .frontend.epilogue import unwrap
+from .frontend.inputs import read_signature
 from .frontend.source import definition_location
+from .ir.dtypes import KERNEL_INPUT_DTYPES
 from .ir.passes.gated import kernel_graph
-from .kernel import Kernel
+from .ir.printer import format_graph
+from .kernel import CallInterface, Kernel, user_operand_names
 from .signature import KernelSignature, dtype_name
 
 # ---- versions and keys ---------------------------------------------------------------------------
@@ -86,6 +92,7 @@ def compile(  # noqa: A001 - the public name, as torch.compile
     config: Mapping[str, Any] | Any | None = None,
     arch: str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    strict: bool = False,
 ) -> Kernel:
     """Compile the epilogue ``fn`` into a fused GEMM kernel: ``D = fn(a @ b, ...)`` in one launch.
 
@@ -100,6 +107,9 @@ def compile(  # noqa: A001 - the public name, as torch.compile
         arch: compile for this GPU architecture (``"sm_90a"``) without a GPU; defaults to the
             ``CUTE_DSL_ARCH`` environment variable or the GPU present.
         cache_dir: the on-disk cache (default ``$EVTC_CACHE_DIR`` or ``~/.cache/evtc``).
+        strict: raise a CallError (CompileError for float32 ``a`` and ``b``) where a call would
+            otherwise take a slower path: aligned copies around the kernel, or torch.matmul and the
+            epilogue evaluated by torch (docs/compile.md, "Call paths").
 
     Returns:
         a :class:`Kernel`; ``k.source`` is the generated code, ``k.ptx`` the PTX, ``k.graph`` the IR.
@@ -108,12 +118,12 @@ def compile(  # noqa: A001 - the public name, as torch.compile
         EpilogueError: a subclass naming the problem (and the epilogue's line when there is one).
     """
     try:
-        return _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir)
+        return _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
 
 
-def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
+def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) -> Kernel:
     from .codegen.config import ConfigError, GemmConfig
     from .codegen.emit import emit
 
@@ -125,6 +135,12 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
     signature = KernelSignature(graph, emitted, example_inputs, user_fn)
     if signature.tile_majors:
         emitted = emit(graph, tile_majors=signature.tile_majors)
+    interface = _call_interface(user_fn, example_inputs, graph, emitted, strict)
+    if interface.unused:
+        log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
+                 graph.name, sorted(interface.unused))
+    if getattr(torch, signature.a.dtype) not in KERNEL_INPUT_DTYPES:
+        return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc)
 
     knobs: dict[str, Any]
     if config is None:
@@ -152,24 +168,67 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir) -> Kernel:
              "" if "cluster" in knobs else ", cluster chosen per call")
 
     arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
-    kernel = _kernel_for(graph, emitted, signature, cfg, arch, cache_dir)
+    kernel = _kernel_for(graph, emitted, signature, cfg, arch, cache_dir, interface)
     if "cluster" in knobs:
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         return kernel
     # No cluster asked for: the cluster shape is chosen per call (Kernel.cluster_for), the other
     # shapes compiled on first use through the same caches.  A kernel of its own, since a pinned
     # cluster of the same configuration shares the plain one.
+    twin_key = kernel.key + interface.tag() + ":clusters"
     with _MEMORY_LOCK:
-        twin = _MEMORY.get(kernel.key + ":clusters")
+        twin = _MEMORY.get(twin_key)
         if twin is None:
             factory = functools.partial(_kernel_for, graph, emitted, signature, arch=arch,
-                                        cache_dir=cache_dir)
-            twin = _MEMORY[kernel.key + ":clusters"] = kernel._choosing_clusters(factory)
+                                        cache_dir=cache_dir, interface=interface)
+            twin = _MEMORY[twin_key] = kernel._choosing_clusters(factory)
     twin.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
     return twin
 
 
-def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir) -> Kernel:
+def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> CallInterface:
+    """What calls accept besides the live operands: every parameter of the user's function is
+    accepted, as calling the function would accept it (see :class:`evtc.kernel.CallInterface`)."""
+    signature = read_signature(user_fn)
+    live = set(user_operand_names(graph, emitted))
+    unused: set[str] = set()
+    constants: list[tuple[str, Any]] = []
+    for name in signature.params:
+        if name in live:
+            continue
+        value = example_inputs[name] if name in example_inputs else signature.defaults[name]
+        # A tensor or a runtime scalar that no output depends on; anything else specialised the trace.
+        runtime = isinstance(value, torch.Tensor) or (
+            isinstance(value, int | float) and not isinstance(value, bool) and name in example_inputs)
+        if runtime:
+            unused.add(name)
+        else:
+            constants.append((name, value))
+    return CallInterface(parameters=tuple(signature.params), unused=frozenset(unused),
+                         constants=tuple(constants), strict=strict)
+
+
+def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc) -> Kernel:
+    """A kernel object for inputs the SM90 kernel cannot take at all (float32 ``a`` and ``b``):
+    every call takes the torch path, so the API, the checks and the custom operator stay the same."""
+    reason = ("float32 a and b: the SM90 kernel has no tf32 or float32 mainloop yet (torch.matmul "
+              "follows torch.backends.cuda.matmul.allow_tf32)")
+    if interface.strict:
+        raise CompileError(f"{reason}; strict=True refuses the torch path. Pass float16 or bfloat16 a "
+                           "and b for a fused kernel", loc)
+    interface = replace(interface, torch_only=reason)
+    key = hashlib.sha256(json.dumps({"torch": format_graph(graph), "signature": signature.describe(),
+                                     "interface": interface.tag()}, sort_keys=True).encode()).hexdigest()
+    with _MEMORY_LOCK:
+        kernel = _MEMORY.get(key)
+        if kernel is None:
+            kernel = _MEMORY[key] = Kernel.torch_only(graph, emitted, signature, key, DiskCache(cache_dir),
+                                                      interface)
+    kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
+    return kernel
+
+
+def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir, interface=None) -> Kernel:
     """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
     meta = {
         "versions": _versions(),
@@ -180,21 +239,25 @@ def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir) -> Kernel:
     key_text = json.dumps({"source": emitted.source, **meta}, sort_keys=True)
     key = hashlib.sha256(key_text.encode()).hexdigest()
 
+    # Kernels of one compiled code but other call interfaces (unused parameters, strict) are
+    # separate objects over the same disk cache entry.
+    interface = interface or CallInterface()
+    memory_key = key + interface.tag()
     with _MEMORY_LOCK:
-        hit = _MEMORY.get(key)
+        hit = _MEMORY.get(memory_key)
     if hit is not None:
         log.debug("memory cache hit: %r, key %s", graph.name, key[:16])
         return hit
     cache = DiskCache(cache_dir)
     with cache.lock(key):
         with _MEMORY_LOCK:
-            hit = _MEMORY.get(key)
+            hit = _MEMORY.get(memory_key)
         if hit is not None:
             return hit
-        kernel = Kernel(graph, emitted, signature, cfg, key, cache, arch)
+        kernel = Kernel(graph, emitted, signature, cfg, key, cache, arch, interface)
         kernel._materialize(meta)
         with _MEMORY_LOCK:
-            _MEMORY[key] = kernel
+            _MEMORY[memory_key] = kernel
     return kernel
 
 

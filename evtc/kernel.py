@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib.util
 import logging
 import shutil
@@ -12,7 +13,9 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import sympy
 import torch
@@ -40,14 +43,63 @@ def _gpu_ok() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class CallInterface:
+    """What a call accepts besides the kernel's live operands, and how it may run.
+
+    ``parameters``: the user's function's parameters after ``acc`` (for messages); ``unused``: those
+    that the passes removed (accepted and ignored at
+    call time, as calling the function would accept them); ``constants``: parameters the trace
+    specialised on (bools, None, defaults left out of the examples), accepted when they have the
+    compiled value; ``strict``: raise instead of taking the staged or torch path;
+    ``torch_only``: why no SM90 kernel exists (every call takes the torch path), or None."""
+
+    parameters: tuple[str, ...] = ()
+    unused: frozenset[str] = frozenset()
+    constants: tuple[tuple[str, Any], ...] = ()
+    strict: bool = False
+    torch_only: str | None = None
+
+    def tag(self) -> str:
+        """A digest of this interface: kernels that share compiled code but not the interface
+        must not share a Kernel object (memory cache) or a custom operator."""
+        if self == CallInterface():
+            return ""
+        text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only))
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def user_operand_names(graph: Graph, emitted) -> list[str]:
+    """The names the user passes for the kernel's live operands, in kernel order (a gated kernel's
+    ``bias.gate`` and ``bias.up`` are both ``bias``)."""
+    names = []
+    for plan in emitted.inputs:
+        if plan.kind == "literal":
+            continue
+        operand = graph.operands.get(plan.name)
+        names.append(operand.half_of[0] if operand is not None and operand.half_of else plan.name)
+    return list(dict.fromkeys(names))
+
+
+def _same_constant(value: Any, compiled: Any) -> bool:
+    if isinstance(compiled, bool) or compiled is None:
+        return value is compiled
+    return not isinstance(value, torch.Tensor) and type(value) is type(compiled) and value == compiled
+
+
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
     ``k(a, b, **operands, out=None)`` returns what the epilogue returns."""
 
     def __init__(self, graph: Graph, emitted, signature: KernelSignature, config, key: str, cache: DiskCache,
-                 arch: str | None):
+                 arch: str | None, interface: CallInterface | None = None):
         self.graph = graph
         self.source: str = emitted.source
+        self.interface = interface or CallInterface()
+        #: The path the last call took: "kernel", "staged" (aligned copies around the kernel) or
+        #: "torch" (torch.matmul and the epilogue evaluated by torch); see docs/compile.md.
+        self.last_path = ""
+        self._paths_logged: set[str] = set()
         self.config = config
         self.key = key
         self._emitted = emitted
@@ -71,6 +123,21 @@ class Kernel:
         self._cluster_memo: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._op = None
         self._call_setup()
+
+    @classmethod
+    def torch_only(cls, graph: Graph, emitted, signature: KernelSignature, key: str, cache: DiskCache,
+                   interface: CallInterface) -> Kernel:
+        """A kernel with no SM90 code: every call takes the torch path (``interface.torch_only``
+        says why). Its source says so and shows the graph that torch evaluates."""
+        from .ir.printer import format_graph
+
+        kernel = cls(graph, emitted, signature, None, key, cache, None, interface)
+        lines = [f"# evtc: no SM90 kernel: {interface.torch_only}.",
+                 "# Every call runs torch.matmul, then this epilogue graph evaluated by torch:", "#"]
+        lines += ["#   " + line for line in format_graph(graph).splitlines()]
+        kernel.source = "\n".join(lines) + "\n"
+        kernel.origin = "torch"
+        return kernel
 
     def _choosing_clusters(self, factory) -> Kernel:
         """A twin of this kernel that picks the cluster shape per problem; ``factory(config)`` gives
@@ -237,6 +304,17 @@ class Kernel:
 
         cfg = self.config
         lines = [f"evtc kernel {self.graph.name!r} ({self.origin}, {self.seconds:.2f} s)"]
+        if self.interface.unused:
+            lines.append(f"  unused parameters (accepted and ignored): {sorted(self.interface.unused)}")
+        if self.interface.constants:
+            fixed = ", ".join(f"{name}={value!r}" for name, value in self.interface.constants)
+            lines.append(f"  compile-time constants: {fixed}")
+        if cfg is None:
+            lines.append(f"  no SM90 kernel: {self.interface.torch_only}; every call runs torch.matmul "
+                         "and evaluates the epilogue graph with torch")
+            return "\n".join(lines)
+        if self.interface.strict:
+            lines.append("  strict: calls that would need aligned copies or the torch path raise")
         lines.append(f"  GEMM: {cfg.short_name()}; a {self._signature.a.describe()}, "
                      f"b {self._signature.b.describe()}")
         if self._variant_factory is not None:
@@ -328,7 +406,7 @@ class Kernel:
         # The kernel's operands (a gated kernel's include the halves of wide operands, "bias.gate"
         # and "bias.up", see kernel_arguments) and the names the user passes.
         self._kernel_names = [p.name for p in emitted.inputs if p.kind != "literal"]
-        self._names = list(dict.fromkeys(self._user_name(n) for n in self._kernel_names))
+        self._names = user_operand_names(graph, emitted)
         self._name_set = frozenset(self._names)
         self._user_kinds = {self._user_name(p.name): p.kind for p in emitted.inputs}
         # A gated kernel's operands as wide as the GEMM (the call splits them into halves).
@@ -350,6 +428,7 @@ class Kernel:
         self._host_outputs = [s for s in graph.stores if s.attrs["name"] not in self._kernel_order]
         self._kernel_order += [s.attrs["name"] for s in self._host_outputs]
         self._tree = graph.outputs
+        self._accepts_more = bool(self.interface.unused or self.interface.constants)
 
     def __call__(self, a, b, *, out=None, **operands):
         """``D = k(a, b, C=C, alpha=0.7, ...)``: the epilogue of ``a @ b``, launched on the current CUDA
@@ -383,6 +462,11 @@ class Kernel:
         return list(self._names)
 
     def _call_op(self, a, b, out, operands):
+        if self._accepts_more:
+            operands = self._without_unused(operands)
+        missing = [name for name in self._names if name not in operands]
+        if missing:
+            raise CallError(f"missing argument(s) {missing}; the epilogue takes {self._names}")
         result = self.op(a, b, *[operands[name] for name in self._names])
         outs = [result] if len(self._kernel_order) == 1 else list(result)
         if out is not None:
@@ -398,38 +482,94 @@ class Kernel:
         return self._tree.build(dict(zip(self._kernel_order, outs, strict=True)))
 
     def _launch(self, a, b, out, operands) -> list[torch.Tensor]:
-        """Check (on the slow path only), launch, and return the outputs in kernel order."""
+        """Launch and return the outputs in kernel order.
+
+        The fast path hands the tensors to the compiled function as they are (it checks their
+        sizes, strides and alignment itself). Anything it does not take goes to :meth:`_launch_slow`,
+        which names a wrong argument or takes the staged or the torch path."""
+        if self._accepts_more and not operands.keys() <= self._name_set:
+            operands = self._without_unused(operands)
+        if self.interface.torch_only is None and _gpu_ok() is None:
+            try:
+                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False)
+            except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
+                pass  # the slow path finds out what it was
+            else:
+                self.last_path = "kernel"
+                return outs + self._finish(out, workspaces, *problem, operands)
+        return self._launch_slow(a, b, out, operands)
+
+    def _launch_slow(self, a, b, out, operands) -> list[torch.Tensor]:
+        """A call the fast path did not take: a CallError for wrong arguments; the torch path where
+        the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
+        layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
+        self._validate(a, b, out, operands)
+        reason = self._torch_reason(a)
+        if reason is not None:
+            if self.interface.strict:
+                raise CallError(f"cannot run {self.graph.name!r} as a kernel: {reason}. strict=True "
+                                "refuses the torch path (torch.matmul, then the epilogue evaluated by "
+                                "torch) that would compute it instead")
+            self._note_path("torch", reason)
+            return self._run_torch(a, b, out, operands)
+        try:
+            outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            if isinstance(exc, CallError):
+                raise
+            raise CallError(f"the kernel rejected arguments that evtc checked and staged: {exc} (an "
+                            "evtc bug: please report it with the shapes and strides of the call)") from None
+        return outs + self._finish(out, workspaces, *problem, operands)
+
+    def _torch_reason(self, a) -> str | None:
+        """Why this call cannot run the SM90 kernel (it then takes the torch path), or None."""
+        if self.interface.torch_only is not None:
+            return self.interface.torch_only
         reason = _gpu_ok()
         if reason is not None:
-            # Say what is wrong with the arguments first; devices cannot be right without a GPU.
-            self._validate(a, b, out, operands, check_devices=False)
-            raise CallError(f"cannot run {self.graph.name!r}: {reason}. It was compiled (k.source, "
-                            "k.ptx and k.graph are available), but running it needs an SM90 GPU")
-        user_b, user_operands = b, operands
-        try:
-            b, operands = self._split(b, operands)
-            m = a.shape[-2]
-            n = (b[0] if self.graph.gated else b).shape[-1]  # the output's width
-            batches = a.shape[0] if a.dim() == 3 else 1
-            k = a.shape[-1]
-        except (AttributeError, IndexError, TypeError, ValueError):
-            self._validate(a, user_b, out, user_operands)
-            raise
+            return reason
+        if a.device.type != "cuda":
+            return f"the tensors are on {a.device}"
+        if a.shape[-1] == 0:
+            return "K = 0 (the accumulator is all zeros)"
+        return None
+
+    def _note_path(self, path: str, why: str) -> None:
+        """Record the path of this call; log each kind of detour once per kernel."""
+        self.last_path = path
+        if why in self._paths_logged:
+            return
+        self._paths_logged.add(why)
+        what = {"torch": "runs on the torch path (torch.matmul, then the epilogue evaluated by torch; "
+                         "not fused)",
+                "staged": "runs the kernel on aligned copies"}[path]
+        log.warning("%r %s: %s. strict=True makes this an error; docs/compile.md ('Call paths') says "
+                    "which layouts take which path", self.graph.name, what, why)
+
+    def _run_kernel(self, a, b, out, operands, *, stage: bool):
+        """Split, gather and launch. With ``stage``, tensors whose layout the kernel cannot take go
+        through aligned copies (see :mod:`evtc.staging`). Returns the outputs in kernel order (the
+        host outputs not yet), the reductions' workspaces and (M, N, L)."""
+        b, kernel_operands = self._split(b, operands)
+        m = a.shape[-2]
+        n = (b[0] if self.graph.gated else b).shape[-1]  # the output's width
+        batches = a.shape[0] if a.dim() == 3 else 1
+        if a.shape[-1] == 0:
+            raise ValueError("K = 0 takes the torch path")
         ins = []
-        try:
-            for kind, what in self._getters:
-                if kind == "tensor":
-                    ins.append(operands[what])
-                elif kind == "arg":
-                    ins.append(float(operands[what]))
-                else:
-                    ins.append(float(what(batches, m, n)))
-        except (KeyError, TypeError, ValueError):
-            self._validate(a, user_b, out, user_operands)
-            raise
-        if len(operands) != len(self._kernel_names):
-            self._validate(a, user_b, out, user_operands)
-        outs = self._outputs(a, out, m, n, batches)
+        for kind, what in self._getters:
+            if kind == "tensor":
+                ins.append(kernel_operands[what])
+            elif kind == "arg":
+                ins.append(float(kernel_operands[what]))
+            else:
+                ins.append(float(what(batches, m, n)))
+        if len(kernel_operands) != len(self._kernel_names):
+            raise KeyError("unknown arguments")
+        targets = self._outputs(a, out, m, n, batches, layout=not stage)
+        outs = targets
+        if stage:
+            a, b, ins, outs = self._stage(a, b, ins, targets)
         workspaces = []
         if self._host_outputs:
             from .reductions import workspace_numel
@@ -438,10 +578,7 @@ class Kernel:
                                       dtype=torch.float32, device=a.device)
                           for plan in self._emitted.reductions]
         if m == 0 or n == 0 or batches == 0:
-            return outs + self._finish(out, workspaces, m, n, batches, user_operands)
-        if k == 0:
-            raise CallError("K = 0 is not supported (the accumulator would be all zeros; compute the "
-                            "epilogue of zeros with torch instead)")
+            return targets, workspaces, (m, n, batches)
         from .codegen.runtime import max_active_clusters
 
         fn, cluster = self._fn, self.config.cluster
@@ -450,12 +587,86 @@ class Kernel:
             if chosen != cluster:
                 fn, cluster = self._variant(chosen)._fn, chosen
         clusters = max_active_clusters(cluster[0] * cluster[1])
-        try:
-            fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            self._validate(a, user_b, out, user_operands)
-            raise CallError(f"the kernel rejected its arguments: {exc}") from None
-        return outs + self._finish(out, workspaces, m, n, batches, user_operands)
+        fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
+        for written, target in zip(outs, targets, strict=True):
+            if written is not target:
+                target.copy_(written)
+        return targets, workspaces, (m, n, batches)
+
+    def _stage(self, a, b, ins, targets):
+        """Aligned copies of the inputs whose layout the kernel cannot take, padded buffers for the
+        outputs it cannot write in place (copied into ``targets`` after the launch)."""
+        from .staging import aligned_copy, aligned_empty, layout_problem
+
+        sig = self._signature
+        b_parts = [("b (its gate half)", b[0]), ("b (its up half)", b[1])] if self.graph.gated else [("b", b)]
+        named = [("a", a, sig.a)] + [(name, t, sig.b) for name, t in b_parts]
+        named += [(self._describe_operand(plan.name), t, spec)
+                  for plan, t, spec in zip(self._emitted.inputs, ins, sig.inputs, strict=True)
+                  if isinstance(t, torch.Tensor)]
+        out_names = self._kernel_order[:len(sig.outputs)]
+        outputs = [(f"output {name!r}", t, spec) for name, t, spec in zip(out_names, targets, sig.outputs,
+                                                                         strict=True)]
+        problems = {id(t): f"{name}: {why}" for name, t, spec in named + outputs
+                    if (why := layout_problem(t, spec)) is not None}
+        if not problems:
+            return a, b, ins, targets
+        if self.interface.strict:
+            raise CallError(f"{'; '.join(problems.values())}. The kernel reads and writes by TMA, which "
+                            "needs these layouts; strict=True refuses the aligned copies evtc would "
+                            "otherwise make (docs/compile.md, 'Call paths')")
+        self._note_path("staged", "; ".join(problems.values()))
+        copies = {id(t): aligned_copy(t, spec) for _, t, spec in named if id(t) in problems}
+
+        def staged(t):
+            return copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
+
+        outs = [aligned_empty(tuple(t.shape), t.dtype, spec, t.device) if id(t) in problems else t
+                for _, t, spec in outputs]
+        b = tuple(staged(half) for half in b) if self.graph.gated else staged(b)
+        return staged(a), b, [staged(t) for t in ins], outs
+
+    def _describe_operand(self, kernel_name: str) -> str:
+        """The user's name of a kernel operand (a gated kernel's ``bias.up`` is bias's up half)."""
+        operand = self.graph.operands.get(kernel_name)
+        if operand is not None and operand.half_of:
+            source, index = operand.half_of
+            return f"{source} (its {'gate' if index == 0 else 'up'} half)"
+        return kernel_name
+
+    def _run_torch(self, a, b, out, operands) -> list[torch.Tensor]:
+        """The torch path (:mod:`evtc.fallback`): outputs in kernel order, into ``out`` if given."""
+        from .fallback import run
+
+        results = run(self.graph, a, b, operands)
+        values = [results[name].contiguous() for name in self._kernel_order]
+        if out is None:
+            return values
+        given = flatten_outputs(out, self._tree)
+        for name, value in zip(self._kernel_order, values, strict=True):
+            target = given[name]
+            if not isinstance(target, torch.Tensor) or target.shape != value.shape \
+                    or target.dtype != value.dtype:
+                raise CallError(f"out[{name!r}] must be a {value.dtype} tensor of shape {tuple(value.shape)}")
+            target.copy_(value)
+        return [given[name] for name in self._kernel_order]
+
+    def _without_unused(self, operands: dict) -> dict:
+        """``operands`` without the parameters the kernel does not take: unused ones are dropped,
+        compile-time constants checked against their compiled value. Unknown names stay, for
+        :meth:`_validate` to name."""
+        constants = dict(self.interface.constants)
+        kept = {}
+        for name, value in operands.items():
+            if name in constants:
+                if not _same_constant(value, constants[name]):
+                    raise CallError(
+                        f"{name}={value!r}: {self.graph.name!r} was compiled with {name}="
+                        f"{constants[name]!r}, a compile-time constant (the trace specialised on it); "
+                        "compile again with the new value")
+            elif name not in self.interface.unused:
+                kept[name] = value
+        return kept
 
     def _output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order, for an (L, M, N) GEMM (sizes may be
@@ -492,7 +703,7 @@ class Kernel:
             target.copy_(value)
         return [given[s.attrs["name"]] for s in self._host_outputs]
 
-    def _outputs(self, a, out, m, n, batches):
+    def _outputs(self, a, out, m, n, batches, layout: bool = True):
         shape = (batches, m, n) if self._signature.batched else (m, n)
         if out is None:
             return [torch.empty(shape, dtype=dt, device=a.device) for dt in self._out_dtypes]
@@ -504,7 +715,7 @@ class Kernel:
         for name, spec, dt in zip(tile_names, self._signature.outputs, self._out_dtypes, strict=True):
             t = given[name]
             check_tensor(f"out[{name!r}]" if self._tree.kind != "single" else "out", t, spec, dt,
-                          {"L": batches, "M": m, "N": n})
+                         {"L": batches, "M": m, "N": n}, layout=layout)
             tensors.append(t)
         return tensors
 
@@ -526,13 +737,11 @@ class Kernel:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise CallError(f"{name} must be a tensor whose last dim is N = {n} (as wide as the GEMM: "
                                 f"it is split into gate and up halves like acc), got {shape}")
-            if t.stride(-1) == 1 and (n // 2) * t.element_size() % 16:
-                raise CallError(f"{name}: its up half starts N/2 = {n // 2} columns in, which must be a "
-                                f"multiple of 16 bytes for TMA ({16 // t.element_size()} {t.dtype} "
-                                "elements); pad N or pass a K-major weight")
 
-    def _validate(self, a, b, out, operands, check_devices: bool = True) -> None:
-        """Raise a CallError naming what is wrong with the arguments (the slow path of a call)."""
+    def _validate(self, a, b, out, operands) -> None:
+        """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
+
+        Layouts are not checked here: a layout the kernel cannot take is staged (:meth:`_stage`)."""
         sig = self._signature
         for name, t in (("a", a), ("b", b)):
             if not isinstance(t, torch.Tensor):
@@ -543,8 +752,9 @@ class Kernel:
                             f"{tuple(b.shape)}")
         unknown = sorted(set(operands) - self._name_set)
         if unknown:
+            takes = list(self.interface.parameters) or self._names
             raise CallError(f"unexpected argument(s) {unknown}; the epilogue takes "
-                            f"{self._names or 'no operands'}")
+                            f"{takes or 'no operands'}")
         missing = [nm for nm in self._names if nm not in operands]
         if missing:
             raise CallError(f"missing argument(s) {missing}; the epilogue takes {self._names}")
@@ -560,9 +770,9 @@ class Kernel:
         sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
                  "L": a.shape[0] if a.dim() == 3 else 1}
         device = a.device
-        check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), sizes)
+        check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), sizes, layout=False)
         for name, part in b_parts:
-            check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), sizes)
+            check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), sizes, layout=False)
         for plan, spec in zip(self._emitted.inputs, sig.inputs, strict=True):
             if plan.kind == "literal":
                 continue
@@ -572,11 +782,12 @@ class Kernel:
                     raise CallError(f"{plan.name} is a runtime scalar: pass a Python float or int, got "
                                     f"{type(value).__name__}")
                 continue
-            check_tensor(plan.name, value, spec, getattr(torch, spec.dtype), sizes)
-        outs = self._outputs(a, out, sizes["M"], sizes["N"], sizes["L"]) if out is not None else []
-        # Devices last: on a machine without a GPU the other checks still run on CPU tensors.
-        tensors = [("a", a), ("b", b)] + [(p.name, operands[p.name]) for p in self._emitted.inputs
-                                          if p.kind not in ("arg", "literal")]
+            check_tensor(self._describe_operand(plan.name), value, spec, getattr(torch, spec.dtype), sizes,
+                         layout=False)
+        outs = self._outputs(a, out, sizes["M"], sizes["N"], sizes["L"], layout=False) \
+            if out is not None else []
+        tensors = [("a", a), ("b", b)] + [(self._describe_operand(p.name), operands[p.name])
+                                          for p in self._emitted.inputs if p.kind not in ("arg", "literal")]
         tensors += [(f"out[{i}]", t) for i, t in enumerate(outs)]
-        for name, t in tensors if check_devices else ():
+        for name, t in tensors:
             check_device(name, t, device)

@@ -21,10 +21,20 @@ def dims_of(shape) -> tuple[str, ...]:
     return tuple("1" if d == ONE else str(d) for d in shape)
 
 
-def contiguous_dim(spec_dims: tuple[str, ...], t: torch.Tensor) -> int | None:
+def contiguous_dim(spec_dims: tuple[str, ...], t: torch.Tensor, allowed: tuple[str, ...]) -> int | None:
+    """The dim (one of ``allowed``) the kernel reads with unit stride: the example's unit-stride dim
+    (the last one if several). An example with none (a strided view such as ``C[:, ::2]``) gets the
+    dim of its smallest stride: calls with such views are staged into that layout
+    (:mod:`evtc.staging`)."""
     strides = t.stride()
-    candidates = [i for i, d in enumerate(spec_dims) if d != "1" and strides[i] == 1]
-    return candidates[-1] if candidates else None
+    varying = [i for i, d in enumerate(spec_dims) if d in allowed]
+    candidates = [i for i in varying if strides[i] == 1]
+    if candidates:
+        return candidates[-1]
+    moving = [i for i in varying if strides[i] != 0] or varying
+    if not moving:
+        return None
+    return min(reversed(moving), key=lambda i: abs(strides[i]))
 
 
 _VIEW_MODES = {
@@ -86,11 +96,8 @@ class KernelSignature:
         self.batched = graph.batched
         ab = dtype_name(a.dtype)
         a_dims, b_dims = (*batch, "M", "K"), (*batch, "K", "N")
-        self.a = TensorSpec("a", ab, a_dims, contiguous_dim(a_dims, a))
-        self.b = TensorSpec("b", ab, b_dims, contiguous_dim(b_dims, b))
-        if self.a.contiguous is None or self.b.contiguous is None:
-            bad = "a" if self.a.contiguous is None else "b"
-            raise CompileError(f"{bad} has no unit-stride dim (strides {tuple(example[bad].stride())})", loc)
+        self.a = TensorSpec("a", ab, a_dims, contiguous_dim(a_dims, a, ("M", "K")))
+        self.b = TensorSpec("b", ab, b_dims, contiguous_dim(b_dims, b, ("K", "N")))
         self.a_major = "k" if a_dims[self.a.contiguous] == "K" else "m"
         self.b_major = "n" if b_dims[self.b.contiguous] == "N" else "k"
         out_dims = (*batch, "M", "N")
@@ -113,20 +120,13 @@ class KernelSignature:
             dims = dims_of(operand.shape)
             if plan.kind == "scalar":
                 self.inputs.append(TensorSpec(plan.name, dtype_name(t.dtype), dims, None))
-                self.views.append("scalar")
+                # A per-batch scalar is read at each tile's batch through an (L,) view.
+                self.views.append(("L",) if operand.batched else "scalar")
                 continue
-            contiguous = contiguous_dim(dims, t)
-            spec = TensorSpec(plan.name, dtype_name(t.dtype), dims, contiguous)
             want = {"row": ("N",), "col": ("M",), "tile": ("M", "N")}[plan.kind]
-            if contiguous is None or dims[contiguous] not in want:
-                along = " or ".join(want)
-                raise CompileError(
-                    f"input {plan.name!r} (a {plan.kind} operand of shape {tuple(t.shape)}) must have "
-                    f"unit stride along {along}, got strides {tuple(t.stride())}: evtc loads it by TMA",
-                    loc,
-                )
+            spec = TensorSpec(plan.name, dtype_name(t.dtype), dims, contiguous_dim(dims, t, want))
             if plan.kind == "tile":
-                self.tile_majors[plan.name] = "n" if dims[contiguous] == "N" else "m"
+                self.tile_majors[plan.name] = "n" if dims[spec.contiguous] == "N" else "m"
             self.inputs.append(spec)
             self.views.append(_VIEW_MODES[plan.kind][0 if operand.batched else 1])
 

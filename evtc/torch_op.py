@@ -26,11 +26,12 @@ _LOCK = threading.Lock()
 
 
 def op_name(kernel: Kernel) -> str:
-    """``<epilogue>_<key prefix>``, with a suffix for kernels that choose their cluster per call (a
-    pinned kernel of the same configuration shares the compiled code but not the behaviour)."""
+    """``<epilogue>_<key prefix>``, with suffixes for kernels that choose their cluster per call and
+    for call interfaces (strict, unused parameters): kernels that share compiled code but not their
+    behaviour get operators of their own."""
     base = re.sub(r"\W", "_", kernel.graph.name) or "epilogue"
     auto = "_c" if kernel._variant_factory is not None else ""
-    return f"{base}_{kernel.key[:16]}{auto}"
+    return f"{base}_{kernel.key[:16]}{auto}{kernel.interface.tag()}"
 
 
 def schema(kernel: Kernel, name: str) -> str:

@@ -190,11 +190,12 @@ def test_float8_only_outputs_make_a_float8_d(tmp_path):
     assert k2.config.d_dtype == "float16" and "stmatrix" in k2.ptx
 
 
-def test_operand_layouts_tma_cannot_load(tmp_path):
+def test_operand_layouts_tma_cannot_load_compile_to_the_nearest_layout(tmp_path):
+    """A strided example compiles; calls with such views are staged (tests/test_call_paths*.py)."""
     ex = example()
     ex["bias"] = torch.empty(1024, device="meta")[::2]
-    with pytest.raises(evtc.CompileError, match="'bias'.*unit stride along N"):
-        evtc.compile(bias_relu, ex, cache_dir=tmp_path)
+    k = evtc.compile(bias_relu, ex, cache_dir=tmp_path)
+    assert "bias: float32[N], N contiguous" in k.explain()
 
 
 def test_bad_config(tmp_path):
@@ -221,11 +222,8 @@ def _cpu_args(m=256, n=512, k=128):
     (lambda a, b, C, bias: dict(C=C[:, :500], bias=bias, alpha=1.0), r"C has shape \(256, 500\), incons"),
     (lambda a, b, C, bias: dict(C=C, bias=bias[:100], alpha=1.0), r"bias has shape \(100,\), inconsistent"),
     (lambda a, b, C, bias: dict(C=C[None], bias=bias, alpha=1.0), "C must be 2-d"),
-    (lambda a, b, C, bias: dict(C=C.t().contiguous().t(), bias=bias, alpha=1.0), "C must be contiguous"),
-    (lambda a, b, C, bias: dict(C=torch.randn(256, 516).half()[:, :512], bias=bias, alpha=1.0),
-     "multiple of 8 elements"),
-    (lambda a, b, C, bias: dict(C=C, bias=torch.randn(513)[1:], alpha=1.0), "not 16-byte aligned"),
     (lambda a, b, C, bias: dict(C=C, bias=bias, alpha=torch.tensor(1.0)), "alpha is a runtime scalar"),
+    (lambda a, b, C, bias: dict(C=C.to("meta"), bias=bias, alpha=1.0), "C is on meta but a is on cpu"),
 ])
 def test_call_errors(kernel, change, message):
     a, b, C, bias = _cpu_args()
@@ -241,8 +239,6 @@ def test_call_errors_on_a_and_b(kernel):
         kernel(a.bfloat16(), b, C=C, bias=bias, alpha=1.0)
     with pytest.raises(evtc.CallError, match="must be 2-d"):
         kernel(a[None], b[None], C=C, bias=bias, alpha=1.0)
-    with pytest.raises(evtc.CallError, match="b must be contiguous along N"):
-        kernel(a, b.t().contiguous().t(), C=C, bias=bias, alpha=1.0)
 
 
 def test_out_must_match(kernel):
@@ -254,10 +250,14 @@ def test_out_must_match(kernel):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
-def test_valid_arguments_without_a_gpu_say_so(kernel):
+def test_valid_arguments_without_a_gpu_compute_on_the_torch_path_or_say_so(kernel, tmp_path):
     a, b, C, bias = _cpu_args()
-    with pytest.raises(evtc.CallError, match="no CUDA GPU.*k.source, k.ptx and k.graph are available"):
-        kernel(a, b, C=C, bias=bias, alpha=1.0)
+    got = kernel(a, b, C=C, bias=bias, alpha=1.0)
+    want = bias_relu(a.float() @ b.float(), C.float(), bias, 1.0).half()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-2)
+    strict = evtc.compile(bias_relu, example(), cache_dir=tmp_path, strict=True)
+    with pytest.raises(evtc.CallError, match="no CUDA GPU. strict=True refuses the torch path"):
+        strict(a, b, C=C, bias=bias, alpha=1.0)
 
 
 def test_logging_reports_compile_steps_and_cache(tmp_path, caplog):

@@ -329,7 +329,7 @@ def operand_objects(emitted: EmittedEpilogue, tile_majors: dict[str, str] | None
         elif p.kind == "col":
             inputs.append(ColVector(p.ident, dtype, batched=p.batched))
         else:
-            inputs.append(DeviceScalar(p.ident, dtype))
+            inputs.append(DeviceScalar(p.ident, dtype, batched=p.batched))
     outputs = [TileStore(o.name, _DTYPE_NAME[o.dtype], batched=batched) for o in emitted.outputs]
     return inputs, outputs
 

@@ -14,7 +14,8 @@ RowVector      (N[, L])                TMA of the subtile's epi_n values per loa
                                        through a (128, epi_n) view with stride 0 along M
 ColVector      (M[, L])                TMA of the tile's 128 values per load stage, read through
                                        a (128, epi_n) view with stride 0 along N
-DeviceScalar   (1,)                    one global load per tile, by every epilogue thread
+DeviceScalar   (1,) or (L,)            one global load per tile (at the tile's batch), by every
+                                       epilogue thread
 ArgScalar      a Float32 argument      passed through
 TileStore      (M, N[, L])             own staged buffer, written in postreduce, TMA store
 =============  ======================  ===========================================================
@@ -299,12 +300,14 @@ class ColVector(_VectorLoad):
 
 
 class DeviceScalar(Operand):
-    """A one-element tensor in global memory (an FP8 scale): read once per tile by every thread."""
+    """A scalar in global memory (an FP8 scale): read once per tile by every thread. A per-batch
+    scalar (an (L, 1, 1) tensor) arrives as an (L,) view and is read at the tile's batch."""
 
     kind = "scalar"
 
     def begin(self, ctx, params, storage, tile_coord):
-        return SimpleNamespace(value=params[0].to(Float32))
+        index = tile_coord[2] if cutlass.const_expr(self.batched) else 0
+        return SimpleNamespace(value=params[index].to(Float32))
 
 
 class ArgScalar(Operand):

@@ -1,0 +1,43 @@
+"""The torch path: ``torch.matmul``, then the epilogue evaluated by torch from the graph.
+
+Calls the SM90 kernel cannot run at all take this path instead of failing: tensors on the CPU, a
+machine without a Hopper GPU, float32 ``a`` and ``b`` (the kernel has no tf32 mainloop yet), K = 0.
+It is the definition of the result (the interpreter is the meaning of the IR), so it is right
+wherever torch is; it is not fused, so it is as slow as eager PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .ir.graph import Graph
+from .ir.interpreter import evaluate
+
+
+def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32, as the kernel's accumulator holds it.
+
+    16-bit inputs are widened first (a float32 product of float16 values is exact, so only the
+    summation order differs from the tensor cores'). float32 inputs go to ``torch.matmul`` as they
+    are, so ``torch.backends.cuda.matmul.allow_tf32`` decides their precision, as it does for
+    torch's own matmul."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.matmul(a, b)
+    return torch.matmul(a.float(), b.float())
+
+
+def run(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The outputs of ``graph`` for ``a @ b`` and ``operands``, by output name, in their dtypes."""
+    values = {graph.acc_name: accumulate(a, b), **operands}
+    result = evaluate(graph, values)
+    names = graph.outputs.names
+    if graph.outputs.kind == "single":
+        return {names[0]: result}
+    if graph.outputs.kind == "tuple":
+        return dict(zip(names, result, strict=True))
+    return {name: result[key] for name, key in zip(names, graph.outputs.keys, strict=True)}
+
+
+__all__ = ["accumulate", "run"]

@@ -1,0 +1,70 @@
+"""Tensors the kernel cannot take as they are: aligned copies in, compact copies out.
+
+The kernel reads and writes every tile through TMA, which needs the layout it was compiled for
+(which dim has unit stride) and 16-byte multiples for every other stride and for the base address.
+``torch.matmul`` takes any layout, so a call whose tensors break those rules is not refused: each
+such input is copied into a fresh tensor of the compiled layout whose row pitch is rounded up to 16
+bytes (the logical shape is unchanged, so TMA still sees the true extents and fills past them with
+zeros), and each such output is written to a padded buffer first and then copied into a compact
+tensor, the contiguous result ``torch.matmul`` would give. Tensors that already fit pass through
+untouched: the fast path never comes here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TMA_ALIGN = 16  # bytes: TMA's rule for strides and base addresses
+
+
+def _align_elems(t_or_dtype) -> int:
+    dtype = t_or_dtype.dtype if isinstance(t_or_dtype, torch.Tensor) else t_or_dtype
+    return max(1, TMA_ALIGN // torch.empty((), dtype=dtype).element_size())
+
+
+def layout_problem(t: torch.Tensor, spec) -> str | None:
+    """Why ``t`` cannot go to the kernel as it is (the layout of ``spec``), or None when it can.
+
+    The rules are the ones the compiled function checks: stride 1 along ``spec.contiguous``, every
+    other stride (of a dim that is not a broadcast "1") a multiple of 16 bytes, a 16-byte aligned
+    base address. A one-element-per-batch scalar needs none of them (it is read by plain loads).
+    """
+    c = spec.contiguous
+    if c is None:
+        return None
+    strides = t.stride()
+    if strides[c] != 1:
+        return f"{t.dim()}-d with strides {tuple(strides)}: not contiguous along {spec.dims[c]}"
+    align = _align_elems(t)
+    for i, d in enumerate(spec.dims):
+        if i != c and d != "1" and strides[i] % align:
+            return (f"stride {strides[i]} along {d} is not a multiple of {align} elements "
+                    f"(16 bytes)")
+    if t.data_ptr() % TMA_ALIGN:
+        return f"its data pointer is not 16-byte aligned (storage offset {t.storage_offset()})"
+    return None
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` in the layout of ``spec``: unit stride along
+    ``spec.contiguous``, the other dims outside it in their order, the unit-stride dim's pitch
+    rounded up to 16 bytes (so every other stride and the base are 16-byte multiples)."""
+    rank = len(shape)
+    c = spec.contiguous if spec.contiguous is not None else rank - 1
+    order = [i for i in range(rank) if i != c] + [c]  # outermost to innermost
+    align = _align_elems(dtype)
+    physical = [shape[i] for i in order]
+    physical[-1] = max(align, -(-physical[-1] // align) * align)
+    buffer = torch.empty(physical, dtype=dtype, device=device)
+    inverse = [order.index(i) for i in range(rank)]
+    return buffer.permute(inverse).narrow(c, 0, shape[c])
+
+
+def aligned_copy(t: torch.Tensor, spec) -> torch.Tensor:
+    """``t``'s values in a fresh tensor of ``spec``'s layout (see :func:`aligned_empty`)."""
+    staged = aligned_empty(tuple(t.shape), t.dtype, spec, t.device)
+    staged.copy_(t)
+    return staged
+
+
+__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "layout_problem"]

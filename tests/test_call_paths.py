@@ -1,0 +1,222 @@
+"""CPU tests of the call paths besides the plain kernel launch (docs/compile.md, "Call paths"):
+
+- the staging helpers that give the kernel aligned copies of tensors TMA cannot read as they are;
+- the torch path (torch.matmul, then the graph evaluated by torch): CPU tensors, float32 a and b;
+- every parameter of the user's function is accepted at call time (unused ones ignored,
+  compile-time constants checked);
+- strict=True turns every detour into an error.
+
+The staged path itself launches the kernel: tests/test_call_paths_gpu.py runs it on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import evtc
+from evtc.codegen.launch import TensorSpec
+from evtc.staging import aligned_copy, aligned_empty, layout_problem
+
+TILE = TensorSpec("C", "float16", ("M", "N"), 1)
+TILE_M_MAJOR = TensorSpec("C", "float16", ("M", "N"), 0)
+BATCHED = TensorSpec("C", "float32", ("L", "M", "N"), 2)
+ROW = TensorSpec("bias", "float32", ("L", "1", "N"), 2)
+
+
+# ---- staging -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, spec, why", [
+    (lambda: torch.randn(8, 1001).half(), TILE, "stride 1001 along M is not a multiple of 8"),
+    (lambda: torch.randn(8, 64).half()[:, ::2], TILE, "not contiguous along N"),
+    (lambda: torch.randn(8, 64).half(), TILE_M_MAJOR, "not contiguous along M"),
+    (lambda: torch.randn(8 * 64 + 1).half()[1:].view(8, 64), TILE, "not 16-byte aligned"),
+    (lambda: torch.randn(3, 5, 6), BATCHED, "stride 30 along L"),
+    (lambda: torch.randn(3, 1, 5), ROW, "stride 5 along L"),
+])
+def test_layout_problems_are_named(make, spec, why):
+    t = make()
+    problem = layout_problem(t, spec)
+    assert problem is not None and why in problem
+    staged = aligned_copy(t, spec)
+    assert layout_problem(staged, spec) is None
+    assert staged.shape == t.shape and staged.dtype == t.dtype and torch.equal(staged, t)
+    assert staged.data_ptr() != t.data_ptr()  # a copy: the user's tensor is never written
+
+
+@pytest.mark.parametrize("spec, t", [
+    (TILE, torch.randn(8, 64).half()),
+    (TILE_M_MAJOR, torch.randn(64, 8).half().t()),
+    (BATCHED, torch.randn(3, 5, 8)),
+    (ROW, torch.randn(3, 1, 4)),  # a 1-long dim's stride never matters
+])
+def test_layouts_the_kernel_takes_pass_through(spec, t):
+    assert layout_problem(t, spec) is None
+
+
+@pytest.mark.parametrize("shape, spec", [((7, 1001), TILE), ((2, 3, 5), BATCHED), ((9, 3), TILE_M_MAJOR)])
+def test_padded_outputs_have_the_logical_shape_and_legal_strides(shape, spec):
+    dtype = torch.float16 if spec.dtype == "float16" else torch.float32
+    t = aligned_empty(shape, dtype, spec, "cpu")
+    assert tuple(t.shape) == shape and t.dtype == dtype
+    assert layout_problem(t, spec) is None
+
+
+# ---- the torch path and the call interface -------------------------------------------------------
+
+
+def _inputs(m=37, n=53, k=1001, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(a=torch.randn(m, k, generator=g).to(dtype), b=torch.randn(k, n, generator=g).to(dtype),
+                C=torch.randn(m, n, generator=g).to(dtype), bias=torch.randn(n, generator=g))
+
+
+def residual(acc, C, bias, alpha: float, gated: bool = True):
+    y = alpha * acc + bias
+    return (torch.relu(y) if gated else y) + C, y.sum(-1)
+
+
+def _close(got, want, dtype):
+    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype if dtype == torch.float32 else True
+        assert g.is_contiguous()
+        torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol * 8)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("evtc-paths")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors on a machine without a GPU")
+def test_cpu_tensors_take_the_torch_path(cache, caplog):
+    ex = _inputs() | {"alpha": 0.5}
+    k = evtc.compile(residual, ex, cache_dir=cache)
+    with caplog.at_level(logging.WARNING, logger="evtc"):
+        got = k(**ex)
+        k(**ex)
+    assert k.last_path == "torch"
+    assert caplog.text.count("runs on the torch path") == 1  # once per kernel
+    want = residual(ex["a"].float() @ ex["b"].float(), ex["C"].float(), ex["bias"], 0.5)
+    _close(got, (want[0].half(), want[1]), torch.float16)
+    # out= receives the results; the inputs are left as they were.
+    before = {name: t.clone() for name, t in ex.items() if isinstance(t, torch.Tensor)}
+    out = (torch.full_like(got[0], float("nan")), torch.full_like(got[1], float("nan")))
+    result = k(**ex, out=out)
+    assert result[0] is out[0] and result[1] is out[1]
+    _close(out, got, torch.float32)
+    for name, t in before.items():
+        assert torch.equal(ex[name], t), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors on a machine without a GPU")
+def test_strict_refuses_the_torch_path(cache):
+    ex = _inputs() | {"alpha": 0.5}
+    k = evtc.compile(residual, ex, cache_dir=cache, strict=True)
+    assert not k.interface.torch_only and k.interface.strict
+    with pytest.raises(evtc.CallError, match="strict=True refuses the torch path"):
+        k(**ex)
+    assert evtc.compile(residual, ex, cache_dir=cache) is not k  # strict is not shared
+
+
+def test_float32_a_and_b_take_the_torch_path(cache):
+    ex = _inputs(dtype=torch.float32) | {"alpha": 2.0}
+    k = evtc.compile(residual, ex, cache_dir=cache)
+    assert "no SM90 kernel: float32 a and b" in k.source and "%acc = a @ b" in k.source
+    assert "no SM90 kernel" in k.explain()
+    got = k(**ex)
+    assert k.last_path == "torch"
+    want = residual(ex["a"] @ ex["b"], ex["C"], ex["bias"], 2.0)
+    _close(got, want, torch.float32)
+    with pytest.raises(evtc.CompileError, match="float32 a and b.*strict=True"):
+        evtc.compile(residual, ex, cache_dir=cache, strict=True)
+
+
+def _unused_c(acc, C, bias):
+    return acc + bias
+
+
+def _dead_value(acc, C, bias, s: float):
+    unused = C * s  # noqa: F841 - computed, never returned: C and s are dead after the passes
+    return acc + bias
+
+
+def test_every_parameter_of_the_function_is_accepted(cache):
+    ex = _inputs()
+    for fn, extra in ((_unused_c, {}), (_dead_value, {"s": 3.0})):
+        k = evtc.compile(fn, {**ex, **extra}, cache_dir=cache)
+        assert k.operand_names == ["bias"]
+        assert "unused parameters (accepted and ignored): " in k.explain()
+        got = k(ex["a"], ex["b"], C=ex["C"], bias=ex["bias"], **extra)
+        want = fn(ex["a"].float() @ ex["b"].float(), ex["C"], ex["bias"], **extra)
+        _close([got], [want.half()], torch.float16)
+        # Unused ones may also be left out, or be anything: the function ignores them too.
+        k(ex["a"], ex["b"], bias=ex["bias"])
+        k(ex["a"], ex["b"], C="not a tensor", bias=ex["bias"])
+        with pytest.raises(evtc.CallError, match=r"unexpected argument\(s\) \['D'\]; the epilogue takes"):
+            k(ex["a"], ex["b"], C=ex["C"], bias=ex["bias"], D=ex["C"])
+        with pytest.raises(evtc.CallError, match=r"missing argument\(s\) \['bias'\]"):
+            k(ex["a"], ex["b"], C=ex["C"])
+
+
+def test_compile_time_constants_are_accepted_with_their_compiled_value(cache):
+    ex = _inputs() | {"alpha": 0.5}
+    plain = evtc.compile(residual, ex, cache_dir=cache)  # gated left to its default, True
+    flagged = evtc.compile(residual, {**ex, "gated": False}, cache_dir=cache)
+    for k, gated in ((plain, True), (flagged, False)):
+        assert f"compile-time constants: gated={gated}" in k.explain()
+        got = k(**ex, gated=gated)
+        want = residual(ex["a"].float() @ ex["b"].float(), ex["C"].float(), ex["bias"], 0.5, gated)
+        _close(got, (want[0].half(), want[1]), torch.float16)
+        with pytest.raises(evtc.CallError, match=f"compiled with gated={gated}, a compile-time constant"):
+            k(**ex, gated=not gated)
+        with pytest.raises(evtc.CallError, match="compile-time constant"):
+            k(**ex, gated=int(gated))
+
+
+def test_the_custom_operator_and_linear_accept_unused_parameters(cache):
+    ex = _inputs(k=64)
+    k = evtc.compile(_unused_c, ex, cache_dir=cache)
+    compiled = torch.compile(lambda a, b, C, bias: k(a, b, C=C, bias=bias), backend="eager", fullgraph=True)
+    got = compiled(ex["a"], ex["b"], ex["C"], ex["bias"])
+    _close([got], [(ex["a"].float() @ ex["b"].float() + ex["bias"]).half()], torch.float16)
+
+    lin = evtc.linear(_unused_c, dict(x=ex["a"], weight=ex["b"].t(), C=ex["C"], bias=ex["bias"]),
+                      cache_dir=cache)
+    got = lin(ex["a"], ex["b"].t(), C=ex["C"], bias=ex["bias"])
+    _close([got], [(ex["a"].float() @ ex["b"].float() + ex["bias"]).half()], torch.float16)
+
+
+def test_strided_and_transposed_examples_compile_to_the_nearest_layout(cache):
+    ex = {name: t for name, t in _inputs(k=64).items() if name in ("a", "b")}
+    rows = torch.randn(37, 106).half()[:, ::2]          # strides (106, 2): nearest is N-major
+    columns = torch.randn(106, 74).half().t()[::2, ::2]  # strides (2, 148): nearest is M-major
+    for C, major in ((rows, "N"), (columns, "M")):
+        k = evtc.compile(lambda acc, C: acc + C, {**ex, "C": C}, cache_dir=cache)
+        assert f"C: float16[M, N], {major} contiguous" in k.explain()
+        if not torch.cuda.is_available():
+            got = k(ex["a"], ex["b"], C=C)
+            _close([got], [(ex["a"].float() @ ex["b"].float() + C.float()).half()], torch.float16)
+
+
+def test_per_batch_device_scalars_are_read_at_each_batch(cache):
+    def scaled(acc, C, alpha: float, alpha_dev):
+        return acc + C + alpha + alpha_dev, acc * alpha_dev
+
+    g = torch.Generator().manual_seed(3)
+    ex = dict(a=torch.randn(3, 40, 24, generator=g).half(), b=torch.randn(3, 24, 48, generator=g).half(),
+              C=torch.randn(3, 40, 48, generator=g).half(), alpha=0.25,
+              alpha_dev=torch.randn(3, 1, 1, generator=g))
+    k = evtc.compile(scaled, ex, cache_dir=cache)
+    # The kernel reads the scalar at the tile's batch, through an (L,) view of the (L, 1, 1) tensor.
+    assert "DeviceScalar('alpha_dev', 'float32', batched=True)" in k.source
+    assert k._signature.views[-1] == ("L",)
+    if not torch.cuda.is_available():
+        got = k(**ex)
+        acc = ex["a"].float() @ ex["b"].float()
+        want = (acc + ex["C"].float() + 0.25 + ex["alpha_dev"], acc * ex["alpha_dev"])
+        _close(got, (want[0].half(), want[1].half()), torch.float16)

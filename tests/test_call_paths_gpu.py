@@ -1,0 +1,215 @@
+"""GPU tests of the calls the kernel cannot take as they are (docs/compile.md, "Call paths").
+
+Every call ``torch.matmul`` plus the epilogue would accept must give the right answer: rows whose
+pitch is not a multiple of 16 bytes (outputs, a, b, C, gated halves), strided and transposed views,
+misaligned pointers, tiny problems, K = 0 and float32 ``a`` and ``b``. Each result is checked
+against the function itself run by torch in float32, with outputs poisoned first where ``out=`` is
+given; ``strict=True`` must refuse each detour instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evtc
+from evtc.ir.dtypes import is_float8, round_to
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.float()
+    if is_float8(got.dtype):
+        want = round_to(want, got.dtype)
+    diff = torch.linalg.vector_norm(got.float() - want)
+    return (diff / torch.linalg.vector_norm(want).clamp_min(1e-12)).item()
+
+
+def _check(got, want, what: str) -> None:
+    got = got if isinstance(got, tuple | list) else (got,)
+    want = want if isinstance(want, tuple | list) else (want,)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert tuple(g.shape) == tuple(w.shape), f"{what} output {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
+        assert g.is_contiguous(), f"{what} output {i}: not contiguous (strides {g.stride()})"
+        rel = _rel(g, w)
+        assert rel <= TOL, f"{what} output {i}: relative error {rel:.3g}"
+
+
+def randn(*shape, dtype=torch.float16):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("evtc-paths-gpu")
+
+
+def bias_gelu(acc, bias):
+    return F.gelu(acc + bias)
+
+
+def residual(acc, C, bias, alpha: float):
+    return torch.relu(alpha * acc + bias) + C
+
+
+def swiglu(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fp8_out(acc, s):
+    return (acc * s).to(torch.float8_e4m3fn)
+
+
+def row_stats(acc, bias):
+    y = acc + bias
+    return y, (y * y).sum(-1), y.amax(-2)
+
+
+def _ref(fn, a, b, **operands):
+    return fn(a.float() @ b.float(), **{k: v.float() if isinstance(v, torch.Tensor) else v
+                                         for k, v in operands.items()})
+
+
+def _compile(fn, a, b, cache, strict=False, **operands):
+    return evtc.compile(fn, dict(a=a, b=b, **operands), cache_dir=cache, strict=strict)
+
+
+@pytest.mark.parametrize("m, n, k", [(300, 1001, 136), (2, 2, 2), (129, 1002, 1001), (64, 8, 1001), (1, 1, 1),
+                                     (1, 72, 1001)])
+def test_odd_widths_and_depths_take_the_staged_path(cache, m, n, k):
+    a, b = randn(m, k), randn(k, n)
+    bias = randn(n, dtype=torch.float32)
+    kernel = _compile(bias_gelu, randn(64, 64), randn(64, 64), cache, bias=randn(64, dtype=torch.float32))
+    got = kernel(a, b, bias=bias)
+    _check(got, _ref(bias_gelu, a, b, bias=bias), f"{m}x{n}x{k}")
+    if kernel.last_path == "kernel":
+        # The compiled function takes any stride along a dim of extent 1 (M = 1 here).
+        assert m == 1
+        return
+    assert kernel.last_path == "staged"
+    strict = _compile(bias_gelu, randn(64, 64), randn(64, 64), cache, strict=True,
+                      bias=randn(64, dtype=torch.float32))
+    with pytest.raises(evtc.CallError, match="strict=True refuses the aligned copies"):
+        strict(a, b, bias=bias)
+
+
+def test_aligned_calls_stay_on_the_kernel_path(cache):
+    a, b, bias = randn(256, 128), randn(128, 512), randn(512, dtype=torch.float32)
+    kernel = _compile(bias_gelu, a, b, cache, strict=True, bias=bias)
+    _check(kernel(a, b, bias=bias), _ref(bias_gelu, a, b, bias=bias), "aligned")
+    assert kernel.last_path == "kernel"
+
+
+@pytest.mark.parametrize("b_major", ["n", "k"])
+def test_layouts_other_than_compiled_and_strided_views(cache, b_major):
+    m, n, k = 257, 192, 200
+    a = randn(m, k)
+    b = randn(k, n) if b_major == "n" else randn(n, k).t()
+    C, bias = randn(m, 2 * n), randn(n, dtype=torch.float32)
+    kernel = _compile(residual, randn(64, 32), randn(32, 64), cache, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    want = _ref(residual, a, b, C=C[:, ::2], bias=bias, alpha=0.5)
+    _check(kernel(a, b, C=C[:, ::2], bias=bias, alpha=0.5), want, "strided C")
+    assert kernel.last_path == "staged"
+    # a M-major, C column-major, bias misaligned (an offset view): all staged.
+    a_m = a.t().contiguous().t()
+    C_cm = C[:, ::2].t().contiguous().t()
+    bias_off = torch.cat([torch.zeros(1, device="cuda"), bias])[1:]
+    _check(kernel(a_m, b, C=C_cm, bias=bias_off, alpha=0.5), want, "other majors")
+
+
+def test_outputs_into_out_of_any_layout_and_in_place(cache):
+    m, n, k = 200, 1001, 64
+    a, b, C, bias = randn(m, k), randn(k, n), randn(m, n), randn(n, dtype=torch.float32)
+    kernel = _compile(residual, randn(64, 32), randn(32, 64), cache, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    want = _ref(residual, a, b, C=C, bias=bias, alpha=2.0)
+    out = torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16).t()  # column-major
+    got = kernel(a, b, C=C, bias=bias, alpha=2.0, out=out)
+    assert got is out
+    rel = _rel(out, want)
+    assert rel <= TOL, f"column-major out: {rel:.3g}"
+    # The residual written over C itself (out=C): staged, so C is read whole before it is written.
+    C2 = C.clone()
+    kernel(a, b, C=C2, bias=bias, alpha=2.0, out=C2)
+    assert _rel(C2, want) <= TOL
+
+
+@pytest.mark.parametrize("n", [1000, 1002, 2 * 520])
+def test_gated_halves_that_are_not_16_byte_aligned(cache, n):
+    m, k = 300, 128
+    a, b, bias = randn(m, k), randn(k, n), randn(n, dtype=torch.float32)
+    kernel = _compile(swiglu, randn(64, 64), randn(64, 256), cache, bias=randn(256, dtype=torch.float32))
+    _check(kernel(a, b, bias=bias), _ref(swiglu, a, b, bias=bias), f"swiglu N={n}")
+    w = randn(n, k)  # an nn.Linear weight: K-major b
+    _check(kernel(a, w.t(), bias=bias), _ref(swiglu, a, w.t(), bias=bias), f"swiglu K-major N={n}")
+
+
+@pytest.mark.parametrize("n", [40, 1001])
+def test_float8_outputs_of_any_width(cache, n):
+    m, k = 130, 96
+    a, b, s = randn(m, k), randn(k, n), torch.rand(1, device="cuda") + 0.5
+    kernel = _compile(fp8_out, randn(64, 64), randn(64, 64), cache, s=torch.ones(1, device="cuda"))
+    _check(kernel(a, b, s=s), _ref(fp8_out, a, b, s=s), f"fp8 N={n}")
+
+
+@pytest.mark.parametrize("batches", [None, 3])
+def test_reductions_with_odd_widths(cache, batches):
+    lead = () if batches is None else (batches,)
+    m, n, k = 190, 1001, 72
+    a, b, bias = randn(*lead, m, k), randn(*lead, k, n), randn(n, dtype=torch.float32)
+    kernel = _compile(row_stats, randn(*lead, 64, 64), randn(*lead, 64, 64), cache,
+                      bias=randn(64, dtype=torch.float32))
+    got = kernel(a, b, bias=bias)
+    assert kernel.last_path == "staged"
+    _check(got, _ref(row_stats, a, b, bias=bias), f"stats L={batches}")
+
+
+def test_k_zero_and_float32_inputs_take_the_torch_path(cache):
+    m, n = 64, 96
+    bias = randn(n, dtype=torch.float32)
+    kernel = _compile(bias_gelu, randn(64, 64), randn(64, 64), cache, bias=randn(64, dtype=torch.float32))
+    a, b = randn(m, 0), randn(0, n)
+    _check(kernel(a, b, bias=bias), F.gelu(bias.expand(m, n)).half(), "K=0")
+    assert kernel.last_path == "torch"
+    a32, b32 = randn(m, 40, dtype=torch.float32), randn(40, n, dtype=torch.float32)
+    k32 = _compile(bias_gelu, a32, b32, cache, bias=bias)
+    _check(k32(a32, b32, bias=bias), _ref(bias_gelu, a32, b32, bias=bias), "float32")
+    assert k32.last_path == "torch"
+
+
+def test_per_batch_device_scalars(cache):
+    """The defect that shipped: an (L, 1, 1) device scalar was read at batch 0 for every batch."""
+
+    def shifted(acc, C, alpha: float, alpha_dev):
+        return acc + C + alpha + alpha_dev
+
+    def scaled(acc, alpha_dev):
+        return acc * alpha_dev
+
+    for batches in (2, 3):
+        a, b, C = randn(batches, 200, 64), randn(batches, 64, 136), randn(batches, 200, 136)
+        s = torch.randn(batches, 1, 1, device="cuda") * 4
+        k1 = _compile(shifted, a, b, cache, C=C, alpha=1.0, alpha_dev=s)
+        _check(k1(a, b, C=C, alpha=0.5, alpha_dev=s), _ref(shifted, a, b, C=C, alpha=0.5, alpha_dev=s),
+               f"acc + C + alpha + alpha_dev, L={batches}")
+        k2 = _compile(scaled, a, b, cache, alpha_dev=s)
+        _check(k2(a, b, alpha_dev=s), _ref(scaled, a, b, alpha_dev=s), f"acc * alpha_dev, L={batches}")
+        assert k1.last_path == k2.last_path == "kernel"
+
+
+def test_unused_parameters_on_the_gpu(cache):
+    def uses_bias_only(acc, C, bias):
+        return acc + bias
+
+    a, b, C, bias = randn(128, 64), randn(64, 256), randn(128, 256), randn(256, dtype=torch.float32)
+    kernel = _compile(uses_bias_only, a, b, cache, C=C, bias=bias)
+    _check(kernel(a, b, C=C, bias=bias), _ref(uses_bias_only, a, b, C=C, bias=bias), "unused C")
+    lin = evtc.linear(uses_bias_only, dict(x=a, weight=b.t().contiguous(), C=C, bias=bias), cache_dir=cache)
+    w = b.t().contiguous()
+    _check(lin(a, w, C=C, bias=bias), _ref(uses_bias_only, a, b, C=C, bias=bias), "linear, unused C")
