@@ -140,7 +140,13 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
                  graph.name, sorted(interface.unused))
     if getattr(torch, signature.a.dtype) not in KERNEL_INPUT_DTYPES:
-        return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc)
+        reason = ("float32 a and b: the SM90 kernel has no tf32 or float32 mainloop yet (torch.matmul "
+                  "follows torch.backends.cuda.matmul.allow_tf32)")
+        return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason,
+                             "Pass float16 or bfloat16 a and b for a fused kernel")
+    if signature.broadcast_batch is not None:
+        return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, signature.broadcast_batch,
+                             "Expand a or b so both have the same batch size")
 
     knobs: dict[str, Any]
     if config is None:
@@ -208,14 +214,12 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
                          constants=tuple(constants), strict=strict)
 
 
-def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc) -> Kernel:
-    """A kernel object for inputs the SM90 kernel cannot take at all (float32 ``a`` and ``b``):
-    every call takes the torch path, so the API, the checks and the custom operator stay the same."""
-    reason = ("float32 a and b: the SM90 kernel has no tf32 or float32 mainloop yet (torch.matmul "
-              "follows torch.backends.cuda.matmul.allow_tf32)")
+def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: str, remedy: str) -> Kernel:
+    """A kernel object for inputs the SM90 kernel cannot take at all (float32 ``a`` and ``b``, a
+    batch broadcast between them): every call takes the torch path, so the API, the checks and the
+    custom operator stay the same."""
     if interface.strict:
-        raise CompileError(f"{reason}; strict=True refuses the torch path. Pass float16 or bfloat16 a "
-                           "and b for a fused kernel", loc)
+        raise CompileError(f"{reason}; strict=True refuses the torch path. {remedy}", loc)
     interface = replace(interface, torch_only=reason)
     key = hashlib.sha256(json.dumps({"torch": format_graph(graph), "signature": signature.describe(),
                                      "interface": interface.tag()}, sort_keys=True).encode()).hexdigest()

@@ -747,9 +747,8 @@ class Kernel:
             if not isinstance(t, torch.Tensor):
                 raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if a.dim() != len(sig.a.dims) or b.dim() != len(sig.b.dims):
-            want = "3-d (L, M, K) and (L, K, N)" if sig.batched else "2-d (M, K) and (K, N)"
-            raise CallError(f"a and b must be {want} as when compiled; got shapes {tuple(a.shape)} and "
-                            f"{tuple(b.shape)}")
+            raise CallError(f"a and b must be {len(sig.a.dims)}-d and {len(sig.b.dims)}-d as when compiled; "
+                            f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
         unknown = sorted(set(operands) - self._name_set)
         if unknown:
             takes = list(self.interface.parameters) or self._names
@@ -760,19 +759,22 @@ class Kernel:
             raise CallError(f"missing argument(s) {missing}; the epilogue takes {self._names}")
         if b.shape[-2] != a.shape[-1]:
             raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
-        if sig.batched and b.shape[0] != a.shape[0]:
-            raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}")
+        batches = [t.shape[0] for t in (a, b) if t.dim() == 3]
+        if len(set(batches) - {1}) > 1 or (len(set(batches)) > 1 and sig.broadcast_batch is None):
+            raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
+                            + ("" if sig.broadcast_batch else " (compiled for equal batch sizes)"))
         b_parts = [("b", b)]
         if self.graph.gated:
             self._validate_gated(b, operands)
             (gate, up), operands = kernel_arguments(self.graph, a, b, operands)
             b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
-        sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
-                 "L": a.shape[0] if a.dim() == 3 else 1}
+        sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1], "L": max(batches, default=1)}
         device = a.device
-        check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), sizes, layout=False)
+        # a and b each with its own batch size (they may broadcast, on the torch path).
+        check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)
         for name, part in b_parts:
-            check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), sizes, layout=False)
+            check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), {**sizes, "L": b.shape[0]},
+                         layout=False)
         for plan, spec in zip(self._emitted.inputs, sig.inputs, strict=True):
             if plan.kind == "literal":
                 continue

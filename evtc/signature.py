@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from .errors import CompileError
 from .frontend.source import definition_location
 from .ir.graph import Graph
 from .ir.shapes import ONE
@@ -83,24 +82,25 @@ class KernelSignature:
             b, halves = kernel_arguments(graph, a, b, example)
             b = b[0]
             example = {**example, **halves}
+        #: Why the kernel cannot take a and b batched like these (one batched and one not, or batch
+        #: sizes that broadcast): calls then take the torch path. None when it can.
+        self.broadcast_batch: str | None = None
         if a.dim() != b.dim():
-            raise CompileError(
-                f"a is {a.dim()}-d and b is {b.dim()}-d: evtc.compile needs both batched (L, ., .) or "
-                "both unbatched; expand the unbatched one (a.expand(L, M, K).contiguous())",
-                loc,
-            )
-        batch = ("L",) if a.dim() == 3 else ()
-        if batch and a.shape[0] != b.shape[0]:
-            raise CompileError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}: they must agree",
-                               loc)
+            self.broadcast_batch = (f"a is {a.dim()}-d and b is {b.dim()}-d (a batch broadcast): the kernel "
+                                    "needs both batched alike; expand the other one to get a kernel")
+        elif a.dim() == 3 and a.shape[0] != b.shape[0]:
+            self.broadcast_batch = (f"a and b have batch sizes {a.shape[0]} and {b.shape[0]} (a batch "
+                                    "broadcast): the kernel needs equal ones; expand the other one to get "
+                                    "a kernel")
         self.batched = graph.batched
         ab = dtype_name(a.dtype)
-        a_dims, b_dims = (*batch, "M", "K"), (*batch, "K", "N")
+        a_dims = ("L", "M", "K") if a.dim() == 3 else ("M", "K")
+        b_dims = ("L", "K", "N") if b.dim() == 3 else ("K", "N")
         self.a = TensorSpec("a", ab, a_dims, contiguous_dim(a_dims, a, ("M", "K")))
         self.b = TensorSpec("b", ab, b_dims, contiguous_dim(b_dims, b, ("K", "N")))
         self.a_major = "k" if a_dims[self.a.contiguous] == "K" else "m"
         self.b_major = "n" if b_dims[self.b.contiguous] == "N" else "k"
-        out_dims = (*batch, "M", "N")
+        out_dims = ("L", "M", "N") if graph.batched else ("M", "N")
         self.outputs = [TensorSpec(o.name, dtype_name(o.dtype), out_dims, len(out_dims) - 1)
                         for o in emitted.outputs]
         # One float32 workspace per reduction, flat, allocated per call (evtc.reductions): W elements

@@ -220,3 +220,20 @@ def test_per_batch_device_scalars_are_read_at_each_batch(cache):
         acc = ex["a"].float() @ ex["b"].float()
         want = (acc + ex["C"].float() + 0.25 + ex["alpha_dev"], acc * ex["alpha_dev"])
         _close(got, (want[0].half(), want[1].half()), torch.float16)
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 37, 24), (24, 53)), ((37, 24), (3, 24, 53)),
+                                              ((1, 37, 24), (3, 24, 53)), ((3, 37, 24), (1, 24, 53))])
+def test_batches_that_broadcast_take_the_torch_path(cache, a_shape, b_shape):
+    """torch.matmul broadcasts a batch dim; the kernel needs both batched alike, so such examples
+    compile to a torch-path kernel (strict=True refuses them)."""
+    g = torch.Generator().manual_seed(5)
+    ex = dict(a=torch.randn(a_shape, generator=g).half(), b=torch.randn(b_shape, generator=g).half(),
+              bias=torch.randn(53, generator=g))
+    k = evtc.compile(_unused_c, {**ex, "C": 1.0}, cache_dir=cache)
+    assert "batch broadcast" in k.source
+    got = k(**ex, C=1.0)
+    assert k.last_path == "torch" and got.shape == (3, 37, 53)
+    _close([got], [(ex["a"].float() @ ex["b"].float() + ex["bias"]).half()], torch.float16)
+    with pytest.raises(evtc.CompileError, match="batch broadcast.*strict=True refuses"):
+        evtc.compile(_unused_c, {**ex, "C": 1.0}, cache_dir=cache, strict=True)
