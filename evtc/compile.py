@@ -132,7 +132,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
     log.debug("traced %r: %d nodes, operands %s", graph.name, len(graph.nodes), list(graph.operands))
     loc = definition_location(user_fn)
     emitted = emit(graph)
-    signature = KernelSignature(graph, emitted, example_inputs, user_fn)
+    signature = KernelSignature(graph, emitted, example_inputs)
     if signature.tile_majors:
         emitted = emit(graph, tile_majors=signature.tile_majors)
     interface = _call_interface(user_fn, example_inputs, graph, emitted, strict)

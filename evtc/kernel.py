@@ -379,7 +379,8 @@ class Kernel:
         return (report or "unknown") + note + "; producer 40 / consumers 232 by setmaxnreg"
 
     def __repr__(self) -> str:
-        return f"<evtc.Kernel {self.graph.name} {self.config.short_name()}>"
+        what = self.config.short_name() if self.config is not None else "torch path"
+        return f"<evtc.Kernel {self.graph.name} {what}>"
 
     # ---- calling ---------------------------------------------------------------------------------
     def _user_name(self, kernel_name: str) -> str:
@@ -429,6 +430,10 @@ class Kernel:
         self._kernel_order += [s.attrs["name"] for s in self._host_outputs]
         self._tree = graph.outputs
         self._accepts_more = bool(self.interface.unused or self.interface.constants)
+        # Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
+        # needs padded output rows (the staged path).
+        self._out_align = max((16 // torch.empty((), dtype=dt).element_size() for dt in self._out_dtypes),
+                              default=1)
 
     def __call__(self, a, b, *, out=None, **operands):
         """``D = k(a, b, C=C, alpha=0.7, ...)``: the epilogue of ``a @ b``, launched on the current CUDA
@@ -503,23 +508,30 @@ class Kernel:
         """A call the fast path did not take: a CallError for wrong arguments; the torch path where
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
+        reason = self._torch_reason(a) if isinstance(a, torch.Tensor) else None
+        if reason is None and self.interface.strict:
+            self._validate(a, b, out, operands)  # a wrong argument is named before any layout rule
+        if reason is None:
+            try:
+                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True)
+            except CallError:
+                raise
+            except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError) as exc:
+                # Staging copies whatever it is given: the compiled function then rejects a wrong
+                # argument, and the checks below name it.
+                self._validate(a, b, out, operands)
+                raise CallError(f"the kernel rejected arguments that evtc checked and staged: {exc} (an "
+                                "evtc bug: please report it with the shapes and strides of the call)"
+                                ) from None
+            return outs + self._finish(out, workspaces, *problem, operands)
         self._validate(a, b, out, operands)
-        reason = self._torch_reason(a)
         if reason is not None:
             if self.interface.strict:
                 raise CallError(f"cannot run {self.graph.name!r} as a kernel: {reason}. strict=True "
                                 "refuses the torch path (torch.matmul, then the epilogue evaluated by "
                                 "torch) that would compute it instead")
             self._note_path("torch", reason)
-            return self._run_torch(a, b, out, operands)
-        try:
-            outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            if isinstance(exc, CallError):
-                raise
-            raise CallError(f"the kernel rejected arguments that evtc checked and staged: {exc} (an "
-                            "evtc bug: please report it with the shapes and strides of the call)") from None
-        return outs + self._finish(out, workspaces, *problem, operands)
+        return self._run_torch(a, b, out, operands)
 
     def _torch_reason(self, a) -> str | None:
         """Why this call cannot run the SM90 kernel (it then takes the torch path), or None."""
@@ -566,6 +578,8 @@ class Kernel:
                 ins.append(float(what(batches, m, n)))
         if len(kernel_operands) != len(self._kernel_names):
             raise KeyError("unknown arguments")
+        if not stage and n % self._out_align:
+            raise ValueError("output rows are not 16-byte multiples: staged")  # cheaper than the DSL's error
         targets = self._outputs(a, out, m, n, batches, layout=not stage)
         outs = targets
         if stage:
@@ -768,7 +782,8 @@ class Kernel:
             self._validate_gated(b, operands)
             (gate, up), operands = kernel_arguments(self.graph, a, b, operands)
             b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
-        sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1], "L": max(batches, default=1)}
+        sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
+                 "L": max(batches, default=1)}
         device = a.device
         # a and b each with its own batch size (they may broadcast, on the torch path).
         check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)

@@ -6,12 +6,11 @@ operand is per batch) is read once from the example inputs at compile time; size
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .frontend.source import definition_location
 from .ir.graph import Graph
 from .ir.shapes import ONE
 
@@ -73,10 +72,9 @@ def kernel_arguments(graph: Graph, a: Any, b: Any, operands: Mapping[str, Any]) 
 class KernelSignature:
     """Everything static about one kernel besides the graph: layouts of every tensor argument."""
 
-    def __init__(self, graph: Graph, emitted, example: Mapping[str, Any], fn: Callable[..., Any]):
+    def __init__(self, graph: Graph, emitted, example: Mapping[str, Any]):
         from .codegen.launch import TensorSpec
 
-        loc = definition_location(fn)
         a, b = example["a"], example["b"]
         if graph.gated:
             b, halves = kernel_arguments(graph, a, b, example)
