@@ -1,0 +1,443 @@
+"""Epilogue test cases as data: operands of every kind, GEMM layouts, programs as source text, and a
+checker that runs a compiled kernel against the function itself.
+
+Shared by the generated GPU matrix (tests/test_kind_matrix_gpu.py), the differential fuzzer
+(tests/fuzz.py, tests/test_fuzz_gpu.py) and their CPU checks. A case is plain data (picklable, so
+a process pool can compile it), and its program is Python source, so a failure prints the exact
+function that failed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import evtc
+from evtc.ir.dtypes import is_float8, round_to
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+TILE_TOL = 1e-2
+# Reductions are float32, but the values reduced may pass through 16-bit casts inside the program,
+# where a different summation order of acc can round an element the other way.
+REDUCTION_TOL = 1e-3
+#: Example sizes for compiling (only layouts and kinds matter): M, the GEMM's N and K all differ.
+EXAMPLE = (96, 128, 64)
+
+
+@dataclass(frozen=True)
+class OperandSpec:
+    """One epilogue input. ``form`` picks the shape among those of the kind: row ``"n"`` (N,) or
+    ``"1n"`` (1, N); scalar ``"0"`` () or ``"1"`` (1,); per-batch ones are (L, 1, N), (L, M, 1),
+    (L, 1, 1) and (L, M, N). ``major`` is a tile's contiguous dim; ``half`` means N/2 wide (an
+    operand of a gated epilogue's halves), otherwise as wide as the GEMM."""
+
+    name: str
+    kind: str  # tile | row | col | scalar | arg
+    dtype: str = "float32"
+    batched: bool = False
+    form: str = ""
+    major: str = "n"
+    half: bool = False
+
+    def describe(self) -> str:
+        bits = [self.kind, self.dtype if self.kind != "arg" else "float"]
+        bits += ["per-batch"] if self.batched else []
+        bits += [f"form={self.form}"] if self.form else []
+        bits += ["m-major"] if self.kind == "tile" and self.major == "m" else []
+        bits += ["half"] if self.half else []
+        return f"{self.name}: {' '.join(bits)}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A compiled epilogue and the problems it runs on."""
+
+    name: str
+    source: str  # ``def epilogue(acc, ...)``, with torch and F in scope
+    operands: tuple[OperandSpec, ...]
+    ab_dtype: str = "float16"
+    a_major: str = "k"  # k: (M, K) row-major; m: column-major
+    b_major: str = "n"  # n: (K, N) row-major; k: an nn.Linear weight's transpose
+    batches: int | None = None
+    gated: bool = False
+    shapes: tuple[tuple[int, int, int], ...] = ((129, 136, 72),)  # (M, GEMM N, K)
+    out_dtypes: tuple[tuple[str, str], ...] = ()  # output name -> dtype (others: the default)
+    #: At call time, a and b in other majors than compiled (the staged path must handle that).
+    call_majors: tuple[str, str] | None = None
+    seed: int = 0
+
+    def function(self):
+        scope: dict[str, Any] = {"torch": torch, "F": F}
+        exec(compile(self.source, f"<evtc case {self.name}>", "exec"), scope)  # noqa: S102 - test programs
+        return scope["epilogue"]
+
+    def output_dtypes(self) -> dict[str, torch.dtype] | None:
+        """``out_dtypes`` for evtc.compile and evtc.trace."""
+        return {name: DTYPES[dt] for name, dt in self.out_dtypes} or None
+
+    def describe(self) -> str:
+        lines = [f"case {self.name}: a/b {self.ab_dtype} a {self.a_major}-major b {self.b_major}-major, "
+                 f"L={self.batches}, gated={self.gated}, shapes {list(self.shapes)}, "
+                 f"out_dtypes {dict(self.out_dtypes)}, call majors {self.call_majors}"]
+        lines += [f"  {op.describe()}" for op in self.operands]
+        lines += ["  " + line for line in self.source.splitlines()]
+        return "\n".join(lines)
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def _matrix(rows: int, cols: int, lead: tuple[int, ...], major_last: bool, dtype, device, g, scale=1.0):
+    """A (*lead, rows, cols) tensor, row-major when ``major_last`` else column-major."""
+    if major_last:
+        t = torch.randn(*lead, rows, cols, generator=g) * scale
+    else:
+        t = (torch.randn(*lead, cols, rows, generator=g) * scale).transpose(-1, -2)
+    return t.to(device=device, dtype=dtype)
+
+
+def make_inputs(case: Case, m: int, n: int, k: int, device="cpu", seed: int = 0,
+                majors: tuple[str, str] | None = None) -> dict[str, Any]:
+    """Fresh random inputs (never zeros) for an (L,) M x N x K problem, N being the GEMM's."""
+    g = torch.Generator().manual_seed(seed)
+    lead = () if case.batches is None else (case.batches,)
+    a_major, b_major = majors or (case.a_major, case.b_major)
+    dt = DTYPES[case.ab_dtype]
+    # acc ~ N(0, 1): values stay O(1) through the program.
+    inputs: dict[str, Any] = {
+        "a": _matrix(m, k, lead, a_major == "k", dt, device, g, scale=k ** -0.5),
+        "b": _matrix(k, n, lead, b_major == "n", dt, device, g),
+    }
+    for op in case.operands:
+        width = n // 2 if op.half else n
+        per = (case.batches,) if op.batched else ()
+        odt = DTYPES[op.dtype]
+        if op.kind == "arg":
+            inputs[op.name] = round(random.Random(f"{seed}:{op.name}").uniform(-1.5, 1.5), 3)
+        elif op.kind == "tile":
+            inputs[op.name] = _matrix(m, width, per, op.major == "n", odt, device, g, scale=0.5)
+        elif op.kind == "row":
+            shape = (*per, 1, width) if op.batched or op.form == "1n" else (width,)
+            inputs[op.name] = (torch.randn(shape, generator=g) * 0.5).to(device=device, dtype=odt)
+        elif op.kind == "col":
+            inputs[op.name] = (torch.randn(*per, m, 1, generator=g) * 0.5).to(device=device, dtype=odt)
+        else:  # a device scalar: positive, away from zero, different per batch
+            shape = (case.batches, 1, 1) if op.batched else (() if op.form == "0" else (1,))
+            inputs[op.name] = (0.5 + torch.rand(shape, generator=g)).to(device=device, dtype=odt)
+    return inputs
+
+
+def example_inputs(case: Case) -> dict[str, Any]:
+    return make_inputs(case, *EXAMPLE)
+
+
+def compile_case(case: Case, cache_dir) -> evtc.Kernel:
+    return evtc.compile(case.function(), example_inputs(case), cache_dir=cache_dir,
+                        out_dtypes=case.output_dtypes())
+
+
+# ---- checking ----------------------------------------------------------------------------------
+
+
+def _leaves(value) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, tuple | list):
+        return [(str(i), v) for i, v in enumerate(value)]
+    return [("D", value)]
+
+
+def _poisoned(kernel: evtc.Kernel, reference) -> Any:
+    """``out=`` for the kernel: NaN-filled tensors of each output's dtype and the reference's shape
+    (float8 NaN too), in the structure the epilogue returns."""
+    graph = kernel.graph
+    shapes = [v.shape for _, v in _leaves(reference)]
+    tensors = {name: torch.full(shape, float("nan"), device="cuda").to(graph.store(name).dtype)
+               for name, shape in zip(graph.outputs.names, shapes, strict=True)}
+    return graph.outputs.build(tensors)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, with ``want`` rounded to ``got``'s float8 format (as the IR
+    defines the cast). NaN anywhere in ``got`` gives NaN, which never passes."""
+    want = want.float()
+    if is_float8(got.dtype):
+        want = round_to(want, got.dtype)
+    diff = torch.linalg.vector_norm(got.float() - want)
+    return (diff / torch.linalg.vector_norm(want).clamp_min(1e-6)).item()
+
+
+def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
+    """Run ``kernel`` on every shape of ``case`` into poisoned outputs and compare with the function
+    itself in float32. Returns what failed (empty when everything matched)."""
+    fn = case.function()
+    failures = []
+    for index, (m, n, k) in enumerate(case.shapes):
+        majors = case.call_majors if index % 2 else None  # every other shape: other layouts
+        inputs = make_inputs(case, m, n, k, "cuda", seed + index, majors)
+        before = {name: t.clone() for name, t in inputs.items() if isinstance(t, torch.Tensor)}
+        reference = evtc.reference(fn, inputs)
+        out = _poisoned(kernel, reference)
+        where = f"{m}x{n}x{k} L={case.batches}{' ' + str(majors) if majors else ''}"
+        try:
+            got = kernel(**inputs, out=out)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported with its case
+            failures.append(f"{where}: {type(exc).__name__}: {exc}")
+            continue
+        for (key, g), (_, o), (_, r) in zip(_leaves(got), _leaves(out), _leaves(reference), strict=True):
+            if g is not o:
+                failures.append(f"{where} output {key}: not the out= tensor")
+            if tuple(g.shape) != tuple(r.shape):
+                failures.append(f"{where} output {key}: shape {tuple(g.shape)}, reference {tuple(r.shape)}")
+                continue
+            tol = TILE_TOL if g.dim() >= 2 and g.shape[-1] == (n // 2 if case.gated else n) \
+                and g.shape[-2] == m else REDUCTION_TOL
+            rel = relative_error(g, r)
+            if not rel <= tol:
+                failures.append(f"{where} output {key} ({g.dtype}, path {kernel.last_path}): relative "
+                                f"error {rel:.3g} > {tol}")
+        for name, t in before.items():
+            if not torch.equal(inputs[name], t):
+                failures.append(f"{where}: input {name} was modified")
+    return failures
+
+
+# ---- random programs ---------------------------------------------------------------------------
+
+UNARY = [
+    "-{x}", "{x}.abs()", "torch.sqrt({x}.abs() + 0.01)", "torch.exp(torch.clamp({x}, -3.0, 2.0))",
+    "torch.tanh({x})", "torch.sigmoid({x})", "F.relu({x})", "F.gelu({x})",
+    "F.gelu({x}, approximate='tanh')", "F.silu({x})", "F.leaky_relu({x}, 0.1)", "F.softplus({x})",
+    "{x} * torch.tanh({x})", "{x} * 1.5", "{x} + 0.25", "{x} / 3.0", "{x}.clamp(-2.0, 2.0)",
+    "F.hardswish({x})", "torch.sin({x})", "{x}.to(torch.float16)", "{x}.to(torch.bfloat16)",
+    "torch.log1p({x}.abs())", "torch.erf({x})", "torch.rsqrt({x}.abs() + 1.0)",
+]
+BINARY = [
+    "({x} + {y})", "({x} - {y})", "({x} * torch.tanh({y}))", "({x} / ({y}.abs() + 1.0))",
+    "torch.maximum({x}, {y})", "torch.minimum({x}, {y})", "torch.where({x} > {y}, {x}, {y} * 0.5)",
+]
+WITH_ARG = ["({x} * {s})", "({x} + {s})", "({s} * {x} - {x})"]
+REDUCTIONS = {
+    "row_sum": "{x}.sum(-1)", "row_amax": "{x}.amax(-1)", "row_mean_keep": "{x}.mean(-1, keepdim=True)",
+    "col_sum": "{x}.sum(-2)", "col_amin": "{x}.amin(-2)", "all_abs_amax": "{x}.abs().amax()",
+    "batch_sum": "{x}.sum((-2, -1))",
+}
+OUT_DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
+
+
+def _random_operand(rng: random.Random, name: str, batched: bool, gated: bool) -> OperandSpec:
+    kind = rng.choice(["tile", "tile", "row", "row", "col", "scalar", "scalar", "arg"])
+    if kind == "arg":
+        return OperandSpec(name, "arg")
+    per_batch = batched and rng.random() < 0.5
+    dtype = rng.choice(["float32", "float16", "bfloat16"]) if kind in ("tile", "row", "col") else \
+        rng.choice(["float32", "float32", "float16"])
+    form = {"row": rng.choice(["n", "1n"]), "scalar": rng.choice(["0", "1"])}.get(kind, "")
+    major = rng.choice(["n", "n", "m"]) if kind == "tile" else "n"
+    half = gated and kind in ("tile", "row") and rng.random() < 0.6
+    return OperandSpec(name, kind, dtype, per_batch, form, major, half)
+
+
+def random_case(seed: int, index: int) -> Case:
+    """Case ``index`` of ``seed``: a random program over random operands, layouts and sizes."""
+    rng = random.Random(f"evtc-fuzz:{seed}:{index}")
+    batches = rng.choice([None, None, 2, 3, 4])
+    gated = rng.random() < 0.2
+    operands = tuple(_random_operand(rng, f"x{i}", batches is not None, gated)
+                     for i in range(rng.randint(0, 4)))
+    lines = []
+    if gated:
+        pre = "acc"
+        for op in operands:
+            if not op.half and op.kind in ("tile", "row"):
+                pre = f"({pre} + {op.name})" if rng.random() < 0.7 else f"({pre} * torch.tanh({op.name}))"
+        lines.append(f"gate, up = {pre}.chunk(2, dim=-1)")
+        tiles = ["gate", "up"]
+        usable = [op for op in operands if op.half or op.kind not in ("tile", "row")]
+    else:
+        tiles = ["acc"]
+        usable = list(operands)
+    tensors = list(tiles) + [op.name for op in usable if op.kind != "arg"]
+    args = [op.name for op in usable if op.kind == "arg"]
+    for step in range(rng.randint(1, 10)):
+        name = f"v{step}"
+        roll = rng.random()
+        x = rng.choice(tensors)
+        if roll < 0.45:
+            expr = rng.choice(UNARY).format(x=x)
+        elif roll < 0.9 or not args:
+            expr = rng.choice(BINARY).format(x=x, y=rng.choice(tensors))
+        else:
+            expr = rng.choice(WITH_ARG).format(x=x, s=rng.choice(args))
+        lines.append(f"{name} = {expr}")
+        tensors.append(name)
+    # Outputs: full tiles (a value plus a tile, in case the value is a vector or a scalar), then
+    # reductions of full tiles.
+    outputs = [f"{rng.choice(tensors)} + {rng.choice(tiles)}" for _ in range(rng.randint(1, 3))]
+    n_tiles = len(outputs)
+    reductions = [r for r in REDUCTIONS if batches is not None or r != "batch_sum"]
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        source = f"({rng.choice(tensors)} + {rng.choice(tiles)})"
+        outputs.append(REDUCTIONS[rng.choice(reductions)].format(x=source))
+    single = len(outputs) == 1
+    names = ["D"] if single else [f"D{i}" for i in range(len(outputs))]
+    out_dtypes = tuple((names[i], rng.choice(OUT_DTYPES)) for i in range(n_tiles) if rng.random() < 0.6)
+    params = ", ".join(["acc"] + [op.name for op in operands])
+    body = lines + [("return " + outputs[0]) if single else "return (" + ", ".join(outputs) + ",)"]
+    source = f"def epilogue({params}):\n" + "".join(f"    {line}\n" for line in body)
+    fp8 = any(dt == "float8_e4m3fn" for _, dt in out_dtypes)
+    shapes = tuple(_random_shape(rng, gated, fp8) for _ in range(2))
+    return Case(f"fuzz-{seed}-{index}", source, operands, rng.choice(["float16", "bfloat16"]),
+                rng.choice(["k", "k", "m"]), rng.choice(["n", "k"]), batches, gated, shapes, out_dtypes,
+                call_majors=(rng.choice(["k", "m"]), rng.choice(["n", "k"])) if rng.random() < 0.15 else None,
+                seed=index)
+
+
+def _random_shape(rng: random.Random, gated: bool, fp8: bool) -> tuple[int, int, int]:
+    """Mostly TMA-friendly sizes (the kernel path); one in four odd (the staged path)."""
+    m = rng.choice([rng.randint(1, 64), rng.randint(65, 700)])
+    if rng.random() < 0.25:
+        half = rng.randint(1, 260)
+        return m, (2 * half if gated else rng.randint(1, 520)), rng.randint(1, 520)
+    unit = 16 if fp8 else 8
+    n = unit * rng.randint(1, 520 // unit)
+    return m, (2 * n if gated else n), 8 * rng.randint(1, 65)
+
+
+# ---- the matrix ----------------------------------------------------------------------------------
+
+#: Each operand kind in each of its forms, shared or per batch, as the matrix crosses them.
+KIND_VARIANTS = [
+    ("tile", "float16", "", "n"), ("tile", "bfloat16", "", "m"), ("tile", "float32", "", "n"),
+    ("row", "float32", "n", "n"), ("row", "bfloat16", "1n", "n"), ("col", "float16", "", "n"),
+    ("scalar", "float32", "0", "n"), ("scalar", "float16", "1", "n"), ("arg", "float32", "", "n"),
+]
+
+
+@dataclass
+class _Rotation:
+    """Cycles through the values of the axes a matrix case does not isolate (dtypes, majors,
+    output dtypes, shapes), so each value meets many kinds."""
+
+    counter: int = 0
+    values: dict[str, list] = field(default_factory=lambda: {
+        "ab": ["float16", "bfloat16"], "a": ["k", "m", "k"], "b": ["n", "k"],
+        "out": ["float16", "bfloat16", "float32", "float8_e4m3fn"],
+    })
+
+    def take(self, axis: str):
+        values = self.values[axis]
+        self.counter += 1
+        return values[(self.counter * 7 + len(axis)) % len(values)]
+
+
+def _shapes(gated: bool, fp8: bool) -> tuple[tuple[int, int, int], ...]:
+    """An aligned odd-M shape (the kernel path) and one whose widths break TMA's 16-byte rule (the
+    staged path)."""
+    unit = 32 if gated and fp8 else 16 if (gated or fp8) else 8
+    return ((257, 25 * unit, 136), (130, 2 * 501 if gated else 1001, 1001))
+
+
+def matrix_cases() -> list[Case]:
+    """Every operand kind and form x shared / per batch x full width / gated halves, each used
+    alone (``acc * x + x``: a wrong batch or a wrong element shows), then combinations with several
+    outputs and reductions; dtypes, majors and output dtypes rotate across them."""
+    rot = _Rotation()
+    cases = []
+    for kind, dtype, form, major in KIND_VARIANTS:
+        for batches in (None, 3):
+            for per_batch in ((False, True) if batches and kind != "arg" else (False,)):
+                for gated in (False, True):
+                    op = OperandSpec("x", kind, dtype, per_batch, form, major,
+                                     half=gated and kind in ("tile", "row") and rot.take("a") == "k")
+                    out = rot.take("out")
+                    if gated:
+                        pre = "acc + x" if kind in ("tile", "row") and not op.half else "acc"
+                        x = "x" if op.half or kind not in ("tile", "row") else "up"
+                        body = [f"gate, up = ({pre}).chunk(2, dim=-1)", f"return F.silu(gate) * {x} + {x}"]
+                    else:
+                        body = ["return acc * x + x"]
+                    source = "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
+                    name = f"{kind}-{dtype}-{form or major}-{'per-batch' if per_batch else 'shared'}-" \
+                           f"L{batches}-{'gated' if gated else 'full'}-out-{out}"
+                    cases.append(Case(name, source, (op,), rot.take("ab"), rot.take("a"), rot.take("b"),
+                                      batches, gated, _shapes(gated, out == "float8_e4m3fn"),
+                                      (("D", out),), call_majors=(rot.take("a"), rot.take("b"))))
+    cases += _combinations(rot)
+    return cases
+
+
+def _combinations(rot: _Rotation) -> list[Case]:
+    """Several operands, outputs and reductions together."""
+    programs = [
+        ("every-kind-two-outputs",
+         ["y = torch.relu(acc * s + C + bias) * scale + alpha", "return y, (acc * dev).to(torch.bfloat16)"],
+         ["C:tile", "bias:row", "scale:col", "s:scalar", "dev:scalar", "alpha:arg"], False),
+        ("stats-rows-columns-all",
+         ["y = F.gelu(acc + bias) * scale", "return y, (y * y).sum(-1), y.amax(-2), y.abs().amax()"],
+         ["bias:row", "scale:col"], False),
+        ("three-outputs-mean-keepdim",
+         ["y = acc + C", "z = torch.where(y > 0, y, y * s)",
+          "return y, z, (z * 0.5).to(torch.float16), z.mean(-1, keepdim=True)"],
+         ["C:tile", "s:scalar"], False),
+        ("per-batch-sums", ["y = torch.tanh(acc) + bias", "return y, y.sum((-2, -1)), y.sum(-2)"],
+         ["bias:row"], True),
+        ("swiglu-bias-residual-stats",
+         ["gate, up = (acc + bias).chunk(2, dim=-1)", "y = F.silu(gate) * up + r",
+          "return y, (y * y).sum(-1), y.amax(-2)"],
+         ["bias:row-wide", "r:tile-half"], False),
+        ("geglu-scales",
+         ["gate, up = acc.chunk(2, dim=-1)", "return F.gelu(gate) * up * scale * s, (gate * up).sum(-1)"],
+         ["scale:col", "s:scalar"], False),
+    ]
+    cases = []
+    for name, body, ops, needs_batch in programs:
+        gated = "chunk" in body[0]
+        for batches in ((3,) if needs_batch else (None, 2)):
+            operands = []
+            for spec in ops:
+                op_name, what = spec.split(":")
+                kind = what.split("-")[0]
+                per_batch = batches is not None and kind != "arg" and rot.take("a") != "k"
+                dtype = rot.take("ab") if kind == "tile" else "float32"
+                form = {"row": "n", "scalar": "1"}.get(kind, "")
+                operands.append(OperandSpec(op_name, kind, dtype, per_batch, form, rot.take("b"),
+                                            half=what.endswith("-half")))
+            out = rot.take("out")
+            source = f"def epilogue(acc, {', '.join(op.name for op in operands)}):\n" + \
+                "".join(f"    {line}\n" for line in body)
+            cases.append(Case(f"{name}-L{batches}-out-{out}", source, tuple(operands), rot.take("ab"),
+                              rot.take("a"), rot.take("b"), batches, gated,
+                              _shapes(gated, out == "float8_e4m3fn"), (("D0", out),),
+                              call_majors=(rot.take("a"), rot.take("b"))))
+    return cases
+
+
+def case_by_name(name: str) -> Case:
+    """A matrix case (by name) or a fuzz case (``fuzz-<seed>-<index>``): what worker processes
+    rebuild from a name."""
+    if name.startswith("fuzz-"):
+        _, seed, index = name.split("-")
+        return random_case(int(seed), int(index))
+    for case in matrix_cases():
+        if case.name == name:
+            return case
+    raise KeyError(name)
+
+
+def compile_by_name(name: str, cache_dir: str) -> str:
+    """Compile a case into ``cache_dir`` (a process-pool job); returns the error text or ''."""
+    try:
+        compile_case(case_by_name(name), cache_dir)
+    except evtc.EpilogueError as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+__all__ = ["Case", "OperandSpec", "case_by_name", "check_case", "compile_by_name", "compile_case",
+           "example_inputs", "make_inputs", "matrix_cases", "random_case"]
