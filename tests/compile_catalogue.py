@@ -5,7 +5,7 @@ NaN in a result is always a bug.
 
 Operand specs (see `make_inputs`): "tile" (M, N) shared by all batches, "tile_b" (L, M, N), "tile_m"
 (M, N) column-major, "row" (N,), "row2" (1, N), "row_b" (L, 1, N), "col" (M, 1), "col_b" (L, M, 1),
-"scalar" (), "scalar1" (1,); a float is a runtime scalar argument. A dtype may follow:
+"scalar" (), "scalar1" (1,), "scalar_b" (L, 1, 1); a float is a runtime scalar argument. A dtype may follow:
 ("row", torch.float16).
 """
 
@@ -135,6 +135,20 @@ def batched_operands(acc, C, bias, scale):
 @entry({"C": "tile", "bias": "row", "scale": "col"}, batched=True)
 def shared_across_batches(acc, C, bias, scale):
     return acc * scale + C - bias
+
+
+@entry({"C": "tile_b", "alpha": 0.5, "s": "scalar_b"}, batched=True)
+def per_batch_device_scalars(acc, C, alpha: float, s):
+    # Read at each tile's batch: a first version read batch 0's value for every batch.
+    return acc + C + alpha + s, acc * s
+
+
+@entry({"s": "scalar", "t": "scalar1"})
+def uniform_value_through_a_cast(acc, s, t):
+    # s rounded to float16 once per tile, then widened back (a cast that emits nothing): the tile
+    # stage must still receive it (a first version left it out of the uniform stage's results).
+    h = s.to(torch.float16)
+    return h + acc, (h + acc) * t, (t.abs() + acc).sum(-2)
 
 
 @entry({"C": "tile_b", "alpha": 1.0}, batched=True)
@@ -474,6 +488,8 @@ def make_inputs(e: Entry, m: int, n: int, k: int, batch: int | None, ab_dtype: t
             t = randn(dtype=dtype or torch.float32)
         elif kind == "scalar1":
             t = randn(1, dtype=dtype or torch.float32)
+        elif kind == "scalar_b":
+            t = randn(L, 1, 1, dtype=dtype or torch.float32)
         else:
             raise ValueError(kind)
         out[name] = t

@@ -168,6 +168,9 @@ class _Emitter:
         self.inputs: list[InputPlan] = []
         self.uniform_lines: list[str] = []
         self.fragment_lines: list[str] = []
+        self.uniform_defined: list[str] = []
+        #: The uniform values the fragment reads (set once the fragment is emitted: a value can
+        #: reach it through casts that emit nothing, so its users' stages do not tell).
         self.uniform_results: list[str] = []
         self.reductions: list[ReductionPlan] = []
         self._last_where: dict[str, str | None] = {"uniform": None, "tile": None}
@@ -302,8 +305,8 @@ class _Emitter:
         ident = self.value_name(node)
         self.names[node.id] = ident
         self.emit(stage, node, ident, expr)
-        if stage == "uniform" and any(u.stage == "tile" for u in self.users[node.id]):
-            self.uniform_results.append(ident)
+        if stage == "uniform":
+            self.uniform_defined.append(ident)
 
 
 def _mentions(code: str, name: str) -> bool:
@@ -365,11 +368,12 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
 
     scalar_kinds = ("arg", "scalar", "literal")
     uniform_params = [p.ident for p in em.inputs if p.kind in scalar_kinds]
-    fragment_params = [p.ident for p in em.inputs] + em.uniform_results
     reduced = [em.names[r.node.inputs[0].id] for r in em.reductions]
     returned = {em.names[o.node.inputs[0].id] for o in outputs} | set(reduced)
     fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))
     uniform_body = "\n".join(x for x in em.uniform_lines if not x.startswith("#"))
+    em.uniform_results = [u for u in em.uniform_defined if u in returned or _mentions(fragment_body, u)]
+    fragment_params = [p.ident for p in em.inputs] + em.uniform_results
     fragment_params = [p for p in fragment_params if p in returned or _mentions(fragment_body, p)]
     uniform_params = [p for p in uniform_params if _mentions(uniform_body, p)]
 
