@@ -151,6 +151,13 @@ def uniform_value_through_a_cast(acc, s, t):
     return h + acc, (h + acc) * t, (t.abs() + acc).sum(-2)
 
 
+@entry({"s": "scalar"})
+def uniform_select_then_round(acc, s):
+    # leaky_relu of a scalar is a select once per tile; rounding its result needs a Float32, not
+    # the bare IR value select gives (found by the fuzzer).
+    return acc + F.leaky_relu(s.to(torch.bfloat16), 0.1).to(torch.float16)
+
+
 @entry({"C": "tile_b", "alpha": 1.0}, batched=True)
 def batched_two_outputs(acc, C, alpha: float):
     y = acc + alpha * C

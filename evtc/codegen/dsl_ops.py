@@ -198,14 +198,15 @@ def where(cond, x, y):
     if _is_tensor(x) or _is_tensor(y):
         x, y = _pair(x, y)
         return cute.where(cute.full_like(x, cond, cutlass.Boolean), x, y)
-    return cutlass.select_(cond, _f32(x), _f32(y))
+    # select_ gives a bare IR value; later ops on the scalar (a rounding cast's .to) need a Float32.
+    return Float32(cutlass.select_(cond, _f32(x), _f32(y)))
 
 
 def mask_to_float(mask):
     """A boolean mask as 1.0 / 0.0 (torch's promotion of bool in arithmetic)."""
     if _is_tensor(mask):
         return cute.where(mask, cute.full_like(mask, 1.0, Float32), 0.0)
-    return cutlass.select_(mask, Float32(1.0), Float32(0.0))
+    return Float32(cutlass.select_(mask, Float32(1.0), Float32(0.0)))
 
 
 def round_to(x, dtype):
