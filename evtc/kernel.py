@@ -23,6 +23,7 @@ import torch
 from .cache import DiskCache
 from .call_checks import check_device, check_tensor, flatten_outputs
 from .errors import CallError, EpilogueError
+from .ir.dtypes import OPERAND_DTYPES
 from .ir.graph import Graph
 from .ir.shapes import L, M, N
 from .signature import KernelSignature, kernel_arguments
@@ -430,6 +431,10 @@ class Kernel:
         self._kernel_order += [s.attrs["name"] for s in self._host_outputs]
         self._tree = graph.outputs
         self._accepts_more = bool(self.interface.unused or self.interface.constants)
+        # The compiled dtype of each tensor operand, by the name the user passes.
+        self._operand_dtypes = {self._user_name(p.name): getattr(torch, spec.dtype)
+                                for p, spec in zip(emitted.inputs, self._signature.inputs, strict=True)
+                                if spec is not None}
         # Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
         # needs padded output rows (the staged path).
         self._out_align = max((16 // torch.empty((), dtype=dt).element_size() for dt in self._out_dtypes),
@@ -508,7 +513,7 @@ class Kernel:
         """A call the fast path did not take: a CallError for wrong arguments; the torch path where
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
-        reason = self._torch_reason(a) if isinstance(a, torch.Tensor) else None
+        reason = self._torch_reason(a, operands) if isinstance(a, torch.Tensor) else None
         if reason is None and self.interface.strict:
             self._validate(a, b, out, operands)  # a wrong argument is named before any layout rule
         if reason is None:
@@ -533,7 +538,7 @@ class Kernel:
             self._note_path("torch", reason)
         return self._run_torch(a, b, out, operands)
 
-    def _torch_reason(self, a) -> str | None:
+    def _torch_reason(self, a, operands) -> str | None:
         """Why this call cannot run the SM90 kernel (it then takes the torch path), or None."""
         if self.interface.torch_only is not None:
             return self.interface.torch_only
@@ -544,6 +549,13 @@ class Kernel:
             return f"the tensors are on {a.device}"
         if a.shape[-1] == 0:
             return "K = 0 (the accumulator is all zeros)"
+        # An operand of another float dtype than compiled: the kernel loads the compiled one, but
+        # the function widens every operand to float32 first, so the graph gives the same result
+        # (output dtypes follow a and b and explicit casts, never an operand's dtype).
+        for name, dtype in self._operand_dtypes.items():
+            value = operands.get(name)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in OPERAND_DTYPES:
+                return f"{name} is {value.dtype}, the kernel was compiled for {dtype}"
         return None
 
     def _note_path(self, path: str, why: str) -> None:
@@ -799,7 +811,10 @@ class Kernel:
                     raise CallError(f"{plan.name} is a runtime scalar: pass a Python float or int, got "
                                     f"{type(value).__name__}")
                 continue
-            check_tensor(self._describe_operand(plan.name), value, spec, getattr(torch, spec.dtype), sizes,
+            # Another float dtype than compiled takes the torch path (see _torch_reason).
+            dtype = getattr(value, "dtype", None)
+            dtype = dtype if dtype in OPERAND_DTYPES else getattr(torch, spec.dtype)
+            check_tensor(self._describe_operand(plan.name), value, spec, dtype, sizes,
                          layout=False)
         outs = self._outputs(a, out, sizes["M"], sizes["N"], sizes["L"], layout=False) \
             if out is not None else []

@@ -237,3 +237,16 @@ def test_batches_that_broadcast_take_the_torch_path(cache, a_shape, b_shape):
     _close([got], [(ex["a"].float() @ ex["b"].float() + ex["bias"]).half()], torch.float16)
     with pytest.raises(evtc.CompileError, match="batch broadcast.*strict=True refuses"):
         evtc.compile(_unused_c, {**ex, "C": 1.0}, cache_dir=cache, strict=True)
+
+
+def test_operands_of_another_float_dtype_than_compiled(cache):
+    """The function widens every operand to float32, so the graph gives its result for any float
+    operand dtype: such calls take the torch path (on the GPU too); other dtypes are CallErrors."""
+    ex = _inputs() | {"alpha": 0.5}
+    k = evtc.compile(residual, ex, cache_dir=cache)
+    C32, bias16 = ex["C"].float() * 1.001, ex["bias"].half()
+    got = k(ex["a"], ex["b"], C=C32, bias=bias16, alpha=0.5)
+    want = residual(ex["a"].float() @ ex["b"].float(), C32, bias16.float(), 0.5)
+    _close(got, (want[0].half(), want[1]), torch.float16)
+    with pytest.raises(evtc.CallError, match="C must be torch.float16"):
+        k(ex["a"], ex["b"], C=ex["C"].double(), bias=ex["bias"], alpha=0.5)

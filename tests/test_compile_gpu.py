@@ -200,7 +200,12 @@ def test_call_errors_on_gpu(cache_dir):
     with pytest.raises(evtc.CallError, match="inconsistent with a and b"):
         k(a, b, C=C[:100], bias=bias, alpha=1.0, beta=1.0)
     with pytest.raises(evtc.CallError, match="float16"):
-        k(a, b, C=C.float(), bias=bias, alpha=1.0, beta=1.0)
+        k(a, b, C=C.double(), bias=bias, alpha=1.0, beta=1.0)
+    # Another float dtype than compiled is no error: the torch path computes the function.
+    got = k(a, b, C=C.float(), bias=bias.half(), alpha=1.0, beta=1.0)
+    assert k.last_path == "torch"
+    _check(got, evtc.reference(e.fn, {**inputs, "C": C.float(), "bias": bias.half(), "alpha": 1.0,
+                                      "beta": 1.0}), "dtypes")
     # Layouts TMA cannot take (a row pitch of 516 elements, an offset bias) are no error: the call
     # runs on aligned copies (tests/test_call_paths_gpu.py has strict=True refuse them).
     wide = torch.randn(256, 516, device="cuda").half()[:, :512]

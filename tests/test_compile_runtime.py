@@ -218,7 +218,7 @@ def _cpu_args(m=256, n=512, k=128):
 @pytest.mark.parametrize("change, message", [
     (lambda a, b, C, bias: dict(C=C, bias=bias), r"missing argument\(s\) \['alpha'\]"),
     (lambda a, b, C, bias: dict(C=C, bias=bias, alpha=1.0, beta=2.0), r"unexpected argument\(s\) \['beta'\]"),
-    (lambda a, b, C, bias: dict(C=C.float(), bias=bias, alpha=1.0), "C must be torch.float16"),
+    (lambda a, b, C, bias: dict(C=C.double(), bias=bias, alpha=1.0), "C must be torch.float16"),
     (lambda a, b, C, bias: dict(C=C[:, :500], bias=bias, alpha=1.0), r"C has shape \(256, 500\), incons"),
     (lambda a, b, C, bias: dict(C=C, bias=bias[:100], alpha=1.0), r"bias has shape \(100,\), inconsistent"),
     (lambda a, b, C, bias: dict(C=C[None], bias=bias, alpha=1.0), "C must be 2-d"),
