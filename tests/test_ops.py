@@ -193,3 +193,33 @@ def test_constant_tensors_made_in_the_epilogue_are_literals():
 
     graph = check_epilogue(epilogue, gemm_inputs(16, 8, 8, None))
     assert graph.count("load") == 0
+
+
+def _float64_equal(fn, inputs):
+    """The traced graph, evaluated in float64, equals the function run in float64 (casts included)."""
+    graph = evtc.trace(fn, inputs, out_dtypes=torch.float32)
+    got = graph.evaluate(inputs, compute_dtype=torch.float64, cast_outputs=False)
+    want = evtc.reference(fn, inputs, dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda acc: torch.add(acc, acc.to(torch.float16), alpha=0.3),
+    lambda acc: torch.sub(acc * 0.5, acc.to(torch.bfloat16), alpha=0.7),
+])
+def test_add_with_alpha_does_not_round_alpha_times_other(fn):
+    """torch computes input + alpha * other without rounding alpha * other to other's 16-bit dtype.
+    (With both 16-bit, torch on the CPU rounds alpha itself to that dtype, which CUDA does not:
+    not tested.)"""
+    _float64_equal(fn, gemm_inputs(16, 24, 8, None))
+
+
+def test_in_place_on_a_16_bit_value_keeps_its_dtype():
+    def epilogue(acc):
+        v = acc.half() * 2.0
+        v += acc  # torch writes the float32 sum into v's float16
+        w = acc.bfloat16()
+        w.mul_(acc)
+        return v + w
+
+    _float64_equal(epilogue, gemm_inputs(16, 24, 8, None))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import DTypeError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import CAST_DTYPES, short_name
+from ..ir.infer import promote
 from ..ir.shapes import ONE, N
 from .source import user_location
 
@@ -101,9 +102,15 @@ def _binary(op: str) -> Handler:
 def _add_sub(op: str) -> Handler:
     def handler(t: Tracer, input: Any, other: Any, *, alpha: Any = 1, **kwargs: Any) -> Any:
         _reject_out(kwargs, op)
-        if not (isinstance(alpha, int | float) and alpha == 1):
-            other = t.emit("mul", (alpha, other))
-        return t.emit(op, (input, other))
+        if isinstance(alpha, int | float) and alpha == 1:
+            return t.emit(op, (input, other))
+        # torch computes input + alpha * other in float32 and rounds once, to the dtype the plain
+        # sum would have: alpha * other is never rounded to a 16-bit other's dtype on its own.
+        want = promote((t.node_of(input), t.node_of(other)))
+        if getattr(other, "dtype", torch.float32) != torch.float32:
+            other = t.emit("cast", (other,), {"dtype": torch.float32})
+        result = t.emit(op, (input, t.emit("mul", (alpha, other))))
+        return result if result.dtype == want else t.emit("cast", (result,), {"dtype": want})
 
     return handler
 

@@ -177,6 +177,10 @@ class TracedValue:
                 f"write `{self._input_name} = ...` with the out-of-place op, or use a new name",
                 user_location(),
             )
+        if result.dtype != self.dtype and self.dtype.is_floating_point:
+            # In place, torch writes the result into this value's dtype (a float16 `v += acc`
+            # stays float16): round it there.
+            result = self._tracer.emit("cast", (result,), {"dtype": self.dtype})
         self._node = result._node
         return self
 
