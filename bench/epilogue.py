@@ -165,7 +165,7 @@ def run_shape(text, k_fused, k_ident, compiled_eager, args, gen, variants=()) ->
     if tc_note:
         print("   ", tc_note)
     for i, (label, kf, _) in enumerate(variants):
-        stages = kf._stages if hasattr(kf, "_stages") else {}
+        stages = kf.stages
         print(f"{'':>20}   variant {label} stages {stages}: ident {times[f'ident{i}']:.3f}  "
               f"fused {times[f'fused{i}']:.3f}  "
               f"fused/id {times[f'fused{i}'] / times[f'ident{i}']:.3f}  "

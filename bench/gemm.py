@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from evtc.codegen.config import DEFAULT_SCHEDULE, GemmConfig  # noqa: E402
-from evtc.codegen.runtime import compile_gemm  # noqa: E402
-from evtc.codegen.visitors import Identity, LinearCombination  # noqa: E402
+import evtc  # noqa: E402
+from evtc.plan.config import DEFAULT_SCHEDULE, GemmConfig  # noqa: E402
 from evtc.timing import time_paired  # noqa: E402
 
 DTYPES = {"f16": ("float16", torch.float16), "bf16": ("bfloat16", torch.bfloat16),
@@ -55,6 +54,25 @@ def make_cublas(a, b, c, ref, alpha, beta):
         return lambda: torch.matmul(a, b, out=ref)
     # cuBLAS through torch cannot write another dtype: time matmul + cast, as a user would.
     return lambda: ref.copy_(torch.matmul(a, b))
+
+
+def identity(acc):
+    return acc
+
+
+def lincomb(acc, c, alpha: float, beta: float):
+    return alpha * acc + beta * c
+
+
+def compile_config(cfg: GemmConfig, a, b, c, d_dtype):
+    """The kernel of ``cfg`` through ``evtc.compile`` (every knob pinned, the cluster included), the
+    path every evtc kernel takes; the calls below run it through the same launcher as users do."""
+    knobs = {k: v for k, v in vars(cfg).items()
+             if v is not None and k not in ("ab_dtype", "d_dtype", "a_major", "b_major", "gated", "store_d")}
+    if c is None:
+        return evtc.compile(identity, {"a": a, "b": b}, out_dtypes=d_dtype, config=knobs, strict=True)
+    return evtc.compile(lincomb, {"a": a, "b": b, "c": c, "alpha": 1.0, "beta": 1.0}, out_dtypes=d_dtype,
+                        config=knobs, strict=True)
 
 
 def main() -> None:
@@ -126,10 +144,11 @@ def main() -> None:
                      + (" pp" if schedule == "pingpong" else ""))
             try:
                 cfg.validate()
-                visitor = Identity() if c is None else LinearCombination(d_name, "n")
-                gemm = compile_gemm(cfg, visitor)
+                gemm = compile_config(cfg, a, b, c, dt)
                 kwargs = {} if c is None else {"c": c, "alpha": alpha, "beta": beta}
-                launch = gemm.bind(a, b, d, **kwargs)
+
+                def launch(gemm=gemm, a=a, b=b, d=d, kwargs=kwargs):
+                    gemm(a, b, out=d, **kwargs)
             except Exception as exc:  # report and go on: one bad knob must not lose the table
                 print(f"{shape_text:>20} {dname:>9} {label:>34}  skipped: {exc}")
                 continue
@@ -140,7 +159,7 @@ def main() -> None:
             # cuBLAS is timed again beside every configuration: ratios come from the same minutes.
             t, t_cublas = time_paired([launch, cublas], args.warmup, args.samples, args.reps)
             ratio = t_cublas / t
-            stages = f"{gemm.ab_stages}/{gemm.d_stages}"
+            stages = f"{gemm.stages['ab']}/{gemm.stages['d']}"
             row = (f"{shape_text:>20} {dname:>9} {label:>34} {stages:>7} {t:9.4f} {flops / t / 1e9:8.1f} "
                    f"{t_cublas:10.4f} {flops / t_cublas / 1e9:8.1f} {ratio:6.3f} {err:8.1e}")
             if not err <= 1e-2:

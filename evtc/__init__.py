@@ -6,10 +6,14 @@ trace it into an IR graph with :func:`trace`, compile it into a fused GEMM kerne
 """
 
 import logging as _logging
+from typing import TYPE_CHECKING
 
-from .api import reference, trace
-from .compile import CallError, CompileError, Kernel, compile
+# Bound here, not lazily: importing the submodules evtc.compile and evtc.linear would otherwise
+# shadow the functions of the same names. Neither imports sympy or the CuTe DSL.
+from .compile import compile  # noqa: E402, I001
 from .errors import (
+    CallError,
+    CompileError,
     ControlFlowError,
     DTypeError,
     EpilogueError,
@@ -23,9 +27,36 @@ from .errors import (
     UnsupportedOpError,
 )
 from .frontend.epilogue import Epilogue, epilogue
-from .ir.graph import Graph, Node, Operand
-from .ir.interpreter import evaluate
-from .linear import Linear, linear
+from .linear import Linear, linear  # noqa: E402
+from .runtime.kernel import Kernel  # noqa: E402
+
+if TYPE_CHECKING:
+    from .api import reference, trace
+    from .ir.graph import Graph, Node, Operand
+    from .ir.interpreter import evaluate
+
+# The rest of the API is imported on first use: `import evtc` stays cheap (no sympy, no CuTe DSL),
+# and a process that only loads cached kernels never imports the tracer or the IR.
+_LAZY = {
+    "reference": "api", "trace": "api", "Graph": "ir.graph", "Node": "ir.graph",
+    "Operand": "ir.graph", "evaluate": "ir.interpreter",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'evtc' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

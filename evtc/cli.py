@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import evtc
-
-from .cache import DiskCache
-from .errors import EpilogueError
+from evtc.errors import EpilogueError
+from evtc.runtime.cache import DiskCache
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 KINDS = ("tile", "row", "col", "scalar", "device_scalar")
@@ -136,7 +135,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _demo_on_gpu(kernel: evtc.Kernel, m: int, n: int, k: int, dtype: torch.dtype) -> int:
-    from .timing import time_paired
+    from evtc.timing import time_paired
 
     x = _demo_inputs(m, n, k, "cuda", dtype)
     a, b, alpha = x["a"], x["b"], x["alpha"]

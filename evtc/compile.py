@@ -4,83 +4,45 @@
     D = k(a, b, C=C, bias=bias, alpha=0.7)    # what fn(acc, ...) returns, computed in one kernel
 
 Steps: trace and optimize the epilogue (:func:`evtc.trace`), generate the visitor's source
-(:mod:`evtc.codegen.emit`), then, unless a cache has it, write the source out, import it and compile
-the kernel through the DSL's TVM-FFI calling convention. The result is kept in memory and on disk
-(:mod:`evtc.cache`). A compiled kernel serves every problem size and every scalar value.
+(:mod:`evtc.codegen.emit`), plan the kernel (:mod:`evtc.plan`: layouts, configuration, shared memory,
+what each call needs), then obtain it (:mod:`evtc.runtime.build`): from this process's memory, the
+disk cache, or a build with the CuTe DSL. A compiled kernel serves every problem size and every
+scalar value.
+
+A call that was compiled before, in any process, skips all of that: its front key
+(:mod:`evtc.runtime.front_key`) leads to the kernel's plan and its cache entry, loaded without
+tracing and without the CuTe DSL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from evtc.errors import CallError, CompileError, EpilogueError
+from evtc.plan.config import GemmConfig
+from evtc.plan.kernel_plan import CallInterface, KernelPlan, plan_kernel
+from evtc.runtime.build import SOURCE, load, obtain
+from evtc.runtime.cache import DiskCache
+from evtc.runtime.front_key import front_key, versions
+from evtc.runtime.kernel import Kernel
 
-from .api import OutDtypes, trace
-from .cache import DiskCache
-from .errors import CallError, CompileError, EpilogueError
-from .frontend.epilogue import unwrap
-from .frontend.inputs import read_signature
-from .frontend.source import definition_location
-from .ir.dtypes import KERNEL_INPUT_DTYPES
-from .ir.passes.gated import kernel_graph
-from .ir.printer import format_graph
-from .kernel import CallInterface, Kernel, user_operand_names
-from .signature import KernelSignature, dtype_name
-
-# ---- versions and keys ---------------------------------------------------------------------------
-
-
-@functools.cache
-def _codegen_digest() -> str:
-    """A digest of evtc's code generator and kernel sources: a change to any invalidates caches."""
-    here = Path(__file__).parent
-    h = hashlib.sha256()
-    builders = [here / name for name in ("compile.py", "kernel.py", "signature.py")]
-    for path in sorted((here / "codegen").glob("*.py")) + builders:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    from importlib import metadata
-
-    from . import __version__
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "unknown"
-
-    return {
-        "evtc": __version__,
-        "codegen": _codegen_digest(),
-        "cutlass_dsl": version("nvidia-cutlass-dsl"),
-        "tvm_ffi": version("apache-tvm-ffi"),
-        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-    }
-
-
-# ---- the static signature ------------------------------------------------------------------------
-
-
-# ---- compile ---------------------------------------------------------------------------------------
+if TYPE_CHECKING:
+    from evtc.api import OutDtypes
 
 log = logging.getLogger("evtc")
 
 _MEMORY: dict[str, Kernel] = {}
+# In-memory kernels by (front key, cache dir), and a lock per key (see _compile).
+_FRONT: dict[tuple[str, str], Kernel] = {}
+_FRONT_LOCKS: dict[tuple[str, str], threading.Lock] = {}
 _MEMORY_LOCK = threading.Lock()
 
 
@@ -102,7 +64,7 @@ def compile(  # noqa: A001 - the public name, as torch.compile
             dtypes, shapes and memory layouts (which dim is contiguous) matter; sizes do not: the
             kernel serves every M, N, K, L. Meta tensors are fine.
         out_dtypes: as for :func:`evtc.trace`.
-        config: knobs of the GEMM (a :class:`evtc.codegen.GemmConfig` or a dict of its fields:
+        config: knobs of the GEMM (a :class:`evtc.plan.config.GemmConfig` or a dict of its fields:
             ``tile_n``, ``epi_tile_n``, ``cluster``, ...). Dtypes and majors come from the examples.
         arch: compile for this GPU architecture (``"sm_90a"``) without a GPU; defaults to the
             ``CUTE_DSL_ARCH`` environment variable or the GPU present.
@@ -112,7 +74,8 @@ def compile(  # noqa: A001 - the public name, as torch.compile
             epilogue evaluated by torch (docs/compile.md, "Call paths").
 
     Returns:
-        a :class:`Kernel`; ``k.source`` is the generated code, ``k.ptx`` the PTX, ``k.graph`` the IR.
+        a :class:`evtc.runtime.kernel.Kernel`; ``k.source`` is the generated code, ``k.ptx`` the PTX,
+        ``k.graph`` the IR, ``k.plan`` what each call does.
 
     Raises:
         EpilogueError: a subclass naming the problem (and the epilogue's line when there is one).
@@ -124,8 +87,100 @@ def compile(  # noqa: A001 - the public name, as torch.compile
 
 
 def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) -> Kernel:
-    from .codegen.config import ConfigError, GemmConfig
-    from .codegen.emit import emit
+    arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
+    fkey = front_key(fn, example_inputs, out_dtypes, config, arch, strict)
+    if fkey is None:
+        kernel, _ = _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
+        kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
+        return kernel
+    memory_key = (fkey, str(cache_dir))
+    with _MEMORY_LOCK:
+        hit = _FRONT.get(memory_key)
+        lock = _FRONT_LOCKS.setdefault(memory_key, threading.Lock())
+    if hit is not None:
+        return hit
+    # One compile per front key at a time: threads asking for the same kernel wait for the first
+    # and share its Kernel.
+    with lock:
+        with _MEMORY_LOCK:
+            hit = _FRONT.get(memory_key)
+        if hit is not None:
+            return hit
+        kernel = _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir)
+        if kernel is None:
+            kernel, record = _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
+            if record is not None:
+                DiskCache(cache_dir).commit_front(fkey, record)
+        kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
+        with _MEMORY_LOCK:
+            _FRONT[memory_key] = kernel
+        return kernel
+
+
+def _retrace(fn, example_inputs, out_dtypes):
+    """The kernel's graph, traced again (for ``k.graph`` and the torch path of a kernel loaded
+    through its front record)."""
+
+    def graph():
+        from evtc.api import trace
+        from evtc.ir.passes.gated import kernel_graph
+
+        return kernel_graph(trace(fn, example_inputs, out_dtypes=out_dtypes))
+
+    return graph
+
+
+def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) -> Kernel | None:
+    """The kernel of a compile call made before, from its front record and its verified cache
+    entry, or None (then the call takes the full path, which rebuilds what is missing)."""
+    cache = DiskCache(cache_dir)
+    record = cache.front(fkey)
+    if record is None:
+        return None
+    try:
+        plan = KernelPlan.from_json(record["plan"])
+        config = GemmConfig(**record["config"])
+        key, signature, chooses = record["key"], record["signature"], bool(record["clusters"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if plan is None:
+        return None
+    entry = cache.load(key)
+    if entry is None:
+        return None
+    try:
+        built = load(entry)
+    except Exception as exc:  # noqa: BLE001 - the full path rebuilds it
+        log.warning("disk cache entry %s does not load (%s); rebuilding it", entry["dir"], exc)
+        return None
+    built.origin = "disk"
+    retrace = _retrace(fn, example_inputs, out_dtypes)
+    kernel = Kernel(plan, config, key, cache, built, retrace=retrace)
+    log.info("disk cache hit: %r loaded from %s by its front record, without tracing", plan.name, built.path)
+    if chooses:
+
+        def other_cluster(cfg: GemmConfig) -> Kernel:
+            source = (built.path / SOURCE).read_text()
+            return _kernel_for(plan, source, signature, cfg, arch, cache_dir, retrace=retrace)
+
+        kernel = kernel._choosing_clusters(other_cluster)
+    return kernel
+
+
+def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict):
+    """The full path: trace, optimize, generate, plan and obtain. Returns the kernel and its front
+    record (None for a kernel without SM90 code)."""
+    import torch
+
+    from evtc.api import trace
+    from evtc.codegen.emit import emit
+    from evtc.frontend.epilogue import unwrap
+    from evtc.frontend.source import definition_location
+    from evtc.ir.dtypes import KERNEL_INPUT_DTYPES
+    from evtc.ir.passes.gated import kernel_graph
+    from evtc.plan.config import ConfigError
+    from evtc.plan.signature import KernelSignature, dtype_name
+    from evtc.plan.smem import fit_config
 
     user_fn = unwrap(fn)
     graph = kernel_graph(trace(fn, example_inputs, out_dtypes=out_dtypes))
@@ -143,10 +198,10 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         reason = ("float32 a and b: the SM90 kernel has no tf32 or float32 mainloop yet (torch.matmul "
                   "follows torch.backends.cuda.matmul.allow_tf32)")
         return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason,
-                             "Pass float16 or bfloat16 a and b for a fused kernel")
+                             "Pass float16 or bfloat16 a and b for a fused kernel"), None
     if signature.broadcast_batch is not None:
         return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, signature.broadcast_batch,
-                             "Expand a or b so both have the same batch size")
+                             "Expand a or b so both have the same batch size"), None
 
     knobs: dict[str, Any]
     if config is None:
@@ -160,24 +215,31 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         knobs = dict(config)
     # Only reductions: no D (the kernel's D dtype is then that of a and b, for its unused buffer).
     d_dtype = dtype_name(emitted.outputs[0].dtype) if emitted.outputs else signature.a.dtype
+    d_major = knobs.get("d_major", "n")
+    if d_major == "m" and (len(emitted.outputs) != 1 or emitted.reductions):
+        raise CompileError("configuration: d_major='m' (a column-major output) needs an epilogue with "
+                           "one full-tile output and no reductions", loc)
+    signature.set_output_major(d_major)
     knobs.update(ab_dtype=signature.a.dtype, d_dtype=d_dtype, a_major=signature.a_major,
-                 b_major=signature.b_major, d_major="n", gated=graph.gated,
+                 b_major=signature.b_major, d_major=d_major, gated=graph.gated,
                  store_d=bool(emitted.outputs))
     if len(emitted.outputs) > 1 and knobs.get("epi_stages") is None:
         # Extra outputs are staged like D, one buffer per D stage: fix the count so both agree.
         knobs["epi_stages"] = 2
     try:
-        cfg = _fit(knobs, emitted, signature)
+        cfg = fit_config(knobs, emitted, signature)
     except (ConfigError, TypeError) as exc:
         raise CompileError(f"configuration: {exc}", loc) from None
     log.info("%r: GEMM %s, epilogue loads staged %d deep%s", graph.name, cfg.short_name(), cfg.c_stages,
              "" if "cluster" in knobs else ", cluster chosen per call")
 
-    arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
-    kernel = _kernel_for(graph, emitted, signature, cfg, arch, cache_dir, interface)
+    plan = plan_kernel(graph, emitted, signature, interface)
+    described = signature.describe()
+    kernel = _kernel_for(plan, emitted.source, described, cfg, arch, cache_dir, graph=graph)
+    record = {"key": kernel.key, "plan": plan.to_json(), "config": dataclasses.asdict(cfg),
+              "clusters": "cluster" not in knobs, "signature": described}
     if "cluster" in knobs:
-        kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
-        return kernel
+        return kernel, record
     # No cluster asked for: the cluster shape is chosen per call (Kernel.cluster_for), the other
     # shapes compiled on first use through the same caches.  A kernel of its own, since a pinned
     # cluster of the same configuration shares the plain one.
@@ -185,18 +247,34 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
     with _MEMORY_LOCK:
         twin = _MEMORY.get(twin_key)
         if twin is None:
-            factory = functools.partial(_kernel_for, graph, emitted, signature, arch=arch,
-                                        cache_dir=cache_dir, interface=interface)
+            factory = functools.partial(_kernel_for, plan, emitted.source, described, arch=arch,
+                                        cache_dir=cache_dir, graph=graph)
             twin = _MEMORY[twin_key] = kernel._choosing_clusters(factory)
-    twin.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
-    return twin
+    return twin, record
+
+
+def _user_operand_names(graph, emitted) -> set[str]:
+    """The names the user passes for the kernel's live operands (a gated kernel's ``bias.gate`` and
+    ``bias.up`` are both ``bias``)."""
+    names = set()
+    for p in emitted.inputs:
+        if p.kind == "literal":
+            continue
+        operand = graph.operands.get(p.name)
+        names.add(operand.half_of[0] if operand is not None and operand.half_of else p.name)
+    return names
 
 
 def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> CallInterface:
     """What calls accept besides the live operands: every parameter of the user's function is
-    accepted, as calling the function would accept it (see :class:`evtc.kernel.CallInterface`)."""
+    accepted, as calling the function would accept it (see
+    :class:`evtc.plan.kernel_plan.CallInterface`)."""
+    import torch
+
+    from evtc.frontend.inputs import read_signature
+
     signature = read_signature(user_fn)
-    live = set(user_operand_names(graph, emitted))
+    live = _user_operand_names(graph, emitted)
     unused: set[str] = set()
     constants: list[tuple[str, Any]] = []
     for name in signature.params:
@@ -218,155 +296,47 @@ def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: 
     """A kernel object for inputs the SM90 kernel cannot take at all (float32 ``a`` and ``b``, a
     batch broadcast between them): every call takes the torch path, so the API, the checks and the
     custom operator stay the same."""
+    from evtc.ir.printer import format_graph
+
     if interface.strict:
         raise CompileError(f"{reason}; strict=True refuses the torch path. {remedy}", loc)
-    interface = replace(interface, torch_only=reason)
+    interface = dataclasses.replace(interface, torch_only=reason)
     key = hashlib.sha256(json.dumps({"torch": format_graph(graph), "signature": signature.describe(),
                                      "interface": interface.tag()}, sort_keys=True).encode()).hexdigest()
     with _MEMORY_LOCK:
         kernel = _MEMORY.get(key)
         if kernel is None:
-            kernel = _MEMORY[key] = Kernel.torch_only(graph, emitted, signature, key, DiskCache(cache_dir),
-                                                      interface)
-    kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
+            plan = plan_kernel(graph, emitted, signature, interface)
+            kernel = _MEMORY[key] = Kernel.torch_only(plan, graph, key, DiskCache(cache_dir))
     return kernel
 
 
-def _kernel_for(graph, emitted, signature, cfg, arch, cache_dir, interface=None) -> Kernel:
+def _kernel_for(plan: KernelPlan, source: str, signature: dict, cfg: GemmConfig, arch, cache_dir, *,
+                graph=None, retrace: Callable[[], Any] | None = None) -> Kernel:
     """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
-    meta = {
-        "versions": _versions(),
-        "config": repr(cfg),
-        "signature": signature.describe(),
-        "arch": arch or "device",
-    }
-    key_text = json.dumps({"source": emitted.source, **meta}, sort_keys=True)
-    key = hashlib.sha256(key_text.encode()).hexdigest()
-
+    meta = {"versions": versions(), "config": repr(cfg), "signature": signature, "arch": arch or "device"}
+    key = hashlib.sha256(json.dumps({"source": source, **meta}, sort_keys=True).encode()).hexdigest()
     # Kernels of one compiled code but other call interfaces (unused parameters, strict) are
     # separate objects over the same disk cache entry.
-    interface = interface or CallInterface()
-    memory_key = key + interface.tag()
+    memory_key = key + plan.interface.tag()
     with _MEMORY_LOCK:
         hit = _MEMORY.get(memory_key)
     if hit is not None:
-        log.debug("memory cache hit: %r, key %s", graph.name, key[:16])
+        log.debug("memory cache hit: %r, key %s", plan.name, key[:16])
         return hit
     cache = DiskCache(cache_dir)
-    with cache.lock(key):
-        with _MEMORY_LOCK:
-            hit = _MEMORY.get(memory_key)
-        if hit is not None:
-            return hit
-        kernel = Kernel(graph, emitted, signature, cfg, key, cache, arch, interface)
-        kernel._materialize(meta)
-        with _MEMORY_LOCK:
-            _MEMORY[memory_key] = kernel
-    return kernel
-
-
-def _fit(knobs: dict[str, Any], emitted, signature):
-    """The configuration of ``knobs``, its epilogue loads planned, checked to fit in shared memory.
-
-    Where the epilogue's buffers (many or wide outputs) leave too few A/B stages, and the user did not
-    choose them, narrower 128 x 16 subtiles are tried, then the cooperative schedule (one epilogue's
-    buffers instead of the ping-pong schedule's two). Otherwise the first error says what to shrink.
-    """
-    from .codegen.config import ConfigError, GemmConfig
-
-    attempts: list[dict[str, Any]] = [{}]
-    if "epi_tile_n" not in knobs:
-        attempts.append({"epi_tile_n": 16})
-    if "schedule" not in knobs and "tile_n" not in knobs and "cluster" not in knobs:
-        attempts.append({"schedule": "cooperative", **attempts[-1]})
-    first_error = None
-    for extra in attempts:
-        try:
-            cfg = GemmConfig(**{**knobs, **extra}).validate()
-            cfg = _plan_epilogue_loads(cfg, emitted, signature, {**knobs, **extra})
-            _ab_stages(emitted, signature, cfg, cfg.c_stages)  # raises where it does not fit
-        except ConfigError as exc:
-            first_error = first_error or exc
-            continue
-        if extra:
-            log.info("%r: the epilogue's buffers do not fit with the default tiles; using %s",
-                     emitted.class_name, extra)
-        return cfg
-    assert first_error is not None
-    if len(attempts) > 1:
-        tried = ", ".join("128x16 subtiles" if a == {"epi_tile_n": 16} else "the cooperative schedule"
-                          for a in attempts[1:])
-        raise ConfigError(f"{first_error} (also tried: {tried})")
-    raise first_error
-
-
-def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
-    """A/B stages the kernel will have with ``load_stages`` epilogue-load stages (it plans its
-    shared memory the same way: the visitor's buffers, then D's unless D shares C's)."""
-    from .codegen.emit import operand_objects, reduction_objects
-    from .codegen.fused import d_buffer_input
-
-    cfg = cfg.replace(load_stages=load_stages)
-    inputs, outputs = operand_objects(emitted, signature.tile_majors, signature.batched)
-    stores = (cfg.epi_stages if cfg.epi_stages is not None else 2) * cfg.epi_groups
-    # Pingpong: each consumer warpgroup has its own ring of ``load_stages`` epilogue-load buffers.
-    buffers = load_stages * cfg.epi_groups
-    smem = sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, buffers, stores)
-               for o in inputs + outputs[1:] + reduction_objects(emitted))
-    shares_d = cfg.shares_d_with_load(d_buffer_input(inputs, outputs[1:], cfg) is not None)
-    return cfg.plan_stages(smem, shares_d)[0]
-
-
-def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
-    """Stage the epilogue's loads as deep as the A/B pipeline allows, ideally for the whole tile.
-
-    At small K the epilogue's memory traffic is what a fused epilogue costs; loads staged for the
-    whole tile land while the mainloop runs (and a C with D's dtype then holds D too, see
-    `GemmConfig.shares_d_with_load`). The A/B pipeline may go down to
-    `GemmConfig.overlap_ab_stages` for it (and no further: fewer stages starve the tensor cores).
-    Where a whole tile of the configured subtiles does not fit, 128x16 subtiles are tried for the
-    whole tile unless the user chose `epi_tile_n` (narrower subtiles cost barriers, so only the whole
-    tile is worth them). Otherwise the deepest staging that keeps those A/B stages wins, and failing
-    that the old rule: at least 2 stages, as deep as costs no A/B stage.
-    """
-    from .codegen.config import ConfigError
-
-    if "load_stages" in knobs or not any(p.kind in ("tile", "row", "col") for p in emitted.inputs):
-        return cfg
-
-    def deepest(cand) -> int | None:
-        for depth in range(cand.num_subtiles, 1, -1):
-            try:
-                ab = _ab_stages(emitted, signature, cand, depth)
-            except ConfigError:
-                continue
-            if ab >= cand.overlap_ab_stages():
-                return depth
-        return None
-
-    depth = deepest(cfg)
-    if depth != cfg.num_subtiles and "epi_tile_n" not in knobs and cfg.epi_tile_n != 16:
-        narrow = cfg.replace(epi_tile_n=16)
-        if deepest(narrow) == narrow.num_subtiles:
-            return narrow.replace(load_stages=narrow.num_subtiles)
-    if depth is not None:
-        return cfg.replace(load_stages=depth)
-    depth = cfg.c_stages
-    floor = min(2, depth)
-    ab_at_floor = _ab_stages(emitted, signature, cfg, floor)
-    while depth > floor and _ab_stages(emitted, signature, cfg, depth) < ab_at_floor:
-        depth -= 1
-    return cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg
+    built = obtain(plan, source, cfg, key, cache, arch, meta)
+    kernel = Kernel(plan, cfg, key, cache, built, source=source, graph=graph, retrace=retrace)
+    with _MEMORY_LOCK:
+        return _MEMORY.setdefault(memory_key, kernel)
 
 
 def clear_memory_cache() -> None:
     """Forget the kernels compiled in this process (the disk cache stays)."""
     with _MEMORY_LOCK:
         _MEMORY.clear()
-
-
-# ---- the kernel ------------------------------------------------------------------------------------
+        _FRONT.clear()
+        _FRONT_LOCKS.clear()
 
 
 __all__ = ["CallError", "CompileError", "Kernel", "clear_memory_cache", "compile"]
-

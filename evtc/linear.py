@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .api import OutDtypes
-from .compile import compile as _compile_kernel
-from .errors import CallError, EpilogueError
-from .ir.shapes import M
-from .kernel import Kernel
+from evtc.compile import compile as _compile_kernel
+from evtc.errors import CallError, EpilogueError
+from evtc.runtime.kernel import Kernel
+
+if TYPE_CHECKING:
+    from evtc.api import OutDtypes
 
 
 class Linear:
@@ -67,17 +68,15 @@ class Linear:
     def _per_output(self, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """``value`` (the epilogue's output structure) with ``along_m`` applied to the outputs whose
         first dim is M (tiles, per-row reductions); per-column and whole-output reductions pass."""
-        graph = self.kernel.graph
-        names = graph.outputs.names
-        if graph.outputs.kind == "single":
-            leaves = {names[0]: value}
-        elif graph.outputs.kind == "tuple":
-            leaves = dict(zip(names, value, strict=True))
-        else:
-            leaves = {name: value[key] for name, key in zip(names, graph.outputs.keys, strict=True)}
-        mapped = {name: along_m(t) if isinstance(t, torch.Tensor) and graph.store(name).shape[:1] == (M,)
-                  else t for name, t in leaves.items()}
-        return graph.outputs.build(mapped)
+        plan = self.kernel.plan
+        structure = plan.structure
+        dims = {s.name: s.dims for s in plan.outputs} | {h.name: h.dims for h in plan.host_outputs}
+        leaves = structure.flatten(value, lambda _: True)
+        if leaves is None:
+            return value
+        mapped = {name: along_m(t) if isinstance(t, torch.Tensor) and dims[name][:1] == ("M",) else t
+                  for name, t in leaves.items()}
+        return structure.build(mapped)
 
 
 def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import evtc
-from evtc.codegen.launch import TensorSpec
-from evtc.staging import aligned_copy, aligned_empty, layout_problem
+from evtc.plan.tensor_spec import TensorSpec
+from evtc.runtime.staging import aligned_copy, aligned_empty, layout_problem
 
 TILE = TensorSpec("C", "float16", ("M", "N"), 1)
 TILE_M_MAJOR = TensorSpec("C", "float16", ("M", "N"), 0)
@@ -214,7 +214,7 @@ def test_per_batch_device_scalars_are_read_at_each_batch(cache):
     k = evtc.compile(scaled, ex, cache_dir=cache)
     # The kernel reads the scalar at the tile's batch, through an (L,) view of the (L, 1, 1) tensor.
     assert "DeviceScalar('alpha_dev', 'float32', batched=True)" in k.source
-    assert k._signature.views[-1] == ("L",)
+    assert k.plan.inputs[-1].view == ("L",)
     if not torch.cuda.is_available():
         got = k(**ex)
         acc = ex["a"].float() @ ex["b"].float()

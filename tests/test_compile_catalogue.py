@@ -59,7 +59,7 @@ def test_catalogue_compiles_for_sm90(entry, cache_dir):
     assert "wgmma.mma_async" in ptx
     assert TMA_LOAD.search(ptx), "no TMA load"
     stores = len(TMA_STORE.findall(ptx))
-    outputs = len(k._emitted.outputs)  # full-tile outputs (reductions go to float32 workspaces)
+    outputs = len(k.plan.outputs)  # full-tile outputs (reductions go to float32 workspaces)
     assert stores >= outputs, f"{stores} TMA store instructions for {outputs} outputs"
     assert k.config.store_d == (outputs > 0)
     if not outputs:

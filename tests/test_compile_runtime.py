@@ -68,7 +68,7 @@ def test_cluster_shape_is_chosen_per_problem(kernel):
 def test_config_object_counts_only_the_fields_it_changes(kernel, tmp_path):
     """A GemmConfig passed as config pins what differs from its schedule's defaults, nothing else:
     the cluster is still chosen per call and the epilogue loads still planned."""
-    from evtc.codegen.config import GemmConfig
+    from evtc.plan.config import GemmConfig
 
     k = evtc.compile(bias_relu, example(), config=GemmConfig(epi_tile_n=64), cache_dir=tmp_path)
     assert k is evtc.compile(bias_relu, example(), config={"epi_tile_n": 64}, cache_dir=tmp_path)
@@ -128,7 +128,7 @@ def test_disk_cache_across_processes_and_damaged_entries(tmp_path):
 
 
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
-    from evtc.cache import DiskCache
+    from evtc.runtime.cache import DiskCache
 
     monkeypatch.setenv("EVTC_CACHE_DIR", str(tmp_path / "env-cache"))
     assert DiskCache().root == tmp_path / "env-cache"
@@ -167,7 +167,7 @@ def test_an_epilogue_of_reductions_only_stores_no_tile(tmp_path):
     ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
     k = evtc.compile(only_reductions, ex, cache_dir=tmp_path)
     assert not k.config.store_d and "no-D" in k.config.short_name()
-    assert "outputs = ()" in k.source and len(k._emitted.reductions) == 2
+    assert "outputs = ()" in k.source and len(k.plan.reductions) == 2
     assert "wgmma.mma_async" in k.ptx
     assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", k.ptx), "a TMA store"
 

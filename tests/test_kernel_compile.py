@@ -9,83 +9,79 @@ import functools
 import re
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
+from gemm_kernels import compile_config, uses_d_buffers_of_c
 
-from evtc.codegen.config import ConfigError, GemmConfig
-from evtc.codegen.runtime import (
-    _current_stream,
-    compile_gemm,
-    config_for,
-    infer_majors,
-    operand_to_cute,
-)
-from evtc.codegen.scheduler import reference_order
-from evtc.codegen.visitors import Identity, LinearCombination
+import evtc
+from evtc.plan.clusters import reference_order
+from evtc.plan.config import ConfigError, GemmConfig
 
-# (config, visitor) pairs: every dtype, major, cluster and epilogue tile appears at least once, and
+# (config, epilogue) pairs (None: the identity; (dtype, major) of C: alpha * acc + beta * C):
+# every dtype, major, cluster and epilogue tile appears at least once, and
 # the linear combination runs with 16- and 32-bit C in both majors.
 # G: the cooperative schedule (GemmConfig's default is ping-pong; its entries below say so).
 G = functools.partial(GemmConfig, schedule="cooperative")
 MATRIX = [
-    (GemmConfig(), Identity()),  # the default: ping-pong, 128x128, cluster 1x2
-    (GemmConfig(), LinearCombination("float16", "n")),
-    (GemmConfig(d_dtype="float8_e4m3fn"), Identity()),   # a float8 D: satfinite cvt, no stmatrix
-    (G(ab_dtype="bfloat16", d_dtype="float8_e5m2", epi_tile_n=64), Identity()),
-    (G(), Identity()),
-    (G(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k"), Identity()),
-    (G(d_dtype="float32", a_major="m"), Identity()),
+    (GemmConfig(), None),  # the default: ping-pong, 128x128, cluster 1x2
+    (GemmConfig(), ("float16", "n")),
+    (GemmConfig(d_dtype="float8_e4m3fn"), None),   # a float8 D: satfinite cvt, no stmatrix
+    (G(ab_dtype="bfloat16", d_dtype="float8_e5m2", epi_tile_n=64), None),
+    (G(), None),
+    (G(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k"), None),
+    (G(d_dtype="float32", a_major="m"), None),
     (G(ab_dtype="bfloat16", d_dtype="float32", b_major="k", d_major="m", tile_n=128, epi_tile_n=64),
-     Identity()),
-    (G(d_dtype="bfloat16", a_major="m", b_major="k", d_major="m", epi_tile_n=16), Identity()),
-    (G(d_major="m", tile_n=128, epi_tile_n=16), Identity()),
-    (G(ab_dtype="bfloat16", d_dtype="float32", tile_n=256, epi_tile_n=64), Identity()),
-    (G(tile_n=64, epi_tile_n=64), Identity()),
-    (G(cluster=(2, 1)), Identity()),
-    (G(ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2)), Identity()),
-    (G(cluster=(2, 1), a_major="m", b_major="k", tile_n=128, epi_tile_n=64), Identity()),
-    (G(cluster=(1, 2), d_dtype="float32", d_major="m", tile_n=128), Identity()),
-    (G(), LinearCombination("float16", "n")),
+     None),
+    (G(d_dtype="bfloat16", a_major="m", b_major="k", d_major="m", epi_tile_n=16), None),
+    (G(d_major="m", tile_n=128, epi_tile_n=16), None),
+    (G(ab_dtype="bfloat16", d_dtype="float32", tile_n=256, epi_tile_n=64), None),
+    (G(tile_n=64, epi_tile_n=64), None),
+    (G(cluster=(2, 1)), None),
+    (G(ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2)), None),
+    (G(cluster=(2, 1), a_major="m", b_major="k", tile_n=128, epi_tile_n=64), None),
+    (G(cluster=(1, 2), d_dtype="float32", d_major="m", tile_n=128), None),
+    (G(), ("float16", "n")),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", tile_n=128, epi_tile_n=16),
-     LinearCombination("bfloat16", "m")),
-    (G(d_dtype="float32", tile_n=128, epi_tile_n=64), LinearCombination("float32", "n")),
-    (G(cluster=(2, 1)), LinearCombination("float16", "m")),
+     ("bfloat16", "m")),
+    (G(d_dtype="float32", tile_n=128, epi_tile_n=64), ("float32", "n")),
+    (G(cluster=(2, 1)), ("float16", "m")),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", cluster=(1, 2), tile_n=128, epi_tile_n=64),
-     LinearCombination("float16", "n")),
+     ("float16", "n")),
     # D staged in C's whole-tile load buffers (C has D's dtype and major).
-    (G(load_stages=8), LinearCombination("float16", "n")),
+    (G(load_stages=8), ("float16", "n")),
     (G(ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m", epi_tile_n=64, load_stages=4, cluster=(2, 1)),
-     LinearCombination("bfloat16", "m")),
+     ("bfloat16", "m")),
     # Pingpong schedule: one 128 x tile_n tile per consumer warpgroup (two m64 atoms along M).
-    (G(schedule="pingpong", cluster=(1, 1)), Identity()),
-    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", a_major="m", b_major="k"), Identity()),
-    (G(schedule="pingpong", d_dtype="float32", d_major="m", epi_tile_n=64, cluster=(1, 1)), Identity()),
-    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="float32", epi_tile_n=16), Identity()),
-    (G(schedule="pingpong", tile_n=64, epi_tile_n=64, b_major="k"), Identity()),
-    (G(schedule="pingpong", cluster=(2, 1)), Identity()),
+    (G(schedule="pingpong", cluster=(1, 1)), None),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", a_major="m", b_major="k"), None),
+    (G(schedule="pingpong", d_dtype="float32", d_major="m", epi_tile_n=64, cluster=(1, 1)), None),
+    (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="float32", epi_tile_n=16), None),
+    (G(schedule="pingpong", tile_n=64, epi_tile_n=64, b_major="k"), None),
+    (G(schedule="pingpong", cluster=(2, 1)), None),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", cluster=(1, 2), tile_n=64),
-     Identity()),
-    (G(schedule="pingpong", cluster=(1, 1)), LinearCombination("float16", "n")),
+     None),
+    (G(schedule="pingpong", cluster=(1, 1)), ("float16", "n")),
     (G(schedule="pingpong", ab_dtype="bfloat16", d_dtype="bfloat16", d_major="m",
-       epi_tile_n=16), LinearCombination("bfloat16", "m")),
-    (G(schedule="pingpong", d_dtype="float32", cluster=(1, 1)), LinearCombination("float32", "n")),
-    (G(schedule="pingpong", cluster=(2, 1), a_major="m"), LinearCombination("float16", "m")),
+       epi_tile_n=16), ("bfloat16", "m")),
+    (G(schedule="pingpong", d_dtype="float32", cluster=(1, 1)), ("float32", "n")),
+    (G(schedule="pingpong", cluster=(2, 1), a_major="m"), ("float16", "m")),
     (G(schedule="pingpong", tile_n=64, epi_tile_n=16, d_major="m", load_stages=1),
-     LinearCombination("float32", "m")),
+     ("float32", "m")),
 ]
 
 
 def _id(case) -> str:
-    cfg, vis = case
-    extra = "/".join(vis.cache_key()[1:])
-    return f"{cfg.short_name()} {vis.name}" + (f"/{extra}" if extra else "")
+    cfg, c = case
+    return f"{cfg.short_name()} " + ("identity" if c is None else f"lincomb C{c[0]}{c[1]}")
 
 
 @pytest.fixture(scope="module", params=MATRIX, ids=[_id(c) for c in MATRIX])
 def compiled(request):
-    cfg, vis = request.param
-    return compile_gemm(cfg, vis)
+    cfg, c = request.param
+    kernel = compile_config(cfg, c)
+    return SimpleNamespace(ptx=kernel.ptx, config=kernel.config, stages=kernel.stages, smem=kernel.smem, c=c)
 
 
 def _ptxas_report(ptx: str, tmp_path) -> str | None:
@@ -122,7 +118,7 @@ def test_ptx_has_the_sm90_instructions(compiled):
         assert ".multicast::cluster" in ptx
     else:
         assert ".multicast::cluster" not in ptx
-    if isinstance(compiled.visitor, LinearCombination) and compiled.visitor.c_dtype_name != "float32":
+    if compiled.c is not None and compiled.c[0] != "float32":
         assert "ldmatrix" in ptx
     if cfg.schedule == "pingpong":
         # Mainloop turn-taking between the two consumer warpgroups.
@@ -146,87 +142,45 @@ def test_no_local_memory_spills(compiled, tmp_path):
 
 def test_stage_plan_fits(compiled):
     cfg = compiled.config
-    assert compiled.ab_stages >= 2 and compiled.d_stages >= 1
-    visitor_bytes = compiled.visitor.smem_bytes(cfg, cfg.c_stages)
-    d_bytes = 0 if compiled.kernel.d_in_load_buffers else cfg.d_bytes_per_stage()
-    used = compiled.ab_stages * cfg.ab_bytes_per_stage() + compiled.d_stages * d_bytes + visitor_bytes
+    stages, smem = compiled.stages, compiled.smem
+    assert stages["ab"] >= 2 and stages["d"] >= 1
+    d_bytes = 0 if stages["d_in_load"] else cfg.d_bytes_per_stage()
+    used = stages["ab"] * cfg.ab_bytes_per_stage() + stages["d"] * d_bytes + smem["visitor"]
     assert used <= 232448 - 2048
 
 
 def test_compile_is_cached():
-    a = compile_gemm(G(), Identity())
-    b = compile_gemm(G(), Identity())
+    a = compile_config(G(), None)
+    b = compile_config(G(), None)
     assert a is b
-    # Visitors with the same static key share a kernel; a different C dtype does not.
-    c1 = compile_gemm(G(), LinearCombination("float16", "n"))
-    c2 = compile_gemm(G(), LinearCombination("float16", "n"))
+    # Epilogues with the same code share a kernel; a different C dtype does not.
+    c1 = compile_config(G(), ("float16", "n"))
+    c2 = compile_config(G(), ("float16", "n"))
     assert c1 is c2
     assert c1 is not a
+    assert compile_config(G(), ("bfloat16", "n")) is not c1
 
 
 # ---- host glue ----------------------------------------------------------------------------------
 
 
-def _cpu(shape, dtype=torch.float16):
-    return torch.randn(shape).to(dtype)
+def test_majors_come_from_the_examples_and_d_major_from_the_config():
+    m = torch.empty((64, 32), dtype=torch.float16, device="meta")
+    w = torch.empty((48, 32), dtype=torch.float16, device="meta")  # nn.Linear weight: B = w.T, K-major
+    k = evtc.compile(lambda acc: acc, {"a": m, "b": w.t()}, config={"d_major": "m", "cluster": (1, 1)})
+    cfg = k.config
+    assert (cfg.a_major, cfg.b_major, cfg.d_major) == ("k", "k", "m")
+    k = evtc.compile(lambda acc: acc, {"a": m.t().contiguous().t(), "b": w.t().contiguous()})
+    assert (k.config.a_major, k.config.b_major, k.config.d_major) == ("m", "n", "n")
 
 
-@pytest.mark.parametrize("visitor,kwargs", [
-    (Identity(), {}),
-    (LinearCombination("float16", "n"), {"alpha": 1.5, "beta": -0.5}),
-])
-@pytest.mark.parametrize("batched", [False, True])
-def test_runtime_arguments_match_compiled_signature(visitor, kwargs, batched):
-    gemm = compile_gemm(G(), visitor)
-    m, n, k, batches = 200, 136, 72, 3
-    lead = (batches,) if batched else ()
-    a, b, d = _cpu(lead + (m, k)), _cpu(lead + (k, n)), _cpu(lead + (m, n))
-    if isinstance(visitor, LinearCombination):
-        kwargs = dict(kwargs, c=_cpu(lead + (m, n)))
-    args = gemm.arguments(a, b, d, **kwargs)
-    ca, cb, cd = args[:3]
-    assert tuple(ca.shape) == (m, k, len(lead) and batches or 1)
-    assert tuple(cb.shape) == (n, k, len(lead) and batches or 1)
-    assert tuple(cd.shape) == (m, n, len(lead) and batches or 1)
-    # The DSL packs the arguments exactly as it will at launch time: types must match the compile.
-    exe_args, _ = gemm.compiled.generate_execution_args(*args, _current_stream())
-    assert len(exe_args) > 0
-
-
-def test_runtime_rejects_bad_operands():
-    gemm = compile_gemm(G(), Identity())
-    a, b, d = _cpu((64, 64)), _cpu((64, 64)), _cpu((64, 64))
-    with pytest.raises(ValueError, match="must be float16"):
-        gemm.arguments(a.float(), b, d)
-    with pytest.raises(ValueError, match="inner dimensions"):
-        gemm.arguments(a, _cpu((32, 64)), d)
-    with pytest.raises(ValueError, match="k-major|contiguous"):
-        gemm.arguments(a.t().contiguous().t(), b, d)  # column-major A, config says K-major
-    with pytest.raises(ValueError, match="16 bytes"):
-        compile_gemm(G(), Identity()).arguments(_cpu((64, 60)), _cpu((60, 64)), d)
-    with pytest.raises(ValueError, match="K = 0"):
-        gemm.arguments(_cpu((64, 0)), _cpu((0, 64)), d)
-    with pytest.raises(ValueError, match="needs c="):
-        compile_gemm(G(), LinearCombination()).arguments(a, b, d)
-
-
-def test_operand_view_strides():
-    t = _cpu((3, 40, 24))
-    ct = operand_to_cute(t, "x", (40, 24, 3), "n", ("m", "n"))
-    assert tuple(ct.shape) == (40, 24, 3)
-    assert tuple(ct.stride) == (24, 1, 960)
-    # A 2-D operand gets a TMA-legal (16-byte multiple) batch stride.
-    ct = operand_to_cute(_cpu((40, 24)), "x", (40, 24, 1), "n", ("m", "n"))
-    assert (ct.stride[2] * 2) % 16 == 0
-
-
-def test_infer_majors_and_config_for():
-    a = _cpu((64, 32))
-    bt = _cpu((48, 32))  # weight layout: B = bt.T is K-major
-    d = _cpu((48, 64)).t()  # column-major D
-    assert infer_majors(a, bt.t(), d) == {"a_major": "k", "b_major": "k", "d_major": "m"}
-    cfg = config_for(a, bt.t(), d, tile_n=128)
-    assert (cfg.a_major, cfg.b_major, cfg.d_major, cfg.tile_n) == ("k", "k", "m", 128)
+def test_column_major_output_needs_a_single_tile_output():
+    ex = {"a": torch.empty((64, 32), dtype=torch.float16, device="meta"),
+          "b": torch.empty((32, 48), dtype=torch.float16, device="meta")}
+    with pytest.raises(evtc.CompileError, match="d_major='m'"):
+        evtc.compile(lambda acc: (acc, acc.relu()), ex, config={"d_major": "m"})
+    with pytest.raises(evtc.CompileError, match="d_major='m'"):
+        evtc.compile(lambda acc: (acc, acc.sum(dim=-1)), ex, config={"d_major": "m"})
 
 
 @pytest.mark.parametrize("bad", [
@@ -258,17 +212,17 @@ def test_stage_budget():
 def test_d_shares_c_buffers_only_when_it_can():
     """D is staged in C's buffers exactly when C matches D's dtype and major, the C loads cover
     the whole tile, and the schedule is cooperative; then D takes no shared memory of its own."""
-    lc = LinearCombination("float16", "n")
+    lc = ("float16", "n")
     whole = G(load_stages=8)
-    assert compile_gemm(whole, lc).kernel.d_in_load_buffers
+    assert uses_d_buffers_of_c(compile_config(whole, lc))
     for cfg, vis in [
-        (G(), lc),                                         # 4 of 8 subtiles staged
-        (whole, LinearCombination("bfloat16", "n")),      # other dtype
-        (whole, LinearCombination("float16", "m")),       # other major
+        (G(load_stages=4), lc),                            # 4 of 8 subtiles staged
+        (whole, ("bfloat16", "n")),      # other dtype
+        (whole, ("float16", "m")),       # other major
         (G(d_dtype="float32", load_stages=8), lc),        # other dtype
         (G(schedule="pingpong", load_stages=4), lc),      # pingpong
     ]:
-        assert not cfg.shares_d_with_load(vis.offers_d_buffer(cfg)), cfg
+        assert not uses_d_buffers_of_c(compile_config(cfg, vis)), cfg
     assert not whole.shares_d_with_load(False)
     ab, d = whole.plan_stages(8 * 128 * 32 * 2, d_in_load_buffers=True)
     # 64 KiB of C (and D) leaves 3 stages of 128x256x64; the store ring count is the default 2.
@@ -321,7 +275,7 @@ def test_overlap_ab_stages_keeps_the_bytes_in_flight():
 
 
 def test_cluster_for_problem_counts_the_idle_ctas_of_overhanging_clusters():
-    from evtc.codegen.scheduler import cluster_for_problem, waves
+    from evtc.plan.clusters import cluster_for_problem, waves
 
     assert waves(128, 1, 1, (1, 2), 132) == 2 and waves(128, 1, 1, (2, 1), 132) == 1
     assert waves(3, 3, 2, (1, 2), 132) == 1 and waves(133, 1, 1, (1, 1), 132) == 2

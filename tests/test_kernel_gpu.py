@@ -11,10 +11,9 @@ import itertools
 
 import pytest
 import torch
+from gemm_kernels import TORCH, compile_config, uses_d_buffers_of_c
 
-from evtc.codegen.config import GemmConfig
-from evtc.codegen.runtime import compile_gemm
-from evtc.codegen.visitors import Identity, LinearCombination
+from evtc.plan.config import GemmConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +22,7 @@ pytestmark = pytest.mark.gpu
 Coop = functools.partial(GemmConfig, schedule="cooperative")
 
 TOL = 1e-2
-TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-         "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+IDENTITY = None  # the identity epilogue; (dtype, major) of C selects the linear combination
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -74,13 +72,14 @@ def assert_reruns_bitwise_equal(gemm, a, b, d, kwargs, runs: int) -> None:
     first = d.clone()
     for _ in range(runs):
         d.fill_(float("nan"))
-        gemm(a, b, d, **kwargs)
+        gemm(a, b, out=d, **kwargs)
         torch.cuda.synchronize()
         assert torch.equal(d, first)
 
 
-def run_case(cfg: GemmConfig, visitor, m, n, k, batches=1, batched=False, seed=0, c_major=None,
-             c_dtype=None, alpha=1.25, beta=-0.5):
+def run_case(cfg: GemmConfig, c, m, n, k, batches=1, batched=False, seed=0, alpha=1.25, beta=-0.5):
+    """``cfg`` with the identity epilogue (``c`` None) or ``alpha * acc + beta * C`` (``c``: C's dtype
+    and major), run on the kernel path into a NaN-poisoned D."""
     gen = _gen(seed)
     ab = TORCH[cfg.ab_dtype]
     a = make_a(m, k, batches, cfg.a_major, ab, gen, batched)
@@ -88,13 +87,14 @@ def run_case(cfg: GemmConfig, visitor, m, n, k, batches=1, batched=False, seed=0
     d = make_mn(m, n, batches, cfg.d_major, TORCH[cfg.d_dtype], batched)
     ref = a.float() @ b.float()
     kwargs = {}
-    if isinstance(visitor, LinearCombination):
-        c = make_mn(m, n, batches, visitor.c_major, TORCH[visitor.c_dtype_name], batched, gen=gen)
-        kwargs = {"c": c, "alpha": alpha, "beta": beta}
-        ref = alpha * ref + beta * c.float()
-    gemm = compile_gemm(cfg, visitor)
-    gemm(a, b, d, **kwargs)
+    if c is not None:
+        c_tensor = make_mn(m, n, batches, c[1], TORCH[c[0]], batched, gen=gen)
+        kwargs = {"c": c_tensor, "alpha": alpha, "beta": beta}
+        ref = alpha * ref + beta * c_tensor.float()
+    gemm = compile_config(cfg, c, batched=batched)
+    gemm(a, b, out=d, **kwargs)
     torch.cuda.synchronize()
+    assert gemm.last_path == "kernel"
     return d, ref, (gemm, a, b, kwargs)
 
 
@@ -108,7 +108,7 @@ DTYPE_MAJORS = list(itertools.product(("float16", "bfloat16"), ("float32", "floa
 @pytest.mark.parametrize("ab,dt,am,bm,dm", DTYPE_MAJORS, ids=["-".join(c) for c in DTYPE_MAJORS])
 def test_identity_dtypes_and_majors(ab, dt, am, bm, dm, schedule):
     cfg = GemmConfig(ab_dtype=ab, d_dtype=dt, a_major=am, b_major=bm, d_major=dm, schedule=schedule)
-    d, ref, _ = run_case(cfg, Identity(), 264, 520, 1032)
+    d, ref, _ = run_case(cfg, IDENTITY, 264, 520, 1032)
     check(d, ref, cfg.short_name())
 
 
@@ -122,13 +122,13 @@ SHAPES_KNOBS = list(itertools.product(((1, 1), (2, 1), (1, 2)), (16, 32, 64), (1
 def test_identity_clusters_and_tiles(cluster, epi_n, tile_n):
     cfg = Coop(cluster=cluster, epi_tile_n=epi_n, tile_n=tile_n)
     # 5 x 3 tiles of 128 x 256 (ragged in both): odd cluster tiles at both edges.
-    d, ref, _ = run_case(cfg, Identity(), 600, 712, 520)
+    d, ref, _ = run_case(cfg, IDENTITY, 600, 712, 520)
     check(d, ref, cfg.short_name())
 
 
 def test_tile_n_64():
     cfg = Coop(tile_n=64, epi_tile_n=64, ab_dtype="bfloat16", d_dtype="float32")
-    d, ref, _ = run_case(cfg, Identity(), 300, 200, 264)
+    d, ref, _ = run_case(cfg, IDENTITY, 300, 200, 264)
     check(d, ref, cfg.short_name())
 
 
@@ -145,7 +145,7 @@ def test_float8_d(cfg, m, n, k):
     every element written (the NaN poison is gone)."""
     from evtc.ir.dtypes import round_to
 
-    d, ref, _ = run_case(cfg, Identity(), m, n, k)
+    d, ref, _ = run_case(cfg, IDENTITY, m, n, k)
     expected = round_to(ref, TORCH[cfg.d_dtype])
     assert torch.isfinite(d.float()).all()
     check(d, expected.float(), cfg.short_name())
@@ -161,7 +161,7 @@ ODD = [(1000, 1000, 1000), (1, 4096, 4096), (4096, 8, 4096), (264, 512, 1032), (
 @pytest.mark.parametrize("m,n,k", ODD, ids=[f"{m}x{n}x{k}" for m, n, k in ODD])
 def test_odd_shapes(m, n, k, cluster):
     cfg = Coop(cluster=cluster, b_major="k")
-    d, ref, _ = run_case(cfg, Identity(), m, n, k)
+    d, ref, _ = run_case(cfg, IDENTITY, m, n, k)
     check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
 
 
@@ -175,7 +175,7 @@ def test_odd_shapes(m, n, k, cluster):
     Coop(cluster=(1, 2), epi_tile_n=64),
 ], ids=lambda c: c.short_name())
 def test_batched(cfg):
-    d, ref, _ = run_case(cfg, Identity(), 392, 264, 520, batches=3, batched=True)
+    d, ref, _ = run_case(cfg, IDENTITY, 392, 264, 520, batches=3, batched=True)
     check(d, ref, cfg.short_name())
     for i in range(3):  # no batch may be skipped or written into another
         check(d[i], ref[i], f"batch {i}")
@@ -198,13 +198,13 @@ LINCOMB = [
 @pytest.mark.parametrize("cfg,c_dtype,c_major", LINCOMB,
                          ids=[f"{c.short_name()} C{t}{m}" for c, t, m in LINCOMB])
 def test_linear_combination(cfg, c_dtype, c_major):
-    d, ref, _ = run_case(cfg, LinearCombination(c_dtype, c_major), 600, 712, 1032)
+    d, ref, _ = run_case(cfg, (c_dtype, c_major), 600, 712, 1032)
     check(d, ref, cfg.short_name())
 
 
 def test_linear_combination_batched_and_odd():
     cfg = Coop(cluster=(2, 1))
-    d, ref, _ = run_case(cfg, LinearCombination("float16", "n"), 1000, 1000, 1000, batches=2, batched=True)
+    d, ref, _ = run_case(cfg, ("float16", "n"), 1000, 1000, 1000, batches=2, batched=True)
     check(d, ref, "batched lincomb")
 
 
@@ -225,16 +225,15 @@ D_IN_C = [
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 256), (3000, 2504, 64), (1000, 3000, 104),
                                    (2048, 2048, 1032)])
 def test_d_in_c_buffers(cfg, m, n, k):
-    vis = LinearCombination(cfg.d_dtype, cfg.d_major)
-    gemm = compile_gemm(cfg, vis)
-    assert gemm.kernel.d_in_load_buffers
+    vis = (cfg.d_dtype, cfg.d_major)
+    assert uses_d_buffers_of_c(compile_config(cfg, vis))
     d, ref, _ = run_case(cfg, vis, m, n, k)
     check(d, ref, f"{cfg.short_name()} {m}x{n}x{k}")
 
 
 def test_d_in_c_buffers_batched_bitwise():
     cfg = Coop(load_stages=8)
-    vis = LinearCombination("float16", "n")
+    vis = ("float16", "n")
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 1000, 1000, 1000, batches=3, batched=True)
     for i in range(3):
         check(d[i], ref[i], f"batch {i}")
@@ -243,16 +242,16 @@ def test_d_in_c_buffers_batched_bitwise():
 
 def test_scalars_are_runtime_values():
     cfg = Coop()
-    vis = LinearCombination("float16", "n")
+    vis = ("float16", "n")
     d, ref, (gemm, a, b, kwargs) = run_case(cfg, vis, 256, 512, 128, alpha=1.0, beta=0.0)
     check(d, ref, "alpha=1 beta=0")
     c = kwargs["c"]
     base = a.float() @ b.float()
     for alpha, beta in [(0.5, 2.0), (-3.0, 1.0), (0.0, 1.0)]:
-        gemm2 = compile_gemm(cfg, LinearCombination("float16", "n"))
+        gemm2 = compile_config(cfg, vis)
         assert gemm2 is gemm  # same compiled kernel, new scalars
         d.fill_(float("nan"))
-        gemm2(a, b, d, c=c, alpha=alpha, beta=beta)
+        gemm2(a, b, out=d, c=c, alpha=alpha, beta=beta)
         torch.cuda.synchronize()
         check(d, alpha * base + beta * c.float(), f"alpha={alpha} beta={beta}")
 
@@ -274,8 +273,10 @@ def test_no_writes_outside_d(d_major):
     else:
         big = torch.full((n + 40, m + 24), float("nan"), device="cuda", dtype=torch.float16)
         d = big[:n, :m].t()
-    compile_gemm(cfg, Identity())(a, b, d)
+    gemm = compile_config(cfg)
+    gemm(a, b, out=d)
     torch.cuda.synchronize()
+    assert gemm.last_path == "kernel"  # D written in place, not through a staged copy
     check(d, a.float() @ b.float(), "window")
     mask = torch.ones_like(big, dtype=torch.bool)
     rows, cols = (m, n) if d_major == "n" else (n, m)
@@ -284,12 +285,12 @@ def test_no_writes_outside_d(d_major):
 
 
 @pytest.mark.parametrize("cfg,visitor", [
-    (Coop(), Identity()),
-    (Coop(cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
-    (Coop(cluster=(1, 2), d_dtype="float32"), Identity()),
-    (GemmConfig(schedule="pingpong", cluster=(1, 1)), Identity()),
-    (GemmConfig(schedule="pingpong", cluster=(2, 1), epi_tile_n=16), LinearCombination("float16", "n")),
-    (GemmConfig(), LinearCombination("float16", "n")),
+    (Coop(), IDENTITY),
+    (Coop(cluster=(2, 1), epi_tile_n=16), ("float16", "n")),
+    (Coop(cluster=(1, 2), d_dtype="float32"), IDENTITY),
+    (GemmConfig(schedule="pingpong", cluster=(1, 1)), IDENTITY),
+    (GemmConfig(schedule="pingpong", cluster=(2, 1), epi_tile_n=16), ("float16", "n")),
+    (GemmConfig(), ("float16", "n")),
 ], ids=["c1x1", "c2x1-lincomb", "c1x2-f32", "pingpong-c1x1", "pingpong-c2x1-lincomb",
         "default-lincomb"])
 def test_repeated_runs_bitwise_equal(cfg, visitor):
@@ -304,11 +305,11 @@ def test_runs_on_the_current_stream():
     a = _randn((1024, 1024), torch.float16, gen)
     b = _randn((1024, 1024), torch.float16, gen)
     d = torch.full((1024, 1024), float("nan"), device="cuda", dtype=torch.float16)
-    gemm = compile_gemm(cfg, Identity())
+    gemm = compile_config(cfg)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        gemm(a, b, d)
+        gemm(a, b, out=d)
         out = d.float().clone()  # ordered after the kernel on the same stream
     stream.synchronize()
     check(out, a.float() @ b.float(), "side stream")
@@ -329,7 +330,7 @@ PP_ODD = [(8, 8, 8), (64, 256, 64), (128, 128, 64), (128, 256, 64), (192, 512, 1
 @pytest.mark.parametrize("m,n,k", PP_ODD, ids=[f"{m}x{n}x{k}" for m, n, k in PP_ODD])
 def test_pingpong_odd_shapes(m, n, k, ab, cluster):
     cfg = GemmConfig(schedule="pingpong", ab_dtype=ab, d_dtype=ab, cluster=cluster, b_major="k")
-    d, ref, _ = run_case(cfg, Identity(), m, n, k)
+    d, ref, _ = run_case(cfg, IDENTITY, m, n, k)
     check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
 
 
@@ -344,7 +345,7 @@ PP_KNOBS = [
 
 @pytest.mark.parametrize("cfg", PP_KNOBS, ids=lambda c: c.short_name())
 def test_pingpong_knobs(cfg):
-    d, ref, _ = run_case(cfg, Identity(), 600, 712, 520)
+    d, ref, _ = run_case(cfg, IDENTITY, 600, 712, 520)
     check(d, ref, cfg.short_name())
 
 
@@ -353,7 +354,7 @@ def test_pingpong_knobs(cfg):
     GemmConfig(schedule="pingpong", cluster=(2, 1), ab_dtype="bfloat16", d_dtype="float32", d_major="m"),
 ], ids=lambda c: c.short_name())
 def test_pingpong_batched(cfg):
-    d, ref, _ = run_case(cfg, Identity(), 392, 264, 520, batches=3, batched=True)
+    d, ref, _ = run_case(cfg, IDENTITY, 392, 264, 520, batches=3, batched=True)
     check(d, ref, cfg.short_name())
     for i in range(3):
         check(d[i], ref[i], f"batch {i}")
@@ -376,11 +377,11 @@ PP_LINCOMB = [
 def test_pingpong_linear_combination(cfg, c_dtype, c_major):
     # smallest first; (256, 128, 64) gives a CTA both warpgroups' tiles, so both load rings
     for m, n, k in [(64, 256, 16), (256, 128, 64), (600, 712, 1032), (8192, 768, 256)]:
-        d, ref, _ = run_case(cfg, LinearCombination(c_dtype, c_major), m, n, k)
+        d, ref, _ = run_case(cfg, (c_dtype, c_major), m, n, k)
         check(d, ref, f"{m}x{n}x{k} {cfg.short_name()}")
 
 
 def test_pingpong_linear_combination_batched():
     cfg = GemmConfig(schedule="pingpong", cluster=(2, 1))
-    d, ref, _ = run_case(cfg, LinearCombination("float16", "n"), 1000, 1000, 1000, batches=3, batched=True)
+    d, ref, _ = run_case(cfg, ("float16", "n"), 1000, 1000, 1000, batches=3, batched=True)
     check(d, ref, "batched lincomb pingpong")

@@ -1,23 +1,3 @@
-"""SM90 GEMM engine: a warp-specialized persistent CuTe DSL kernel with a visitor epilogue.
-
-See docs/kernel.md for the kernel's structure and the visitor protocol."""
-
-from .config import ConfigError, GemmConfig
-from .runtime import CompiledGemm, clear_cache, compile_gemm, config_for, gemm
-from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
-from .visitors import Identity, LinearCombination
-
-__all__ = [
-    "CompiledGemm",
-    "ConfigError",
-    "EpilogueContext",
-    "EpilogueShape",
-    "EpilogueVisitor",
-    "GemmConfig",
-    "Identity",
-    "LinearCombination",
-    "clear_cache",
-    "compile_gemm",
-    "config_for",
-    "gemm",
-]
+"""Code generation: an optimized epilogue graph becomes the readable source of its visitor class
+(:mod:`evtc.codegen.emit`). Nothing here imports the CuTe DSL; the source it writes does, when the
+runtime builds the kernel."""

@@ -1,6 +1,6 @@
 """The code generator: an optimized epilogue graph in, the Python source of its visitor out.
 
-The source is a module holding one :class:`~evtc.codegen.fused.FusedVisitor` subclass:
+The source is a module holding one :class:`~evtc.sm90.fused.FusedVisitor` subclass:
 
 * ``inputs`` / ``outputs``: the operands, one constructor per operand (its kind, dtype, layout);
 * ``uniform``: the nodes of the ``uniform`` stage (scalars and ops on scalars), run once per tile;
@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from ..ir.dtypes import short_name
-from ..ir.graph import Graph, Node
-from ..ir.ops import ELEMENTWISE
-from ..ir.printer import format_literal, node_names
-from ..ir.shapes import format_shape
+from evtc.errors import CompileError
+from evtc.ir.dtypes import short_name
+from evtc.ir.graph import Graph, Node
+from evtc.ir.ops import ELEMENTWISE
+from evtc.ir.printer import format_literal, node_names
+from evtc.ir.shapes import format_shape
 
 #: Output dtypes the kernel's own D store takes (the first such output becomes D).
 KERNEL_D_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,7 +47,7 @@ _DTYPE_NAME = {
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float8_e5m2: "float8_e5m2",
 }
-_CALLED = {  # ops emitted as calls of evtc.codegen.dsl_ops (imported as `op`)
+_CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
     "pow", "abs", "reciprocal", "minimum", "maximum", "sqrt", "rsqrt", "exp", "exp2", "expm1", "log",
     "log2", "log1p", "sin", "cos", "tanh", "erf", "sigmoid", "relu", "leaky_relu", "elu", "gelu",
     "gelu_tanh", "silu", "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "where",
@@ -55,10 +56,6 @@ _RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", 
              "Float8E5M2", "FusedVisitor", "ArgScalar", "ColVector", "DeviceScalar", "RowVector",
              "TileLoad", "TileStore", "RowReduction", "ColReduction"}
 _LOGICAL = {"logical_and", "logical_or", "logical_not"}
-
-
-class CompileError(Exception):
-    """Raised by the emitter for graphs evtc.compile cannot build yet (wrapped by evtc.compile)."""
 
 
 @dataclass
@@ -244,7 +241,7 @@ class _Emitter:
             elif op in ELEMENTWISE:
                 self.elementwise(node)
             else:  # pragma: no cover - validate() admits nothing else
-                raise CompileError(f"cannot emit node {op}")
+                raise CompileError(f"cannot emit node {op}", node.loc)
         outputs = [OutputPlan(s.attrs["name"], s.dtype, s) for s in graph.stores if not on_host(s)]
         by_name = {o.name: o for o in outputs}
         ordered = [by_name[n] for n in graph.outputs.names if n in by_name]
@@ -313,36 +310,26 @@ def _mentions(code: str, name: str) -> bool:
     return re.search(rf"(?<![\w.]){re.escape(name)}\b", code) is not None
 
 
-def operand_objects(emitted: EmittedEpilogue, tile_majors: dict[str, str] | None = None,
-                    batched: bool = False) -> tuple[list, list]:
-    """The visitor's operand objects (the generated source spells each by its repr)."""
-    from .operands import ArgScalar, ColVector, DeviceScalar, RowVector, TileLoad, TileStore
-
+def operand_constructors(emitted: EmittedEpilogue, tile_majors: dict[str, str] | None = None,
+                         batched: bool = False) -> tuple[list[str], list[str], list[str]]:
+    """The visitor's operands as the generated source constructs them (classes of
+    :mod:`evtc.sm90.operands`): inputs, outputs and reductions, one Python expression each.
+    The shared-memory planner evaluates the same text (:func:`evtc.sm90.operands.construct`)."""
     inputs = []
     for p in emitted.inputs:
         if p.kind in ("arg", "literal"):
-            inputs.append(ArgScalar(p.ident))
+            inputs.append(f"ArgScalar({p.ident!r})")
             continue
         dtype = _DTYPE_NAME[p.dtype]
         if p.kind == "tile":
             major = (tile_majors or {}).get(p.name, "n")
-            inputs.append(TileLoad(p.ident, dtype, major=major, batched=p.batched))
-        elif p.kind == "row":
-            inputs.append(RowVector(p.ident, dtype, batched=p.batched))
-        elif p.kind == "col":
-            inputs.append(ColVector(p.ident, dtype, batched=p.batched))
+            inputs.append(f"TileLoad({p.ident!r}, {dtype!r}, major={major!r}, batched={bool(p.batched)})")
         else:
-            inputs.append(DeviceScalar(p.ident, dtype, batched=p.batched))
-    outputs = [TileStore(o.name, _DTYPE_NAME[o.dtype], batched=batched) for o in emitted.outputs]
-    return inputs, outputs
-
-
-def reduction_objects(emitted: EmittedEpilogue) -> list:
-    """The visitor's reduction operands (the generated source spells each by its class and op)."""
-    from .operands import ColReduction, RowReduction
-
-    kinds = {"ColReduction": ColReduction, "RowReduction": RowReduction}
-    return [kinds[r.operand](r.ident, r.op) for r in emitted.reductions]
+            cls = {"row": "RowVector", "col": "ColVector"}.get(p.kind, "DeviceScalar")
+            inputs.append(f"{cls}({p.ident!r}, {dtype!r}, batched={bool(p.batched)})")
+    outputs = [f"TileStore({o.name!r}, {_DTYPE_NAME[o.dtype]!r}, batched={batched})" for o in emitted.outputs]
+    reductions = [f"{r.operand}({r.ident!r}, {r.op!r})" for r in emitted.reductions]
+    return inputs, outputs, reductions
 
 
 def _class_tuple(w, name: str, lines: list[str]) -> None:
@@ -378,9 +365,9 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     uniform_params = [p for p in uniform_params if _mentions(uniform_body, p)]
 
     partial = EmittedEpilogue("", class_name, em.inputs, outputs, output_names, em.reductions)
-    in_objs, out_objs = operand_objects(partial, tile_majors, graph.batched)
-    in_lines = [f"{o!r}," for o in in_objs]
-    out_lines = [f"{o!r}," for o in out_objs]
+    in_texts, out_texts, _ = operand_constructors(partial, tile_majors, graph.batched)
+    in_lines = [f"{o}," for o in in_texts]
+    out_lines = [f"{o}," for o in out_texts]
 
     lines: list[str] = []
     w = lines.append
@@ -395,9 +382,9 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w("")
     w("from cutlass import BFloat16, Float8E4M3FN, Float8E5M2, Float16, Float32  # noqa: F401")
     w("")
-    w("from evtc.codegen import dsl_ops as op  # noqa: F401")
-    w("from evtc.codegen.fused import FusedVisitor")
-    w("from evtc.codegen.operands import (  # noqa: F401")
+    w("from evtc.sm90 import dsl_ops as op  # noqa: F401")
+    w("from evtc.sm90.fused import FusedVisitor")
+    w("from evtc.sm90.operands import (  # noqa: F401")
     w("    ArgScalar, ColReduction, ColVector, DeviceScalar, RowReduction, RowVector, TileLoad, TileStore,")
     w(")")
     w("")
@@ -446,4 +433,4 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     return EmittedEpilogue(source, class_name, em.inputs, outputs, output_names, em.reductions)
 
 
-__all__ = ["CompileError", "EmittedEpilogue", "InputPlan", "OutputPlan", "emit"]
+__all__ = ["EmittedEpilogue", "InputPlan", "OutputPlan", "emit"]

@@ -17,7 +17,7 @@ OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Dtypes of the GEMM inputs a and b.
 GEMM_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-#: Dtypes of a and b the SM90 kernel takes; float32 takes the torch path (evtc.fallback).
+#: Dtypes of a and b the SM90 kernel takes; float32 takes the torch path (evtc.runtime.fallback).
 KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16)
 
 #: Dtypes a value may be cast to with `.to(dtype)`, and an output may be stored as.

@@ -4,33 +4,31 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
-import importlib.util
 import logging
 import shutil
 import subprocess
-import sys
 import threading
-import time
-import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import sympy
 import torch
 
-from .cache import DiskCache
-from .call_checks import check_device, check_tensor, flatten_outputs
-from .errors import CallError, EpilogueError
-from .ir.dtypes import OPERAND_DTYPES
-from .ir.graph import Graph
-from .ir.shapes import L, M, N
-from .signature import KernelSignature, kernel_arguments
-
-COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx"
+from evtc.errors import CallError, EpilogueError
+from evtc.plan.config import GemmConfig
+from evtc.plan.kernel_plan import CallInterface, KernelPlan
+from evtc.runtime.build import SOURCE, Built
+from evtc.runtime.cache import DiskCache
+from evtc.runtime.call_checks import check_device, check_tensor
+from evtc.runtime.device import max_active_clusters
+from evtc.runtime.reductions import HostFinish, size_function
 
 log = logging.getLogger("evtc")
+
+#: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
+_FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 @functools.cache
@@ -44,79 +42,45 @@ def _gpu_ok() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class CallInterface:
-    """What a call accepts besides the kernel's live operands, and how it may run.
-
-    ``parameters``: the user's function's parameters after ``acc`` (for messages); ``unused``: those
-    that the passes removed (accepted and ignored at
-    call time, as calling the function would accept them); ``constants``: parameters the trace
-    specialised on (bools, None, defaults left out of the examples), accepted when they have the
-    compiled value; ``strict``: raise instead of taking the staged or torch path;
-    ``torch_only``: why no SM90 kernel exists (every call takes the torch path), or None."""
-
-    parameters: tuple[str, ...] = ()
-    unused: frozenset[str] = frozenset()
-    constants: tuple[tuple[str, Any], ...] = ()
-    strict: bool = False
-    torch_only: str | None = None
-
-    def tag(self) -> str:
-        """A digest of this interface: kernels that share compiled code but not the interface
-        must not share a Kernel object (memory cache) or a custom operator."""
-        if self == CallInterface():
-            return ""
-        text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only))
-        return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-def user_operand_names(graph: Graph, emitted) -> list[str]:
-    """The names the user passes for the kernel's live operands, in kernel order (a gated kernel's
-    ``bias.gate`` and ``bias.up`` are both ``bias``)."""
-    names = []
-    for plan in emitted.inputs:
-        if plan.kind == "literal":
-            continue
-        operand = graph.operands.get(plan.name)
-        names.append(operand.half_of[0] if operand is not None and operand.half_of else plan.name)
-    return list(dict.fromkeys(names))
-
-
 def _same_constant(value: Any, compiled: Any) -> bool:
     if isinstance(compiled, bool) or compiled is None:
         return value is compiled
     return not isinstance(value, torch.Tensor) and type(value) is type(compiled) and value == compiled
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of ``t`` along its last dim: views, never copies (one torch call,
+    cheaper than two slices)."""
+    return t.chunk(2, dim=-1)
+
+
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
     ``k(a, b, **operands, out=None)`` returns what the epilogue returns."""
 
-    def __init__(self, graph: Graph, emitted, signature: KernelSignature, config, key: str, cache: DiskCache,
-                 arch: str | None, interface: CallInterface | None = None):
-        self.graph = graph
-        self.source: str = emitted.source
-        self.interface = interface or CallInterface()
+    def __init__(self, plan: KernelPlan, config: GemmConfig | None, key: str, cache: DiskCache,
+                 built: Built | None = None, *, source: str | None = None, graph=None,
+                 retrace: Callable[[], Any] | None = None):
+        #: The plan every call follows (:mod:`evtc.plan.kernel_plan`).
+        self.plan = plan
+        self.interface: CallInterface = plan.interface
+        #: The GEMM's configuration; None for a kernel without SM90 code (every call takes torch).
+        self.config = config
+        self.key = key
         #: The path the last call took: "kernel", "staged" (aligned copies around the kernel) or
         #: "torch" (torch.matmul and the epilogue evaluated by torch); see docs/compile.md.
         self.last_path = ""
         self._paths_logged: set[str] = set()
-        self.config = config
-        self.key = key
-        self._emitted = emitted
-        self._signature = signature
         self._cache = cache
-        self._arch = arch
-        self._fn = None
-        self._ptx: str | None = None
-        self.cache_path: Path | None = None
-        #: How this kernel was obtained: "compiled" or "disk" (and the seconds it took).
-        self.origin = ""
-        self.seconds = 0.0
-        self._plan = None
-        self._visitor = None
-        self._stages: dict[str, int] = {}
-        self._smem: dict[str, int] = {}
+        self._built = built
+        self._fn = built.fn if built is not None else None
+        self._source = source
+        self._graph = graph
+        self._retrace = retrace
         # Cluster shape per call (see cluster_for): None keeps config.cluster for every problem.
         self._variant_factory = None
         self._variants: dict[tuple[int, int], Kernel] = {}
@@ -126,19 +90,52 @@ class Kernel:
         self._call_setup()
 
     @classmethod
-    def torch_only(cls, graph: Graph, emitted, signature: KernelSignature, key: str, cache: DiskCache,
-                   interface: CallInterface) -> Kernel:
+    def torch_only(cls, plan: KernelPlan, graph, key: str, cache: DiskCache) -> Kernel:
         """A kernel with no SM90 code: every call takes the torch path (``interface.torch_only``
         says why). Its source says so and shows the graph that torch evaluates."""
-        from .ir.printer import format_graph
+        from evtc.ir.printer import format_graph
 
-        kernel = cls(graph, emitted, signature, None, key, cache, None, interface)
-        lines = [f"# evtc: no SM90 kernel: {interface.torch_only}.",
+        lines = [f"# evtc: no SM90 kernel: {plan.interface.torch_only}.",
                  "# Every call runs torch.matmul, then this epilogue graph evaluated by torch:", "#"]
         lines += ["#   " + line for line in format_graph(graph).splitlines()]
-        kernel.source = "\n".join(lines) + "\n"
-        kernel.origin = "torch"
-        return kernel
+        return cls(plan, None, key, cache, source="\n".join(lines) + "\n", graph=graph)
+
+    # ---- what it is ----------------------------------------------------------------------------
+    @property
+    def graph(self):
+        """The optimized epilogue graph (traced again on first use when the kernel came from the
+        disk cache without tracing)."""
+        if self._graph is None:
+            if self._retrace is None:
+                raise RuntimeError("this kernel has no graph")
+            self._graph = self._retrace()
+        return self._graph
+
+    @property
+    def source(self) -> str:
+        """The generated visitor source that the kernel was compiled from."""
+        if self._source is None:
+            self._source = (self._built.path / SOURCE).read_text() if self._built is not None else ""
+        return self._source
+
+    @property
+    def origin(self) -> str:
+        """How this kernel was obtained: "compiled", "disk" or "torch" (no SM90 code)."""
+        return self._built.origin if self._built is not None else "torch"
+
+    @property
+    def seconds(self) -> float:
+        """Seconds the build or the load took."""
+        return self._built.seconds if self._built is not None else 0.0
+
+    @property
+    def cache_path(self) -> Path | None:
+        """The disk cache entry of the kernel."""
+        return self._built.path if self._built is not None else None
+
+    @property
+    def function_name(self) -> str:
+        return f"evtc_{self.key[:24]}"
 
     def _choosing_clusters(self, factory) -> Kernel:
         """A twin of this kernel that picks the cluster shape per problem; ``factory(config)`` gives
@@ -148,6 +145,7 @@ class Kernel:
         twin._variants = {self.config.cluster: self}
         twin._variant_lock = threading.Lock()
         twin._cluster_memo = {}
+        twin._launch_memo = {}
         twin._op = None
         return twin
 
@@ -165,17 +163,22 @@ class Kernel:
         memo_key = (tiles_m, tiles_n, batches)
         chosen = self._cluster_memo.get(memo_key)
         if chosen is None:
-            from .codegen.runtime import max_active_clusters
-            from .codegen.scheduler import cluster_for_problem
+            from evtc.plan.clusters import cluster_for_problem
+            from evtc.runtime.device import max_active_clusters
 
             def slots(cluster):
                 size = cluster[0] * cluster[1]
-                return max_active_clusters(size) * size
+                return max_active_clusters(size, self._cache.root) * size
 
             chosen = cluster_for_problem(tiles_m, tiles_n, batches, self.config.cluster, slots,
                                          self.config.schedule)
             self._cluster_memo[memo_key] = chosen
         return chosen
+
+    @property
+    def chooses_clusters(self) -> bool:
+        """Whether calls pick the cluster shape per problem (no cluster knob was given)."""
+        return self._variant_factory is not None
 
     def _variant(self, cluster: tuple[int, int]) -> Kernel:
         variant = self._variants.get(cluster)
@@ -184,127 +187,36 @@ class Kernel:
                 variant = self._variants.get(cluster)
                 if variant is None:
                     log.info("%r: cluster %dx%d needs fewer waves for this problem; getting that "
-                             "kernel (compiled on first use)", self.graph.name, *cluster)
+                             "kernel (compiled on first use)", self.plan.name, *cluster)
                     variant = self._variant_factory(self.config.replace(cluster=cluster))
                     self._variants[cluster] = variant
         return variant
 
-    # ---- build or load -------------------------------------------------------------------------
-    @property
-    def function_name(self) -> str:
-        return f"evtc_{self.key[:24]}"
-
-    def _materialize(self, meta: dict) -> None:
-        t0 = time.perf_counter()
-        what = f"{self.graph.name!r} ({self.config.short_name()})"
-        entry = self._cache.load(self.key)
-        if entry is not None:
-            try:
-                self._load(entry)
-                self.origin = "disk"
-                self.seconds = time.perf_counter() - t0
-                log.info("disk cache hit: %s loaded from %s in %.2f s", what, entry, self.seconds)
-                return
-            except Exception as exc:  # noqa: BLE001 - an entry that does not load is rebuilt
-                log.warning("disk cache entry %s of %s does not load (%s); rebuilding it", entry, what, exc)
-                self._cache.discard(self.key)
-        else:
-            log.info("disk cache miss: %s, key %s", what, self.key[:16])
-        log.info("building %s: generating the kernel and compiling it with the CuTe DSL "
-                 "(a few seconds, once per configuration)", what)
-        self._build(meta)
-        self.origin = "compiled"
-        self.seconds = time.perf_counter() - t0
-        log.info("built %s in %.2f s; cached in %s", what, self.seconds, self.cache_path)
-
-    def _load(self, entry: dict) -> None:
-        import cutlass.cute as cute
-
-        path = Path(entry["dir"])
-        module = cute.runtime.load_module(str(path / "kernel.o"), enable_tvm_ffi=True)
-        self._fn = getattr(module, entry["function"])
-        self._module = module
-        self._ptx = (path / "kernel.ptx").read_text()
-        self._stages = dict(entry.get("stages", {}))
-        self._smem = dict(entry.get("smem", {}))
-        self.cache_path = path
-
-    def _import_visitor(self, path: Path):
-        name = f"evtc_generated_{self.key[:16]}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return getattr(module, self._emitted.class_name)()
-
-    def _build(self, meta: dict) -> None:
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.runtime import make_fake_stream
-
-        from .codegen.gemm_sm90 import Sm90GemmKernel
-        from .codegen.launch import GatedLauncher, Launcher, Symbols, fake_tensor
-
-        staged = self._cache.staging()
-        try:
-            source_path = staged / "epilogue.py"
-            source_path.write_text(self.source)
-            visitor = self._import_visitor(source_path)
-            kernel = Sm90GemmKernel(self.config, visitor)
-            sig = self._signature
-            entry = GatedLauncher if self.config.gated else Launcher
-            launcher = entry(kernel, sig.a, sig.b, sig.outputs + sig.workspaces, sig.inputs, sig.views,
-                             sig.batched, workspaces=len(sig.workspaces))
-            symbols = Symbols()
-            fake_outs = tuple(fake_tensor(s, symbols) for s in sig.outputs + sig.workspaces)
-            fake_ins = tuple(
-                cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in sig.inputs
-            )
-            options = f"{COMPILE_OPTIONS} --dump-dir={staged}"  # PTX dumps stay in the entry
-            if self._arch:
-                options += f" --gpu-arch {self._arch}"
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-                fake_b = fake_tensor(sig.b, symbols)
-                if self.config.gated:
-                    fake_b = (fake_b, fake_tensor(sig.b, symbols))  # the gate and up halves
-                compiled = cute.compile(
-                    launcher, fake_tensor(sig.a, symbols), fake_b, fake_outs,
-                    fake_ins, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True),
-                    options=options,
-                )
-            self._ptx = compiled.__ptx__
-            (staged / "kernel.ptx").write_text(self._ptx or "")
-            compiled.export_to_c(str(staged / "kernel.o"), function_name=self.function_name)
-            self._stages = {"ab": kernel.ab_stages, "d": kernel.d_stages, "load": kernel.load_stages,
-                            "d_in_load": int(kernel.d_in_load_buffers)}
-            self._smem = {"visitor": visitor.smem_bytes(self.config, kernel.load_buffers),
-                          "load_bytes_per_subtile": kernel.load_bytes}
-            entry = self._cache.commit(
-                self.key, staged, ["epilogue.py", "kernel.ptx", "kernel.o"],
-                {**meta, "function": self.function_name, "epilogue": self.graph.name, "stages": self._stages,
-                 "smem": self._smem},
-            )
-            self.cache_path = entry
-            self._fn = compiled
-            self._visitor = visitor
-        finally:
-            if staged.exists():
-                shutil.rmtree(staged, ignore_errors=True)
-
     # ---- reading ---------------------------------------------------------------------------------
     @property
     def ptx(self) -> str:
-        return self._ptx or ""
+        """The kernel's PTX ("" for a kernel without SM90 code)."""
+        return self._built.read_ptx() if self._built is not None else ""
+
+    @property
+    def stages(self) -> dict[str, int]:
+        """Pipeline stages the kernel planned: ``ab`` (A/B), ``d`` (D stores), ``load`` (epilogue
+        loads) and ``d_in_load`` (1 when D is staged in the epilogue-load buffers of C)."""
+        return dict(self._built.stages) if self._built is not None else {}
+
+    @property
+    def smem(self) -> dict[str, int]:
+        """Shared memory of the epilogue: ``visitor`` (its operands' buffers, bytes) and
+        ``load_bytes_per_subtile``."""
+        return dict(self._built.smem) if self._built is not None else {}
 
     def explain(self) -> str:
         """A summary: operands and their kinds, outputs, tile configuration, stages, shared memory,
         registers (from ptxas, when it is installed)."""
-        from .codegen.config import SM90_SMEM_BYTES
+        from evtc.plan.config import SM90_SMEM_BYTES
 
         cfg = self.config
-        lines = [f"evtc kernel {self.graph.name!r} ({self.origin}, {self.seconds:.2f} s)"]
+        lines = [f"evtc kernel {self.plan.name!r} ({self.origin}, {self.seconds:.2f} s)"]
         if self.interface.unused:
             lines.append(f"  unused parameters (accepted and ignored): {sorted(self.interface.unused)}")
         if self.interface.constants:
@@ -316,14 +228,14 @@ class Kernel:
             return "\n".join(lines)
         if self.interface.strict:
             lines.append("  strict: calls that would need aligned copies or the torch path raise")
-        lines.append(f"  GEMM: {cfg.short_name()}; a {self._signature.a.describe()}, "
-                     f"b {self._signature.b.describe()}")
+        lines.append(f"  GEMM: {cfg.short_name()}; a {self.plan.a.describe()}, b {self.plan.b.describe()}")
         if self._variant_factory is not None:
             built = ", ".join(f"{c[0]}x{c[1]}" for c in self._variants if c != cfg.cluster) or "none yet"
             lines.append(f"  cluster: {cfg.cluster[0]}x{cfg.cluster[1]}, or per call another shape where "
                          f"that needs fewer waves of tiles (other shapes built: {built})")
         lines.append("  inputs:")
-        for plan, spec in zip(self._emitted.inputs, self._signature.inputs, strict=True):
+        for plan in self.plan.inputs:
+            spec = plan.spec
             if plan.kind == "arg":
                 lines.append(f"    {plan.name}: runtime float32 scalar (kernel argument)")
             elif plan.kind == "literal":
@@ -334,24 +246,24 @@ class Kernel:
                 batch = "per batch" if plan.batched else "shared by all batches"
                 lines.append(f"    {spec.describe()}: {plan.kind}, {batch}; {how}")
         lines.append("  outputs:")
-        for plan in self._emitted.reductions:
+        for plan in self.plan.reductions:
             axis = {"row": "per row", "col": "per column", "batch": "per batch",
                     "all": "over everything"}[plan.axis]
             parts = "per column of each tile" if plan.axis == "col" else "per row of each tile"
             lines.append(f"    {plan.ident}: {plan.op} {axis}: partials {parts} in the kernel "
                          "(float32 workspace), finished on the host")
-        for i, spec in enumerate(self._signature.outputs):
+        for i, spec in enumerate(self.plan.outputs):
             how = "stmatrix" if spec.dtype in ("float16", "bfloat16") else "register-to-shared copy"
             role = f"kernel D store ({how} + TMA)" if i == 0 else "extra TMA store"
             lines.append(f"    {spec.describe()}: {role}")
-        if self._stages:
-            d_text = (f"D in the {self._stages['load']} load stages (written where C was read)"
-                      if self._stages.get("d_in_load") else f"D {self._stages['d']}")
-            lines.append(f"  stages: A/B {self._stages['ab']}, {d_text}, "
-                         f"epilogue loads {self._stages['load']}")
-        if self._smem:
-            lines.append(f"  shared memory: epilogue operands {self._smem['visitor']} B, epilogue loads "
-                         f"{self._smem['load_bytes_per_subtile']} B per subtile (of {SM90_SMEM_BYTES} B)")
+        stages, smem = self.stages, self.smem
+        if stages:
+            d_text = (f"D in the {stages['load']} load stages (written where C was read)"
+                      if stages.get("d_in_load") else f"D {stages['d']}")
+            lines.append(f"  stages: A/B {stages['ab']}, {d_text}, epilogue loads {stages['load']}")
+        if smem:
+            lines.append(f"  shared memory: epilogue operands {smem['visitor']} B, epilogue loads "
+                         f"{smem['load_bytes_per_subtile']} B per subtile (of {SM90_SMEM_BYTES} B)")
         lines.append(f"  registers: {self._registers()}")
         lines.append(f"  cache: {self.cache_path}")
         return "\n".join(lines)
@@ -381,17 +293,27 @@ class Kernel:
 
     def __repr__(self) -> str:
         what = self.config.short_name() if self.config is not None else "torch path"
-        return f"<evtc.Kernel {self.graph.name} {what}>"
+        return f"<evtc.Kernel {self.plan.name} {what}>"
 
     # ---- calling ---------------------------------------------------------------------------------
-    def _user_name(self, kernel_name: str) -> str:
-        operand = self.graph.operands.get(kernel_name)
-        return operand.half_of[0] if operand is not None and operand.half_of else kernel_name
+    def _kernel_arguments(self, b, operands):
+        """A gated kernel's arguments: b as its (gate, up) halves and each operand as wide as the
+        GEMM as its two halves, under the kernel's names for them (views, never copies)."""
+        args: dict[str, Any] = {}
+        halves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in self.plan.inputs:
+            if i.half is not None:
+                if i.user in operands:
+                    if i.user not in halves:
+                        halves[i.user] = _halves(operands[i.user])
+                    args[i.name] = halves[i.user][i.half]
+            elif i.name in operands:
+                args[i.name] = operands[i.name]
+        return _halves(b), args
 
     def _split(self, b, operands):
-        """A gated kernel's arguments: b's (gate, up) halves and the halves of wide operands (views).
-        Others pass through."""
-        if not self.graph.gated:
+        """A gated kernel's arguments (see :meth:`_kernel_arguments`); others pass through."""
+        if not self.plan.gated:
             return b, operands
         # Anything unusual (odd N, an unknown keyword, a wide operand of another width) goes to the
         # caller's _validate, which says what is wrong.
@@ -401,44 +323,64 @@ class Kernel:
         for name in self._wide_operands:
             if operands[name].shape[-1] != n:
                 raise ValueError("not a plain gated call")
-        return kernel_arguments(self.graph, None, b, operands)
+        return self._kernel_arguments(b, operands)
 
     def _call_setup(self) -> None:
-        graph, emitted = self.graph, self._emitted
+        plan = self.plan
         # The kernel's operands (a gated kernel's include the halves of wide operands, "bias.gate"
-        # and "bias.up", see kernel_arguments) and the names the user passes.
-        self._kernel_names = [p.name for p in emitted.inputs if p.kind != "literal"]
-        self._names = user_operand_names(graph, emitted)
+        # and "bias.up") and the names the user passes.
+        self._kernel_names = [i.name for i in plan.inputs if i.kind != "literal"]
+        self._names = list(plan.operand_names)
         self._name_set = frozenset(self._names)
-        self._user_kinds = {self._user_name(p.name): p.kind for p in emitted.inputs}
-        # A gated kernel's operands as wide as the GEMM (the call splits them into halves).
-        self._wide_operands = sorted({o.half_of[0] for o in graph.operands.values() if o.half_of})
+        self._labels = {i.name: i.label for i in plan.inputs}
+        self._wide_operands = plan.wide_operands
+        # How each kernel input is found per call: 0 a tensor operand, 1 a runtime scalar, 2 a
+        # literal computed from the sizes.
         getters: list = []
-        for p in emitted.inputs:
-            if p.kind == "literal":
-                fn = sympy.lambdify((L, M, N), p.expr, "math")
-                getters.append(("literal", fn))
-            elif p.kind == "arg":
-                getters.append(("arg", p.name))
+        for i in plan.inputs:
+            if i.kind == "literal":
+                getters.append((2, size_function(i.expr)))
+            elif i.kind == "arg":
+                getters.append((1, i.name))
             else:
-                getters.append(("tensor", p.name))
+                getters.append((0, i.name))
         self._getters = getters
-        self._out_dtypes = [getattr(torch, s.dtype) for s in self._signature.outputs]
-        # outputs in kernel order -> position in the returned structure
-        self._kernel_order = [o.name for o in emitted.outputs]
-        # Outputs finished on the host from the reductions' partials (evtc.reductions), after those.
-        self._host_outputs = [s for s in graph.stores if s.attrs["name"] not in self._kernel_order]
-        self._kernel_order += [s.attrs["name"] for s in self._host_outputs]
-        self._tree = graph.outputs
+        self._kernel_name_count = len(self._kernel_names)
+        self._gated = plan.gated
+        self._batched = plan.batched
+        self._d_by_m = plan.d_major == "m"
+        # (M, N, L, device) -> (compiled function, clusters at once), see _run_kernel.
+        self._launch_memo: dict = {}
+        self._out_dtypes = [_TORCH_DTYPES[s.dtype] for s in plan.outputs]
+        # Per output: (dtype, the physical order of its dims or None when row-major, the permutation
+        # back): what staging.empty_in_layout does, prepared once.
+        rank = 3 if plan.batched else 2
+        allocs = []
+        for dt, spec in zip(self._out_dtypes, plan.outputs, strict=True):
+            c = spec.contiguous if spec.contiguous is not None else rank - 1
+            if c == rank - 1:
+                allocs.append((dt, None, None))
+            else:
+                order = [i for i in range(rank) if i != c] + [c]
+                allocs.append((dt, order, [order.index(i) for i in range(rank)]))
+        self._out_allocs = allocs
+        # Outputs in kernel order: the full-tile outputs, then those finished on the host.
+        self._kernel_order = list(plan.output_order)
+        self._host_outputs = plan.host_outputs
+        self._tree = plan.structure
+        self._single_output = plan.structure.kind == "single"
+        # Whether calls may try the kernel at all (decided once: no torch-only reason, a Hopper GPU).
+        self._kernel_runs: bool | None = None
         self._accepts_more = bool(self.interface.unused or self.interface.constants)
         # The compiled dtype of each tensor operand, by the name the user passes.
-        self._operand_dtypes = {self._user_name(p.name): getattr(torch, spec.dtype)
-                                for p, spec in zip(emitted.inputs, self._signature.inputs, strict=True)
-                                if spec is not None}
+        self._operand_dtypes = {i.user: _TORCH_DTYPES[i.spec.dtype] for i in plan.inputs
+                                if i.spec is not None}
         # Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
         # needs padded output rows (the staged path).
         self._out_align = max((16 // torch.empty((), dtype=dt).element_size() for dt in self._out_dtypes),
                               default=1)
+        self._finisher = (HostFinish(plan, self.config.tile_m, self.config.out_tile_n)
+                          if plan.reductions and self.config is not None else None)
 
     def __call__(self, a, b, *, out=None, **operands):
         """``D = k(a, b, C=C, alpha=0.7, ...)``: the epilogue of ``a @ b``, launched on the current CUDA
@@ -452,6 +394,8 @@ class Kernel:
             outs = self._launch(a, b, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
+        if self._single_output:
+            return outs[0]
         return self._tree.build(dict(zip(self._kernel_order, outs, strict=True)))
 
     @property
@@ -461,7 +405,7 @@ class Kernel:
         in the kernel's output order. It has a fake (meta) implementation, so ``torch.compile``
         traces through it and CUDA graphs capture it."""
         if self._op is None:
-            from .torch_op import register
+            from evtc.runtime.torch_op import register
 
             self._op = register(self)
         return self._op
@@ -470,6 +414,16 @@ class Kernel:
     def operand_names(self) -> list[str]:
         """The epilogue's operands after ``acc``, in the order :attr:`op` takes them."""
         return list(self._names)
+
+    def run(self, a, b, operands: dict[str, Any]) -> list[torch.Tensor]:
+        """Run a call (the kernel, the staged or the torch path) and return its outputs in kernel
+        order (:attr:`plan` ``.output_order``): what :attr:`op` computes."""
+        return self._launch(a, b, None, operands)
+
+    def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;
+        sizes may be symbolic, for fake tensors)."""
+        return self._output_meta(m, n, batches)
 
     def _call_op(self, a, b, out, operands):
         if self._accepts_more:
@@ -482,7 +436,7 @@ class Kernel:
         if out is not None:
             # The operator returns new tensors (a functional op is what the compiler can reorder);
             # out= then costs one copy per output.
-            given = flatten_outputs(out, self._tree)
+            given = self._tree.flatten(out, _is_tensor)
             if given is None:
                 raise CallError("out= must have the structure the epilogue returns "
                                 f"({self._describe_tree()})")
@@ -499,7 +453,9 @@ class Kernel:
         which names a wrong argument or takes the staged or the torch path."""
         if self._accepts_more and not operands.keys() <= self._name_set:
             operands = self._without_unused(operands)
-        if self.interface.torch_only is None and _gpu_ok() is None:
+        if self._kernel_runs is None:
+            self._kernel_runs = self.interface.torch_only is None and _gpu_ok() is None
+        if self._kernel_runs:
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False)
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
@@ -532,7 +488,7 @@ class Kernel:
         self._validate(a, b, out, operands)
         if reason is not None:
             if self.interface.strict:
-                raise CallError(f"cannot run {self.graph.name!r} as a kernel: {reason}. strict=True "
+                raise CallError(f"cannot run {self.plan.name!r} as a kernel: {reason}. strict=True "
                                 "refuses the torch path (torch.matmul, then the epilogue evaluated by "
                                 "torch) that would compute it instead")
             self._note_path("torch", reason)
@@ -554,7 +510,8 @@ class Kernel:
         # (output dtypes follow a and b and explicit casts, never an operand's dtype).
         for name, dtype in self._operand_dtypes.items():
             value = operands.get(name)
-            if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in OPERAND_DTYPES:
+            if isinstance(value, torch.Tensor) and value.dtype != dtype \
+                    and value.dtype in _FLOAT_OPERAND_DTYPES:
                 return f"{name} is {value.dtype}, the kernel was compiled for {dtype}"
         return None
 
@@ -568,67 +525,81 @@ class Kernel:
                          "not fused)",
                 "staged": "runs the kernel on aligned copies"}[path]
         log.warning("%r %s: %s. strict=True makes this an error; docs/compile.md ('Call paths') says "
-                    "which layouts take which path", self.graph.name, what, why)
+                    "which layouts take which path", self.plan.name, what, why)
 
     def _run_kernel(self, a, b, out, operands, *, stage: bool):
         """Split, gather and launch. With ``stage``, tensors whose layout the kernel cannot take go
-        through aligned copies (see :mod:`evtc.staging`). Returns the outputs in kernel order (the
-        host outputs not yet), the reductions' workspaces and (M, N, L)."""
-        b, kernel_operands = self._split(b, operands)
+        through aligned copies (see :mod:`evtc.runtime.staging`). Returns the outputs in kernel order (the
+        host outputs not yet), the reductions' workspaces and (M, N, L).
+
+        This is the per-call path: everything it needs was prepared from the plan in
+        :meth:`_call_setup`, and the cluster choice is memoised per problem size."""
+        b, kernel_operands = self._split(b, operands) if self._gated else (b, operands)
         m = a.shape[-2]
-        n = (b[0] if self.graph.gated else b).shape[-1]  # the output's width
+        n = (b[0] if self._gated else b).shape[-1]  # the output's width
         batches = a.shape[0] if a.dim() == 3 else 1
         if a.shape[-1] == 0:
             raise ValueError("K = 0 takes the torch path")
-        ins = []
-        for kind, what in self._getters:
-            if kind == "tensor":
-                ins.append(kernel_operands[what])
-            elif kind == "arg":
-                ins.append(float(kernel_operands[what]))
-            else:
-                ins.append(float(what(batches, m, n)))
-        if len(kernel_operands) != len(self._kernel_names):
+        if len(kernel_operands) != self._kernel_name_count:
             raise KeyError("unknown arguments")
-        if not stage and n % self._out_align:
+        ins = [kernel_operands[what] if kind == 0 else float(kernel_operands[what]) if kind == 1
+               else float(what(batches, m, n)) for kind, what in self._getters]
+        if not stage and (m if self._d_by_m else n) % self._out_align:
             raise ValueError("output rows are not 16-byte multiples: staged")  # cheaper than the DSL's error
-        targets = self._outputs(a, out, m, n, batches, layout=not stage)
+        device = a.device
+        if out is None:
+            shape = (batches, m, n) if self._batched else (m, n)
+            targets = [torch.empty(shape, dtype=dt, device=device) if order is None
+                       else torch.empty([shape[i] for i in order], dtype=dt, device=device).permute(inverse)
+                       for dt, order, inverse in self._out_allocs]
+        else:
+            targets = self._outputs(a, out, m, n, batches, layout=not stage)
         outs = targets
         if stage:
             a, b, ins, outs = self._stage(a, b, ins, targets)
         workspaces = []
-        if self._host_outputs:
-            from .reductions import workspace_numel
-
-            workspaces = [torch.empty(workspace_numel(plan, m, n, batches, self.config),
-                                      dtype=torch.float32, device=a.device)
-                          for plan in self._emitted.reductions]
+        if self._finisher is not None:
+            numels = self._finisher.workspace_numels(m, n, batches)
+            if len(numels) == 1:
+                workspaces = [torch.empty(numels[0], dtype=torch.float32, device=device)]
+            else:  # one allocation, split
+                workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
         if m == 0 or n == 0 or batches == 0:
             return targets, workspaces, (m, n, batches)
-        from .codegen.runtime import max_active_clusters
+        launch_key = (m, n, batches, a.get_device())
+        chosen = self._launch_memo.get(launch_key)
+        if chosen is None:
+            chosen = self._launch_choice(m, n, batches)
+            if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
+                self._launch_memo.clear()
+            self._launch_memo[launch_key] = chosen
+        fn, clusters = chosen
+        fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
+        if outs is not targets:
+            for written, target in zip(outs, targets, strict=True):
+                if written is not target:
+                    target.copy_(written)
+        return targets, workspaces, (m, n, batches)
 
+    def _launch_choice(self, m: int, n: int, batches: int):
+        """(compiled function, clusters that fit at once) for an (L, M, N) problem on the current GPU."""
         fn, cluster = self._fn, self.config.cluster
         if self._variant_factory is not None:
             chosen = self.cluster_for(m, n, batches)
             if chosen != cluster:
                 fn, cluster = self._variant(chosen)._fn, chosen
-        clusters = max_active_clusters(cluster[0] * cluster[1])
-        fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
-        for written, target in zip(outs, targets, strict=True):
-            if written is not target:
-                target.copy_(written)
-        return targets, workspaces, (m, n, batches)
+        return fn, max_active_clusters(cluster[0] * cluster[1], self._cache.root)
 
     def _stage(self, a, b, ins, targets):
         """Aligned copies of the inputs whose layout the kernel cannot take, padded buffers for the
         outputs it cannot write in place (copied into ``targets`` after the launch)."""
-        from .staging import aligned_copy, aligned_empty, layout_problem
+        from evtc.runtime.staging import aligned_copy, aligned_empty, layout_problem
 
-        sig = self._signature
-        b_parts = [("b (its gate half)", b[0]), ("b (its up half)", b[1])] if self.graph.gated else [("b", b)]
+        sig = self.plan
+        b_parts = [("b (its gate half)", b[0]), ("b (its up half)", b[1])] if self.plan.gated else [("b", b)]
         named = [("a", a, sig.a)] + [(name, t, sig.b) for name, t in b_parts]
-        named += [(self._describe_operand(plan.name), t, spec)
-                  for plan, t, spec in zip(self._emitted.inputs, ins, sig.inputs, strict=True)
+        named += [(plan.label, t, plan.spec)
+                  for plan, t in zip(self.plan.inputs, ins, strict=True)
                   if isinstance(t, torch.Tensor)]
         out_names = self._kernel_order[:len(sig.outputs)]
         outputs = [(f"output {name!r}", t, spec) for name, t, spec in zip(out_names, targets, sig.outputs,
@@ -649,26 +620,23 @@ class Kernel:
 
         outs = [aligned_empty(tuple(t.shape), t.dtype, spec, t.device) if id(t) in problems else t
                 for _, t, spec in outputs]
-        b = tuple(staged(half) for half in b) if self.graph.gated else staged(b)
+        b = tuple(staged(half) for half in b) if self.plan.gated else staged(b)
         return staged(a), b, [staged(t) for t in ins], outs
 
-    def _describe_operand(self, kernel_name: str) -> str:
-        """The user's name of a kernel operand (a gated kernel's ``bias.up`` is bias's up half)."""
-        operand = self.graph.operands.get(kernel_name)
-        if operand is not None and operand.half_of:
-            source, index = operand.half_of
-            return f"{source} (its {'gate' if index == 0 else 'up'} half)"
-        return kernel_name
-
     def _run_torch(self, a, b, out, operands) -> list[torch.Tensor]:
-        """The torch path (:mod:`evtc.fallback`): outputs in kernel order, into ``out`` if given."""
-        from .fallback import run
+        """The torch path (:mod:`evtc.runtime.fallback`): outputs in kernel order, into ``out`` if given."""
+        from evtc.runtime.fallback import run
 
         results = run(self.graph, a, b, operands)
         values = [results[name].contiguous() for name in self._kernel_order]
+        if self.plan.d_major == "m":  # the layout the kernel would give
+            from evtc.runtime.staging import empty_in_layout
+
+            d, spec = values[0], self.plan.outputs[0]
+            values[0] = empty_in_layout(tuple(d.shape), d.dtype, spec, d.device).copy_(d)
         if out is None:
             return values
-        given = flatten_outputs(out, self._tree)
+        given = self._tree.flatten(out, _is_tensor)
         for name, value in zip(self._kernel_order, values, strict=True):
             target = given[name]
             if not isinstance(target, torch.Tensor) or target.shape != value.shape \
@@ -687,7 +655,7 @@ class Kernel:
             if name in constants:
                 if not _same_constant(value, constants[name]):
                     raise CallError(
-                        f"{name}={value!r}: {self.graph.name!r} was compiled with {name}="
+                        f"{name}={value!r}: {self.plan.name!r} was compiled with {name}="
                         f"{constants[name]!r}, a compile-time constant (the trace specialised on it); "
                         "compile again with the new value")
             elif name not in self.interface.unused:
@@ -697,48 +665,46 @@ class Kernel:
     def _output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order, for an (L, M, N) GEMM (sizes may be
         symbolic: fake tensors)."""
-        if self.graph.gated:
+        if self.plan.gated:
             n = n // 2  # N is the output's width in a gated graph
-        tile = (batches, m, n) if self._signature.batched else (m, n)
+        tile = (batches, m, n) if self.plan.batched else (m, n)
         meta = [(tile, dt) for dt in self._out_dtypes]
-        dims = {M: m, N: n, L: batches}
-        for node in self._host_outputs:
-            meta.append((tuple(dims.get(d, d) if not isinstance(d, int) else d for d in node.shape),
-                         node.dtype))
-        return [(tuple(int(d) if isinstance(d, sympy.Integer) else d for d in shape), dt)
-                for shape, dt in meta]
+        dims = {"M": m, "N": n, "L": batches, "1": 1}
+        for host in self._host_outputs:
+            meta.append((tuple(dims[d] for d in host.dims), _TORCH_DTYPES[host.dtype]))
+        return meta
 
     def _finish(self, out, workspaces, m, n, batches, operands) -> list[torch.Tensor]:
         """The host outputs (reductions and what follows them), into ``out``'s tensors if given."""
         if not self._host_outputs:
             return []
-        from .reductions import finish
-
-        done = finish(self.graph, self._emitted.reductions, workspaces, m, n, batches,
-                      self.config, operands)
-        results = [done[s.attrs["name"]] for s in self._host_outputs]
+        done = self._finisher(workspaces, m, n, batches, operands)
+        results = [done[h.name] for h in self._host_outputs]
         if out is None:
             return results
-        given = flatten_outputs(out, self._tree)
-        for node, value in zip(self._host_outputs, results, strict=True):
-            target = given[node.attrs["name"]]
+        given = self._tree.flatten(out, _is_tensor)
+        for host, value in zip(self._host_outputs, results, strict=True):
+            target = given[host.name]
             if not isinstance(target, torch.Tensor) or target.shape != value.shape \
                     or target.dtype != value.dtype:
-                raise CallError(f"out[{node.attrs['name']!r}] must be a {value.dtype} tensor of shape "
+                raise CallError(f"out[{host.name!r}] must be a {value.dtype} tensor of shape "
                                 f"{tuple(value.shape)}")
             target.copy_(value)
-        return [given[s.attrs["name"]] for s in self._host_outputs]
+        return [given[h.name] for h in self._host_outputs]
 
     def _outputs(self, a, out, m, n, batches, layout: bool = True):
-        shape = (batches, m, n) if self._signature.batched else (m, n)
+        shape = (batches, m, n) if self.plan.batched else (m, n)
         if out is None:
-            return [torch.empty(shape, dtype=dt, device=a.device) for dt in self._out_dtypes]
-        given = flatten_outputs(out, self._tree)
+            from evtc.runtime.staging import empty_in_layout
+
+            return [empty_in_layout(shape, dt, spec, a.device)
+                    for dt, spec in zip(self._out_dtypes, self.plan.outputs, strict=True)]
+        given = self._tree.flatten(out, _is_tensor)
         if given is None:
             raise CallError(f"out= must have the structure the epilogue returns ({self._describe_tree()})")
         tensors = []
-        tile_names = self._kernel_order[:len(self._signature.outputs)]
-        for name, spec, dt in zip(tile_names, self._signature.outputs, self._out_dtypes, strict=True):
+        tile_names = self._kernel_order[:len(self.plan.outputs)]
+        for name, spec, dt in zip(tile_names, self.plan.outputs, self._out_dtypes, strict=True):
             t = given[name]
             check_tensor(f"out[{name!r}]" if self._tree.kind != "single" else "out", t, spec, dt,
                          {"L": batches, "M": m, "N": n}, layout=layout)
@@ -746,11 +712,7 @@ class Kernel:
         return tensors
 
     def _describe_tree(self) -> str:
-        if self._tree.kind == "single":
-            return "one tensor"
-        if self._tree.kind == "tuple":
-            return f"a tuple of {len(self._tree.names)} tensors"
-        return f"a dict with keys {self._tree.keys}"
+        return self._tree.describe()
 
     def _validate_gated(self, b, operands) -> None:
         """A gated call's own rules, checked on the tensors the user passed (before splitting)."""
@@ -768,7 +730,7 @@ class Kernel:
         """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
 
         Layouts are not checked here: a layout the kernel cannot take is staged (:meth:`_stage`)."""
-        sig = self._signature
+        sig = self.plan
         for name, t in (("a", a), ("b", b)):
             if not isinstance(t, torch.Tensor):
                 raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -790,9 +752,9 @@ class Kernel:
             raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
                             + ("" if sig.broadcast_batch else " (compiled for equal batch sizes)"))
         b_parts = [("b", b)]
-        if self.graph.gated:
+        if self.plan.gated:
             self._validate_gated(b, operands)
-            (gate, up), operands = kernel_arguments(self.graph, a, b, operands)
+            (gate, up), operands = self._kernel_arguments(b, operands)
             b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
         sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
                  "L": max(batches, default=1)}
@@ -802,7 +764,8 @@ class Kernel:
         for name, part in b_parts:
             check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), {**sizes, "L": b.shape[0]},
                          layout=False)
-        for plan, spec in zip(self._emitted.inputs, sig.inputs, strict=True):
+        for plan in self.plan.inputs:
+            spec = plan.spec
             if plan.kind == "literal":
                 continue
             value = operands[plan.name]
@@ -813,13 +776,13 @@ class Kernel:
                 continue
             # Another float dtype than compiled takes the torch path (see _torch_reason).
             dtype = getattr(value, "dtype", None)
-            dtype = dtype if dtype in OPERAND_DTYPES else getattr(torch, spec.dtype)
-            check_tensor(self._describe_operand(plan.name), value, spec, dtype, sizes,
+            dtype = dtype if dtype in _FLOAT_OPERAND_DTYPES else getattr(torch, spec.dtype)
+            check_tensor(plan.label, value, spec, dtype, sizes,
                          layout=False)
         outs = self._outputs(a, out, sizes["M"], sizes["N"], sizes["L"], layout=False) \
             if out is not None else []
-        tensors = [("a", a), ("b", b)] + [(self._describe_operand(p.name), operands[p.name])
-                                          for p in self._emitted.inputs if p.kind not in ("arg", "literal")]
+        tensors = [("a", a), ("b", b)] + [(p.label, operands[p.name])
+                                          for p in self.plan.inputs if p.kind not in ("arg", "literal")]
         tensors += [(f"out[{i}]", t) for i, t in enumerate(outs)]
         for name, t in tensors:
             check_device(name, t, device)

@@ -15,7 +15,7 @@ Roles of the 384 threads of a CTA:
   its C buffers (``GemmConfig.shares_d_with_load``), D is written where C was read and the store
   warp hands those stages back to warp 1 during the next tile's mainloop (_release_load_ring).
 
-All roles walk the same persistent tile sequence (:mod:`evtc.codegen.scheduler`).  The problem
+All roles walk the same persistent tile sequence (:mod:`evtc.sm90.scheduler`).  The problem
 shape (M, N, K, L) and the visitor's scalars are runtime values: one compile serves every size.
 
 Tensors seen by the kernel are in the CuTe GEMM convention: A (M, K, L), B (N, K, L), D (M, N, L).
@@ -33,16 +33,16 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from .config import (
+from evtc.plan.config import (
     CONSUMER_REGS,
     NUM_THREADS,
     PRODUCER_REGS,
     TILE_K,
     GemmConfig,
 )
-from .dtypes import cutlass_dtype
-from .scheduler import TileScheduler
-from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
+from evtc.sm90.dtypes import cutlass_dtype
+from evtc.sm90.scheduler import TileScheduler
+from evtc.sm90.visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
 
 # Named barrier ids (0 is __syncthreads).  The visitor gets EPILOGUE through ctx.barrier.
 # Pingpong: consumer warpgroup w (0 or 1) has epilogue barrier EPILOGUE_BARRIER_ID + w, and waits
@@ -60,8 +60,8 @@ BUFFER_ALIGN = 1024
 class Sm90GemmKernel:
     """One compiled kernel: a :class:`GemmConfig` plus an :class:`EpilogueVisitor`.
 
-    ``__call__`` is the ``@cute.jit`` launch function; compile it with :func:`cute.compile` (see
-    :mod:`evtc.codegen.runtime`, which also caches compiled kernels).
+    ``__call__`` is the ``@cute.jit`` launch function; :mod:`evtc.runtime.build` compiles it behind
+    the entry point of :mod:`evtc.sm90.launch`.
     """
 
     def __init__(self, config: GemmConfig, visitor: EpilogueVisitor):

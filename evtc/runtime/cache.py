@@ -3,7 +3,8 @@
 Each entry is a directory named by the kernel's key (a SHA-256 of everything that changes the code:
 the generated source, the tensor layouts, the configuration, the versions of evtc, of its code
 generator and of the CuTe DSL). It holds the generated source, the PTX, the compiled host+device
-object (``kernel.o``, loaded back with ``cute.runtime.load_module``) and ``manifest.json``, which
+object (``kernel.o``), the same linked into ``kernel.so`` (loaded with ``tvm_ffi.load_module``, no
+CuTe DSL needed, see :mod:`evtc.runtime.build`) and ``manifest.json``, which
 names the key and the SHA-256 of every file. An entry is used only if its manifest is complete, names
 this key and every checksum matches; anything else (a crash half-way, a damaged or foreign entry) is
 rebuilt, never run.
@@ -11,6 +12,11 @@ rebuilt, never run.
 Entries are written to a temporary directory and renamed into place. A lock file per key, held with
 ``fcntl.flock``, makes concurrent processes build a kernel once; a lock per key in the process does
 the same for threads.
+
+Front records (``front/``) map the cheap key of a compile call (:mod:`evtc.runtime.front_key`) to
+a kernel's key and its plan, so a process that compiles an epilogue again loads it without tracing.
+A record is used only if its checksum holds and it names its own key, and only together with a
+verified entry.
 
 The directory: the ``cache_dir`` argument of ``evtc.compile``, else ``$EVTC_CACHE_DIR``, else
 ``~/.cache/evtc``.
@@ -29,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: kernels linked into a shared library, front records
 
 _THREAD_LOCKS: dict[str, threading.Lock] = {}
 _THREAD_LOCKS_GUARD = threading.Lock()
@@ -102,10 +108,38 @@ class DiskCache:
         count = len(self.entries())
         if self.root.is_dir():
             for child in self.root.iterdir():
-                if child.is_dir() and (len(child.name) == 2 or child.name in ("locks",)
+                if child.is_dir() and (len(child.name) == 2 or child.name in ("locks", "front", "devices")
                                        or child.name.startswith("build-")):
                     shutil.rmtree(child, ignore_errors=True)
         return count
+
+    # ---- front records: the cheap key of a compile call -> the kernel's entry and plan --------
+    def front(self, front_key: str) -> dict | None:
+        """The front record of ``front_key`` (see :mod:`evtc.runtime.front_key`), or None when it is
+        absent, damaged or not this key's."""
+        try:
+            record = json.loads((self.root / "front" / front_key[:2] / f"{front_key}.json").read_text())
+            body = record["body"]
+            if record.get("format") != FORMAT or body.get("front_key") != front_key \
+                    or record.get("sha256") != sha256_bytes(json.dumps(body, sort_keys=True).encode()):
+                return None
+            return body
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def commit_front(self, front_key: str, body: dict) -> None:
+        """Write the front record of ``front_key`` (atomically; a read-only cache keeps none)."""
+        body = {**body, "front_key": front_key}
+        record = {"format": FORMAT, "body": body,
+                  "sha256": sha256_bytes(json.dumps(body, sort_keys=True).encode())}
+        target = self.root / "front" / front_key[:2] / f"{front_key}.json"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(record, sort_keys=True))
+            os.replace(tmp, target)
+        except OSError:
+            pass
 
     # ---- writing -----------------------------------------------------------------------------
     def staging(self) -> Path:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .ir.graph import Graph
-from .ir.interpreter import evaluate
+from evtc.ir.graph import Graph
+from evtc.ir.interpreter import evaluate
 
 
 def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import CallError
+from evtc.errors import CallError
 
 
 def flatten_outputs(out, tree) -> dict | None:

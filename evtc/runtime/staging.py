@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-TMA_ALIGN = 16  # bytes: TMA's rule for strides and base addresses
+from evtc.plan.tensor_spec import TMA_ALIGN
 
 
 def _align_elems(t_or_dtype) -> int:
@@ -45,6 +45,18 @@ def layout_problem(t: torch.Tensor, spec) -> str | None:
     return None
 
 
+def empty_in_layout(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
+    """An uninitialised compact tensor of ``shape`` whose unit-stride dim is ``spec.contiguous``
+    (a column-major output is the transpose of a row-major buffer)."""
+    rank = len(shape)
+    c = spec.contiguous if spec.contiguous is not None else rank - 1
+    if c == rank - 1:
+        return torch.empty(shape, dtype=dtype, device=device)
+    order = [i for i in range(rank) if i != c] + [c]
+    buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=device)
+    return buffer.permute([order.index(i) for i in range(rank)])
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` in the layout of ``spec``: unit stride along
     ``spec.contiguous``, the other dims outside it in their order, the unit-stride dim's pitch
@@ -67,4 +79,4 @@ def aligned_copy(t: torch.Tensor, spec) -> torch.Tensor:
     return staged
 
 
-__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "layout_problem"]
+__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "empty_in_layout", "layout_problem"]

@@ -4,63 +4,25 @@ The compiled function takes the tensors exactly as the user passes them (torch l
 M x K, ``b`` (L,) K x N, outputs (L,) M x N, operands in their own shapes) through the DSL's TVM-FFI
 calling convention, so a call converts nothing in Python. Inside the jit function, :class:`Launcher`
 rearranges the modes into the kernel's convention (A (M, K, L), B (N, K, L), D (M, N, L), operand
-views as :mod:`evtc.codegen.operands` expects them): layout algebra only, free at run time.
+views as :mod:`evtc.sm90.operands` expects them): layout algebra only, free at run time.
 
-:class:`TensorSpec` describes one tensor argument statically: its dtype, which problem dim each of
-its dims is (``L``, ``M``, ``N``, ``K`` or ``1``) and which dim is contiguous. :func:`fake_tensor`
-turns it into a compile-time placeholder whose extents are shared symbols, so the compiled function
-itself checks at every call that the sizes agree (``M`` of ``a`` equals ``M`` of ``C``), that the
-contiguous dim has stride 1, that other strides are multiples of 16 bytes and that data pointers
-are 16-byte aligned.
+:class:`evtc.plan.signature.TensorSpec` describes one tensor argument statically: its dtype, which
+problem dim each of its dims is (``L``, ``M``, ``N``, ``K`` or ``1``) and which dim is contiguous.
+:func:`fake_tensor` turns it into a compile-time placeholder whose extents are shared symbols, so
+the compiled function itself checks at every call that the sizes agree (``M`` of ``a`` equals ``M``
+of ``C``), that the contiguous dim has stride 1, that other strides are multiples of 16 bytes and
+that data pointers are 16-byte aligned.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .operands import DTYPE_BYTES, dsl_dtype
-
-TMA_ALIGN = 16  # bytes: TMA's rule for strides and base addresses
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor argument: ``dims`` names each torch dim (``"L" "M" "N" "K"`` or ``"1"``);
-    ``contiguous`` is the index of the unit-stride dim (None for a one-element tensor)."""
-
-    name: str
-    dtype: str
-    dims: tuple[str, ...]
-    contiguous: int | None
-
-    @property
-    def rank(self) -> int:
-        return len(self.dims)
-
-    def align_elems(self) -> int:
-        return max(1, TMA_ALIGN // DTYPE_BYTES[self.dtype])
-
-    def describe(self) -> str:
-        shape = ", ".join(self.dims)
-        if self.contiguous is None:
-            return f"{self.name}: {self.dtype}[{shape}]"
-        return f"{self.name}: {self.dtype}[{shape}], {self.dims[self.contiguous]} contiguous"
-
-
-def spec_for(name: str, t, dims: tuple[str, ...], *, needs_tma: bool = True) -> TensorSpec:
-    """The spec of an example tensor ``t`` whose dims are ``dims``; the contiguous dim is the
-    varying dim with stride 1 (the last one when several qualify)."""
-    dtype = str(t.dtype).replace("torch.", "")
-    if not needs_tma:
-        return TensorSpec(name, dtype, dims, None)
-    strides = t.stride()
-    candidates = [i for i, d in enumerate(dims) if d != "1" and strides[i] == 1]
-    contiguous = candidates[-1] if candidates else None
-    return TensorSpec(name, dtype, dims, contiguous)
+from evtc.plan.config import DTYPE_BYTES
+from evtc.plan.tensor_spec import TMA_ALIGN, TensorSpec
+from evtc.sm90.operands import dsl_dtype
 
 
 class Symbols:
@@ -211,4 +173,4 @@ class GatedLauncher(Launcher):
         self._launch(a, halves, outputs, inputs, max_clusters, stream)
 
 
-__all__ = ["GatedLauncher", "Launcher", "Symbols", "TensorSpec", "fake_tensor", "spec_for", "view"]
+__all__ = ["GatedLauncher", "Launcher", "Symbols", "fake_tensor", "view"]

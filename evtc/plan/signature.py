@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from .ir.graph import Graph
-from .ir.shapes import ONE
+from evtc.ir.graph import Graph
+from evtc.ir.shapes import ONE
+from evtc.plan.tensor_spec import TMA_ALIGN, TensorSpec  # noqa: F401 - re-exported
 
 
 def dims_of(shape) -> tuple[str, ...]:
@@ -23,7 +24,7 @@ def contiguous_dim(spec_dims: tuple[str, ...], t: torch.Tensor, allowed: tuple[s
     """The dim (one of ``allowed``) the kernel reads with unit stride: the example's unit-stride dim
     (the last one if several). An example with none (a strided view such as ``C[:, ::2]``) gets the
     dim of its smallest stride: calls with such views are staged into that layout
-    (:mod:`evtc.staging`)."""
+    (:mod:`evtc.runtime.staging`)."""
     strides = t.stride()
     varying = [i for i, d in enumerate(spec_dims) if d in allowed]
     candidates = [i for i in varying if strides[i] == 1]
@@ -73,8 +74,6 @@ class KernelSignature:
     """Everything static about one kernel besides the graph: layouts of every tensor argument."""
 
     def __init__(self, graph: Graph, emitted, example: Mapping[str, Any]):
-        from .codegen.launch import TensorSpec
-
         a, b = example["a"], example["b"]
         if graph.gated:
             b, halves = kernel_arguments(graph, a, b, example)
@@ -99,9 +98,10 @@ class KernelSignature:
         self.a_major = "k" if a_dims[self.a.contiguous] == "K" else "m"
         self.b_major = "n" if b_dims[self.b.contiguous] == "N" else "k"
         out_dims = ("L", "M", "N") if graph.batched else ("M", "N")
+        self.d_major = "n"
         self.outputs = [TensorSpec(o.name, dtype_name(o.dtype), out_dims, len(out_dims) - 1)
                         for o in emitted.outputs]
-        # One float32 workspace per reduction, flat, allocated per call (evtc.reductions): W elements
+        # One float32 workspace per reduction, flat, allocated per call (evtc.runtime.reductions): W elements
         # for per-row partials, V for per-column ones.
         self.workspaces = [TensorSpec(r.ident, "float32", ("V" if r.axis == "col" else "W",), 0)
                            for r in emitted.reductions]
@@ -127,6 +127,12 @@ class KernelSignature:
                 self.tile_majors[plan.name] = "n" if dims[spec.contiguous] == "N" else "m"
             self.inputs.append(spec)
             self.views.append(_VIEW_MODES[plan.kind][0 if operand.batched else 1])
+
+    def set_output_major(self, d_major: str) -> None:
+        """Outputs column-major (``"m"``: M contiguous) or row-major (``"n"``, the default)."""
+        self.d_major = d_major
+        self.outputs = [TensorSpec(s.name, s.dtype, s.dims, s.dims.index("M" if d_major == "m" else "N"))
+                        for s in self.outputs]
 
     def describe(self) -> dict:
         return {

@@ -2,10 +2,10 @@
 
 A generated visitor (see :mod:`evtc.codegen.emit`) declares its operands and two methods:
 
-* ``inputs``: the epilogue's inputs in call order (:mod:`evtc.codegen.operands`), each owning its
+* ``inputs``: the epilogue's inputs in call order (:mod:`evtc.sm90.operands`), each owning its
   TMA atom, shared memory and registers;
 * ``outputs``: the full-tile outputs; the first is written by the kernel's own D store, the others
-  (:class:`~evtc.codegen.operands.TileStore`) by their own TMA stores;
+  (:class:`~evtc.sm90.operands.TileStore`) by their own TMA stores;
 * ``uniform(**scalars) -> dict``: the values that do not vary over the tile, computed once per tile;
 * ``fragment(acc, **values) -> tuple``: the computation on this thread's float32 fragment of one
   subtile, returning one value per output. A gated visitor (``gated = True``) takes two
@@ -22,9 +22,9 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-from .config import GemmConfig
-from .operands import Operand, TileLoad, TileStore
-from .visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
+from evtc.plan.config import GemmConfig
+from evtc.sm90.operands import Operand, TileLoad, TileStore
+from evtc.sm90.visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
 
 
 def d_buffer_input(inputs, aux_outputs, config: GemmConfig) -> int | None:
@@ -72,10 +72,6 @@ class FusedVisitor(EpilogueVisitor):
         """Everything that takes a kernel argument: inputs, the extra outputs, the reductions'
         workspaces."""
         return tuple(self.inputs) + self._aux + tuple(self.reductions)
-
-    def cache_key(self) -> tuple:
-        return (type(self).__qualname__, tuple(o.cache_key() for o in self.inputs),
-                tuple(o.cache_key() for o in self.outputs), tuple(o.cache_key() for o in self.reductions))
 
     def smem_bytes(self, config: GemmConfig, load_stages: int) -> int:
         stores = (config.epi_stages if config.epi_stages is not None else 2) * config.epi_groups

@@ -1,8 +1,7 @@
 """Static configuration of the SM90 GEMM kernel, and the shared-memory budget that follows from it.
 
 Everything in a :class:`GemmConfig` is baked into the compiled kernel; everything else (M, N, K, L,
-pointers, strides, epilogue scalars) is a runtime argument.  Two calls that share a config (and an
-epilogue visitor with the same ``cache_key``) share one compiled kernel.
+pointers, strides, epilogue scalars) is a runtime argument.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 # Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
-# cutlass or torch; :mod:`evtc.codegen.dtypes` maps them to both.
+# cutlass or torch; :mod:`evtc.sm90.dtypes` maps them to both.
 AB_DTYPES = ("float16", "bfloat16")
 D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")

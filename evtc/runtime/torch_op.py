@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .kernel import Kernel
+    from evtc.runtime.kernel import Kernel
 
 _LIBRARY = torch.library.Library("evtc", "FRAGMENT")
 _OPS: dict[str, Any] = {}
@@ -29,17 +29,17 @@ def op_name(kernel: Kernel) -> str:
     """``<epilogue>_<key prefix>``, with suffixes for kernels that choose their cluster per call and
     for call interfaces (strict, unused parameters): kernels that share compiled code but not their
     behaviour get operators of their own."""
-    base = re.sub(r"\W", "_", kernel.graph.name) or "epilogue"
-    auto = "_c" if kernel._variant_factory is not None else ""
+    base = re.sub(r"\W", "_", kernel.plan.name) or "epilogue"
+    auto = "_c" if kernel.chooses_clusters else ""
     return f"{base}_{kernel.key[:16]}{auto}{kernel.interface.tag()}"
 
 
 def schema(kernel: Kernel, name: str) -> str:
+    plan = kernel.plan
     args = ["Tensor a", "Tensor b"]
-    for operand in kernel.operand_names:
-        kind = kernel._user_kinds[operand]
-        args.append(f"float {operand}" if kind == "arg" else f"Tensor {operand}")
-    n_out = len(kernel._kernel_order)
+    for operand in plan.operand_names:
+        args.append(f"float {operand}" if plan.kind_of(operand) == "arg" else f"Tensor {operand}")
+    n_out = len(plan.output_order)
     returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
     return f"{name}({', '.join(args)}) -> {returns}"
 
@@ -51,18 +51,20 @@ def register(kernel: Kernel):
         op = _OPS.get(name)
         if op is not None:
             return op
-        names = kernel.operand_names
-        single = len(kernel._kernel_order) == 1
-        batched = kernel._signature.batched
+        plan = kernel.plan
+        names = plan.operand_names
+        single = len(plan.output_order) == 1
 
         def run(a, b, *operands):
-            outs = kernel._launch(a, b, None, dict(zip(names, operands, strict=True)))
+            outs = kernel.run(a, b, dict(zip(names, operands, strict=True)))
             return outs[0] if single else tuple(outs)
 
         def fake(a, b, *operands):
-            batches = a.shape[0] if batched else 1
-            outs = [a.new_empty(shape, dtype=dt)
-                    for shape, dt in kernel._output_meta(a.shape[-2], b.shape[-1], batches)]
+            batches = a.shape[0] if plan.batched else 1
+            meta = kernel.output_meta(a.shape[-2], b.shape[-1], batches)
+            outs = [a.new_empty(shape, dtype=dt) for shape, dt in meta]
+            if plan.d_major == "m":  # column-major D, as the kernel allocates it
+                outs[0] = outs[0].transpose(-1, -2).contiguous().transpose(-1, -2)
             return outs[0] if single else tuple(outs)
 
         _LIBRARY.define(schema(kernel, name))

@@ -1,6 +1,6 @@
 """The epilogue visitor protocol: the one seam between the GEMM kernel and what happens to its output.
 
-The kernel (:mod:`evtc.codegen.gemm_sm90`) owns the mainloop, the D staging buffers and the D TMA
+The kernel (:mod:`evtc.sm90.gemm`) owns the mainloop, the D staging buffers and the D TMA
 store.  Everything else about the epilogue -- extra inputs (C, vectors, scalars), the arithmetic,
 extra outputs -- belongs to one :class:`EpilogueVisitor` object.  The kernel calls its hooks at fixed
 points, the same points where CUTLASS's SM90 TMA warp-specialized collective epilogue calls its
@@ -10,8 +10,8 @@ are the reference.
 
 Three kinds of hook, by where they run:
 
-Host, plain Python (before tracing; results must be deterministic for a given ``cache_key``):
-    ``cache_key``, ``smem_bytes``, ``load_bytes``, ``example_args``, ``runtime_args``.
+Host, plain Python (before tracing; results must be deterministic for a given visitor source):
+    ``smem_bytes``, ``load_bytes``, ``offers_d_buffer``.
 Host, traced (inside the ``@cute.jit`` launch function):
     ``setup`` -- turns the runtime arguments into kernel parameters (TMA atoms, tensors, scalars).
 Device (inside the kernel, traced by the CuTe DSL):
@@ -34,8 +34,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
-from .config import GemmConfig
-from .dtypes import cutlass_dtype
+from evtc.plan.config import GemmConfig
+from evtc.sm90.dtypes import cutlass_dtype
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ def make_epi_smem_layout(dtype, layout: LayoutEnum, shape: EpilogueShape, stages
 
 
 def smem_layout_bytes(dtype_name: str, shape_tile: tuple[int, int], stages: int) -> int:
-    from .config import DTYPE_BYTES
+    from evtc.plan.config import DTYPE_BYTES
 
     return shape_tile[0] * shape_tile[1] * DTYPE_BYTES[dtype_name] * stages
 
@@ -300,10 +300,6 @@ class EpilogueVisitor:
     name = "visitor"
 
     # ---- host, plain Python --------------------------------------------------------------------
-    def cache_key(self) -> tuple:
-        """Everything static about this visitor that changes the generated code."""
-        return (type(self).__qualname__,)
-
     def smem_bytes(self, config: GemmConfig, load_stages: int) -> int:
         """Shared memory the visitor allocates in ``allocate`` (bytes, including its own staging)."""
         return 0
@@ -322,20 +318,6 @@ class EpilogueVisitor:
         of D is then written where subtile ``i`` of the input was, after every thread has read it,
         and the stage returns to the loader only once the D store has read it out."""
         return False
-
-    def example_args(self, config: GemmConfig) -> tuple:
-        """Arguments of the same static types as ``runtime_args`` returns, used to compile.
-
-        Tensors must be marked dynamic exactly as in ``runtime_args`` (see
-        :func:`evtc.codegen.runtime.to_cute_tensor`)."""
-        return ()
-
-    def runtime_args(self, config: GemmConfig, problem: tuple[int, int, int, int], **kwargs) -> tuple:
-        """Convert the user's keyword arguments (torch tensors, Python numbers) into the tuple the
-        compiled kernel takes.  ``problem`` is (M, N, K, L).  Raise ``ValueError`` on a bad argument."""
-        if kwargs:
-            raise ValueError(f"{self.name}: unexpected arguments {sorted(kwargs)}")
-        return ()
 
     # ---- host, traced --------------------------------------------------------------------------
     def setup(self, shape: EpilogueShape, args: tuple) -> tuple:

@@ -1,10 +1,10 @@
 """Epilogue operands: each kind of input or output owns its resources and its part of every hook.
 
-A generated visitor (:class:`evtc.codegen.fused.FusedVisitor`) lists its operands; the visitor's
+A generated visitor (:class:`evtc.sm90.fused.FusedVisitor`) lists its operands; the visitor's
 hooks call the same hook of each operand. An operand owns its TMA atom, its shared memory and its
 registers, so a new kind joins without touching the kernel or the other kinds.
 
-Kinds, and the global-memory views the launcher (:mod:`evtc.codegen.launch`) hands to ``setup``:
+Kinds, and the global-memory views the launcher (:mod:`evtc.sm90.launch`) hands to ``setup``:
 
 =============  ======================  ===========================================================
 kind           view                    how it reaches the fragment
@@ -35,11 +35,16 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from .dtypes import cutlass_dtype
-from .visitor import EpilogueContext, EpilogueShape, allocate_staged, make_epi_smem_layout, operand_layout
+from evtc.plan.config import DTYPE_BYTES
+from evtc.sm90.dtypes import cutlass_dtype
+from evtc.sm90.visitor import (
+    EpilogueContext,
+    EpilogueShape,
+    allocate_staged,
+    make_epi_smem_layout,
+    operand_layout,
+)
 
-#: Element sizes of the dtypes operands may have (float8 only for outputs).
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # Swizzled buffers are 1024 B aligned (128 B swizzle atoms) and multiples of 1024 B; the visitor
 # allocates them first, right after the kernel's own 1024 B aligned buffers, so they waste nothing.
 # Vector buffers come last, 128 B aligned; each declares its alignment as slack.
@@ -71,9 +76,6 @@ class Operand:
     @property
     def dtype(self):
         return dsl_dtype(self.dtype_name)
-
-    def cache_key(self) -> tuple:
-        return (type(self).__name__, self.name, self.dtype_name, self.batched)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.dtype_name!r}, batched={self.batched})"
@@ -123,9 +125,6 @@ class TileLoad(Operand):
     def __init__(self, name: str, dtype: str = "float16", *, major: str = "n", batched: bool = False):
         super().__init__(name, dtype, batched=batched)
         self.major = major
-
-    def cache_key(self) -> tuple:
-        return (*super().cache_key(), self.major)
 
     def __repr__(self) -> str:
         return (f"TileLoad({self.name!r}, {self.dtype_name!r}, major={self.major!r}, "
@@ -416,7 +415,7 @@ def _reduce_scatter(values: list, keys: list, lane, offsets: tuple[int, ...], co
 
 class _Reduction(Operand):
     """Partials of a reduction (``sum``, ``max`` or ``min``) of a tile value, written per tile to a
-    float32 workspace that the host finishes (:mod:`evtc.reductions`: a fixed order, deterministic).
+    float32 workspace that the host finishes (:mod:`evtc.runtime.reductions`: a fixed order, deterministic).
 
     Values outside the problem (rows past M, columns past N of ragged tiles) count as the
     reduction's identity (0 or -/+inf), never as whatever the accumulator or TMA put there. Stores
@@ -435,9 +434,6 @@ class _Reduction(Operand):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.op!r}, batched={self.batched})"
-
-    def cache_key(self) -> tuple:
-        return (*super().cache_key(), self.op)
 
     def _combine(self, x, y):
         if self.op == "sum":
@@ -596,7 +592,14 @@ class ColReduction(_Reduction):
         ctx.barrier.arrive_and_wait()  # the buffer is free for the next tile
 
 
+def construct(texts: list[str]) -> list[Operand]:
+    """Operand objects from the constructor expressions the code generator writes into a visitor's
+    source (:func:`evtc.codegen.emit.operand_constructors`)."""
+    return [eval(text, dict(globals())) for text in texts]  # noqa: S307 - evtc's own generated text
+
+
 __all__ = [
+    "construct",
     "ArgScalar",
     "ColReduction",
     "RowReduction",
@@ -608,3 +611,4 @@ __all__ = [
     "TileStore",
     "dsl_dtype",
 ]
+

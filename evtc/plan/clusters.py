@@ -1,0 +1,67 @@
+"""Which cluster shape a problem runs with, chosen per call without the CuTe DSL, and a model of
+the order in which the persistent kernel visits its tiles."""
+
+from __future__ import annotations
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference_order(tiles_m: int, tiles_n: int, batches: int, cluster, raster_m: bool, swizzle: int):
+    """Pure-Python model of :meth:`evtc.sm90.scheduler.TileScheduler.cluster_tile` (for tests and
+    documentation)."""
+    cms, cns = ceil_div(tiles_m, cluster[0]), ceil_div(tiles_n, cluster[1])
+    per_batch = cms * cns
+    out = []
+    for work in range(per_batch * batches):
+        batch, r = divmod(work, per_batch)
+        major, minor_total = (cms, cns) if raster_m else (cns, cms)
+        band, in_band = divmod(r, major * swizzle)
+        band_start = band * swizzle
+        width = min(swizzle, minor_total - band_start)
+        along, off = divmod(in_band, width)
+        across = band_start + off
+        out.append((along, across, batch) if raster_m else (across, along, batch))
+    return out
+
+
+# Relative time per tile of each cluster shape when every CTA has work, per schedule, from the H100
+# measurements (docs/performance.md, "cluster shape per call").  Ping-pong 128x128 tiles: A multicast
+# to a 1x2 cluster is what keeps the mainloop off the L2 bandwidth limit; 2x1 (B multicast) comes
+# close, 1x1 is 20-40% slower on large problems.  Cooperative 128x256: the three within noise.
+CLUSTER_COST = {
+    "pingpong": {(1, 2): 1.0, (2, 1): 1.1, (1, 1): 1.25},
+    "cooperative": {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
+}
+
+
+def waves(tiles_m: int, tiles_n: int, batches: int, cluster: tuple[int, int], slots: int) -> int:
+    """Rounds of ``slots`` concurrent CTAs that a persistent launch needs for the problem's tiles,
+    counting the idle CTAs of clusters that overhang the edge (they run, and occupy an SM)."""
+    cm, cn = cluster
+    padded = ceil_div(tiles_m, cm) * cm * ceil_div(tiles_n, cn) * cn * batches
+    return ceil_div(padded, max(slots, 1))
+
+
+def cluster_for_problem(tiles_m: int, tiles_n: int, batches: int, preferred: tuple[int, int],
+                        slots_of, schedule: str) -> tuple[int, int]:
+    """The cluster shape with the fewest expected waves, weighted by :data:`CLUSTER_COST`.
+
+    A 1x2 cluster over a problem with one column of tiles leaves every second CTA idle, and so
+    doubles the time; 2x1 or 1x1 clusters then finish sooner.  ``slots_of(cluster)`` is how many
+    CTAs of that cluster shape run at once.  Ties go to ``preferred``, so problems that fit in one
+    wave (whatever their shape) keep the configured kernel.
+    """
+    costs = CLUSTER_COST[schedule]
+
+    def cost(cluster):
+        return waves(tiles_m, tiles_n, batches, cluster, slots_of(cluster)) * costs.get(cluster, 1.0)
+
+    best = preferred
+    best_cost = cost(preferred)
+    for cluster in costs:
+        c = cost(cluster)
+        if c < best_cost * 0.999:
+            best, best_cost = cluster, c
+    return best

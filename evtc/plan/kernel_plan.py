@@ -1,0 +1,344 @@
+"""The kernel plan: everything a call of one compiled kernel needs, decided once at compile time.
+
+:func:`plan_kernel` reads it off the optimized graph, the emitted visitor and the example layouts
+(:class:`evtc.plan.signature.KernelSignature`). It is plain data: it is written into the cache entry's
+manifest as JSON and read back by a process that loads the kernel without tracing, so nothing in it
+(and nothing that reads it) needs sympy, the IR or the CuTe DSL.
+
+Names follow the kernel's operand order (the visitor's inputs; a gated kernel's ``bias.gate`` and
+``bias.up`` halves of a user's ``bias``). Outputs come in the kernel's order: the full-tile outputs it
+stores (D first), then the host outputs finished from the reductions' partials
+(:mod:`evtc.runtime.reductions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from evtc.plan.tensor_spec import TensorSpec
+
+#: The version of this format; a manifest of another one is rebuilt.
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class KernelInput:
+    """One input of the kernel, in the visitor's order.
+
+    ``kind``: ``tile`` (M x N), ``row_vector`` is spelled ``row`` (N values: one per column),
+    ``col`` (M values: one per row), ``scalar`` (one element, or one per batch), ``arg`` (a runtime
+    float), ``literal`` (a value computed from the problem size at each call: ``expr`` is a Python
+    expression of ``L``, ``M`` and ``N``)."""
+
+    name: str  # the kernel's name for it
+    user: str  # the name the user passes (a gated half's source operand)
+    label: str  # how messages name it ("bias (its up half)")
+    kind: str
+    ident: str  # its identifier in the generated source
+    spec: TensorSpec | None = None
+    view: Any = "arg"  # the modes the kernel views it with (see evtc.sm90.launch)
+    batched: bool = False
+    half: int | None = None  # a gated half: 0 (gate) or 1 (up) of ``user`` along its last dim
+    expr: str | None = None
+
+
+@dataclass(frozen=True)
+class HostOutput:
+    """An output finished on the host: its name, dims (``"L" "M" "N"`` or ``"1"``) and dtype."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ReductionPartials:
+    """A reduction whose per-tile partials the kernel writes to a float32 workspace: ``op`` (sum,
+    max, min) ``axis`` (row: one value per row, col: per column, batch, all), ``node`` (the id of
+    the reduce node, whose value it gives), ``dims`` of that value."""
+
+    ident: str
+    op: str
+    axis: str
+    node: int
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FinishStep:
+    """One node evaluated on the host after the reductions: ``op`` is an elementwise op of the IR,
+    ``cast``, ``store``, ``arg`` or ``load`` (of the operand ``name``), ``literal`` (``expr``, as in
+    :class:`KernelInput`)."""
+
+    node: int
+    op: str
+    inputs: tuple[int, ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()
+    dtype: str = "float32"
+    name: str = ""
+    expr: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputStructure:
+    """What the epilogue returns: one tensor, a tuple or a dict of outputs (by output name)."""
+
+    kind: str  # single | tuple | dict
+    names: tuple[str, ...]
+    keys: tuple[str, ...] | None = None
+
+    def build(self, values: Mapping[str, Any]) -> Any:
+        if self.kind == "single":
+            return values[self.names[0]]
+        if self.kind == "tuple":
+            return tuple(values[n] for n in self.names)
+        return {k: values[n] for k, n in zip(self.keys or (), self.names, strict=True)}
+
+    def flatten(self, out: Any, is_tensor) -> dict[str, Any] | None:
+        """``out`` (the structure the epilogue returns) by output name, or None if it is not one."""
+        if self.kind == "single":
+            return {self.names[0]: out} if is_tensor(out) else None
+        if self.kind == "tuple":
+            if not isinstance(out, tuple | list) or len(out) != len(self.names):
+                return None
+            return dict(zip(self.names, out, strict=True))
+        if not isinstance(out, Mapping) or set(out) != set(self.keys or ()):
+            return None
+        return {n: out[k] for k, n in zip(self.keys or (), self.names, strict=True)}
+
+    def describe(self) -> str:
+        if self.kind == "single":
+            return "one tensor"
+        if self.kind == "tuple":
+            return f"a tuple of {len(self.names)} tensors"
+        return f"a dict with keys {list(self.keys or ())}"
+
+
+@dataclass(frozen=True)
+class CallInterface:
+    """What a call accepts besides the kernel's live operands, and how it may run.
+
+    ``parameters``: the user's function's parameters after ``acc`` (for messages); ``unused``: those
+    that the passes removed (accepted and ignored at call time, as calling the function would accept
+    them); ``constants``: parameters the trace specialised on (bools, None, defaults left out of the
+    examples), accepted when they have the compiled value; ``strict``: raise instead of taking the
+    staged or torch path; ``torch_only``: why no SM90 kernel exists (every call takes the torch
+    path), or None."""
+
+    parameters: tuple[str, ...] = ()
+    unused: frozenset[str] = frozenset()
+    constants: tuple[tuple[str, Any], ...] = ()
+    strict: bool = False
+    torch_only: str | None = None
+
+    def tag(self) -> str:
+        """A digest of this interface: kernels that share compiled code but not the interface
+        must not share a Kernel object (memory cache) or a custom operator."""
+        import hashlib
+
+        if self == CallInterface():
+            return ""
+        text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only))
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One compiled kernel as its calls see it (see the module docstring)."""
+
+    name: str
+    gated: bool
+    batched: bool
+    d_major: str
+    a: TensorSpec
+    b: TensorSpec
+    outputs: tuple[TensorSpec, ...]  # the full-tile outputs the kernel stores, D first
+    workspaces: tuple[TensorSpec, ...]  # one float32 workspace per reduction
+    inputs: tuple[KernelInput, ...]
+    host_outputs: tuple[HostOutput, ...]
+    reductions: tuple[ReductionPartials, ...]
+    finish: tuple[FinishStep, ...]
+    structure: OutputStructure
+    interface: CallInterface
+    #: Why a and b cannot run batched as given (a batch broadcast: the torch path), or None.
+    broadcast_batch: str | None = None
+    class_name: str = ""
+
+    # ---- derived -----------------------------------------------------------------------------
+    @property
+    def output_order(self) -> tuple[str, ...]:
+        """Output names in kernel order: the full-tile outputs, then the host outputs."""
+        return tuple(s.name for s in self.outputs) + tuple(h.name for h in self.host_outputs)
+
+    @property
+    def operand_names(self) -> tuple[str, ...]:
+        """The names the user passes for the kernel's live operands, in kernel order."""
+        return tuple(dict.fromkeys(i.user for i in self.inputs if i.kind != "literal"))
+
+    @property
+    def wide_operands(self) -> tuple[str, ...]:
+        """A gated kernel's operands as wide as the GEMM (each call splits them into halves)."""
+        return tuple(sorted({i.user for i in self.inputs if i.half is not None}))
+
+    def kind_of(self, user_name: str) -> str:
+        return next(i.kind for i in self.inputs if i.user == user_name)
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """The plan as JSON; :meth:`from_json` reads it back (None when it is not one)."""
+        return json.dumps({"format": PLAN_FORMAT, "plan": _encode(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KernelPlan | None:
+        try:
+            data = json.loads(text)
+            if data.get("format") != PLAN_FORMAT:
+                return None
+            return _decode_plan(data["plan"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, tuple | list):
+        return [_encode(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"not plain data: {value!r}")
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def _spec(d: dict | None) -> TensorSpec | None:
+    if d is None:
+        return None
+    return TensorSpec(d["name"], d["dtype"], tuple(d["dims"]), d["contiguous"])
+
+
+def _decode_plan(d: dict) -> KernelPlan:
+    interface = d["interface"]
+    return KernelPlan(
+        name=d["name"], gated=d["gated"], batched=d["batched"], d_major=d["d_major"],
+        a=_spec(d["a"]), b=_spec(d["b"]),
+        outputs=tuple(_spec(s) for s in d["outputs"]),
+        workspaces=tuple(_spec(s) for s in d["workspaces"]),
+        inputs=tuple(KernelInput(**{**i, "spec": _spec(i["spec"]), "view": _tuple(i["view"])})
+                     for i in d["inputs"]),
+        host_outputs=tuple(HostOutput(h["name"], tuple(h["dims"]), h["dtype"]) for h in d["host_outputs"]),
+        reductions=tuple(ReductionPartials(**{**r, "dims": tuple(r["dims"])}) for r in d["reductions"]),
+        finish=tuple(FinishStep(**{**s, "inputs": tuple(s["inputs"]), "params": _tuple(s["params"])})
+                     for s in d["finish"]),
+        structure=OutputStructure(d["structure"]["kind"], tuple(d["structure"]["names"]),
+                                  _tuple(d["structure"]["keys"])),
+        interface=CallInterface(tuple(interface["parameters"]), frozenset(interface["unused"]),
+                                _tuple(interface["constants"]), interface["strict"], interface["torch_only"]),
+        broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
+    )
+
+
+# ---- built from the graph, at compile time -----------------------------------------------------
+
+
+def _dims(shape) -> tuple[str, ...]:
+    from evtc.plan.signature import dims_of
+
+    return dims_of(shape)
+
+
+def _python_expr(expr) -> str:
+    """A sympy expression of L, M, N as Python source (``math`` for functions)."""
+    import sympy
+
+    return sympy.pycode(sympy.sympify(expr), fully_qualified_modules=True)
+
+
+def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPlan:
+    """The plan of the kernel for ``graph`` (optimized, gated graphs split), its emitted visitor
+    and the example layouts."""
+    from evtc.codegen.emit import on_host
+
+    inputs = []
+    for p, spec, view in zip(emitted.inputs, signature.inputs, signature.views, strict=True):
+        operand = graph.operands.get(p.name)
+        half_of = operand.half_of if operand is not None else None
+        user = half_of[0] if half_of else p.name
+        label = f"{half_of[0]} (its {'gate' if half_of[1] == 0 else 'up'} half)" if half_of else p.name
+        inputs.append(KernelInput(
+            name=p.name, user=user, label=label, kind=p.kind, ident=p.ident, spec=spec,
+            view=view, batched=bool(p.batched), half=half_of[1] if half_of else None,
+            expr=_python_expr(p.expr) if p.kind == "literal" else None))
+    kernel_outputs = {o.name for o in emitted.outputs}
+    host_stores = [s for s in graph.stores if s.attrs["name"] not in kernel_outputs]
+    reductions = tuple(ReductionPartials(r.ident, r.op, r.axis, r.node.id, _dims(r.node.shape))
+                       for r in emitted.reductions)
+    reduced = {r.node for r in reductions}
+    finish = []
+    for node in graph.nodes:
+        if node.id in reduced:
+            continue
+        if node.op == "store":
+            if on_host(node):
+                finish.append(FinishStep(node.id, "store", (node.inputs[0].id,), (), _dtype(node.dtype),
+                                         name=node.attrs["name"]))
+            continue
+        if node.stage not in ("uniform", "final"):
+            continue
+        finish.append(_finish_step(node))
+    finish = _live(finish)
+    tree = graph.outputs
+    return KernelPlan(
+        name=graph.name, gated=graph.gated, batched=signature.batched, d_major=signature.d_major,
+        a=signature.a, b=signature.b, outputs=tuple(signature.outputs),
+        workspaces=tuple(signature.workspaces),
+        inputs=tuple(inputs),
+        host_outputs=tuple(HostOutput(s.attrs["name"], _dims(s.shape), _dtype(s.dtype)) for s in host_stores),
+        reductions=reductions, finish=tuple(finish),
+        structure=OutputStructure(tree.kind, tuple(tree.names), tuple(tree.keys) if tree.keys else None),
+        interface=interface, broadcast_batch=signature.broadcast_batch, class_name=emitted.class_name,
+    )
+
+
+def _live(steps: list[FinishStep]) -> list[FinishStep]:
+    """The steps a host output depends on, in order: a per-call host finish runs nothing else
+    (values the kernel already used, such as a scalar operand of the epilogue, are not finished)."""
+    needed: set[int] = set()
+    for step in reversed(steps):
+        if step.op == "store" or step.node in needed:
+            needed.update(step.inputs)
+            needed.add(step.node)
+    return [step for step in steps if step.node in needed]
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _finish_step(node) -> FinishStep:
+    from evtc.ir.ops import ELEMENTWISE
+
+    inputs = tuple(i.id for i in node.inputs)
+    if node.op in ("arg", "load") and "half_of" not in node.attrs:
+        return FinishStep(node.id, node.op, name=node.attrs["name"])
+    if node.op == "literal":
+        return FinishStep(node.id, "literal", expr=_python_expr(node.attrs["value"]))
+    if node.op == "cast":
+        return FinishStep(node.id, "cast", inputs, (), _dtype(node.dtype))
+    if node.op in ELEMENTWISE:
+        params = tuple((p, node.attrs[p]) for p in ELEMENTWISE[node.op].params)
+        return FinishStep(node.id, node.op, inputs, params, _dtype(node.dtype))
+    # The passes put nothing else after a reduction (loads and the accumulator are per element).
+    raise ValueError(f"node {node.op} cannot be finished on the host")
+
+
+__all__ = ["CallInterface", "FinishStep", "HostOutput", "KernelInput", "KernelPlan", "OutputStructure",
+           "ReductionPartials", "plan_kernel"]

@@ -1,0 +1,210 @@
+"""Building a kernel with the CuTe DSL, and loading a built one without it.
+
+A build (a cache miss) writes the generated visitor's source, imports it, compiles the SM90 GEMM
+behind the jit entry point of :mod:`evtc.sm90.launch` through the DSL's TVM-FFI calling convention,
+exports the host and device code as an object file and links it into a shared library with the
+DSL's runtime library and tvm_ffi's. The cache entry keeps the source, the PTX, the object and the
+library (:mod:`evtc.runtime.cache`).
+
+Loading a cached kernel opens the library with ``tvm_ffi.load_module``: a few milliseconds, in a
+process that never imports ``cutlass``. Where no library could be linked (no C compiler at build
+time) or it does not load here, the object file is loaded through the DSL instead (slower to start).
+
+Where a build's time goes (H100 host, a typical epilogue): importing the DSL about 1 s once per
+process, tracing the kernel in Python about 1 to 2 s, MLIR lowering and ptxas about 2 to 3 s, the
+export and link under 0.1 s (``evtc.compile`` logs the build's seconds; docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evtc.plan.config import GemmConfig
+from evtc.plan.kernel_plan import KernelPlan
+from evtc.runtime.cache import DiskCache
+
+log = logging.getLogger("evtc")
+
+COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx"
+SOURCE, PTX, OBJECT, LIBRARY = "epilogue.py", "kernel.ptx", "kernel.o", "kernel.so"
+
+
+@dataclass
+class Built:
+    """A kernel ready to launch: ``fn(a, b, outputs, inputs, max_clusters)`` on the current stream."""
+
+    fn: Any
+    path: Path
+    function: str
+    stages: dict[str, int] = field(default_factory=dict)
+    smem: dict[str, int] = field(default_factory=dict)
+    origin: str = ""  # "compiled" or "disk"
+    seconds: float = 0.0
+    ptx: str | None = None  # kept when built here; read from the entry on demand otherwise
+
+    def read_ptx(self) -> str:
+        if self.ptx is None:
+            try:
+                self.ptx = (self.path / PTX).read_text()
+            except OSError:
+                self.ptx = ""
+        return self.ptx
+
+
+def function_name(key: str) -> str:
+    return f"evtc_{key[:24]}"
+
+
+def _load_library(library: Path, function: str):
+    """``function`` of a linked kernel library, opened with tvm_ffi; None if it does not load."""
+    try:
+        import tvm_ffi
+
+        return tvm_ffi.load_module(str(library.resolve()))[function]
+    except Exception as exc:  # noqa: BLE001 - the object file still works
+        log.info("%s does not load with tvm_ffi (%s); loading the object file through the DSL", library, exc)
+        return None
+
+
+def load(entry: dict) -> Built:
+    """The kernel of a verified cache entry (:meth:`DiskCache.load`)."""
+    path = Path(entry["dir"])
+    function = entry["function"]
+    fn = _load_library(path / LIBRARY, function) if LIBRARY in entry.get("files", {}) else None
+    if fn is None:
+        import cutlass.cute as cute
+
+        module = cute.runtime.load_module(str(path / OBJECT), enable_tvm_ffi=True)
+        fn = getattr(module, function)
+    return Built(fn, path, function, dict(entry.get("stages", {})), dict(entry.get("smem", {})))
+
+
+def _import_visitor(path: Path, key: str, class_name: str):
+    name = f"evtc_generated_{key[:16]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, class_name)()
+
+
+def _link(obj: Path, library: Path) -> bool:
+    """Link ``obj`` into a shared library that tvm_ffi loads without the DSL; False if it cannot."""
+    import cutlass.cute as cute
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: the kernel is cached as an object file only (loads through the DSL)")
+        return False
+    libs = list(cute.runtime.find_runtime_libraries(enable_tvm_ffi=True))
+    rpaths = [f"-Wl,-rpath,{Path(lib).parent}" for lib in libs]
+    cmd = [compiler, "-shared", "-o", str(library), str(obj), *rpaths, *libs]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.info("linking %s failed (%s): object file only", library, exc)
+        return False
+    if done.returncode != 0:
+        log.info("linking %s failed: %s", library, done.stderr.strip()[-500:])
+        return False
+    return True
+
+
+def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: DiskCache, arch: str | None,
+          meta: dict) -> Built:
+    """Compile the kernel and commit it to the cache under ``key``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.runtime import make_fake_stream
+
+    from evtc.sm90.gemm import Sm90GemmKernel
+    from evtc.sm90.launch import GatedLauncher, Launcher, Symbols, fake_tensor
+
+    t0 = time.perf_counter()
+    staged = cache.staging()
+    try:
+        source_path = staged / SOURCE
+        source_path.write_text(source)
+        visitor = _import_visitor(source_path, key, plan.class_name)
+        kernel = Sm90GemmKernel(config, visitor)
+        in_specs = [i.spec for i in plan.inputs]
+        entry_point = GatedLauncher if config.gated else Launcher
+        launcher = entry_point(kernel, plan.a, plan.b, plan.outputs + plan.workspaces, in_specs,
+                               [i.view for i in plan.inputs], plan.batched, workspaces=len(plan.workspaces))
+        symbols = Symbols()
+        fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces)
+        fake_ins = tuple(cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in in_specs)
+        options = f"{COMPILE_OPTIONS} --dump-dir={staged}"  # PTX dumps stay in the entry
+        if arch:
+            options += f" --gpu-arch {arch}"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+            fake_b = fake_tensor(plan.b, symbols)
+            if config.gated:
+                fake_b = (fake_b, fake_tensor(plan.b, symbols))  # the gate and up halves
+            compiled = cute.compile(
+                launcher, fake_tensor(plan.a, symbols), fake_b, fake_outs,
+                fake_ins, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True),
+                options=options,
+            )
+        ptx = compiled.__ptx__ or ""
+        (staged / PTX).write_text(ptx)
+        function = function_name(key)
+        compiled.export_to_c(str(staged / OBJECT), function_name=function)
+        files = [SOURCE, PTX, OBJECT]
+        if _link(staged / OBJECT, staged / LIBRARY):
+            files.append(LIBRARY)
+        stages = {"ab": kernel.ab_stages, "d": kernel.d_stages, "load": kernel.load_stages,
+                  "d_in_load": int(kernel.d_in_load_buffers)}
+        smem = {"visitor": visitor.smem_bytes(config, kernel.load_buffers),
+                "load_bytes_per_subtile": kernel.load_bytes}
+        path = cache.commit(key, staged, files, {**meta, "function": function, "epilogue": plan.name,
+                                                 "stages": stages, "smem": smem, "plan": plan.to_json()})
+        # Calls go through the linked library, as after a disk-cache hit: one launcher, and its
+        # call costs less host time than the DSL's JIT wrapper.
+        fn = _load_library(path / LIBRARY, function) if LIBRARY in files else None
+        return Built(fn or compiled, path, function, stages, smem, "compiled", time.perf_counter() - t0, ptx)
+    finally:
+        if staged.exists():
+            shutil.rmtree(staged, ignore_errors=True)
+
+
+def obtain(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: DiskCache, arch: str | None,
+           meta: dict) -> Built:
+    """The kernel of ``key``: loaded from the disk cache, or built (once across threads and
+    processes). An entry that does not verify or load is rebuilt, never run."""
+    what = f"{plan.name!r} ({config.short_name()})"
+    with cache.lock(key):
+        t0 = time.perf_counter()
+        entry = cache.load(key)
+        if entry is not None:
+            try:
+                built = load(entry)
+                built.origin, built.seconds = "disk", time.perf_counter() - t0
+                log.info("disk cache hit: %s loaded from %s in %.2f s", what, entry["dir"], built.seconds)
+                return built
+            except Exception as exc:  # noqa: BLE001 - an entry that does not load is rebuilt
+                log.warning("disk cache entry %s of %s does not load (%s); rebuilding it", entry["dir"], what,
+                            exc)
+                cache.discard(key)
+        else:
+            log.info("disk cache miss: %s, key %s", what, key[:16])
+        log.info("building %s: generating the kernel and compiling it with the CuTe DSL "
+                 "(a few seconds, once per configuration)", what)
+        built = build(plan, source, config, key, cache, arch, meta)
+        log.info("built %s in %.2f s; cached in %s", what, built.seconds, built.path)
+        return built
+
+
+__all__ = ["Built", "build", "function_name", "load", "obtain"]

@@ -1,0 +1,158 @@
+"""The cheap key of a compile call: what ``evtc.compile`` was given, without tracing anything.
+
+A kernel's full cache key is a digest of its generated source, which needs the tracer, the passes
+and the code generator (and so sympy). A process that compiles an epilogue it compiled before should
+not pay for them: the front key digests the call itself -- the epilogue's code (its bytecode,
+constants, names, defaults, closure values and the module globals it reads, followed into helper
+functions), the example inputs' dtypes, shapes and strides, ``out_dtypes``, ``config``, ``strict``,
+the architecture and the versions of evtc's sources, the CuTe DSL, tvm_ffi, torch and Python. A
+front record in the cache maps it to the kernel's entry and plan (:mod:`evtc.runtime.cache`).
+
+Anything the digest cannot see through (an arbitrary object in a closure or a global, a tensor
+captured by the function) gives no front key: such a compile takes the full path, every time.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import hashlib
+import sys
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class _Opaque(Exception):
+    """A value the front key cannot digest."""
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of evtc's own sources: a change to any (the tracer, the passes, the code generator,
+    the kernel, the runtime) invalidates every key."""
+    here = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(here.rglob("*.py")):
+        h.update(str(path.relative_to(here)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    """Versions of everything that changes what a compile produces."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "evtc": version("evtc"),
+        "codegen": source_digest(),
+        "cutlass_dsl": version("nvidia-cutlass-dsl"),
+        "tvm_ffi": version("apache-tvm-ffi"),
+        "torch": torch.__version__,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+    }
+
+
+def _code(code: types.CodeType, seen: set[int]) -> tuple:
+    consts = tuple(_code(c, seen) if isinstance(c, types.CodeType) else ("c", type(c).__name__, repr(c))
+                   for c in code.co_consts)
+    return (code.co_filename, code.co_firstlineno, code.co_code, code.co_linetable, consts, code.co_names,
+            code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount, code.co_kwonlyargcount,
+            code.co_flags)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return names
+
+
+def _function(fn: types.FunctionType, seen: set[int]) -> tuple:
+    if id(fn) in seen:
+        return ("recursion", fn.__qualname__)
+    seen.add(id(fn))
+    code = fn.__code__
+    closure = tuple(_value(cell.cell_contents, seen) for cell in fn.__closure__ or ())
+    globals_read = []
+    for name in sorted(_names(code)):
+        if name in fn.__globals__:
+            globals_read.append((name, _value(fn.__globals__[name], seen)))
+        elif hasattr(builtins, name):
+            globals_read.append((name, "builtin"))
+    annotations = tuple(sorted((k, repr(v)) for k, v in getattr(fn, "__annotations__", {}).items()))
+    return ("function", _code(code, seen), _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen),
+            closure, tuple(globals_read), annotations)
+
+
+def _value(value: Any, seen: set[int]) -> Any:
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, torch.dtype):
+        return ("dtype", str(value))
+    if isinstance(value, tuple | list):
+        return (type(value).__name__, tuple(_value(v, seen) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _value(v, seen)) for k, v in value.items()))
+    if isinstance(value, types.ModuleType):
+        return ("module", value.__name__)
+    if isinstance(value, types.FunctionType):
+        return _function(value, seen)
+    if isinstance(value, functools.partial):
+        return ("partial", _value(value.func, seen), _value(value.args, seen), _value(value.keywords, seen))
+    if callable(value) and _is_library(value):
+        return ("named", getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
+    wrapped = getattr(value, "__wrapped__", None)  # @evtc.epilogue, functools.wraps
+    if isinstance(wrapped, types.FunctionType):
+        return ("wrapped", type(value).__qualname__, _function(wrapped, seen))
+    raise _Opaque(type(value).__name__)
+
+
+def _is_library(value: Any) -> bool:
+    """A callable of torch or the standard library (its identity is its name)."""
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in ("torch", "math", "operator", "builtins", "functools")
+
+
+def _example(value: Any, seen: set[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), tuple(value.stride()), value.device.type)
+    return _value(value, seen)
+
+
+def front_key(fn: Callable[..., Any], example_inputs: Mapping[str, Any], out_dtypes: Any, config: Any,
+              arch: str | None, strict: bool) -> str | None:
+    """The front key of a compile call, or None when the call cannot have one (see the module)."""
+    from evtc.frontend.epilogue import unwrap
+
+    user_fn = unwrap(fn)
+    if not isinstance(user_fn, types.FunctionType):
+        return None
+    seen: set[int] = set()
+    try:
+        parts = (
+            _function(user_fn, seen),
+            tuple((name, _example(example_inputs[name], seen)) for name in sorted(example_inputs)),
+            _value(out_dtypes, seen),
+            repr(config) if config is not None and not isinstance(config, Mapping) else _value(config, seen),
+            arch or "device",
+            strict,
+            tuple(sorted(versions().items())),
+        )
+    except (_Opaque, RecursionError, TypeError, ValueError):
+        return None
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+__all__ = ["front_key", "source_digest", "versions"]

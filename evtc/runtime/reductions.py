@@ -1,0 +1,122 @@
+"""Finishing reductions on the host, after the kernel.
+
+The kernel writes, per reduction, float32 partials into a flat workspace (spare elements last, see
+:mod:`evtc.sm90.operands`):
+
+* per row (``RowReduction``, also behind per-batch and whole-output reductions): each row's partial
+  of each tile, (L, n tiles, M);
+* per column (``ColReduction``): each column's partial of each tile (the warps' partials combined
+  in shared memory), (L, m tiles, N).
+
+:class:`HostFinish` reduces them over the partials with one torch op each (a fixed order, so the
+result is the same bit for bit on every run), then over rows and batches for per-batch and
+whole-output reductions, and runs the plan's finish steps: what the epilogue computes from
+finished reductions (the 1/N of a mean, ``sqrt(ms + eps)``, a scale). Everything is prepared from
+the plan once; a call runs torch ops only (no sympy, no graph).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from evtc.ir.dtypes import round_to
+from evtc.ir.ops import ELEMENTWISE
+from evtc.plan.kernel_plan import KernelPlan, ReductionPartials
+
+_REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "bool": torch.bool}
+
+
+def _tiles(size: int, tile: int) -> int:
+    return -(-size // tile)
+
+
+def size_function(expr: str):
+    """``expr`` (Python source over L, M, N, see :class:`evtc.plan.kernel_plan.KernelInput`) as a
+    function of the problem size."""
+    return eval(f"lambda L, M, N: {expr}", {"math": math, "__builtins__": {}})  # noqa: S307 - our own plan
+
+
+def _cast(value, dtype: torch.dtype):
+    """A value of ``dtype`` held in float32 (rounded through ``dtype`` where narrower), as the
+    reference evaluator casts."""
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    if value.dtype == torch.bool:
+        value = value.to(torch.float32)
+    if dtype == torch.float32:
+        return value.to(torch.float32)
+    return round_to(value.to(torch.float32), dtype)
+
+
+class HostFinish:
+    """The host half of a kernel's reductions (see the module docstring)."""
+
+    def __init__(self, plan: KernelPlan, tile_m: int, out_tile_n: int) -> None:
+        self.reductions = plan.reductions
+        self.tile_m = tile_m
+        self.out_tile_n = out_tile_n
+        self.literals = {s.node: size_function(s.expr) for s in plan.finish if s.op == "literal"}
+        self.steps = plan.finish
+
+    def partial_rows(self, r: ReductionPartials, m: int, n: int) -> tuple[int, int]:
+        """(partials per reduced value, reduced values) of one batch: (n tiles, M) per row, (m tiles,
+        N) per column."""
+        if r.axis == "col":
+            return _tiles(m, self.tile_m), n
+        return _tiles(n, self.out_tile_n), m
+
+    def workspace_numels(self, m: int, n: int, batches: int) -> list[int]:
+        """Per reduction: the partials of every batch and at least one spare element (the kernel's
+        branch-free stores go to the last), rounded up to 16 bytes so that the workspaces can be
+        cut from one allocation, each aligned as TMA and the kernel need."""
+        out = []
+        for r in self.reductions:
+            parts, values = self.partial_rows(r, m, n)
+            out.append(-(-(parts * values * batches + 1) // 4) * 4)
+        return out
+
+    def __call__(self, workspaces: Sequence[torch.Tensor], m: int, n: int, batches: int,
+                 operands: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The host outputs, by output name."""
+        sizes = {"M": m, "N": n, "L": batches, "1": 1}
+        values: dict[int, Any] = {}
+        for r, ws in zip(self.reductions, workspaces, strict=True):
+            reduce = _REDUCE[r.op]
+            parts, count = self.partial_rows(r, m, n)
+            value = reduce(ws[:batches * parts * count].view(batches, parts, count), dim=1)  # (L, M) / (L, N)
+            if r.axis == "batch":
+                value = reduce(value, dim=1)
+            elif r.axis == "all":
+                value = reduce(value)
+            values[r.node] = value.reshape([sizes[d] for d in r.dims])
+        outputs: dict[str, torch.Tensor] = {}
+        device = workspaces[0].device if workspaces else None
+        for step in self.steps:
+            op = step.op
+            if op == "store":
+                outputs[step.name] = values[step.inputs[0]].to(_DTYPES[step.dtype])
+            elif op == "literal":
+                values[step.node] = float(self.literals[step.node](batches, m, n))
+            elif op == "arg":
+                values[step.node] = float(operands[step.name])
+            elif op == "load":
+                values[step.node] = operands[step.name].to(device=device, dtype=torch.float32)
+            elif op == "cast":
+                values[step.node] = _cast(values[step.inputs[0]], _DTYPES[step.dtype])
+            else:
+                definition = ELEMENTWISE[op]
+                args = [values[i] for i in step.inputs]
+                if not any(isinstance(a, torch.Tensor) for a in args):
+                    args[0] = torch.tensor(args[0], dtype=torch.float32, device=device)
+                result = definition.evaluate(*args, **dict(step.params))
+                values[step.node] = result if definition.boolean else _cast(result, _DTYPES[step.dtype])
+        return outputs
+
+
+__all__ = ["HostFinish", "size_function"]
