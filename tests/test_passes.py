@@ -10,6 +10,7 @@ from support import flatten, gemm_inputs, rand
 import evtc
 from evtc.ir.passes import (
     PASSES,
+    PassResult,
     check_dtypes,
     eliminate_common_subexpressions,
     eliminate_dead_code,
@@ -21,6 +22,7 @@ from evtc.ir.passes import (
     validate,
 )
 from evtc.ir.passes.fusion import unit_inputs, unit_outputs
+from evtc.ir.passes.result import fingerprint
 
 INPUTS = gemm_inputs(12, 20, 8, 2) | {
     "C": rand(2, 12, 20, dtype=torch.bfloat16, seed=1),
@@ -50,7 +52,7 @@ def assert_equivalent(before, after, inputs):
 
 def test_infer_shapes_recomputes_and_checks():
     g, inputs = raw(lambda acc, bias, col: acc * bias + col)
-    out = infer_shapes(g)
+    out = infer_shapes(g).graph
     assert [n.shape for n in out.nodes] == [n.shape for n in g.nodes]
     assert_equivalent(g, out, inputs)
 
@@ -63,7 +65,7 @@ def test_make_casts_explicit_computes_in_float32():
     g, inputs = raw(epilogue)
     with pytest.raises(evtc.GraphError):
         validate(g, lowered=True)  # narrow arithmetic is not lowered yet
-    out = make_casts_explicit(g)
+    out = make_casts_explicit(g).graph
     validate(out, lowered=True)
     compute = [n for n in out.nodes if n.op in ("mul", "add")]
     assert all(n.dtype == torch.float32 for n in compute)
@@ -84,7 +86,7 @@ def test_dead_code_elimination():
         return acc + 1
 
     g, inputs = raw(epilogue)
-    out = eliminate_dead_code(g)
+    out = eliminate_dead_code(g).graph
     assert out.count("gelu") == 0 and out.count("load") == 0
     assert len(out) < len(g)
     assert_equivalent(g, out, inputs)
@@ -97,7 +99,7 @@ def test_common_subexpression_elimination():
         return x * y + torch.sigmoid(acc + bias)
 
     g, inputs = raw(epilogue)
-    out = eliminate_dead_code(eliminate_common_subexpressions(g))
+    out = eliminate_dead_code(eliminate_common_subexpressions(g).graph).graph
     assert g.count("sigmoid") == 3 and out.count("sigmoid") == 1
     assert out.count("add") == 2
     assert_equivalent(g, out, inputs)
@@ -108,7 +110,7 @@ def test_cse_does_not_merge_different_params_or_non_commutative_ops():
         return F.leaky_relu(acc, 0.1) + F.leaky_relu(acc, 0.2) + (acc - C) * (C - acc)
 
     g, inputs = raw(epilogue)
-    out = eliminate_common_subexpressions(g)
+    out = eliminate_common_subexpressions(g).graph
     assert out.count("leaky_relu") == 2 and out.count("sub") == 2
     assert_equivalent(g, out, inputs)
 
@@ -134,7 +136,7 @@ def test_cse_does_not_merge_different_params_or_non_commutative_ops():
 )
 def test_fold_constants_rules(fn, absent, present):
     g, inputs = raw(fn)
-    out = eliminate_dead_code(fold_constants(g))
+    out = eliminate_dead_code(fold_constants(g).graph).graph
     for op in absent:
         assert out.count(op) == 0, (op, str(out))
     for op in present:
@@ -183,7 +185,7 @@ def test_fusion_assigns_stages_and_units():
         return y, y.sum(-1) / 20, (y * y).amax()
 
     g, inputs = raw(epilogue)
-    out = fuse_elementwise(make_casts_explicit(g))
+    out = fuse_elementwise(make_casts_explicit(g).graph).graph
     stages = {n.op: n.stage for n in out.nodes}
     assert stages["gelu"] == "tile" and stages["reduce"] == "reduce" and stages["arg"] == "uniform"
     units = {gid: {n.stage for n in nodes} for gid, nodes in out.groups.items()}
@@ -213,9 +215,60 @@ def test_optimize_reaches_a_fixed_point_and_every_pass_preserves_meaning():
     g, inputs = raw(epilogue)
     current = g
     for name, p in PASSES.items():
-        nxt = p(current)
+        nxt = p(current).graph
         assert_equivalent(current, nxt, inputs), name
         current = nxt
     final = optimize(g)
     assert_equivalent(g, final, inputs)
     assert len(optimize(final)) == len(final)
+
+
+def _snapshot(graph) -> list[tuple]:
+    """Everything a pass could change on a graph's nodes, by identity."""
+    return [(id(n), n.id, n.op, tuple(id(i) for i in n.inputs), repr(sorted(n.attrs.items())), n.dtype,
+             repr(n.shape), n.stage, n.group) for n in graph.nodes]
+
+
+def test_every_pass_returns_a_new_graph_says_whether_it_changed_it_and_mutates_nothing():
+    def epilogue(acc, C, bias, alpha):
+        y = (alpha * acc * 1.0 + 0.0) / 2.0 + C * bias
+        return F.gelu(y) + F.gelu(y), y.sum(-1)
+
+    g, inputs = raw(epilogue)
+    current = g
+    for name, p in PASSES.items():
+        before = _snapshot(current)
+        groups_before = dict(current.groups)
+        result = p(current)
+        assert isinstance(result, PassResult), name
+        assert _snapshot(current) == before and current.groups == groups_before, f"{name} mutated its input"
+        assert result.graph is not current, name
+        # changed is True exactly when the result differs structurally from the input.
+        assert result.changed == (fingerprint(result.graph) != fingerprint(current)), name
+        current = result.graph
+    # These passes have work to do on this program: 1.0 and 0.0 folded, gelu(y) shared, the dead
+    # duplicate dropped, stages assigned.
+    changes = {}
+    current = g
+    for name, p in PASSES.items():
+        current, changes[name] = p(current)
+    assert all(changes[n] for n in ("fold_constants", "eliminate_common_subexpressions",
+                                    "eliminate_dead_code", "fuse_elementwise")), changes
+    # A float16 output needs an explicit rounding cast.
+    half = evtc.trace(epilogue, inputs, out_dtypes=torch.float16, optimize_graph=False)
+    assert make_casts_explicit(infer_shapes(half).graph).changed
+    # At the fixed point the simplifying passes change nothing (on a graph before fusion: a rewrite
+    # of a fused graph drops its stages, and says so), and fusing again changes nothing.
+    simplified = make_casts_explicit(infer_shapes(g).graph).graph
+    for _ in range(8):
+        changed = False
+        for p in (fold_constants, eliminate_common_subexpressions, eliminate_dead_code):
+            simplified, did = p(simplified)
+            changed |= did
+        if not changed:
+            break
+    for p in (fold_constants, eliminate_common_subexpressions, eliminate_dead_code):
+        assert not p(simplified).changed, p.__name__
+    assert fold_constants(current).changed  # a fused graph loses its stages
+    assert not fuse_elementwise(current).changed
+    assert_equivalent(g, current, inputs)

@@ -10,6 +10,7 @@ import sympy
 
 from ..graph import Graph, GraphBuilder, Node, rewrite
 from ..ops import ELEMENTWISE
+from .result import graph_pass
 
 
 def _key(node: Node, inputs: tuple[Node, ...]) -> tuple:
@@ -30,6 +31,7 @@ def _key(node: Node, inputs: tuple[Node, ...]) -> tuple:
     return (node.op, tuple(ids), tuple(attrs), node.dtype, node.shape)
 
 
+@graph_pass
 def eliminate_common_subexpressions(graph: Graph) -> Graph:
     seen: dict[tuple, Node] = {}
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ..graph import Graph, replace_nodes
+from .result import graph_pass
 
 
+@graph_pass
 def eliminate_dead_code(graph: Graph) -> Graph:
     live: set[int] = set()
     for node in reversed(graph.nodes):

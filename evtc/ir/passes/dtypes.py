@@ -13,6 +13,7 @@ import torch
 from ...errors import DTypeError
 from ..dtypes import CAST_DTYPES, COMPUTE_DTYPE, is_float8, short_name
 from ..graph import Graph, GraphBuilder, Node, rewrite
+from .result import graph_pass
 
 _NATIVE = (COMPUTE_DTYPE, torch.bool)
 
@@ -36,6 +37,7 @@ def check_dtypes(graph: Graph) -> None:
                 )
 
 
+@graph_pass
 def make_casts_explicit(graph: Graph) -> Graph:
     """Compute in float32 with explicit rounding casts (see the module docstring)."""
 

@@ -26,6 +26,7 @@ from ..dtypes import COMPUTE_DTYPE, round_to
 from ..graph import Graph, GraphBuilder, Node, rewrite
 from ..ops import ELEMENTWISE
 from ..shapes import varying_dims
+from .result import graph_pass
 
 _SYMPY_OPS = {
     "add": lambda a, b: a + b,
@@ -205,6 +206,7 @@ def _params(op: str, node: Node) -> dict[str, Any]:
     return {p: node.attrs[p] for p in definition.params}
 
 
+@graph_pass
 def fold_constants(graph: Graph) -> Graph:
     """Apply the rules of the module docstring once over the graph."""
     simplifier = _Simplifier(graph)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ...errors import ReductionError
 from ..graph import Graph, Node, replace_nodes
 from ..shapes import varying_dims
+from .result import graph_pass
 
 
 def node_stage(node: Node, input_stages: list[str]) -> str:
@@ -50,11 +51,12 @@ def _check_stage(node: Node, stages: dict[int, str]) -> None:
         )
 
 
+@graph_pass
 def fuse_elementwise(graph: Graph) -> Graph:
-    """A copy of `graph` with `stage` and `group` set on nodes and `groups` filled."""
-    result = replace_nodes(graph, list(graph.nodes))
+    """A copy of `graph` whose nodes carry `stage` and `group`, with `groups` filled. The input's
+    nodes are left as they are: the result's are new ones (same ids, same values)."""
     stages: dict[int, str] = {}
-    for node in result.nodes:
+    for node in graph.nodes:
         _check_stage(node, stages)
         stages[node.id] = node_stage(node, [stages[i.id] for i in node.inputs])
 
@@ -67,7 +69,7 @@ def fuse_elementwise(graph: Graph) -> Graph:
             i = parent[i]
         return i
 
-    fusible = [n for n in result.nodes if n.is_elementwise]
+    fusible = [n for n in graph.nodes if n.is_elementwise]
     for n in fusible:
         parent[n.id] = n.id
     for n in fusible:
@@ -77,14 +79,19 @@ def fuse_elementwise(graph: Graph) -> Graph:
 
     group_ids: dict[int, int] = {}
     groups: dict[int, list[Node]] = {}
-    for node in result.nodes:
-        node.stage = stages[node.id]
-        node.group = None
+    copies: dict[int, Node] = {}
+    for node in graph.nodes:
+        # Annotations are set on the new node before the result graph holds it: no graph's node
+        # ever changes.
+        copy = Node(node.id, node.op, tuple(copies[i.id] for i in node.inputs), node.attrs, node.dtype,
+                    node.shape, node.loc)
+        copy.stage = stages[node.id]
         if node.id in parent:
-            root = find(node.id)
-            gid = group_ids.setdefault(root, len(group_ids))
-            node.group = gid
-            groups.setdefault(gid, []).append(node)
+            gid = group_ids.setdefault(find(node.id), len(group_ids))
+            copy.group = gid
+            groups.setdefault(gid, []).append(copy)
+        copies[node.id] = copy
+    result = replace_nodes(graph, [copies[n.id] for n in graph.nodes])
     result.groups = groups
     return result
 

@@ -139,7 +139,7 @@ def kernel_graph(graph: Graph) -> Graph:
     from .fusion import fuse_elementwise
     from .validate import validate
 
-    split = fuse_elementwise(split_halves(graph))
+    split = fuse_elementwise(split_halves(graph)).graph
     validate(split, lowered=True)
     return split
 

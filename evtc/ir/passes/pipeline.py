@@ -10,11 +10,12 @@ from .dce import eliminate_dead_code
 from .dtypes import check_dtypes, make_casts_explicit
 from .fold import fold_constants
 from .fusion import fuse_elementwise
+from .result import PassResult
 from .shapes import infer_shapes
 from .validate import validate
 
 #: The rewriting passes, by name, in the order `optimize` first applies them.
-PASSES: dict[str, Callable[[Graph], Graph]] = {
+PASSES: dict[str, Callable[[Graph], PassResult]] = {
     "infer_shapes": infer_shapes,
     "make_casts_explicit": make_casts_explicit,
     "fold_constants": fold_constants,
@@ -24,26 +25,18 @@ PASSES: dict[str, Callable[[Graph], Graph]] = {
 }
 
 
-def _fingerprint(graph: Graph) -> tuple:
-    """The graph's structure, independent of node ids (which every rebuild renumbers)."""
-    index = {n.id: k for k, n in enumerate(graph.nodes)}
-    return tuple(
-        (n.op, tuple(index[i.id] for i in n.inputs), str(n.attrs.get("value", ""))) for n in graph.nodes
-    )
-
-
 def optimize(graph: Graph, *, max_rounds: int = 8) -> Graph:
     """Check, lower, simplify to a fixed point, fuse and validate."""
     check_dtypes(graph)
-    graph = infer_shapes(graph)
-    graph = make_casts_explicit(graph)
+    graph = infer_shapes(graph).graph
+    graph = make_casts_explicit(graph).graph
     for _ in range(max_rounds):
-        before = _fingerprint(graph)
-        graph = fold_constants(graph)
-        graph = eliminate_common_subexpressions(graph)
-        graph = eliminate_dead_code(graph)
-        if _fingerprint(graph) == before:
+        changed = False
+        for simplify in (fold_constants, eliminate_common_subexpressions, eliminate_dead_code):
+            graph, did = simplify(graph)
+            changed |= did
+        if not changed:
             break
-    graph = fuse_elementwise(graph)
+    graph = fuse_elementwise(graph).graph
     validate(graph, lowered=True)
     return graph

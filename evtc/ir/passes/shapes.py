@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from ..graph import Graph, GraphBuilder, Node, rewrite
 from ..infer import infer_shape
+from .result import graph_pass
 
 
+@graph_pass
 def infer_shapes(graph: Graph) -> Graph:
     """A copy of `graph` with shapes derived from the ops (raises ShapeError where none exists)."""
 
