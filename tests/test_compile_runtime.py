@@ -127,6 +127,113 @@ def test_disk_cache_across_processes_and_damaged_entries(tmp_path):
     assert _child(tmp_path)["origin"] == "compiled"
 
 
+_FRONT_MODULE = """
+import torch
+
+def scaled_gelu(acc, bias, alpha: float):
+    return torch.nn.functional.gelu(alpha * acc + bias)
+"""
+
+_FRONT_CHILD = """
+import json, sys, time
+sys.path.insert(0, {module_dir!r})
+import torch
+import evtc
+from front_epilogue import scaled_gelu
+ex = dict(a=torch.empty(256, 64, dtype=torch.float16, device="meta"),
+          b=torch.empty(64, 128, dtype=torch.float16, device="meta"),
+          bias=torch.empty(128, dtype=torch.float32, device="meta"), alpha=1.0)
+k = evtc.compile(scaled_gelu, ex, cache_dir={cache!r})
+print(json.dumps({{"origin": k.origin, "key": k.key, "cutlass": "cutlass" in sys.modules,
+                  "sympy": "sympy" in sys.modules, "names": k.operand_names}}))
+"""
+
+
+def _front_child(module_dir: Path, cache: Path) -> dict:
+    script = _FRONT_CHILD.format(module_dir=str(module_dir), cache=str(cache))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_front_record_hit_loads_without_tracing_sympy_or_the_dsl(tmp_path):
+    module_dir = tmp_path / "mod"
+    module_dir.mkdir()
+    (module_dir / "front_epilogue.py").write_text(_FRONT_MODULE)
+    cache = tmp_path / "cache"
+    first = _front_child(module_dir, cache)
+    assert first["origin"] == "compiled" and first["cutlass"]
+    records = list((cache / "front").glob("*/*.json"))
+    assert len(records) == 1
+    second = _front_child(module_dir, cache)
+    assert second["origin"] == "disk" and second["key"] == first["key"]
+    assert not second["cutlass"] and not second["sympy"], second
+    assert second["names"] == ["bias", "alpha"]
+
+    # A change to the function's code is another front key: traced and compiled, never the old kernel.
+    (module_dir / "front_epilogue.py").write_text(_FRONT_MODULE.replace("alpha * acc", "alpha * acc * 2"))
+    third = _front_child(module_dir, cache)
+    assert third["origin"] == "compiled" and third["key"] != first["key"]
+
+
+def test_damaged_foreign_or_stale_front_records_are_never_used(tmp_path, caplog):
+    def gelu_bias(acc, bias):
+        return torch.nn.functional.gelu(acc + bias)
+
+    def relu_bias(acc, bias):
+        return torch.relu(acc + bias)
+
+    ex = dict(a=torch.empty(64, 32, dtype=torch.float16, device="meta"),
+              b=torch.empty(32, 64, dtype=torch.float16, device="meta"),
+              bias=torch.empty(64, dtype=torch.float16, device="meta"))
+    clear_memory_cache()
+    gelu = evtc.compile(gelu_bias, ex, cache_dir=tmp_path)
+    relu = evtc.compile(relu_bias, ex, cache_dir=tmp_path)
+    records = {p.stem: p for p in (tmp_path / "front").glob("*/*.json")}
+    assert len(records) == 2
+    gelu_record = next(p for p in records.values() if json.loads(p.read_text())["body"]["key"] == gelu.key)
+    relu_record = next(p for p in records.values() if p != gelu_record)
+
+    def again(fn):
+        clear_memory_cache()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="evtc"):
+            return evtc.compile(fn, ex, cache_dir=tmp_path)
+
+    # Garbage: ignored, the call traces (the entry itself is fine: a disk hit) and rewrites it.
+    gelu_record.write_text("{not json")
+    k = again(gelu_bias)
+    assert k.key == gelu.key and "by its front record" not in caplog.text
+    assert "torch.nn.functional.gelu" in k.source or "gelu" in k.source
+    assert again(gelu_bias).key == gelu.key and "by its front record" in caplog.text
+
+    # Foreign: relu's valid record under gelu's name names relu's kernel; it is refused.
+    good = gelu_record.read_text()
+    gelu_record.write_text(relu_record.read_text())
+    k = again(gelu_bias)
+    assert k.key == gelu.key and "by its front record" not in caplog.text
+
+    # Tampered: a body whose checksum does not match (here, pointing at relu's kernel).
+    record = json.loads(good)
+    record["body"]["key"] = relu.key
+    gelu_record.write_text(json.dumps(record))
+    k = again(gelu_bias)
+    assert k.key == gelu.key and "by its front record" not in caplog.text
+
+    # Stale: the record is intact but its kernel entry is damaged: rebuilt, never run.
+    gelu_record.write_text(good)
+    library = tmp_path / gelu.key[:2] / gelu.key / "kernel.so"
+    if not library.exists():
+        library = library.with_name("kernel.o")
+    # (A new file in its place: this process has the old one mapped, and a mapped library must not
+    # change under it.)
+    damaged = library.with_name("damaged.tmp")
+    damaged.write_bytes(library.read_bytes()[:-64] + b"\0" * 64)
+    damaged.replace(library)
+    k = again(gelu_bias)
+    assert k.key == gelu.key and k.origin == "compiled" and "by its front record" not in caplog.text
+
+
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
     from evtc.runtime.cache import DiskCache
 
