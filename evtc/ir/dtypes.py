@@ -36,6 +36,15 @@ _SHORT_NAMES = {
 }
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype that a kernel plan names as text (``"float16"``, ``"float8_e4m3fn"``,
+    ``"bool"``): the one table between the plan's JSON and torch."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
 def short_name(dtype: torch.dtype) -> str:
     """A compact name for printing: f32, bf16, e4m3, ..."""
     return _SHORT_NAMES.get(dtype, str(dtype).replace("torch.", ""))

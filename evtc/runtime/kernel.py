@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from evtc.errors import CallError, EpilogueError
+from evtc.ir.dtypes import torch_dtype
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.runtime.build import SOURCE, Built
@@ -27,9 +28,6 @@ log = logging.getLogger("evtc")
 
 #: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
 _FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-
 
 @functools.cache
 def _gpu_ok() -> str | None:
@@ -351,7 +349,7 @@ class Kernel:
         self._d_by_m = plan.d_major == "m"
         # (M, N, L, device) -> (compiled function, clusters at once), see _run_kernel.
         self._launch_memo: dict = {}
-        self._out_dtypes = [_TORCH_DTYPES[s.dtype] for s in plan.outputs]
+        self._out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
         # Per output: (dtype, the physical order of its dims or None when row-major, the permutation
         # back): what staging.empty_in_layout does, prepared once.
         rank = 3 if plan.batched else 2
@@ -373,7 +371,7 @@ class Kernel:
         self._kernel_runs: bool | None = None
         self._accepts_more = bool(self.interface.unused or self.interface.constants)
         # The compiled dtype of each tensor operand, by the name the user passes.
-        self._operand_dtypes = {i.user: _TORCH_DTYPES[i.spec.dtype] for i in plan.inputs
+        self._operand_dtypes = {i.user: torch_dtype(i.spec.dtype) for i in plan.inputs
                                 if i.spec is not None}
         # Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
         # needs padded output rows (the staged path).
@@ -671,7 +669,7 @@ class Kernel:
         meta = [(tile, dt) for dt in self._out_dtypes]
         dims = {"M": m, "N": n, "L": batches, "1": 1}
         for host in self._host_outputs:
-            meta.append((tuple(dims[d] for d in host.dims), _TORCH_DTYPES[host.dtype]))
+            meta.append((tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)))
         return meta
 
     def _finish(self, out, workspaces, m, n, batches, operands) -> list[torch.Tensor]:
@@ -760,9 +758,9 @@ class Kernel:
                  "L": max(batches, default=1)}
         device = a.device
         # a and b each with its own batch size (they may broadcast, on the torch path).
-        check_tensor("a", a, sig.a, getattr(torch, sig.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)
+        check_tensor("a", a, sig.a, torch_dtype(sig.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)
         for name, part in b_parts:
-            check_tensor(name, part, sig.b, getattr(torch, sig.b.dtype), {**sizes, "L": b.shape[0]},
+            check_tensor(name, part, sig.b, torch_dtype(sig.b.dtype), {**sizes, "L": b.shape[0]},
                          layout=False)
         for plan in self.plan.inputs:
             spec = plan.spec
@@ -776,7 +774,7 @@ class Kernel:
                 continue
             # Another float dtype than compiled takes the torch path (see _torch_reason).
             dtype = getattr(value, "dtype", None)
-            dtype = dtype if dtype in _FLOAT_OPERAND_DTYPES else getattr(torch, spec.dtype)
+            dtype = dtype if dtype in _FLOAT_OPERAND_DTYPES else torch_dtype(spec.dtype)
             check_tensor(plan.label, value, spec, dtype, sizes,
                          layout=False)
         outs = self._outputs(a, out, sizes["M"], sizes["N"], sizes["L"], layout=False) \

@@ -23,13 +23,11 @@ from typing import Any
 
 import torch
 
-from evtc.ir.dtypes import round_to
+from evtc.ir.dtypes import round_to, torch_dtype
 from evtc.ir.ops import ELEMENTWISE
 from evtc.plan.kernel_plan import KernelPlan, ReductionPartials
 
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "bool": torch.bool}
 
 
 def _tiles(size: int, tile: int) -> int:
@@ -100,7 +98,7 @@ class HostFinish:
         for step in self.steps:
             op = step.op
             if op == "store":
-                outputs[step.name] = values[step.inputs[0]].to(_DTYPES[step.dtype])
+                outputs[step.name] = values[step.inputs[0]].to(torch_dtype(step.dtype))
             elif op == "literal":
                 values[step.node] = float(self.literals[step.node](batches, m, n))
             elif op == "arg":
@@ -108,14 +106,14 @@ class HostFinish:
             elif op == "load":
                 values[step.node] = operands[step.name].to(device=device, dtype=torch.float32)
             elif op == "cast":
-                values[step.node] = _cast(values[step.inputs[0]], _DTYPES[step.dtype])
+                values[step.node] = _cast(values[step.inputs[0]], torch_dtype(step.dtype))
             else:
                 definition = ELEMENTWISE[op]
                 args = [values[i] for i in step.inputs]
                 if not any(isinstance(a, torch.Tensor) for a in args):
                     args[0] = torch.tensor(args[0], dtype=torch.float32, device=device)
                 result = definition.evaluate(*args, **dict(step.params))
-                values[step.node] = result if definition.boolean else _cast(result, _DTYPES[step.dtype])
+                values[step.node] = result if definition.boolean else _cast(result, torch_dtype(step.dtype))
         return outputs
 
 
