@@ -6,23 +6,9 @@ on a machine without a GPU, so they cost nothing on the fast path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from evtc.errors import CallError
-
-
-def flatten_outputs(out, tree) -> dict | None:
-    if tree.kind == "single":
-        return {tree.names[0]: out} if isinstance(out, torch.Tensor) else None
-    if tree.kind == "tuple":
-        if not isinstance(out, tuple | list) or len(out) != len(tree.names):
-            return None
-        return dict(zip(tree.names, out, strict=True))
-    if not isinstance(out, Mapping) or set(out) != set(tree.keys or ()):
-        return None
-    return {n: out[k] for k, n in zip(tree.keys or (), tree.names, strict=True)}
 
 
 def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout: bool = True) -> None:

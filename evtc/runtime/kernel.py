@@ -545,13 +545,7 @@ class Kernel:
         if not stage and (m if self._d_by_m else n) % self._out_align:
             raise ValueError("output rows are not 16-byte multiples: staged")  # cheaper than the DSL's error
         device = a.device
-        if out is None:
-            shape = (batches, m, n) if self._batched else (m, n)
-            targets = [torch.empty(shape, dtype=dt, device=device) if order is None
-                       else torch.empty([shape[i] for i in order], dtype=dt, device=device).permute(inverse)
-                       for dt, order, inverse in self._out_allocs]
-        else:
-            targets = self._outputs(a, out, m, n, batches, layout=not stage)
+        targets = self._outputs(a, out, m, n, batches, layout=not stage)
         outs = targets
         if stage:
             a, b, ins, outs = self._stage(a, b, ins, targets)
@@ -691,12 +685,13 @@ class Kernel:
         return [given[h.name] for h in self._host_outputs]
 
     def _outputs(self, a, out, m, n, batches, layout: bool = True):
-        shape = (batches, m, n) if self.plan.batched else (m, n)
         if out is None:
-            from evtc.runtime.staging import empty_in_layout
-
-            return [empty_in_layout(shape, dt, spec, a.device)
-                    for dt, spec in zip(self._out_dtypes, self.plan.outputs, strict=True)]
+            # New outputs in the plan's layouts (prepared in _call_setup: this is the per-call path).
+            shape = (batches, m, n) if self._batched else (m, n)
+            device = a.device
+            return [torch.empty(shape, dtype=dt, device=device) if order is None
+                    else torch.empty([shape[i] for i in order], dtype=dt, device=device).permute(inverse)
+                    for dt, order, inverse in self._out_allocs]
         given = self._tree.flatten(out, _is_tensor)
         if given is None:
             raise CallError(f"out= must have the structure the epilogue returns ({self._describe_tree()})")
