@@ -85,6 +85,13 @@ class GemmConfig:
 
     ``store_d=False``: an epilogue whose outputs are all reductions; the kernel writes no D (the D
     buffers shrink to one unused stage).
+
+    ``split_k``: the kernel can split K. The number of splits is then a runtime argument (1 runs
+    like a kernel without the knob): each output tile becomes ``splits`` work units over
+    consecutive ranges of K; every split but the last writes its float32 accumulator to a
+    workspace, and the last adds them in split order (fixed: bit-for-bit deterministic) and runs
+    the epilogue once on the full sum. For problems with too few tiles to fill the GPU (small M);
+    see :mod:`evtc.plan.split_k`.
     """
 
     ab_dtype: str = "float16"
@@ -103,6 +110,7 @@ class GemmConfig:
     schedule: str = DEFAULT_SCHEDULE
     gated: bool = False
     store_d: bool = True
+    split_k: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
@@ -183,8 +191,10 @@ class GemmConfig:
         tile then needs one set of buffers for both, so C loads and D stores both overlap the
         mainloop.
         """
+        # Not with split-K: a tile's stages would be handed back during the mainloop of the next
+        # unit that runs an epilogue, which need not be the next unit.
         return (visitor_offers and self.store_d and self.schedule == "cooperative"
-                and self.c_stages == self.num_subtiles)
+                and self.c_stages == self.num_subtiles and not self.split_k)
 
     def plan_stages(self, visitor_smem_bytes: int = 0, d_in_load_buffers: bool = False) -> tuple[int, int]:
         """(A/B stages, D stages) for a visitor that needs ``visitor_smem_bytes`` of shared memory.
@@ -302,4 +312,5 @@ class GemmConfig:
         )
         name = name + " gated" if self.gated else name
         name = name if self.store_d else name + " no-D"
+        name = name + " split-k" if self.split_k else name
         return name + " pingpong" if self.schedule == "pingpong" else name

@@ -129,7 +129,7 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
     from cutlass.runtime import make_fake_stream
 
     from evtc.sm90.gemm import Sm90GemmKernel
-    from evtc.sm90.launch import GatedLauncher, Launcher, Symbols, fake_tensor
+    from evtc.sm90.launch import Symbols, entry_point, fake_split_args, fake_tensor
 
     t0 = time.perf_counter()
     staged = cache.staging()
@@ -139,9 +139,9 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
         visitor = _import_visitor(source_path, key, plan.class_name)
         kernel = Sm90GemmKernel(config, visitor)
         in_specs = [i.spec for i in plan.inputs]
-        entry_point = GatedLauncher if config.gated else Launcher
-        launcher = entry_point(kernel, plan.a, plan.b, plan.outputs + plan.workspaces, in_specs,
-                               [i.view for i in plan.inputs], plan.batched, workspaces=len(plan.workspaces))
+        launcher = entry_point(config.gated, config.split_k)(
+            kernel, plan.a, plan.b, plan.outputs + plan.workspaces, in_specs, [i.view for i in plan.inputs],
+            plan.batched, workspaces=len(plan.workspaces))
         symbols = Symbols()
         fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces)
         fake_ins = tuple(cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in in_specs)
@@ -153,9 +153,10 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
             fake_b = fake_tensor(plan.b, symbols)
             if config.gated:
                 fake_b = (fake_b, fake_tensor(plan.b, symbols))  # the gate and up halves
+            split = fake_split_args() if config.split_k else ()
             compiled = cute.compile(
                 launcher, fake_tensor(plan.a, symbols), fake_b, fake_outs,
-                fake_ins, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True),
+                fake_ins, cutlass.Int32(1), *split, make_fake_stream(use_tvm_ffi_env_stream=True),
                 options=options,
             )
         ptx = compiled.__ptx__ or ""

@@ -18,6 +18,7 @@ from evtc.errors import CallError, EpilogueError
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
+from evtc.runtime import split_k
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_checks import check_device, check_tensor
@@ -79,9 +80,11 @@ class Kernel:
         self._source = source
         self._graph = graph
         self._retrace = retrace
-        # Cluster shape per call (see cluster_for): None keeps config.cluster for every problem.
+        # Cluster shape and split-K per call (see cluster_for, splits_for): None keeps config for
+        # every problem.
         self._variant_factory = None
-        self._variants: dict[tuple[int, int], Kernel] = {}
+        self._variants: dict[GemmConfig, Kernel] = {}
+        self._pinned_splits: int | None = None
         self._variant_lock = threading.Lock()
         self._cluster_memo: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._op = None
@@ -140,7 +143,7 @@ class Kernel:
         the kernel of another cluster shape."""
         twin = copy.copy(self)
         twin._variant_factory = factory
-        twin._variants = {self.config.cluster: self}
+        twin._variants = {self.config: self}
         twin._variant_lock = threading.Lock()
         twin._cluster_memo = {}
         twin._launch_memo = {}
@@ -178,17 +181,50 @@ class Kernel:
         """Whether calls pick the cluster shape per problem (no cluster knob was given)."""
         return self._variant_factory is not None
 
-    def _variant(self, cluster: tuple[int, int]) -> Kernel:
-        variant = self._variants.get(cluster)
+    def _variant(self, config: GemmConfig) -> Kernel:
+        variant = self._variants.get(config)
         if variant is None:
             with self._variant_lock:
-                variant = self._variants.get(cluster)
+                variant = self._variants.get(config)
                 if variant is None:
-                    log.info("%r: cluster %dx%d needs fewer waves for this problem; getting that "
-                             "kernel (compiled on first use)", self.plan.name, *cluster)
-                    variant = self._variant_factory(self.config.replace(cluster=cluster))
-                    self._variants[cluster] = variant
+                    log.info("%r: this problem runs faster as %s; getting that kernel (compiled on "
+                             "first use)", self.plan.name, config.short_name())
+                    variant = self._variant_factory(config)
+                    self._variants[config] = variant
         return variant
+
+    def splits_for(self, m: int, n: int, k: int, batches: int = 1) -> int:
+        """How many splits of K a call on an (L, M, N, K) problem runs with (1: no split-K).
+
+        Chosen per problem (:func:`evtc.plan.split_k.choose_splits`) where the kernel chooses its
+        launch shape (no cluster knob) or was compiled with ``split_k=True``; :meth:`pin_splits`
+        fixes it."""
+        if self.config is None:
+            return 1
+        if self._pinned_splits is not None:
+            return self._pinned_splits if (self.config.split_k or self._variant_factory is not None) else 1
+        if not (self.config.split_k or self._variant_factory is not None):
+            return 1
+        from evtc.plan.split_k import choose_splits, cta_tile_grid
+        from evtc.runtime.device import max_active_clusters
+
+        cluster = self.cluster_for(m, n, batches)
+        size = cluster[0] * cluster[1]
+        slots = max_active_clusters(size, self._cache.root) * size
+        return choose_splits(m, n, k, cta_tile_grid(m, n, batches, self.config, cluster), slots, self.config)
+
+    def pin_splits(self, splits: int | None) -> None:
+        """Run every call with ``splits`` splits of K (1: none), or (None) choose per problem again.
+        For kernels that choose their launch shape or were compiled with ``split_k=True``; a
+        split count above K's tiles leaves some splits empty (still correct)."""
+        if splits is not None and not (isinstance(splits, int) and 1 <= splits <= 4096):
+            raise ValueError(f"pin_splits: splits must be an int in [1, 4096] or None, got {splits!r}")
+        if splits is not None and splits > 1 and not (self.config is not None and (
+                self.config.split_k or self._variant_factory is not None)):
+            raise ValueError("pin_splits: this kernel has a fixed configuration without split-K; compile "
+                             "it with config={'split_k': True} (or without a cluster knob)")
+        self._pinned_splits = splits
+        self._launch_memo.clear()
 
     # ---- reading ---------------------------------------------------------------------------------
     @property
@@ -228,9 +264,11 @@ class Kernel:
             lines.append("  strict: calls that would need aligned copies or the torch path raise")
         lines.append(f"  GEMM: {cfg.short_name()}; a {self.plan.a.describe()}, b {self.plan.b.describe()}")
         if self._variant_factory is not None:
-            built = ", ".join(f"{c[0]}x{c[1]}" for c in self._variants if c != cfg.cluster) or "none yet"
+            built = ", ".join(f"{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
+                              for c in self._variants if c != cfg) or "none yet"
             lines.append(f"  cluster: {cfg.cluster[0]}x{cfg.cluster[1]}, or per call another shape where "
-                         f"that needs fewer waves of tiles (other shapes built: {built})")
+                         f"that needs fewer waves of tiles, and K split where too few tiles fill the "
+                         f"GPU (other shapes built: {built})")
         lines.append("  inputs:")
         for plan in self.plan.inputs:
             spec = plan.spec
@@ -558,29 +596,44 @@ class Kernel:
                 workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
         if m == 0 or n == 0 or batches == 0:
             return targets, workspaces, (m, n, batches)
-        launch_key = (m, n, batches, a.get_device())
+        k = a.shape[-1]
+        launch_key = (m, n, k, batches, a.get_device())
         chosen = self._launch_memo.get(launch_key)
         if chosen is None:
-            chosen = self._launch_choice(m, n, batches)
+            chosen = self._launch_choice(m, n, k, batches)
             if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
                 self._launch_memo.clear()
             self._launch_memo[launch_key] = chosen
-        fn, clusters = chosen
-        fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
+        fn, clusters, split = chosen
+        if split is None:
+            fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
+        else:
+            splits, partials_numel, counters_numel = split
+            fn(a, b, tuple(outs + workspaces), tuple(ins), clusters, splits,
+               split_k.partials(device, partials_numel), split_k.counters(device, counters_numel))
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
                 if written is not target:
                     target.copy_(written)
         return targets, workspaces, (m, n, batches)
 
-    def _launch_choice(self, m: int, n: int, batches: int):
-        """(compiled function, clusters that fit at once) for an (L, M, N) problem on the current GPU."""
-        fn, cluster = self._fn, self.config.cluster
+    def _launch_choice(self, m: int, n: int, k: int, batches: int):
+        """(compiled function, clusters that fit at once, split-K's (splits, partials, counters) or
+        None) for an (L, M, N, K) problem on the current GPU."""
+        from evtc.plan.split_k import workspace_numels
+
+        config = self.config
         if self._variant_factory is not None:
-            chosen = self.cluster_for(m, n, batches)
-            if chosen != cluster:
-                fn, cluster = self._variant(chosen)._fn, chosen
-        return fn, max_active_clusters(cluster[0] * cluster[1], self._cache.root)
+            config = config.replace(cluster=self.cluster_for(m, n, batches))
+        splits = self.splits_for(m, n, k, batches)
+        if splits > 1 and not config.split_k:
+            config = config.replace(split_k=True)
+        fn = self._fn if config == self.config else self._variant(config)._fn
+        cluster = config.cluster
+        clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
+        if not config.split_k:
+            return fn, clusters, None
+        return fn, clusters, (splits, *workspace_numels(m, n, batches, config, cluster, splits))
 
     def _stage(self, a, b, ins, targets):
         """Aligned copies of the inputs whose layout the kernel cannot take, padded buffers for the

@@ -55,6 +55,9 @@ EPILOGUE_LOAD_WARP = 1
 # Warp of the consumers that issues the D TMA stores (first warp of warpgroup 1).
 STORE_WARP = 4
 BUFFER_ALIGN = 1024
+# Split-K: float4 vectors of a partial loaded at once per thread before they are added (64
+# registers beside the accumulator's 128).
+SPLIT_K_LOAD_VECTORS = 16
 
 
 class Sm90GemmKernel:
@@ -89,6 +92,8 @@ class Sm90GemmKernel:
             raise ValueError(f"visitor stores_d={getattr(visitor, 'stores_d', True)} but config "
                              f"store_d={cfg.store_d}")
         self.cluster = tuple(cfg.cluster)
+        # Split-K: the split count is a runtime argument (see _split_k_combine).
+        self.split_k = cfg.split_k
         # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
         self.a_mcast = self.cluster[1]
         self.b_mcast = self.cluster[0]
@@ -131,10 +136,12 @@ class Sm90GemmKernel:
         epi_args: tuple,
         max_clusters: Int32,
         stream,
+        split: tuple = (),
     ):
         """Launch on ``stream``.  mA (M,K,L), mB (N,K,L), mD (M,N,L); ``epi_args`` is the visitor's
         runtime tuple; ``max_clusters`` caps the persistent grid (clusters resident at once).
-        Gated: ``mB`` is the pair (gate half, up half) of B, each (N,K,L) with N the output's width."""
+        Gated: ``mB`` is the pair (gate half, up half) of B, each (N,K,L) with N the output's width.
+        Split-K: ``split`` is (splits, partials, counters), see :meth:`_split_k_combine`."""
         b_halves = mB if cutlass.const_expr(self.gated) else (mB,)
         if cutlass.const_expr(mA.element_type != self.ab_dtype
                               or any(h.element_type != self.ab_dtype for h in b_halves)):
@@ -201,6 +208,7 @@ class Sm90GemmKernel:
         sched = TileScheduler.for_problem(
             mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
             self.config.raster == "m", self.config.swizzle,
+            split[0] if cutlass.const_expr(self.split_k) else None,
         )
         num_clusters = cutlass.min(sched.num_work_units(), max_clusters)
 
@@ -218,6 +226,7 @@ class Sm90GemmKernel:
             b_smem_staged,
             d_smem_staged,
             epi_params,
+            split,
         ).launch(
             grid=(self.cluster[0], self.cluster[1], num_clusters),
             block=[NUM_THREADS, 1, 1],
@@ -336,6 +345,93 @@ class Sm90GemmKernel:
             load_state.advance()
         return load_state
 
+    def _k_range(self, sched, work, k_tiles):
+        """(first K tile, K tiles) of work unit ``work``: all of K without split-K."""
+        if cutlass.const_expr(self.split_k):
+            return sched.k_range(work, k_tiles)
+        return Int32(0), k_tiles
+
+    def _runs_epilogue(self, sched, work):
+        """Whether work unit ``work`` runs the epilogue: every unit, or (split-K) the last split of
+        its tile. A Python ``True`` without split-K, so no branch is emitted."""
+        if cutlass.const_expr(self.split_k):
+            return sched.split_of(work) == sched.splits - 1
+        return True
+
+    def _load_tile_inputs(self, sched, work, cta_in_cluster, epi_params, visitor_storage, load_pipeline,
+                          state):
+        """Epilogue-load warp (cooperative): the visitor's loads of one tile, subtile by subtile, into
+        the load ring. Returns the advanced ring state (assigned by the caller, so a branch around
+        the call carries it)."""
+        tile_coord = sched.cta_tile(work, cta_in_cluster)
+        lstate = self.visitor.load_tile(self.shape, epi_params, visitor_storage, tile_coord)
+        for epi_idx in range(self.shape.num_subtiles):  # plain Python: unrolled as it is traced
+            load_pipeline.producer_acquire(state)
+            self.visitor.load_subtile(
+                self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
+                load_pipeline.producer_get_barrier(state),
+            )
+            load_pipeline.producer_commit(state)
+            state.advance()
+        return state
+
+    def _partials_of(self, partials, slot, epi_tidx, acc_size: int, batch: int):
+        """This thread's values of partial ``slot`` in the split-K workspace, as (4, batch, J /
+        batch): vector j of thread t at ((slot J + j) T + t) 4 floats, so a warp's vector stores
+        and loads are contiguous (T: the epilogue's threads; every split's thread t holds the same
+        accumulator positions, so no layout but the thread's own is needed)."""
+        threads = self.shape.num_threads
+        vectors = acc_size // 4
+        whole = cute.make_tensor(
+            partials.iterator,
+            cute.make_layout((4, batch, vectors // batch, threads, 1 << 30),
+                             stride=(1, 4 * threads, 4 * threads * batch, 4, acc_size * threads)),
+        )
+        return whole[(None, None, None, epi_tidx, slot)]
+
+    @cute.jit
+    def _split_k_combine(self, acc, split: tuple, sched, work, tile_coord, epi_tidx, epi_barrier):
+        """Split-K, after a unit's mainloop. Splits 0 .. S-2 of a tile store their float32
+        accumulator in the partials workspace and count themselves in the tile's counter; split S-1
+        waits for the count S-1, resets it to 0 for the next launch, and adds the partials in split
+        order (a fixed order, so the result is the same bit for bit on every run) before it runs the
+        epilogue. ``split`` is (splits, partials, counters): partials hold S-1 tile-sized slots per
+        CTA tile, counters one int32 per CTA tile (zero between launches)."""
+        splits, partials, counters = split
+        s = sched.split_of(work)
+        last = splits - 1
+        tile = sched.tile_index(tile_coord)
+        acc_size = cute.size(acc)
+        # Partials are read back ``batch`` vectors at a time: all loads of a batch are issued before
+        # any add waits (one memory latency per batch, not per vector), in registers that fit
+        # beside the accumulator.
+        batch = min(acc_size // 4, SPLIT_K_LOAD_VECTORS)
+        flat = cute.make_tensor(acc.iterator, cute.make_layout(
+            (4, batch, acc_size // (4 * batch)), stride=(1, 4, 4 * batch)))
+        counter = counters.iterator + tile
+        if s < last:
+            cute.autovec_copy(flat, self._partials_of(partials, tile * last + s, epi_tidx, acc_size, batch))
+            # Every thread's stores reach the GPU scope before the one release that counts them.
+            cute.arch.fence_acq_rel_gpu()
+            epi_barrier.arrive_and_wait()
+            if epi_tidx == 0:
+                cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
+        elif last > 0:
+            if epi_tidx == 0:
+                arrived = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
+                while arrived < last:
+                    arrived = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
+                cute.arch.store(counter, Int32(0))
+            epi_barrier.arrive_and_wait()
+            cute.arch.fence_acq_rel_gpu()
+            chunk = cute.make_rmem_tensor((4, batch), self.acc_dtype)
+            for p in cutlass.range(last, unroll=1):
+                part = self._partials_of(partials, tile * last + p, epi_tidx, acc_size, batch)
+                for j in cutlass.range_constexpr(acc_size // (4 * batch)):
+                    cute.autovec_copy(part[(None, None, j)], chunk)
+                    mine = flat[(None, None, j)]
+                    mine.store(mine.load() + chunk.load())
+
     @cute.kernel
     def kernel(
         self,
@@ -350,6 +446,7 @@ class Sm90GemmKernel:
         b_smem_staged: cute.ComposedLayout,
         d_smem_staged: cute.ComposedLayout,
         epi_params: tuple,
+        split: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -453,6 +550,7 @@ class Sm90GemmKernel:
         sched = TileScheduler.for_problem(
             mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
             self.config.raster == "m", self.config.swizzle,
+            split[0] if cutlass.const_expr(self.split_k) else None,
         )
         num_work = sched.num_work_units()
         _, _, first_work = cute.arch.block_idx()
@@ -473,7 +571,9 @@ class Sm90GemmKernel:
                 while work < num_work:
                     m, n, batch = sched.cta_tile(work, cta_in_cluster)
                     tAgA_tile = tAgA[(None, m, None, batch)]
-                    for k in cutlass.range(k_tiles, unroll=1):
+                    k_first, k_count = self._k_range(sched, work, k_tiles)
+                    for kk in cutlass.range(k_count, unroll=1):
+                        k = k_first + kk
                         ab_pipeline.producer_acquire(state)
                         barrier = ab_pipeline.producer_get_barrier(state)
                         cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, state.index)],
@@ -492,28 +592,35 @@ class Sm90GemmKernel:
                     if warp_idx == EPILOGUE_LOAD_WARP:
                         # Tile t of the CTA goes to ring t % 2 (warpgroup t % 2's own stages), so each
                         # ring is an ordinary one-consumer pipeline: no skipping, no parity aliasing.
+                        # Split-K: only units that run the epilogue (the last split of a tile) load,
+                        # and each ring counts its own (loaded[r]: tiles loaded into ring r).
                         work = Int32(first_work)
                         tiles = Int32(0)
+                        loaded0 = Int32(0)
+                        loaded1 = Int32(0)
                         while work < num_work:
-                            tile_coord = sched.cta_tile(work, cta_in_cluster)
-                            lstate = self.visitor.load_tile(
-                                self.shape, epi_params, visitor_storage, tile_coord
-                            )
                             ring = tiles % 2
-                            base = (tiles // 2) * self.shape.num_subtiles
-                            for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
-                                state = self._ring_state(ring, base + epi_idx, base + epi_idx, True)
-                                load_pipeline.producer_acquire(state)
-                                self.visitor.load_subtile(
-                                    self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
-                                    load_pipeline.producer_get_barrier(state),
+                            if self._runs_epilogue(sched, work):
+                                tile_coord = sched.cta_tile(work, cta_in_cluster)
+                                lstate = self.visitor.load_tile(
+                                    self.shape, epi_params, visitor_storage, tile_coord
                                 )
-                                load_pipeline.producer_commit(state)
+                                base = (loaded0 + ring * (loaded1 - loaded0)) * self.shape.num_subtiles
+                                for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
+                                    state = self._ring_state(ring, base + epi_idx, base + epi_idx, True)
+                                    load_pipeline.producer_acquire(state)
+                                    self.visitor.load_subtile(
+                                        self.shape, epi_params, visitor_storage, lstate, epi_idx,
+                                        state.index, load_pipeline.producer_get_barrier(state),
+                                    )
+                                    load_pipeline.producer_commit(state)
+                                loaded0 = loaded0 + 1 - ring
+                                loaded1 = loaded1 + ring
                             tiles += 1
                             work += work_stride
                         # Tail: every stage of both rings handed back before the warp exits.
                         for ring in cutlass.range_constexpr(2):
-                            base = ((tiles + 1 - ring) // 2) * self.shape.num_subtiles
+                            base = (loaded1 if ring else loaded0) * self.shape.num_subtiles
                             for i in cutlass.range_constexpr(self.load_stages):
                                 state = self._ring_state(ring, base + i, base + i, True)
                                 load_pipeline.sync_object_empty.wait(state.index, state.phase)
@@ -524,18 +631,9 @@ class Sm90GemmKernel:
                         )
                         work = Int32(first_work)
                         while work < num_work:
-                            tile_coord = sched.cta_tile(work, cta_in_cluster)
-                            lstate = self.visitor.load_tile(
-                                self.shape, epi_params, visitor_storage, tile_coord
-                            )
-                            for epi_idx in cutlass.range_constexpr(self.shape.num_subtiles):
-                                load_pipeline.producer_acquire(state)
-                                self.visitor.load_subtile(
-                                    self.shape, epi_params, visitor_storage, lstate, epi_idx, state.index,
-                                    load_pipeline.producer_get_barrier(state),
-                                )
-                                load_pipeline.producer_commit(state)
-                                state.advance()
+                            if self._runs_epilogue(sched, work):
+                                state = self._load_tile_inputs(sched, work, cta_in_cluster, epi_params,
+                                                               visitor_storage, load_pipeline, state)
                             work += work_stride
                         load_pipeline.producer_tail(state)
 
@@ -609,7 +707,8 @@ class Sm90GemmKernel:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.load_stages)
-            tiles_done = Int32(0)
+            tiles_done = Int32(0)  # units this warpgroup ran (pingpong: orders the mainloops)
+            epi_done = Int32(0)  # units that ran the epilogue (all but split-K's first splits)
             # D staged in the load buffers: the mainloop iteration at which the store warp hands the
             # previous tile's stages back (halfway: its stores have drained by then, and the C loads
             # of this tile still have half a mainloop to land).  0: after the mainloop.
@@ -625,9 +724,11 @@ class Sm90GemmKernel:
                 work_step = 2 * work_stride
                 d_base = wg * self.d_stages
                 if wg > 0:
-                    read_state, release_state = self._skip_tile(k_tiles, read_state, release_state)
+                    _, first_count = self._k_range(sched, first_work, k_tiles)
+                    read_state, release_state = self._skip_tile(first_count, read_state, release_state)
             while work < num_work:
                 tile_coord = sched.cta_tile(work, cta_in_cluster)
+                _, k_count = self._k_range(sched, work, k_tiles)
 
                 if cutlass.const_expr(self.pingpong):
                     # Our mainloop turn: after the other warpgroup has issued the previous tile's.
@@ -639,14 +740,14 @@ class Sm90GemmKernel:
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
-                if k_tiles > 0:
+                if k_count > 0:
                     ab_pipeline.consumer_wait(read_state)
                     for kb in cutlass.range_constexpr(k_blocks):
                         coord = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                     warpgroup.commit_group()
                     read_state.advance()
-                for _k in cutlass.range(1, k_tiles, unroll=1):
+                for _k in cutlass.range(1, k_count, unroll=1):
                     ab_pipeline.consumer_wait(read_state)
                     for kb in cutlass.range_constexpr(k_blocks):
                         coord = (None, None, kb, read_state.index)
@@ -669,7 +770,7 @@ class Sm90GemmKernel:
                         cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
                                                  number_of_threads=2 * WARPGROUP_THREADS)
                 warpgroup.wait_group(0)
-                if k_tiles > 0:
+                if k_count > 0:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
                 if cutlass.const_expr(self.d_in_load_buffers):
@@ -678,67 +779,74 @@ class Sm90GemmKernel:
                             if ring_release_k < 1:
                                 self._release_load_ring(load_pipeline)
 
-                # ---- epilogue ----------------------------------------------------------------------
-                m, n, batch = tile_coord
-                gD_epi = cute.zipped_divide(gD[(None, None, m, n, batch)], self.shape.epi_tile)
-                bSG_sD, bSG_gD = cpasync.tma_partition(
-                    tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
-                )
-                vstate = self.visitor.begin(ctx, epi_params, visitor_storage, tile_coord)
-                for epi_idx in cutlass.range_constexpr(num_subtiles):
-                    if cutlass.const_expr(epi_idx == 0):
-                        self.visitor.begin_loop(ctx, vstate, 0)
-                        load_state = self._subtile_inputs(ctx, vstate, 0, load_pipeline, load_state,
-                                                          tiles_done, wg)
-                    self._read_subtile(frag, tRS_acc, acc_map, epi_idx, frag_size)
-                    if cutlass.const_expr(self.gated):
-                        # Output subtile i: gate columns in accumulator subtile i, the matching
-                        # up columns half a tile further along N.
-                        self._read_subtile(frag_up, tRS_acc, acc_map, epi_idx + self.shape.num_subtiles,
-                                           frag_size)
-                        values = self.visitor.visit(ctx, vstate, epi_idx, (frag.load(), frag_up.load()))
-                    else:
-                        values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
-                    if cutlass.const_expr(epi_idx + 1 < num_subtiles):
-                        # The next subtile's inputs now, so that their shared-memory reads (and a
-                        # load still landing) overlap this subtile's barriers and D store.
-                        self.visitor.begin_loop(ctx, vstate, epi_idx + 1)
-                        load_state = self._subtile_inputs(ctx, vstate, epi_idx + 1, load_pipeline,
-                                                          load_state, tiles_done, wg)
+                if cutlass.const_expr(self.split_k):
+                    self._split_k_combine(acc, split, sched, work, tile_coord, epi_tidx, epi_barrier)
 
-                    if cutlass.const_expr(self.store_d):
-                        d_stage = (tiles_done * num_subtiles + epi_idx) % self.d_stages
-                        if cutlass.const_expr(self.pingpong):
-                            d_stage = d_base + d_stage
-                        # D's buffer: its own stage, or the load stage subtile epi_idx of C was in (stage
-                        # epi_idx of a whole-tile ring, read out by every thread before the barrier).
-                        d_buf = d_stage
-                        if cutlass.const_expr(self.d_in_load_buffers):
-                            d_buf = epi_idx
-                        # The D buffer about to be written must have been read out by its TMA store.
-                        if cutlass.const_expr(not self.d_in_load_buffers):
+                # ---- epilogue (split-K: the last split of the tile only) -------------------------
+                if self._runs_epilogue(sched, work):
+                    m, n, batch = tile_coord
+                    gD_epi = cute.zipped_divide(gD[(None, None, m, n, batch)], self.shape.epi_tile)
+                    bSG_sD, bSG_gD = cpasync.tma_partition(
+                        tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
+                    )
+                    vstate = self.visitor.begin(ctx, epi_params, visitor_storage, tile_coord)
+                    for epi_idx in cutlass.range_constexpr(num_subtiles):
+                        if cutlass.const_expr(epi_idx == 0):
+                            self.visitor.begin_loop(ctx, vstate, 0)
+                            load_state = self._subtile_inputs(ctx, vstate, 0, load_pipeline, load_state,
+                                                              epi_done, wg)
+                        self._read_subtile(frag, tRS_acc, acc_map, epi_idx, frag_size)
+                        if cutlass.const_expr(self.gated):
+                            # Output subtile i: gate columns in accumulator subtile i, the matching
+                            # up columns half a tile further along N.
+                            self._read_subtile(frag_up, tRS_acc, acc_map, epi_idx + self.shape.num_subtiles,
+                                               frag_size)
+                            values = self.visitor.visit(ctx, vstate, epi_idx, (frag.load(), frag_up.load()))
+                        else:
+                            values = self.visitor.visit(ctx, vstate, epi_idx, frag.load())
+                        if cutlass.const_expr(epi_idx + 1 < num_subtiles):
+                            # The next subtile's inputs now, so that their shared-memory reads (and a
+                            # load still landing) overlap this subtile's barriers and D store.
+                            self.visitor.begin_loop(ctx, vstate, epi_idx + 1)
+                            load_state = self._subtile_inputs(ctx, vstate, epi_idx + 1, load_pipeline,
+                                                              load_state, epi_done, wg)
+
+                        if cutlass.const_expr(self.store_d):
+                            d_stage = (epi_done * num_subtiles + epi_idx) % self.d_stages
+                            if cutlass.const_expr(self.pingpong):
+                                d_stage = d_base + d_stage
+                            # D's buffer: its own stage, or the load stage subtile epi_idx of C was in (stage
+                            # epi_idx of a whole-tile ring, read out by every thread before the barrier).
+                            d_buf = d_stage
+                            if cutlass.const_expr(self.d_in_load_buffers):
+                                d_buf = epi_idx
+                            # The D buffer about to be written must have been read out by its TMA store.
+                            if cutlass.const_expr(not self.d_in_load_buffers):
+                                if is_store_warp:
+                                    store_pipeline.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                            self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_buf)])
+                            frag_out.store(values.to(self.d_dtype))
+                            cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_buf)])
+                            self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
+                            # stmatrix writes through the generic proxy, TMA reads through the async proxy.
+                            cute.arch.fence_view_async_shared()
+                            epi_barrier.arrive_and_wait()
                             if is_store_warp:
-                                store_pipeline.producer_acquire()
-                        epi_barrier.arrive_and_wait()
-                        self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_buf)])
-                        frag_out.store(values.to(self.d_dtype))
-                        cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_buf)])
-                        self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
-                        # stmatrix writes through the generic proxy, TMA reads through the async proxy.
-                        cute.arch.fence_view_async_shared()
-                        epi_barrier.arrive_and_wait()
-                        if is_store_warp:
-                            cute.copy(tma_atom_d, bSG_sD[(None, d_buf)],
-                                      bSG_gD[(None, self.shape.subtile_coord(epi_idx))])
-                            self.visitor.tma_store(ctx, vstate, epi_idx, d_stage)
-                            store_pipeline.producer_commit()
-                    self.visitor.end_loop(ctx, vstate, epi_idx)
-                self.visitor.end(ctx, vstate)
+                                cute.copy(tma_atom_d, bSG_sD[(None, d_buf)],
+                                          bSG_gD[(None, self.shape.subtile_coord(epi_idx))])
+                                self.visitor.tma_store(ctx, vstate, epi_idx, d_stage)
+                                store_pipeline.producer_commit()
+                        self.visitor.end_loop(ctx, vstate, epi_idx)
+                    self.visitor.end(ctx, vstate)
+                    epi_done += 1
 
                 tiles_done += 1
                 work += work_step
                 if cutlass.const_expr(self.pingpong):
-                    read_state, release_state = self._skip_tile(k_tiles, read_state, release_state)
+                    # The other warpgroup's next unit (the one after ours in the CTA's sequence).
+                    _, other_count = self._k_range(sched, work - work_stride, k_tiles)
+                    read_state, release_state = self._skip_tile(other_count, read_state, release_state)
 
             if cutlass.const_expr(self.d_in_load_buffers):
                 # The last tile's stages: the epilogue-load warp waits for them before it exits.

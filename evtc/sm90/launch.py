@@ -126,8 +126,9 @@ class Launcher:
         self._launch(a, view(b, self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
                      max_clusters, stream)
 
-    def _launch(self, a, mB, outputs, inputs, max_clusters, stream):
-        """The body of the entry point, traced inline (``mB``: the kernel's view of B)."""
+    def _launch(self, a, mB, outputs, inputs, max_clusters, stream, split=()):
+        """The body of the entry point, traced inline (``mB``: the kernel's view of B; ``split``:
+        split-K's (splits, partials, counters), or nothing)."""
         mA = view(a, self.a_spec, ("M", "K", "L"), pad_batch=True)
         n_tiles = len(outputs) - self.workspaces
         if cutlass.const_expr(n_tiles > 0):
@@ -147,7 +148,7 @@ class Launcher:
         tiles_m = (m + tile_m - 1) // tile_m
         tiles_n = (n + tile_n - 1) // tile_n
         epi_args = epi_args + tuple((t, m, n, tiles_m, tiles_n) for t in outputs[n_tiles:])
-        self.kernel(mA, mB, mD, epi_args, max_clusters, stream)
+        self.kernel(mA, mB, mD, epi_args, max_clusters, stream, split)
 
 
     def _placeholder_d(self, mA, mB, workspace):
@@ -173,4 +174,42 @@ class GatedLauncher(Launcher):
         self._launch(a, halves, outputs, inputs, max_clusters, stream)
 
 
-__all__ = ["GatedLauncher", "Launcher", "Symbols", "fake_tensor", "view"]
+class SplitLauncher(Launcher):
+    """The entry point of a split-K kernel: after ``max_clusters``, the number of splits of K, the
+    float32 partials workspace and the int32 counters (zero between launches); sizes in
+    :mod:`evtc.plan.split_k`."""
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, outputs: tuple, inputs: tuple, max_clusters: Int32,
+                 splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
+        self._launch(a, view(b, self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
+                     max_clusters, stream, (splits, partials, counters))
+
+
+class GatedSplitLauncher(Launcher):
+    """:class:`GatedLauncher` with split-K (as :class:`SplitLauncher`)."""
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
+                 splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
+        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b)
+        self._launch(a, halves, outputs, inputs, max_clusters, stream, (splits, partials, counters))
+
+
+def entry_point(gated: bool, split_k: bool) -> type[Launcher]:
+    """The entry point class of a kernel."""
+    return {(False, False): Launcher, (True, False): GatedLauncher,
+            (False, True): SplitLauncher, (True, True): GatedSplitLauncher}[(gated, split_k)]
+
+
+def fake_split_args():
+    """Compile-time placeholders of split-K's (splits, partials, counters)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    partials = make_fake_tensor(cutlass.Float32, (cute.sym_int32(symbol="P"),), (1,), assumed_align=16)
+    counters = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="Q"),), (1,), assumed_align=4)
+    return Int32(1), partials, counters
+
+
+__all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "SplitLauncher", "Symbols", "entry_point",
+           "fake_split_args", "fake_tensor", "view"]

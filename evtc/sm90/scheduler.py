@@ -10,6 +10,12 @@ Work units are cluster tiles: a 2x1 cluster owns two vertically adjacent CTA til
 it adds its own position in the cluster.  Output tiles past the edge of the problem (a ragged last
 cluster) still run; TMA clips their loads (zero fill) and stores, so they do no harm.
 
+Split-K (``splits`` > 1): each cluster tile is ``splits`` consecutive work units, one per range of
+K, so the splits of a tile run side by side on neighbouring clusters; unit ``w`` is split
+``w % splits`` of cluster tile ``w // splits``. A split waits only for splits of lower index, which
+run on clusters that are resident at the same time (the grid never has more clusters than fit), so
+the waits always end.
+
 Rasterization: consecutive work units go down a band of ``swizzle`` cluster columns (raster "m") or
 across a band of ``swizzle`` cluster rows (raster "n").  The tiles that run at the same time then
 share a few rows of A and columns of B, which keeps them in L2.
@@ -35,7 +41,7 @@ class TileScheduler:
     ``if`` / ``while`` regions.
     """
 
-    _DYNAMIC = ("clusters_m", "clusters_n", "per_batch", "batches")
+    _DYNAMIC = ("clusters_m", "clusters_n", "per_batch", "batches", "splits")
 
     def __init__(
         self,
@@ -45,8 +51,11 @@ class TileScheduler:
         cluster: tuple[int, int],
         raster_m: bool,
         swizzle: int,
+        splits=None,
     ):
         self.cluster = cluster
+        # Static: a kernel without split-K does no divisions by the (then 1) split count.
+        self.split_k = splits is not None
         self.raster_m = raster_m
         self.swizzle = swizzle
         self.batches = Int32(batches)
@@ -54,6 +63,7 @@ class TileScheduler:
         self.clusters_m = Int32(ceil_div(tiles_m, cluster[0]))
         self.clusters_n = Int32(ceil_div(tiles_n, cluster[1]))
         self.per_batch = Int32(self.clusters_m * self.clusters_n)
+        self.splits = Int32(1 if splits is None else splits)
 
     def __extract_mlir_values__(self):
         values = []
@@ -64,24 +74,48 @@ class TileScheduler:
     def __new_from_mlir_values__(self, values):
         new = object.__new__(TileScheduler)
         new.cluster, new.raster_m, new.swizzle = self.cluster, self.raster_m, self.swizzle
+        new.split_k = self.split_k
         for i, name in enumerate(self._DYNAMIC):
             setattr(new, name, new_from_mlir_values(getattr(self, name), [values[i]]))
         return new
 
     @staticmethod
-    def for_problem(m, n, batches, tile_mn: tuple[int, int], cluster, raster_m: bool, swizzle: int):
-        """Scheduler for an M x N x L output tiled by ``tile_mn``."""
+    def for_problem(m, n, batches, tile_mn: tuple[int, int], cluster, raster_m: bool, swizzle: int,
+                    splits=None):
+        """Scheduler for an M x N x L output tiled by ``tile_mn``, K cut in ``splits`` (None: a kernel
+        without split-K)."""
         tiles_m = ceil_div(Int32(m), tile_mn[0])
         tiles_n = ceil_div(Int32(n), tile_mn[1])
-        return TileScheduler(tiles_m, tiles_n, Int32(batches), cluster, raster_m, swizzle)
+        return TileScheduler(tiles_m, tiles_n, Int32(batches), cluster, raster_m, swizzle, splits)
 
     def num_work_units(self) -> Int32:
-        """Cluster tiles in the whole problem (all batches)."""
-        return self.per_batch * self.batches
+        """Work units in the whole problem: cluster tiles of all batches, times the splits of K."""
+        return self.per_batch * self.batches * self.splits
+
+    def split_of(self, work: Int32) -> Int32:
+        """The split of K that work unit ``work`` computes."""
+        return work - (work // self.splits) * self.splits
+
+    def k_range(self, work: Int32, k_tiles: Int32):
+        """(first K tile, K tiles) of work unit ``work``: split s takes tiles [s k / S, (s + 1) k / S),
+        so the splits differ by one K tile at most."""
+        s = self.split_of(work)
+        first = (s * k_tiles) // self.splits
+        return first, ((s + 1) * k_tiles) // self.splits - first
+
+    def tile_index(self, tile_coord) -> Int32:
+        """A CTA tile's index in the padded grid of CTA tiles (whole clusters, all batches): the slot
+        of its split-K counter and partials (:mod:`evtc.plan.split_k` sizes them alike)."""
+        m, n, batch = tile_coord
+        grid_m = self.clusters_m * self.cluster[0]
+        grid_n = self.clusters_n * self.cluster[1]
+        return (batch * grid_n + n) * grid_m + m
 
     @cute.jit
     def cluster_tile(self, work: Int32):
         """(cluster row, cluster column, batch) of work unit ``work``."""
+        if cutlass.const_expr(self.split_k):
+            work = work // self.splits
         batch = work // self.per_batch
         r = work - batch * self.per_batch
         # Band along the "slow" dimension; the last band may be narrower.
