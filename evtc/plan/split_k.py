@@ -13,6 +13,7 @@ time HBM needs to stream the operands.
 
 from __future__ import annotations
 
+from evtc.plan.clusters import ceil_div
 from evtc.plan.config import TILE_K, GemmConfig
 
 # At most this many splits: beyond it the last split's reads of the partials (S - 1 tile slots)
@@ -26,15 +27,11 @@ MIN_K_TILES_PER_SPLIT = 4
 SM_FLOPS = 6.5e12
 HBM_BYTES_PER_S = 2.5e12
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def cta_tile_grid(m: int, n: int, batches: int, config: GemmConfig, cluster: tuple[int, int]) -> int:
     """CTA tiles of the problem, whole clusters included (a ragged last cluster still runs): the
     slots of split-K's counters (see :meth:`evtc.sm90.scheduler.TileScheduler.tile_index`)."""
-    tiles_m = _ceil_div(_ceil_div(m, config.tile_m), cluster[0]) * cluster[0]
-    tiles_n = _ceil_div(_ceil_div(n, config.out_tile_n), cluster[1]) * cluster[1]
+    tiles_m = ceil_div(ceil_div(m, config.tile_m), cluster[0]) * cluster[0]
+    tiles_n = ceil_div(ceil_div(n, config.out_tile_n), cluster[1]) * cluster[1]
     return tiles_m * tiles_n * batches
 
 
@@ -57,7 +54,7 @@ def choose_splits(m: int, n: int, k: int, tiles: int, slots: int, config: GemmCo
     splits only add partial traffic). So: the fewest splits whose loop fits in that time, with
     every split on an SM of its own (one wave), at least MIN_K_TILES_PER_SPLIT K tiles each, and at
     most MAX_SPLITS. 1 for problems with a wave of tiles or more."""
-    k_tiles = _ceil_div(k, TILE_K)
+    k_tiles = ceil_div(k, TILE_K)
     if tiles <= 0 or tiles * 2 > slots:
         return 1
     elem = 1 if config.ab_dtype.startswith("float8") else 2
@@ -65,7 +62,7 @@ def choose_splits(m: int, n: int, k: int, tiles: int, slots: int, config: GemmCo
     stream_s = (m + (2 if config.gated else 1) * n) * k * elem / HBM_BYTES_PER_S
     most = max(1, min(MAX_SPLITS, slots // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
     for splits in range(1, most + 1):
-        if _ceil_div(k_tiles, splits) * k_tile_s <= stream_s:
+        if ceil_div(k_tiles, splits) * k_tile_s <= stream_s:
             return splits
     return most
 

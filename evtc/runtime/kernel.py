@@ -193,18 +193,21 @@ class Kernel:
                     self._variants[config] = variant
         return variant
 
+    @property
+    def _can_split(self) -> bool:
+        """Whether calls may split K: a split-K kernel, or one that chooses its launch shape."""
+        return self.config is not None and (self.config.split_k or self._variant_factory is not None)
+
     def splits_for(self, m: int, n: int, k: int, batches: int = 1) -> int:
         """How many splits of K a call on an (L, M, N, K) problem runs with (1: no split-K).
 
         Chosen per problem (:func:`evtc.plan.split_k.choose_splits`) where the kernel chooses its
         launch shape (no cluster knob) or was compiled with ``split_k=True``; :meth:`pin_splits`
         fixes it."""
-        if self.config is None:
+        if not self._can_split:
             return 1
         if self._pinned_splits is not None:
-            return self._pinned_splits if (self.config.split_k or self._variant_factory is not None) else 1
-        if not (self.config.split_k or self._variant_factory is not None):
-            return 1
+            return self._pinned_splits
         from evtc.plan.split_k import choose_splits, cta_tile_grid
         from evtc.runtime.device import max_active_clusters
 
@@ -219,8 +222,7 @@ class Kernel:
         split count above K's tiles leaves some splits empty (still correct)."""
         if splits is not None and not (isinstance(splits, int) and 1 <= splits <= 4096):
             raise ValueError(f"pin_splits: splits must be an int in [1, 4096] or None, got {splits!r}")
-        if splits is not None and splits > 1 and not (self.config is not None and (
-                self.config.split_k or self._variant_factory is not None)):
+        if splits is not None and splits > 1 and not self._can_split:
             raise ValueError("pin_splits: this kernel has a fixed configuration without split-K; compile "
                              "it with config={'split_k': True} (or without a cluster knob)")
         self._pinned_splits = splits
