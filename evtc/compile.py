@@ -141,6 +141,7 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
         plan = KernelPlan.from_json(record["plan"])
         config = GemmConfig(**record["config"])
         key, signature, chooses = record["key"], record["signature"], bool(record["clusters"])
+        family = tuple(GemmConfig(**c) for c in record.get("family", [record["config"]]))
     except (KeyError, TypeError, ValueError):
         return None
     if plan is None:
@@ -163,7 +164,7 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
             source = (built.path / SOURCE).read_text()
             return _kernel_for(plan, source, signature, cfg, arch, cache_dir, retrace=retrace)
 
-        kernel = kernel._choosing_clusters(other_cluster)
+        kernel = kernel._choosing_clusters(other_cluster, family)
     return kernel
 
 
@@ -178,7 +179,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     from evtc.frontend.source import definition_location
     from evtc.ir.dtypes import KERNEL_INPUT_DTYPES
     from evtc.ir.passes.gated import kernel_graph
-    from evtc.plan.config import ConfigError
+    from evtc.plan.config import DEFAULT_SCHEDULE, ConfigError
     from evtc.plan.signature import KernelSignature, dtype_name
     from evtc.plan.smem import fit_config
 
@@ -210,7 +211,9 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
         # The fields the user set: those that differ from the defaults of its schedule.
         default = GemmConfig(schedule=config.schedule)
         knobs = {k: getattr(config, k) for k in GemmConfig.__dataclass_fields__
-                 if k == "schedule" or getattr(config, k) != getattr(default, k)}
+                 if getattr(config, k) != getattr(default, k)}
+        if config.schedule != DEFAULT_SCHEDULE:
+            knobs["schedule"] = config.schedule
     else:
         knobs = dict(config)
     # Only reductions: no D (the kernel's D dtype is then that of a and b, for its unused buffer).
@@ -236,21 +239,48 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     plan = plan_kernel(graph, emitted, signature, interface)
     described = signature.describe()
     kernel = _kernel_for(plan, emitted.source, described, cfg, arch, cache_dir, graph=graph)
+    family = _tile_family(cfg, knobs, emitted, signature)
     record = {"key": kernel.key, "plan": plan.to_json(), "config": dataclasses.asdict(cfg),
-              "clusters": "cluster" not in knobs, "signature": described}
+              "clusters": "cluster" not in knobs, "signature": described,
+              "family": [dataclasses.asdict(c) for c in family]}
     if "cluster" in knobs:
         return kernel, record
     # No cluster asked for: the cluster shape is chosen per call (Kernel.cluster_for), the other
     # shapes compiled on first use through the same caches.  A kernel of its own, since a pinned
     # cluster of the same configuration shares the plain one.
-    twin_key = kernel.key + interface.tag() + ":clusters"
+    twin_key = kernel.key + interface.tag() + (":tiles" if len(family) > 1 else ":clusters")
     with _MEMORY_LOCK:
         twin = _MEMORY.get(twin_key)
         if twin is None:
             factory = functools.partial(_kernel_for, plan, emitted.source, described, arch=arch,
                                         cache_dir=cache_dir, graph=graph)
-            twin = _MEMORY[twin_key] = kernel._choosing_clusters(factory)
+            twin = _MEMORY[twin_key] = kernel._choosing_clusters(factory, family)
     return twin, record
+
+
+# Knobs that fix the tile shape: with any of them the kernel keeps its tile for every problem.
+_TILE_KNOBS = ("tile_m", "tile_n", "schedule", "cluster")
+
+
+def _tile_family(cfg, knobs, emitted, signature) -> tuple:
+    """The configurations a kernel compiled without tile knobs may run a problem with
+    (:func:`evtc.plan.selector.tile_family`), each planned like ``cfg`` for this epilogue; just
+    ``cfg`` where the user fixed the tile."""
+    from evtc.plan.config import ConfigError
+    from evtc.plan.selector import tile_family
+    from evtc.plan.smem import fit_config
+
+    if any(knob in knobs for knob in _TILE_KNOBS):
+        return (cfg,)
+    user = {k: v for k, v in knobs.items() if k not in ("load_stages",)}
+
+    def fit(shape: dict):
+        try:
+            return fit_config({**user, **shape}, emitted, signature)
+        except (ConfigError, TypeError):
+            return None
+
+    return tile_family(cfg, fit)
 
 
 def _user_operand_names(graph, emitted) -> set[str]:

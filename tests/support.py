@@ -66,3 +66,32 @@ def check_epilogue(fn: Callable[..., Any], inputs: dict[str, Any], **trace_kwarg
     assert_same_outputs(graph.evaluate(inputs), ref)
     assert_same_outputs(raw.evaluate(inputs), ref)
     return graph
+
+
+def precompiled_cache(tmp_path_factory, name: str, compile_fn: Callable[..., Any], jobs: list[tuple],
+                      *, allow_errors: bool = False) -> str:
+    """A disk cache holding ``compile_fn(*job, path)`` for every job, compiled once per test run by a
+    process pool: pytest-xdist workers share it (the first compiles under a file lock, the others
+    wait and then load from disk) instead of each compiling everything again. Returns its path.
+    ``compile_fn`` may return an error text: an assertion error names them all, unless
+    ``allow_errors`` (refusals the tests themselves expect)."""
+    import concurrent.futures
+    import fcntl
+    import multiprocessing
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    path = shared / name
+    path.mkdir(exist_ok=True)
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "complete").exists():
+            ctx = multiprocessing.get_context("spawn")
+            workers = max(1, min(len(jobs), os.cpu_count() or 2))
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                futures = [pool.submit(compile_fn, *job, str(path)) for job in jobs]
+                errors = [e for e in (f.result() for f in futures) if e]
+            assert allow_errors or not errors, errors
+            (path / "complete").touch()
+    return str(path)

@@ -11,13 +11,12 @@ each test loads its kernel from there.
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
-import os
+import re
 
 import pytest
 import torch
-from compile_catalogue import CATALOGUE, compile_by_name, compile_entry, make_inputs
+from compile_catalogue import CATALOGUE, compile_entry, compile_job, make_inputs
+from support import precompiled_cache
 
 import evtc
 from evtc.ir.dtypes import is_float8, round_to
@@ -37,15 +36,8 @@ BATCHED = [(129, 256, 64, 3), (256, 256, 96, 2)]
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("evtc-cache")
-    jobs = [(e.name, dt, str(path)) for e in CATALOGUE for dt in DTYPES]
-    workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = [pool.submit(compile_by_name, *job) for job in jobs]
-        for f in futures:
-            f.result()
-    return str(path)
+    jobs = [(e.name, dt) for e in CATALOGUE for dt in DTYPES]
+    return precompiled_cache(tmp_path_factory, "evtc-catalogue-cache", compile_job, jobs)
 
 
 def _poisoned_like(value):
@@ -135,7 +127,8 @@ def test_cluster_shape_per_call(cache_dir):
                                 ((16896, 384, 72), (2, 1)), ((8192, 1024, 64), (1, 2))]:
         assert k.cluster_for(m, n) == cluster, (m, n)
         _run_poisoned(k, e, m, n, kk, None, f"{(m, n, kk)} cluster {cluster}")
-    assert "other shapes built: 2x1" in k.explain()
+    built = re.search(r"other shapes built: ([^)]*)\)", k.explain()).group(1).split(", ")
+    assert "2x1" in built, built  # the configured tile in 2x1 clusters
     # A pinned cluster is kept for every problem.
     pinned = evtc.compile(e.fn, make_inputs(e, 256, 512, 128, None, torch.float16),
                           config={"cluster": (1, 2)}, cache_dir=cache_dir)
@@ -252,3 +245,44 @@ def test_catalogue_cooperative(name, tmp_path):
         for x, y in zip(first, [v for _, v in _flatten(again)], strict=True):
             assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), \
                 f"{name}: runs differ"
+
+
+# ---- the launch per problem size (evtc.plan.selector) ---------------------------------------------
+# The catalogue's default kernels choose their tile per call: at the sizes above (a few hundred rows)
+# they already run 64 x 64 or 128 x 64 tiles. These add decode sizes (64-row tiles, split K, the
+# reductions finished with the launched tile's partials) and pin the 128 x 128 ping-pong tile, which
+# large problems get.
+
+SELECTOR_ENTRIES = ["relu_lincomb_bias", "col_and_row", "every_kind", "aux_outputs", "four_outputs",
+                    "batched_operands", "gelu_row_sum_of_squares", "column_sum_max_min",
+                    "batched_rows_and_columns", "reductions_only", "swiglu", "reglu_outputs_and_stats"]
+DECODE = [(1, 384, 520, None), (16, 1040, 4096, None), (64, 512, 8192, None), (100, 256, 3000, None)]
+DECODE_BATCHED = [(3, 256, 4096, 2), (64, 128, 2048, 3)]
+
+
+@pytest.mark.parametrize("name", SELECTOR_ENTRIES)
+def test_catalogue_decode_sizes(name, cache_dir):
+    e = _entry(name)
+    k = compile_entry(e, torch.float16, cache_dir)
+    for m, n, kk, b in (DECODE_BATCHED if e.batched else DECODE):
+        config, splits = k.launch_for(m, n, kk, b or 1)
+        if m <= 64:
+            assert config.tile_m == 64, (name, m, config.short_name())
+        inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, f"{name} {(m, n, kk, b)} "
+                                                 f"{config.short_name()} S={splits}")
+        ref = evtc.reference(e.fn, inputs)
+        _check_reductions(k, result, ref, f"{name} {(m, n, kk, b)}")
+
+
+@pytest.mark.parametrize("name", SELECTOR_ENTRIES)
+def test_catalogue_pinned_128x128(name, tmp_path):
+    e = _entry(name)
+    batch = 2 if e.batched else None
+    example = make_inputs(e, 256, 512, 128, batch, torch.float16)
+    k = evtc.compile(e.fn, example, out_dtypes=e.out_dtypes,
+                     config={**(e.config or {}), "tile_m": 128, "schedule": "pingpong"},
+                     cache_dir=str(tmp_path))
+    for m, n, kk, b in (BATCHED if e.batched else UNBATCHED):
+        assert k.launch_for(m, n, kk, b or 1)[0].tile_m == 128
+        inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, f"{name} 128x128 {(m, n, kk, b)}")
+        _check_reductions(k, result, evtc.reference(e.fn, inputs), f"{name} 128x128 {(m, n, kk, b)}")

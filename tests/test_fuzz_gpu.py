@@ -5,10 +5,6 @@ batched problems, output dtypes and reductions."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
-import os
-
 import pytest
 import torch
 from epilogue_cases import (
@@ -22,7 +18,7 @@ from epilogue_cases import (
     matrix_cases,
     random_case,
 )
-from support import flatten
+from support import flatten, precompiled_cache
 
 import evtc
 
@@ -32,11 +28,9 @@ GPU_CASES = [f"fuzz-{SEED}-{i}" for i in range(32)]
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("evtc-fuzz"))
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 2, mp_context=ctx) as pool:
-        list(pool.map(compile_by_name, GPU_CASES, [path] * len(GPU_CASES)))
-    return path
+    # Refusals are expected: the test skips those cases.
+    return precompiled_cache(tmp_path_factory, "evtc-fuzz-cache", compile_by_name, [(c,) for c in GPU_CASES],
+                             allow_errors=True)
 
 
 @pytest.mark.gpu

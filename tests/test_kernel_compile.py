@@ -300,9 +300,11 @@ def test_float8_d_must_be_row_major():
         GemmConfig(d_dtype="float8_e5m2", d_major="m").validate()
 
 
-def test_pingpong_rejects_tile_n_256():
-    with pytest.raises(ConfigError, match="tile_n must be one of \\(64, 128\\)"):
+def test_pingpong_rejects_tile_n_256_at_128_rows():
+    # 128 x 256 fp32 accumulators are 256 registers per thread of one warpgroup; 64 x 256 are 128.
+    with pytest.raises(ConfigError, match="tile_n=256 needs 256 accumulator registers"):
         G(schedule="pingpong", tile_n=256).validate()
+    assert G(schedule="pingpong", tile_m=64, tile_n=256).validate().tile_shape_mnk == (64, 256, 64)
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,batches,cluster,raster_m,swizzle", [

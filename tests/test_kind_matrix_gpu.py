@@ -10,12 +10,9 @@ Kernels are compiled up front by a process pool into one disk cache.
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
-import os
-
 import pytest
 from epilogue_cases import case_by_name, check_case, compile_by_name, compile_case, matrix_cases
+from support import precompiled_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -24,12 +21,7 @@ CASES = [case.name for case in matrix_cases()]
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("evtc-matrix"))
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 2, mp_context=ctx) as pool:
-        errors = [e for e in pool.map(compile_by_name, CASES, [path] * len(CASES)) if e]
-    assert not errors, errors
-    return path
+    return precompiled_cache(tmp_path_factory, "evtc-matrix-cache", compile_by_name, [(c,) for c in CASES])
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -34,6 +34,22 @@ CLUSTER_COST = {
     "pingpong": {(1, 2): 1.0, (2, 1): 1.1, (1, 1): 1.25},
     "cooperative": {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
 }
+# The same for the other tile shapes a kernel may choose per call (evtc.plan.selector), keyed by
+# (schedule, tile_m, tile_n): geomeans over a sweep of decode and prefill shapes on the H100
+# (bench/sweep_configs.py, docs/performance.md "A launch per problem size").  64-row tiles share
+# the weight (B) best: 2x1 clusters multicast it.
+TILE_CLUSTER_COST = {
+    ("pingpong", 128, 64): {(1, 2): 1.0, (1, 1): 1.08, (2, 1): 1.35},
+    ("pingpong", 64, 256): {(2, 1): 0.965, (1, 2): 1.0, (1, 1): 1.01},
+    ("pingpong", 64, 128): {(2, 1): 0.96, (1, 2): 1.0, (1, 1): 1.03},
+    ("pingpong", 64, 64): {(1, 2): 1.0, (1, 1): 1.09, (2, 1): 1.15},
+    ("cooperative", 128, 256): {(1, 2): 1.0, (2, 1): 1.03, (1, 1): 1.08},
+}
+
+
+def cluster_costs(schedule: str, tile_m: int, tile_n: int) -> dict[tuple[int, int], float]:
+    """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST)."""
+    return TILE_CLUSTER_COST.get((schedule, tile_m, tile_n), CLUSTER_COST[schedule])
 
 
 def waves(tiles_m: int, tiles_n: int, batches: int, cluster: tuple[int, int], slots: int) -> int:
@@ -45,15 +61,16 @@ def waves(tiles_m: int, tiles_n: int, batches: int, cluster: tuple[int, int], sl
 
 
 def cluster_for_problem(tiles_m: int, tiles_n: int, batches: int, preferred: tuple[int, int],
-                        slots_of, schedule: str) -> tuple[int, int]:
+                        slots_of, schedule: str, costs: dict | None = None) -> tuple[int, int]:
     """The cluster shape with the fewest expected waves, weighted by :data:`CLUSTER_COST`.
 
     A 1x2 cluster over a problem with one column of tiles leaves every second CTA idle, and so
     doubles the time; 2x1 or 1x1 clusters then finish sooner.  ``slots_of(cluster)`` is how many
     CTAs of that cluster shape run at once.  Ties go to ``preferred``, so problems that fit in one
-    wave (whatever their shape) keep the configured kernel.
+    wave (whatever their shape) keep the configured kernel. ``costs``: the tile shape's
+    (:func:`cluster_costs`), else the schedule's.
     """
-    costs = CLUSTER_COST[schedule]
+    costs = costs or CLUSTER_COST[schedule]
 
     def cost(cluster):
         return waves(tiles_m, tiles_n, batches, cluster, slots_of(cluster)) * costs.get(cluster, 1.0)

@@ -16,11 +16,16 @@ D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
-TILE_M = 128  # two consumer warpgroups, 64 rows each (cooperative schedule)
-# Ping-pong schedule: each consumer warpgroup owns a whole 128 x tile_n tile (two m64nN wgmma atoms
-# along M per k16 step, as CUTLASS's ping-pong kernels); tile_n = 128 keeps the cooperative 128
-# fp32 accumulator registers per thread, 256 would need 256 and is rejected.
-PINGPONG_TILE_NS = (64, 128)
+TILE_M = 128  # the default: two consumer warpgroups, 64 rows each (cooperative schedule)
+# Rows of an output tile.  64 only under ping-pong: one m64 wgmma atom per consumer warpgroup, for
+# problems with few rows (decode, small MoE batches), where 128-row tiles would multiply half their
+# rows by zero padding and spill twice the split-K partials.
+TILE_MS = (64, 128)
+# Ping-pong schedule: each consumer warpgroup owns a whole tile_m x tile_n tile (one m64nN wgmma
+# atom along M per k16 step for each 64 rows, as CUTLASS's ping-pong kernels). Its fp32 accumulator
+# takes tile_m * tile_n / 128 registers per thread; 128 (the cooperative schedule's) is the most
+# that leaves room for the epilogue: tile_n up to 128 at tile_m = 128, up to 256 at tile_m = 64.
+PINGPONG_ACC_REGS = 128
 PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
 # The default: ping-pong, 128x128 per warpgroup, clusters of 1x2 CTAs (A multicast to both).  On the
@@ -100,6 +105,7 @@ class GemmConfig:
     b_major: str = "n"
     d_major: str = "n"
     tile_n: int | None = None  # None: 256 (cooperative) or 128 (pingpong)
+    tile_m: int = TILE_M
     cluster: tuple[int, int] | None = None  # None: DEFAULT_CLUSTER of the schedule
     epi_tile_n: int = 32
     epi_stages: int | None = None
@@ -121,12 +127,6 @@ class GemmConfig:
             object.__setattr__(self, "cluster", tuple(self.cluster))
 
     # ---- derived shapes -------------------------------------------------------------------------
-    @property
-    def tile_m(self) -> int:
-        """Rows of one output tile: 128 under both schedules (cooperative: the two consumer
-        warpgroups 64 rows each; pingpong: one consumer warpgroup, two m64 atoms along M)."""
-        return TILE_M
-
     @property
     def epi_groups(self) -> int:
         """Epilogues that run at once, each with its own D (and extra-output) staging buffers:
@@ -292,10 +292,17 @@ class GemmConfig:
             bad(f"a gated kernel with an N-major B loads each half of a B tile as its own 128-byte "
                 f"swizzled block: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "
                 f"too narrow; use tile_n >= {2 * 128 // DTYPE_BYTES[self.ab_dtype]} or a K-major B")
-        if self.schedule == "pingpong" and self.tile_n not in PINGPONG_TILE_NS:
-            bad(f"schedule='pingpong' computes a 128 x tile_n tile per consumer warpgroup: tile_n must "
-                f"be one of {PINGPONG_TILE_NS}, got {self.tile_n} (128 x {self.tile_n} fp32 accumulators "
-                f"are {self.tile_n} registers per thread, too many with the epilogue's)")
+        if self.tile_m not in TILE_MS:
+            bad(f"tile_m must be one of {TILE_MS}, got {self.tile_m!r}")
+        if self.tile_m != TILE_M and self.schedule != "pingpong":
+            bad(f"tile_m={self.tile_m} needs schedule='pingpong' (the cooperative schedule stacks its "
+                f"two consumer warpgroups along M, 64 rows each: 128 rows)")
+        acc_regs = self.tile_m * self.tile_n // 128
+        if self.schedule == "pingpong" and acc_regs > PINGPONG_ACC_REGS:
+            bad(f"schedule='pingpong' computes a {self.tile_m} x tile_n tile per consumer warpgroup: "
+                f"tile_n={self.tile_n} needs {acc_regs} accumulator registers per thread, too many with "
+                f"the epilogue's (at most {PINGPONG_ACC_REGS}: tile_n <= "
+                f"{PINGPONG_ACC_REGS * 128 // self.tile_m})")
         return self
 
     def replace(self, **changes) -> GemmConfig:

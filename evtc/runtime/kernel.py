@@ -83,6 +83,7 @@ class Kernel:
         # Cluster shape and split-K per call (see cluster_for, splits_for): None keeps config for
         # every problem.
         self._variant_factory = None
+        self._family: tuple[GemmConfig, ...] = (config,) if config is not None else ()
         self._variants: dict[GemmConfig, Kernel] = {}
         self._pinned_splits: int | None = None
         self._variant_lock = threading.Lock()
@@ -138,11 +139,14 @@ class Kernel:
     def function_name(self) -> str:
         return f"evtc_{self.key[:24]}"
 
-    def _choosing_clusters(self, factory) -> Kernel:
-        """A twin of this kernel that picks the cluster shape per problem; ``factory(config)`` gives
-        the kernel of another cluster shape."""
+    def _choosing_clusters(self, factory, family: tuple[GemmConfig, ...] = ()) -> Kernel:
+        """A twin of this kernel that picks its launch per problem: the cluster shape and split
+        count, and the tile from ``family`` (:func:`evtc.plan.selector.tile_family`; this kernel's
+        configuration first) where it has more than one. ``factory(config)`` gives the kernel of
+        another configuration."""
         twin = copy.copy(self)
         twin._variant_factory = factory
+        twin._family = tuple(family) or (self.config,)
         twin._variants = {self.config: self}
         twin._variant_lock = threading.Lock()
         twin._cluster_memo = {}
@@ -198,23 +202,37 @@ class Kernel:
         """Whether calls may split K: a split-K kernel, or one that chooses its launch shape."""
         return self.config is not None and (self.config.split_k or self._variant_factory is not None)
 
-    def splits_for(self, m: int, n: int, k: int, batches: int = 1) -> int:
-        """How many splits of K a call on an (L, M, N, K) problem runs with (1: no split-K).
+    def launch_for(self, m: int, n: int, k: int, batches: int = 1) -> tuple[GemmConfig, int]:
+        """(configuration, splits of K) that a call on an (L, M, N, K) problem runs with.
 
-        Chosen per problem (:func:`evtc.plan.split_k.choose_splits`) where the kernel chooses its
-        launch shape (no cluster knob) or was compiled with ``split_k=True``; :meth:`pin_splits`
-        fixes it."""
-        if not self._can_split:
-            return 1
-        if self._pinned_splits is not None:
-            return self._pinned_splits
-        from evtc.plan.split_k import choose_splits, cta_tile_grid
+        A kernel compiled without tile, schedule or cluster knobs chooses per problem size
+        (:func:`evtc.plan.selector.choose_launch`): the tile shape from the configurations that fit
+        its epilogue (64-row tiles for M <= 64, smaller tiles where few tiles would leave SMs idle,
+        a wider cooperative tile for long K), the cluster shape, and the split count. Other
+        kernels keep their configuration; those compiled with ``split_k=True`` still choose the
+        split count. :meth:`pin_splits` fixes the split count."""
+        if self.config is None:
+            raise ValueError("launch_for: this kernel has no SM90 code (every call takes the torch path)")
+        from evtc.plan.selector import choose_launch
         from evtc.runtime.device import max_active_clusters
 
-        cluster = self.cluster_for(m, n, batches)
-        size = cluster[0] * cluster[1]
-        slots = max_active_clusters(size, self._cache.root) * size
-        return choose_splits(m, n, k, cta_tile_grid(m, n, batches, self.config, cluster), slots, self.config)
+        def slots(cluster):
+            size = cluster[0] * cluster[1]
+            return max_active_clusters(size, self._cache.root) * size
+
+        config, splits = choose_launch(m, n, k, batches, self._family, slots,
+                                       choose_cluster=self._variant_factory is not None,
+                                       pinned_splits=self._pinned_splits)
+        if not self._can_split:
+            splits = 1
+        return config, splits
+
+    def splits_for(self, m: int, n: int, k: int, batches: int = 1) -> int:
+        """How many splits of K a call on an (L, M, N, K) problem runs with (1: no split-K); see
+        :meth:`launch_for`."""
+        if not self._can_split:
+            return 1
+        return self.launch_for(m, n, k, batches)[1]
 
     def pin_splits(self, splits: int | None) -> None:
         """Run every call with ``splits`` splits of K (1: none), or (None) choose per problem again.
@@ -266,11 +284,18 @@ class Kernel:
             lines.append("  strict: calls that would need aligned copies or the torch path raise")
         lines.append(f"  GEMM: {cfg.short_name()}; a {self.plan.a.describe()}, b {self.plan.b.describe()}")
         if self._variant_factory is not None:
-            built = ", ".join(f"{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
-                              for c in self._variants if c != cfg) or "none yet"
+            def shape(c: GemmConfig) -> str:
+                tile = "" if (c.schedule, c.tile_m, c.tile_n) == (cfg.schedule, cfg.tile_m, cfg.tile_n) \
+                    else f"{c.tile_m}x{c.tile_n}{' cooperative' if c.schedule != cfg.schedule else ''} "
+                return f"{tile}{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
+
+            built = ", ".join(shape(c) for c in self._variants if c != cfg) or "none yet"
+            tiles = ", ".join(f"{c.tile_m}x{c.tile_n}"
+                              + (" " + c.schedule if c.schedule != cfg.schedule else "")
+                              for c in self._family)
             lines.append(f"  cluster: {cfg.cluster[0]}x{cfg.cluster[1]}, or per call another shape where "
-                         f"that needs fewer waves of tiles, and K split where too few tiles fill the "
-                         f"GPU (other shapes built: {built})")
+                         f"that needs fewer waves of tiles; tile per call from {tiles}; K split where "
+                         f"too few tiles fill the GPU (other shapes built: {built})")
         lines.append("  inputs:")
         for plan in self.plan.inputs:
             spec = plan.spec
@@ -589,24 +614,29 @@ class Kernel:
         outs = targets
         if stage:
             a, b, ins, outs = self._stage(a, b, ins, targets)
+        empty = m == 0 or n == 0 or batches == 0
+        if not empty:
+            k = a.shape[-1]
+            launch_key = (m, n, k, batches, a.get_device())
+            chosen = self._launch_memo.get(launch_key)
+            if chosen is None:
+                chosen = self._launch_choice(m, n, k, batches)
+                if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
+                    self._launch_memo.clear()
+                self._launch_memo[launch_key] = chosen
+            fn, clusters, split, finisher = chosen
+        else:
+            finisher = self._finisher
         workspaces = []
-        if self._finisher is not None:
-            numels = self._finisher.workspace_numels(m, n, batches)
+        if finisher is not None:
+            # The reductions' partials are laid out by the launched configuration's tiles.
+            numels = finisher.workspace_numels(m, n, batches)
             if len(numels) == 1:
                 workspaces = [torch.empty(numels[0], dtype=torch.float32, device=device)]
             else:  # one allocation, split
                 workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
-        if m == 0 or n == 0 or batches == 0:
-            return targets, workspaces, (m, n, batches)
-        k = a.shape[-1]
-        launch_key = (m, n, k, batches, a.get_device())
-        chosen = self._launch_memo.get(launch_key)
-        if chosen is None:
-            chosen = self._launch_choice(m, n, k, batches)
-            if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
-                self._launch_memo.clear()
-            self._launch_memo[launch_key] = chosen
-        fn, clusters, split = chosen
+        if empty:
+            return targets, workspaces, (m, n, batches, finisher)
         if split is None:
             fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
         else:
@@ -617,25 +647,24 @@ class Kernel:
             for written, target in zip(outs, targets, strict=True):
                 if written is not target:
                     target.copy_(written)
-        return targets, workspaces, (m, n, batches)
+        return targets, workspaces, (m, n, batches, finisher)
 
     def _launch_choice(self, m: int, n: int, k: int, batches: int):
         """(compiled function, clusters that fit at once, split-K's (splits, partials, counters) or
-        None) for an (L, M, N, K) problem on the current GPU."""
+        None, the reductions' host finish for its tile shape) for an (L, M, N, K) problem on the
+        current GPU."""
         from evtc.plan.split_k import workspace_numels
 
-        config = self.config
-        if self._variant_factory is not None:
-            config = config.replace(cluster=self.cluster_for(m, n, batches))
-        splits = self.splits_for(m, n, k, batches)
+        config, splits = self.launch_for(m, n, k, batches)
         if splits > 1 and not config.split_k:
             config = config.replace(split_k=True)
-        fn = self._fn if config == self.config else self._variant(config)._fn
+        kernel = self if config == self.config else self._variant(config)
         cluster = config.cluster
         clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
         if not config.split_k:
-            return fn, clusters, None
-        return fn, clusters, (splits, *workspace_numels(m, n, batches, config, cluster, splits))
+            return kernel._fn, clusters, None, kernel._finisher
+        return (kernel._fn, clusters, (splits, *workspace_numels(m, n, batches, config, cluster, splits)),
+                kernel._finisher)
 
     def _stage(self, a, b, ins, targets):
         """Aligned copies of the inputs whose layout the kernel cannot take, padded buffers for the
@@ -721,11 +750,12 @@ class Kernel:
             meta.append((tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)))
         return meta
 
-    def _finish(self, out, workspaces, m, n, batches, operands) -> list[torch.Tensor]:
-        """The host outputs (reductions and what follows them), into ``out``'s tensors if given."""
+    def _finish(self, out, workspaces, m, n, batches, finisher, operands) -> list[torch.Tensor]:
+        """The host outputs (reductions and what follows them, finished by ``finisher``, that of the
+        launched configuration), into ``out``'s tensors if given."""
         if not self._host_outputs:
             return []
-        done = self._finisher(workspaces, m, n, batches, operands)
+        done = finisher(workspaces, m, n, batches, operands)
         results = [done[h.name] for h in self._host_outputs]
         if out is None:
             return results

@@ -156,7 +156,7 @@ class Sm90GemmKernel:
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             # cooperative: two consumer warpgroups stacked along M; pingpong: one warpgroup per
-            # 128-row tile, its partition of the tile has two m64 atoms along M (MMA_M = 2)
+            # tile, its partition of the tile has tile_m / 64 m64 atoms along M (MMA_M = 2 or 1)
             (1, 1, 1) if self.pingpong else (2, 1, 1),
             tiler_mn=(64, self.tile_shape_mnk[1]),
         )

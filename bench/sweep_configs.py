@@ -1,0 +1,177 @@
+"""Sweep kernel configurations (tile M x N, cluster, schedule, split count) over problem shapes and
+time each against torch.matmul (cuBLAS), for fitting and checking the launch selector
+(:mod:`evtc.plan.selector`).
+
+    python3 bench/sweep_configs.py --shapes 64x4096x4096,16x14336x4096 --json out.json
+    python3 bench/sweep_configs.py --family small      # decode-sized LLM layers
+    python3 bench/sweep_configs.py --family large      # prefill-sized layers
+
+Identity epilogue, B K-major (``nn.Linear`` weights). Every call runs in a CUDA graph of R calls
+that cycles through enough copies of the weight to stream it from HBM (not from the 50 MB L2).
+Every candidate of a shape is timed in one ``time_paired`` call with cuBLAS, in shuffled order per
+sample; ratio = cuBLAS time / candidate time (> 1: the candidate is faster). The row also shows
+what the selector picks (``auto``: the default kernel with no knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shapes as shape_suite  # noqa: E402
+import torch  # noqa: E402
+
+import evtc  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
+
+FAMILIES = {
+    # (M, N, K): Llama-3 8B / 70B attention and MLP layers, DeepSeek-V3 and Mixtral experts, at
+    # decode-sized M.
+    "small": [f"{m}x{n}x{k}" for m in (16, 64, 128)
+              for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 8192),
+                           (8192, 28672), (4096, 2048), (2048, 7168))],
+    "medium": [f"{m}x{n}x{k}" for m in (256, 512, 1024)
+               for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192))],
+    "large": ["4096x4096x4096", "8192x8192x8192", "16384x57344x8192", "16384x8192x28672",
+              "4096x28672x4096", "4096x4096x14336", "16384x4096x4096", "16384x6144x4096",
+              "2048x128256x4096", "16384x1024x8192"],
+}
+SMALL_CANDIDATES = [
+    {"tile_m": tm, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tm, tn in ((128, 128), (128, 64), (64, 128), (64, 64), (64, 256))
+    for cl in ((1, 1), (1, 2), (2, 1))
+]
+LARGE_CANDIDATES = [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tn in (128,) for cl in ((1, 2), (2, 1))
+] + [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "cooperative"}
+    for tn in (128, 256) for cl in ((1, 1), (1, 2), (2, 1))
+]
+
+
+def identity(acc):
+    return acc
+
+
+def describe_choice(kernel, m: int, n: int, k: int) -> str:
+    """What the default kernel runs an (M, N, K) problem with."""
+    if hasattr(kernel, "launch_for"):
+        config, splits = kernel.launch_for(m, n, k)
+        return name_of({"tile_m": config.tile_m, "tile_n": config.tile_n, "cluster": config.cluster,
+                        "schedule": config.schedule}, splits)
+    cl = kernel.cluster_for(m, n)
+    return f"128x128 {cl[0]}x{cl[1]} S{kernel.splits_for(m, n, k)}"
+
+
+def name_of(config: dict, splits: int) -> str:
+    short = {"pingpong": "pp", "cooperative": "co"}[config["schedule"]]
+    cl = config["cluster"]
+    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]} S{splits}"
+
+
+def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> dict:
+    """Time every candidate of one shape (and cuBLAS, and the default kernel) in one paired run."""
+    m, n, k = (int(x) for x in shape.split("x"))
+    which = args.candidates or ("small" if m <= 1024 else "large")
+    candidates = SMALL_CANDIDATES if which == "small" else LARGE_CANDIDATES
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 13 + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    copies = max(2, math.ceil((args.rotate_mb << 20) / (n * k * 2)))
+    weights = [(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+               for _ in range(min(copies, 64))]
+    ref = x.double() @ weights[0].double().t()
+    out = torch.empty(m, n, device="cuda", dtype=dtype)
+    calls = {"cublas": lambda w: torch.matmul(x, w.t())}
+    for config in ([] if args.auto_only else candidates):
+        kern = kernel(config)
+        tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
+        for s in split_list:
+            if s > 1 and tiles * s > sms:
+                continue
+            kern.pin_splits(s)
+            got = kern(x, weights[0].t(), out=out)
+            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2, (shape, config, s, err)
+
+            def call(w, kern=kern, s=s):
+                return kern(x, w.t(), out=out)
+            calls[name_of(config, s)] = (kern, s, call)
+    calls["auto"] = lambda w: auto(x, w.t(), out=out)
+    reps = max(1, min(500, math.ceil(args.sample_ms * 1e3 / max(2.0, m * n * k * 2 / 600e12 * 1e6))))
+    graphs = {}
+    for name, item in calls.items():
+        if isinstance(item, tuple):
+            kern, s, fn = item
+            kern.pin_splits(s)  # captured with this split count
+            graphs[name] = shape_suite.capture(fn, weights, reps).replay
+        else:
+            graphs[name] = shape_suite.capture(item, weights, reps).replay
+    names = list(graphs)
+    ms = time_paired([graphs[nm] for nm in names], 2, args.samples, 1)
+    us = {nm: t / reps * 1e3 for nm, t in zip(names, ms, strict=True)}
+    base = us["cublas"]
+    ranked = sorted((nm for nm in names if nm not in ("cublas", "auto")), key=lambda nm: us[nm])
+    best = ranked[0] if ranked else "auto"
+    chosen = describe_choice(auto, m, n, k)
+    print(f"{shape:>18}: cuBLAS {base:8.1f} us ({n * k * 2 / base / 1e6:4.2f} TB/s)  best {best} "
+          f"{base / us[best]:5.2f}  auto [{chosen}] {base / us['auto']:5.2f}  | "
+          + "  ".join(f"{nm} {base / us[nm]:4.2f}" for nm in ranked[:6]), flush=True)
+    return {"shape": shape, "m": m, "n": n, "k": k, "us": us, "auto": chosen}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="", help="comma list of MxNxK")
+    p.add_argument("--family", default="", help=f"one of {sorted(FAMILIES)}")
+    p.add_argument("--candidates", default="", choices=["", "small", "large"],
+                   help="candidate set (default: small for M <= 1024, large beyond)")
+    p.add_argument("--splits", default="1,2,3,4,6", help="split counts tried where they fit in a wave")
+    p.add_argument("--samples", type=int, default=9)
+    p.add_argument("--sample-ms", type=float, default=1.0)
+    p.add_argument("--rotate-mb", type=int, default=256, help="weight copies cycled per graph, in MB")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--auto-only", action="store_true", help="time only the default kernel against cuBLAS")
+    p.add_argument("--json", help="write every measurement here (rewritten after each shape)")
+    p.add_argument("--time-budget", type=float, default=0.0, help="stop starting shapes after this")
+    args = p.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s] + FAMILIES.get(args.family, [])
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    example = {"a": torch.empty(8, 64, dtype=dtype, device="meta"),
+               "b": torch.empty(64, 64, dtype=dtype, device="meta").t()}
+    kernels: dict = {}
+
+    def kernel(config: dict):
+        key = json.dumps(config, sort_keys=True)
+        if key not in kernels:
+            kernels[key] = evtc.compile(identity, example, config={**config, "split_k": True})
+        return kernels[key]
+
+    shape_suite.load_torch()  # bench/shapes.py imports torch lazily
+    auto = evtc.compile(identity, example)
+    split_list = [int(s) for s in args.splits.split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; {sms} SMs", flush=True)
+    results = []
+    start = time.time()
+    for shape in shapes:
+        if args.time_budget and time.time() - start > args.time_budget:
+            print(f"time budget spent: {shape} and later not run", flush=True)
+            break
+        row = sweep_shape(shape, args, kernel, auto, dtype, split_list, sms)
+        results.append(row)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                   "results": results}, indent=1))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

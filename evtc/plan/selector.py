@@ -1,0 +1,119 @@
+"""Which kernel configuration and split count a call runs with, chosen per problem size (pure Python).
+
+A kernel compiled without tile, schedule or cluster knobs carries a family of configurations that
+fit its epilogue (:func:`tile_family`, planned once at compile time). Each call picks one by the
+problem's size class, and never compiles anything for a new M beyond the first use of a
+configuration. The rules are fitted to a sweep on the H100 (``bench/sweep_configs.py``, recorded in
+docs/performance.md, "A launch per problem size"):
+
+* **Enough tiles** (128 x 128 tiles fill at least :data:`FILL` of the SMs): 128 x 128 ping-pong, or
+  128 x 256 cooperative where K is long (at least :data:`LONG_K`): there the epilogue's overlap is
+  worth little and the wider tile halves the A traffic per FLOP (16384 x 8192 x 28672: 1.03x
+  cuBLAS against 0.90x).
+* **Few tiles** (decode, small MoE batches): the largest tile whose count still fills
+  :data:`FILL` of the SMs, else the smallest; 64-row tiles where M <= 64 (no MMA on padding rows).
+  On the H100, 64 x 64 tiles at M = 64, N = K = 4096 ran 1.3x faster than 128 x 128 ones with the
+  best split count.
+* **Then split K** while the units fit in one wave and every split keeps enough K tiles
+  (:func:`evtc.plan.split_k.choose_splits`): each split costs a round trip of the accumulator
+  through memory, which only a long K loop repays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
+from evtc.plan.config import GemmConfig
+from evtc.plan.split_k import choose_splits, cta_tile_grid
+
+# A tile shape is chosen if its tiles fill at least this share of the SMs (fitted: 0.7 picks the
+# measured best or one within 3% on 30 of 36 decode and prefill shapes).
+FILL = 0.7
+# K (elements) from which the cooperative 128 x 256 tile beats ping-pong 128 x 128 on problems with
+# a wave of tiles or more.
+LONG_K = 16384
+# Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
+FAMILY = (
+    ("pingpong", 128, 128),
+    ("pingpong", 64, 256),
+    ("pingpong", 128, 64),
+    ("pingpong", 64, 128),
+    ("pingpong", 64, 64),
+    ("cooperative", 128, 256),
+)
+
+
+def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> tuple[GemmConfig, ...]:
+    """The configurations of :data:`FAMILY` that fit the epilogue: ``fit(knobs)`` plans one (its
+    epilogue loads and shared memory) or returns None where it does not fit. ``base`` (the
+    configuration the kernel was compiled with) is always first."""
+    family = [base]
+    for schedule, tile_m, tile_n in FAMILY:
+        if (base.schedule, base.tile_m, base.tile_n) == (schedule, tile_m, tile_n):
+            continue
+        costs = cluster_costs(schedule, tile_m, tile_n)
+        cluster = min(costs, key=costs.get)
+        config = fit({"schedule": schedule, "tile_m": tile_m, "tile_n": tile_n, "cluster": cluster})
+        if config is not None and config not in family:
+            family.append(config)
+    return tuple(family)
+
+
+def _tiles(m: int, n: int, batches: int, config: GemmConfig) -> int:
+    return ceil_div(m, config.tile_m) * ceil_div(n, config.out_tile_n) * batches
+
+
+def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int) -> GemmConfig:
+    """The configuration of ``family`` (see :func:`tile_family`) for an (L, M, N, K) problem on a
+    GPU that runs ``slots`` CTAs at once."""
+    base = family[0]
+
+    def find(schedule: str, tile_m: int, tile_n: int) -> GemmConfig | None:
+        for config in family:
+            if (config.schedule, config.tile_m, config.tile_n) == (schedule, tile_m, tile_n):
+                return config
+        return None
+
+    shapes = [c for c in family if c.schedule == "pingpong"] or [base]
+    if m <= 64 and any(c.tile_m == 64 for c in shapes):
+        # 128-row tiles would multiply padding rows: only 64-row ones.
+        shapes = [c for c in shapes if c.tile_m == 64]
+    elif base in shapes and _tiles(m, n, batches, base) >= FILL * slots:
+        # Enough tiles: the configured one, or the cooperative 128 x 256 one for long K loops.
+        wide = find("cooperative", 128, 256)
+        if k >= LONG_K and wide is not None and _tiles(m, n, batches, wide) >= slots:
+            return wide
+        return base
+    # Few tiles: the largest tile that still fills the GPU (equal areas: 128 rows, the weight's
+    # tile then narrower), else the smallest.
+    ordered = sorted(shapes, key=lambda c: (-c.tile_m * c.tile_n, c.tile_m == 64))
+    for config in ordered:
+        if _tiles(m, n, batches, config) >= FILL * slots:
+            return config
+    return ordered[-1]
+
+
+def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
+                  slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
+                  pinned_splits: int | None = None) -> tuple[GemmConfig, int]:
+    """(configuration, splits of K) for an (L, M, N, K) problem: the tile from ``family``, then the
+    cluster shape with the fewest waves (where ``choose_cluster``), then the split count (unless
+    ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
+    config = choose_tile(m, n, k, batches, family, slots_of((1, 1))) if len(family) > 1 else family[0]
+    if choose_cluster:
+        tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
+        cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
+                                      cluster_costs(config.schedule, config.tile_m, config.tile_n))
+        if cluster != config.cluster:
+            config = config.replace(cluster=cluster)
+    if pinned_splits is not None:
+        splits = pinned_splits
+    else:
+        cluster = config.cluster
+        slots = slots_of(cluster)
+        splits = choose_splits(k, cta_tile_grid(m, n, batches, config, cluster), slots)
+    return config, splits
+
+
+__all__ = ["FAMILY", "FILL", "LONG_K", "choose_launch", "choose_tile", "tile_family"]

@@ -1,0 +1,162 @@
+"""CPU: the launch selector (evtc.plan.selector): which tile, cluster and split count a problem size
+gets, the family of configurations a kernel carries, 64-row tiles (config checks and their PTX),
+and that the runtime finishes reductions with the partials' layout of the tile it launched."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import evtc
+from evtc.plan.config import ConfigError, GemmConfig
+from evtc.plan.selector import FILL, LONG_K, choose_launch, choose_tile, tile_family
+from evtc.plan.split_k import MAX_SPLITS, MIN_K_TILES_PER_SPLIT, choose_splits, cta_tile_grid
+
+BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
+SLOTS = 132
+
+
+def _fit_all(knobs: dict) -> GemmConfig:
+    return BASE.replace(**knobs)
+
+
+FAMILY = tile_family(BASE, _fit_all)
+
+
+def _slots(cluster):
+    return SLOTS
+
+
+def _launch(m, n, k, batches=1, family=FAMILY, choose_cluster=True):
+    return choose_launch(m, n, k, batches, family, _slots, choose_cluster=choose_cluster)
+
+
+def _tiles(m, n, config):
+    return -(-m // config.tile_m) * -(-n // config.out_tile_n)
+
+
+def test_family_starts_with_the_compiled_config_and_skips_what_does_not_fit():
+    assert FAMILY[0] == BASE
+    shapes = {(c.schedule, c.tile_m, c.tile_n) for c in FAMILY}
+    assert ("pingpong", 64, 64) in shapes and ("cooperative", 128, 256) in shapes
+    only_pingpong = tile_family(BASE, lambda knobs: None if knobs["schedule"] == "cooperative"
+                                else BASE.replace(**knobs))
+    assert all(c.schedule == "pingpong" for c in only_pingpong)
+    assert tile_family(BASE, lambda knobs: None) == (BASE,)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_decode_gets_64_row_tiles(m):
+    for n, k in [(4096, 4096), (28672, 4096), (4096, 14336), (2048, 7168), (128256, 4096)]:
+        config, splits = _launch(m, n, k)
+        assert config.tile_m == 64, (m, n, k, config.short_name())
+        assert 1 <= splits <= MAX_SPLITS
+        assert cta_tile_grid(m, n, 1, config, config.cluster) * splits <= SLOTS or splits == 1
+
+
+def test_few_tiles_take_the_largest_tile_that_fills_the_gpu():
+    for m, n, k in [(16, 4096, 4096), (128, 8192, 8192), (256, 4096, 4096), (100, 1000, 1000)]:
+        chosen = choose_tile(m, n, k, 1, FAMILY, SLOTS)
+        pingpong = [c for c in FAMILY if c.schedule == "pingpong" and (m > 64 or c.tile_m == 64)]
+        filling = [c for c in pingpong if _tiles(m, n, c) >= FILL * SLOTS]
+        if filling:
+            assert chosen.tile_m * chosen.tile_n == max(c.tile_m * c.tile_n for c in filling), (m, n)
+            assert _tiles(m, n, chosen) >= FILL * SLOTS
+        else:
+            assert chosen.tile_m * chosen.tile_n == min(c.tile_m * c.tile_n for c in pingpong), (m, n)
+
+
+def test_large_problems_keep_the_compiled_tile_or_go_wide_for_long_k():
+    for m, n, k in [(4096, 4096, 4096), (16384, 8192, 8192), (2048, 128256, 4096), (512, 8192, 8192)]:
+        assert _launch(m, n, k) == (BASE, 1), (m, n, k)
+    wide, splits = _launch(16384, 8192, LONG_K * 2)
+    assert (wide.schedule, wide.tile_m, wide.tile_n, splits) == ("cooperative", 128, 256, 1)
+    # Without the wide tile in the family (it did not fit the epilogue), the compiled one.
+    narrow = tuple(c for c in FAMILY if c.schedule == "pingpong")
+    assert _launch(16384, 8192, LONG_K * 2, family=narrow)[0] == BASE
+
+
+def test_a_fixed_family_keeps_its_tile_and_cluster():
+    for m, n, k in [(16, 4096, 4096), (16384, 128, 64), (16384, 8192, 28672)]:
+        config, _ = _launch(m, n, k, family=(BASE,), choose_cluster=False)
+        assert config == BASE
+
+
+def test_cluster_follows_the_waves_of_the_chosen_tile():
+    # One column of 128-wide tiles, more rows than fit at once: a 1x2 cluster would idle half.
+    config, _ = _launch(16384, 128, 64)
+    assert config.tile_m == 128 and config.cluster == (2, 1)
+
+
+def test_split_rule():
+    assert choose_splits(4096, 200, SLOTS) == 1          # a wave of tiles: never
+    assert choose_splits(64 * MIN_K_TILES_PER_SPLIT - 1, 32, SLOTS) == 1   # too short to split
+    assert choose_splits(14336, 64, SLOTS) == 2          # one wave of units at most
+    assert choose_splits(1 << 20, 1, SLOTS) == MAX_SPLITS
+    for k in (64, 4096, 14336, 100000):
+        for tiles in (1, 7, 32, 66):
+            s = choose_splits(k, tiles, SLOTS)
+            assert 1 <= s <= MAX_SPLITS and (s == 1 or (tiles * s <= SLOTS
+                                                        and -(-k // 64) // s >= MIN_K_TILES_PER_SPLIT))
+
+
+def test_tile_m_64_config_rules():
+    cfg = BASE.replace(tile_m=64, tile_n=256)
+    assert cfg.tile_shape_mnk == (64, 256, 64) and cfg.epi_tile == (64, 32)
+    assert "64x256" in cfg.short_name()
+    with pytest.raises(ConfigError, match="tile_m=64 needs schedule='pingpong'"):
+        BASE.replace(tile_m=64, schedule="cooperative", tile_n=128, cluster=(1, 1))
+    with pytest.raises(ConfigError, match="tile_m must be one of"):
+        BASE.replace(tile_m=96)
+    with pytest.raises(ConfigError, match="accumulator registers"):
+        BASE.replace(tile_n=256)  # 128 x 256 per ping-pong warpgroup
+
+
+def _identity(acc):
+    return acc
+
+
+def _row_sums(acc, bias):
+    y = acc + bias
+    return y, y.float().sum(-1)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_tile_m_64_ptx_has_one_m64_atom_per_k_step(tmp_path):
+    """A 64-row tile issues one m64nNk16 wgmma per k16 step, half of a 128-row tile's."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    wide = evtc.compile(_identity, ex, config={"tile_n": 128, "cluster": (1, 1)}, arch="sm_90a",
+                       cache_dir=tmp_path).ptx
+    short = evtc.compile(_identity, ex, config={"tile_m": 64, "tile_n": 128, "cluster": (1, 1)},
+                         arch="sm_90a", cache_dir=tmp_path).ptx
+    pattern = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"
+    assert len(re.findall(pattern, short)) * 2 == len(re.findall(pattern, wide)) > 0
+
+
+def test_kernel_carries_its_family_and_reports_the_launch(tmp_path):
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    auto = evtc.compile(_identity, ex, arch="sm_90a", cache_dir=tmp_path)
+    config, splits = auto.launch_for(16, 4096, 14336)
+    assert config.tile_m == 64 and splits >= 1
+    assert "tile per call from 128x128, 64x256" in auto.explain()
+    for knobs in ({"tile_n": 128}, {"cluster": (1, 2)}, {"schedule": "pingpong"}, {"tile_m": 128}):
+        fixed = evtc.compile(_identity, ex, config=knobs, arch="sm_90a", cache_dir=tmp_path)
+        assert fixed.launch_for(16, 4096, 14336)[0].tile_m == 128, knobs
+
+
+def test_reductions_finish_with_the_launched_tile(tmp_path):
+    """Row sums leave one partial per tile column: a 64 x 64 launch has twice the columns of
+    partials of a 128 x 128 one, and the host finish must read them with that layout."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t(), "bias": _meta(64, dtype=torch.float32)}
+    k = evtc.compile(_row_sums, ex, arch="sm_90a", cache_dir=tmp_path)
+    m, n, kk = 16, 4096, 4096
+    config, _ = k.launch_for(m, n, kk)
+    assert (config.tile_m, config.out_tile_n) == (64, 64)
+    *_, finisher = k._launch_choice(m, n, kk, 1)
+    assert (finisher.tile_m, finisher.out_tile_n) == (64, 64)
+    assert finisher.workspace_numels(m, n, 1) != k._finisher.workspace_numels(m, n, 1)
