@@ -428,13 +428,18 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
 
 
 def launch_info(kernel, m: int, n: int, k: int) -> str | None:
-    """How evtc ran the last call: path, cluster, split count (None where the kernel cannot say)."""
+    """How evtc ran the last call: path, tile, cluster, split count (None where the kernel cannot
+    say)."""
     try:
         parts = [kernel.last_path]
-        cm, cn = kernel.cluster_for(m, n)
-        parts.append(f"c{cm}x{cn}")
-        if hasattr(kernel, "splits_for"):
-            parts.append(f"s{kernel.splits_for(m, n, k)}")
+        if hasattr(kernel, "launch_for"):
+            config, splits = kernel.launch_for(m, n, k)
+            schedule = "" if config.schedule == "pingpong" else " coop"
+            parts.append(f"{config.tile_m}x{config.tile_n}{schedule} c{config.cluster[0]}x{config.cluster[1]}"
+                         f" s{splits}")
+        else:
+            cm, cn = kernel.cluster_for(m, n)
+            parts.append(f"c{cm}x{cn}")
         return " ".join(str(p) for p in parts)
     except Exception:  # informational only
         return None

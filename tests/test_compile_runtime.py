@@ -144,8 +144,12 @@ ex = dict(a=torch.empty(256, 64, dtype=torch.float16, device="meta"),
           b=torch.empty(64, 128, dtype=torch.float16, device="meta"),
           bias=torch.empty(128, dtype=torch.float32, device="meta"), alpha=1.0)
 k = evtc.compile(scaled_gelu, ex, cache_dir={cache!r})
-print(json.dumps({{"origin": k.origin, "key": k.key, "cutlass": "cutlass" in sys.modules,
-                  "sympy": "sympy" in sys.modules, "names": k.operand_names}}))
+cutlass = "cutlass" in sys.modules
+launch = k.launch_for(16, 4096, 4096)
+print(json.dumps({{"origin": k.origin, "key": k.key, "cutlass": cutlass,
+                  "sympy": "sympy" in sys.modules, "names": k.operand_names,
+                  "family": [[c.schedule, c.tile_m, c.tile_n] for c in k._family],
+                  "launch": [launch[0].tile_m, launch[0].tile_n, launch[1]]}}))
 """
 
 
@@ -169,6 +173,9 @@ def test_a_front_record_hit_loads_without_tracing_sympy_or_the_dsl(tmp_path):
     assert second["origin"] == "disk" and second["key"] == first["key"]
     assert not second["cutlass"] and not second["sympy"], second
     assert second["names"] == ["bias", "alpha"]
+    # The family of configurations comes back with the record: the same launch per problem size.
+    assert len(first["family"]) > 1 and second["family"] == first["family"]
+    assert second["launch"] == first["launch"] and first["launch"][0] == 64
 
     # A change to the function's code is another front key: traced and compiled, never the old kernel.
     (module_dir / "front_epilogue.py").write_text(_FRONT_MODULE.replace("alpha * acc", "alpha * acc * 2"))
