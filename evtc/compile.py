@@ -55,6 +55,7 @@ def compile(  # noqa: A001 - the public name, as torch.compile
     arch: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     strict: bool = False,
+    autotune: bool | None = None,
 ) -> Kernel:
     """Compile the epilogue ``fn`` into a fused GEMM kernel: ``D = fn(a @ b, ...)`` in one launch.
 
@@ -72,6 +73,10 @@ def compile(  # noqa: A001 - the public name, as torch.compile
         strict: raise a CallError (CompileError for float32 ``a`` and ``b``) where a call would
             otherwise take a slower path: aligned copies around the kernel, or torch.matmul and the
             epilogue evaluated by torch (docs/compile.md, "Call paths").
+        autotune: time the candidate launches (tile, cluster, split count) on the first call in
+            each size bucket and keep the fastest in the disk cache, per GPU model
+            (:mod:`evtc.runtime.autotune`); None: on when ``$EVTC_AUTOTUNE`` is 1. Off, each call
+            takes the launch of the fitted rules (docs/compile.md, "A launch per problem size").
 
     Returns:
         a :class:`evtc.runtime.kernel.Kernel`; ``k.source`` is the generated code, ``k.ptx`` the PTX,
@@ -81,9 +86,18 @@ def compile(  # noqa: A001 - the public name, as torch.compile
         EpilogueError: a subclass naming the problem (and the epilogue's line when there is one).
     """
     try:
-        return _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
+        kernel = _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
+    if autotune is None:
+        from evtc.runtime.autotune import enabled_by_env
+
+        autotune = enabled_by_env()
+    if not autotune:
+        return kernel
+    tuned = kernel.autotuned()
+    tuned.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
+    return tuned
 
 
 def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) -> Kernel:

@@ -84,6 +84,11 @@ class Kernel:
         # every problem.
         self._variant_factory = None
         self._family: tuple[GemmConfig, ...] = (config,) if config is not None else ()
+        # Autotuning (evtc.runtime.autotune): off unless this is the twin autotuned() returns.
+        self._autotune = False
+        self._autotuned_twin: Kernel | None = None
+        self._tuned: dict[str, tuple[GemmConfig, int]] = {}
+        self._tune_store = None
         self._variants: dict[GemmConfig, Kernel] = {}
         self._pinned_splits: int | None = None
         self._variant_lock = threading.Lock()
@@ -152,7 +157,31 @@ class Kernel:
         twin._cluster_memo = {}
         twin._launch_memo = {}
         twin._op = None
+        twin._autotuned_twin = None
         return twin
+
+    def autotuned(self) -> Kernel:
+        """This kernel with autotuning on (what ``evtc.compile(..., autotune=True)`` returns): the
+        first call in each size bucket times the candidate launches on its own inputs and keeps the
+        fastest in the disk cache (:mod:`evtc.runtime.autotune`). The compiled code, the variants
+        and every result are shared with this kernel; only the choice of launch differs."""
+        if self.config is None or self._autotune:
+            return self
+        with self._variant_lock:
+            if self._autotuned_twin is None:
+                twin = copy.copy(self)
+                twin._autotune = True
+                twin._tuned = {}
+                twin._tune_store = None
+                twin._launch_memo = {}
+                twin._op = None
+                self._autotuned_twin = twin
+        return self._autotuned_twin
+
+    @property
+    def autotunes(self) -> bool:
+        """Whether calls time candidate launches (see :meth:`autotuned`)."""
+        return self._autotune
 
     def cluster_for(self, m: int, n: int, batches: int = 1) -> tuple[int, int]:
         """The cluster shape a call on an (L, M, N) problem runs with.
@@ -620,7 +649,10 @@ class Kernel:
             launch_key = (m, n, k, batches, a.get_device())
             chosen = self._launch_memo.get(launch_key)
             if chosen is None:
-                chosen = self._launch_choice(m, n, k, batches)
+                if self._autotune and not torch.cuda.is_current_stream_capturing():
+                    chosen = self._tuned_launch(a, b, ins, m, n, k, batches)
+                else:
+                    chosen = self._launch_choice(m, n, k, batches)
                 if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
                     self._launch_memo.clear()
                 self._launch_memo[launch_key] = chosen
@@ -653,9 +685,12 @@ class Kernel:
         """(compiled function, clusters that fit at once, split-K's (splits, partials, counters) or
         None, the reductions' host finish for its tile shape) for an (L, M, N, K) problem on the
         current GPU."""
+        return self._resolve(*self.launch_for(m, n, k, batches), m, n, batches)
+
+    def _resolve(self, config: GemmConfig, splits: int, m: int, n: int, batches: int):
+        """The launch tuple of :meth:`_launch_choice` for a chosen configuration and split count."""
         from evtc.plan.split_k import workspace_numels
 
-        config, splits = self.launch_for(m, n, k, batches)
         if splits > 1 and not config.split_k:
             config = config.replace(split_k=True)
         kernel = self if config == self.config else self._variant(config)
@@ -665,6 +700,71 @@ class Kernel:
             return kernel._fn, clusters, None, kernel._finisher
         return (kernel._fn, clusters, (splits, *workspace_numels(m, n, batches, config, cluster, splits)),
                 kernel._finisher)
+
+    def _tuned_launch(self, a, b, ins, m: int, n: int, k: int, batches: int):
+        """The launch of an autotuning kernel: the tuned one of the problem's size bucket (from
+        this process, the disk cache, or timed now on the call's inputs into scratch outputs)."""
+        from evtc.runtime import autotune
+
+        size = autotune.bucket(m, n, k, batches)
+        launch = self._tuned.get(size)
+        if launch is None:
+            if self._tune_store is None:
+                self._tune_store = autotune.Store(self._cache.root, torch.cuda.get_device_name(a.device),
+                                                  self.key + self.interface.tag())
+            launch = self._tune_store.get(size)
+            if launch is not None and not self._tunable(launch):
+                launch = None  # a record of another family (another evtc): tuned again
+            if launch is None:
+                launch = self._time_candidates(a, b, ins, m, n, k, batches, size)
+            self._tuned[size] = launch
+        return self._resolve(*launch, m, n, batches)
+
+    def _tunable(self, launch: tuple[GemmConfig, int]) -> bool:
+        config, splits = launch
+        if splits > 1 and not self._can_split:
+            return False
+        if self._pinned_splits is not None and splits != self._pinned_splits:
+            return False
+        return any(config.replace(cluster=c.cluster, split_k=c.split_k) == c for c in self._family) and (
+            self._variant_factory is not None or config.cluster == self.config.cluster)
+
+    def _time_candidates(self, a, b, ins, m, n, k, batches, size: str) -> tuple[GemmConfig, int]:
+        from evtc.runtime import autotune
+        from evtc.runtime.device import max_active_clusters
+
+        def slots(cluster):
+            count = cluster[0] * cluster[1]
+            return max_active_clusters(count, self._cache.root) * count
+
+        default = self.launch_for(m, n, k, batches)
+        launches = [c for c in autotune.candidates(m, n, k, batches, self._family, slots,
+                                                   self._variant_factory is not None, default)
+                    if self._tunable(c)]
+        scratch = self._outputs(a, None, m, n, batches)
+        times: dict[str, float] = {}
+        timed = []
+        for launch in launches:
+            fn, clusters, split, finisher = self._resolve(*launch, m, n, batches)
+            numels = finisher.workspace_numels(m, n, batches) if finisher is not None else []
+            outs = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels])
+            if split is None:
+                def run(fn=fn, outs=outs, clusters=clusters):
+                    fn(a, b, outs, tuple(ins), clusters)
+            else:
+                splits, partials_numel, counters_numel = split
+                def run(fn=fn, outs=outs, clusters=clusters, splits=splits, pn=partials_numel,
+                        cn=counters_numel):
+                    fn(a, b, outs, tuple(ins), clusters, splits, split_k.partials(a.device, pn),
+                       split_k.counters(a.device, cn))
+            us = autotune.time_us(run)
+            times[autotune.describe(launch)] = round(us, 2)
+            timed.append((launch, us))
+        best = autotune.fastest(timed)
+        self._tune_store.put(size, best, times)
+        log.info("%r: autotuned %s: %s (%d candidates; the rules chose %s)", self.plan.name, size,
+                 autotune.describe(best), len(timed), autotune.describe(default))
+        return best
 
     def _stage(self, a, b, ins, targets):
         """Aligned copies of the inputs whose layout the kernel cannot take, padded buffers for the

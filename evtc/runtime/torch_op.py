@@ -26,12 +26,13 @@ _LOCK = threading.Lock()
 
 
 def op_name(kernel: Kernel) -> str:
-    """``<epilogue>_<key prefix>``, with suffixes for kernels that choose their cluster per call and
-    for call interfaces (strict, unused parameters): kernels that share compiled code but not their
-    behaviour get operators of their own."""
+    """``<epilogue>_<key prefix>``, with suffixes for kernels that choose their cluster per call, that
+    autotune, and for call interfaces (strict, unused parameters): kernels that share compiled code
+    but not their behaviour get operators of their own."""
     base = re.sub(r"\W", "_", kernel.plan.name) or "epilogue"
     auto = "_c" if kernel.chooses_clusters else ""
-    return f"{base}_{kernel.key[:16]}{auto}{kernel.interface.tag()}"
+    tuned = "_t" if kernel.autotunes else ""
+    return f"{base}_{kernel.key[:16]}{auto}{tuned}{kernel.interface.tag()}"
 
 
 def schema(kernel: Kernel, name: str) -> str:

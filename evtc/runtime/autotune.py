@@ -1,0 +1,150 @@
+"""Opt-in autotuning of the launch: time the candidate configurations of a kernel on the problem at
+hand and keep the fastest, per GPU model and size bucket, in the disk cache.
+
+The default launch comes from the fitted rules of :mod:`evtc.plan.selector`. With autotuning on
+(``evtc.compile(..., autotune=True)`` or ``EVTC_AUTOTUNE=1``), the first call in a size bucket times
+the candidates instead: every configuration of the kernel's family (cluster chosen for it as the
+selector would), each with the split counts that fit one wave, and the selector's own choice. The
+winner is written to ``<cache>/autotune/<gpu>/<kernel key>.json`` and used by every later call in
+the bucket, in this process and the next.
+
+Candidates run on the call's own inputs, into scratch outputs (the caller's outputs, which may alias
+its inputs, are written once, by the real launch). A call made while a CUDA graph is being captured
+is never tuned: it takes the selector's choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
+from evtc.plan.config import TILE_K, GemmConfig
+from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid
+
+#: Environment variable that turns autotuning on for every kernel ("1", "true", "yes").
+ENV = "EVTC_AUTOTUNE"
+# Split counts tried per configuration (those that fit one wave and leave a K tile per split).
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8)
+# Timing per candidate: warm-up launches, then samples of REPS launches between two events.
+WARMUP = 2
+SAMPLES = 5
+REPS = 3
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def bucket(m: int, n: int, k: int, batches: int) -> str:
+    """The size bucket of a problem: M rounded up to a power of two (at least 16), N, K and L as
+    they are (they are the layer's weight: a model has few of them)."""
+    rounded = 16
+    while rounded < m:
+        rounded *= 2
+    return f"{rounded}x{n}x{k}x{batches}"
+
+
+def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
+               slots_of: Callable[[tuple[int, int]], int], choose_cluster: bool,
+               default: tuple[GemmConfig, int]) -> list[tuple[GemmConfig, int]]:
+    """The launches worth timing: ``default`` first, then each configuration of ``family`` (its
+    cluster chosen for the problem where ``choose_cluster``) with every split count of
+    SPLIT_COUNTS that fits in one wave of CTAs (1 always)."""
+    out = [default]
+    k_tiles = ceil_div(k, TILE_K)
+    for config in family:
+        if choose_cluster:
+            tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
+            cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of,
+                                          config.schedule,
+                                          cluster_costs(config.schedule, config.tile_m, config.tile_n))
+            config = config.replace(cluster=cluster) if cluster != config.cluster else config
+        tiles = cta_tile_grid(m, n, batches, config, config.cluster)
+        most = min(slots_of(config.cluster) // max(tiles, 1), k_tiles, MAX_SPLITS)
+        for splits in SPLIT_COUNTS:
+            if splits > 1 and splits > most:
+                continue
+            if (config, splits) not in out:
+                out.append((config, splits))
+    return out
+
+
+def time_us(run: Callable[[], object]) -> float:
+    """Median microseconds of one ``run()`` on the current stream (CUDA events)."""
+    import torch
+
+    for _ in range(WARMUP):
+        run()
+    samples = []
+    for _ in range(SAMPLES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPS):
+            run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / REPS)
+    return statistics.median(samples)
+
+
+def fastest(timed: Iterable[tuple[tuple[GemmConfig, int], float]]) -> tuple[GemmConfig, int]:
+    """The launch with the lowest time (the first of equals: the default wins ties)."""
+    best, best_us = None, float("inf")
+    for launch, us in timed:
+        if us < best_us:
+            best, best_us = launch, us
+    if best is None:
+        raise ValueError("no candidate was timed")
+    return best
+
+
+class Store:
+    """Tuned launches of one kernel on one GPU model: ``<root>/autotune/<gpu>/<key>.json``, a map
+    from size bucket to the configuration (its fields) and split count."""
+
+    def __init__(self, root: Path, gpu: str, key: str) -> None:
+        self.path = Path(root) / "autotune" / re.sub(r"\W+", "_", gpu) / f"{key}.json"
+        self._entries: dict | None = None
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            try:
+                data = json.loads(self.path.read_text())
+                self._entries = data if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                self._entries = {}
+        return self._entries
+
+    def get(self, size: str) -> tuple[GemmConfig, int] | None:
+        entry = self._load().get(size)
+        try:
+            return GemmConfig(**entry["config"]).validate(), int(entry["splits"])
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def put(self, size: str, launch: tuple[GemmConfig, int], times: dict[str, float]) -> None:
+        import dataclasses
+
+        entries = self._load()
+        entries[size] = {"config": dataclasses.asdict(launch[0]), "splits": launch[1], "us": times}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries, indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only cache: tuned again in the next process
+
+
+def describe(launch: tuple[GemmConfig, int]) -> str:
+    config, splits = launch
+    return (f"{config.schedule} {config.tile_m}x{config.tile_n} {config.cluster[0]}x{config.cluster[1]} "
+            f"S{splits}")
+
+
+__all__ = ["ENV", "Store", "bucket", "candidates", "describe", "enabled_by_env", "fastest", "time_us"]

@@ -1,0 +1,91 @@
+"""CPU: opt-in autotuning (evtc.runtime.autotune): size buckets, the candidate launches, the store of
+tuned launches per GPU model, and how compile turns it on (argument, environment)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import evtc
+from evtc.plan.config import GemmConfig
+from evtc.plan.selector import tile_family
+from evtc.plan.split_k import cta_tile_grid
+from evtc.runtime import autotune
+
+BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
+FAMILY = tile_family(BASE, lambda knobs: BASE.replace(**knobs))
+
+
+def test_bucket_rounds_m_up_to_a_power_of_two():
+    assert autotune.bucket(1, 4096, 4096, 1) == "16x4096x4096x1"
+    assert autotune.bucket(17, 4096, 4096, 1) == autotune.bucket(32, 4096, 4096, 1) == "32x4096x4096x1"
+    assert autotune.bucket(5000, 10, 20, 3) == "8192x10x20x3"
+
+
+def test_candidates_cover_the_family_within_one_wave():
+    default = (BASE, 1)
+    cands = autotune.candidates(64, 4096, 14336, 1, FAMILY, lambda c: 132, True, default)
+    assert cands[0] == default and len(set(cands)) == len(cands)
+    shapes = {(c.schedule, c.tile_m, c.tile_n) for c, _ in cands}
+    assert shapes == {(c.schedule, c.tile_m, c.tile_n) for c in FAMILY}
+    for config, splits in cands:
+        assert splits == 1 or cta_tile_grid(64, 4096, 1, config, config.cluster) * splits <= 132
+    assert any(s > 1 for _, s in cands)
+    # A problem with a wave of tiles gets no split candidates.
+    big = autotune.candidates(8192, 8192, 8192, 1, FAMILY, lambda c: 132, True, default)
+    assert all(s == 1 for _, s in big)
+
+
+def test_fastest_prefers_the_first_of_equals():
+    a, b = (BASE, 1), (BASE, 2)
+    assert autotune.fastest([(a, 5.0), (b, 4.0)]) == b
+    assert autotune.fastest([(a, 4.0), (b, 4.0)]) == a
+    with pytest.raises(ValueError):
+        autotune.fastest([])
+
+
+def test_store_round_trip_and_bad_files(tmp_path):
+    store = autotune.Store(tmp_path, "NVIDIA H100 80GB HBM3", "k1")
+    assert store.get("16x1x1x1") is None
+    launch = (BASE.replace(tile_m=64, tile_n=64), 2)
+    store.put("16x1x1x1", launch, {"x": 1.0})
+    again = autotune.Store(tmp_path, "NVIDIA H100 80GB HBM3", "k1")
+    assert again.get("16x1x1x1") == launch
+    assert "H100" in str(again.path) and " " not in again.path.parent.name
+    again.path.write_text("{not json")
+    assert autotune.Store(tmp_path, "NVIDIA H100 80GB HBM3", "k1").get("16x1x1x1") is None
+    again.path.write_text(json.dumps({"16x1x1x1": {"config": {"tile_m": 96}, "splits": 1}}))
+    assert autotune.Store(tmp_path, "NVIDIA H100 80GB HBM3", "k1").get("16x1x1x1") is None
+
+
+def _identity(acc):
+    return acc
+
+
+EX = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+      "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+
+
+def test_compile_turns_it_on(tmp_path, monkeypatch):
+    monkeypatch.delenv(autotune.ENV, raising=False)
+    plain = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path)
+    tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
+    assert not plain.autotunes and tuned.autotunes and tuned.key == plain.key
+    assert tuned is plain.autotuned() and tuned.autotuned() is tuned
+    assert tuned.op is not plain.op  # operators of their own: they choose launches differently
+    monkeypatch.setenv(autotune.ENV, "1")
+    assert evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path).autotunes
+    assert not evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=False).autotunes
+
+
+def test_records_outside_the_family_are_not_used(tmp_path):
+    tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
+    member = tuned._family[-1]
+    assert tuned._tunable((member, 1)) and tuned._tunable((member.replace(cluster=(1, 1)), 2))
+    assert not tuned._tunable((member.replace(epi_tile_n=16), 1))
+    fixed = evtc.compile(_identity, EX, config={"cluster": (1, 2)}, arch="sm_90a", cache_dir=tmp_path,
+                         autotune=True)
+    assert fixed._tunable((fixed.config, 1)) and not fixed._tunable((fixed.config, 2))  # no split-K
+    assert not fixed._tunable((fixed.config.replace(cluster=(2, 1)), 1))
