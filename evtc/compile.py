@@ -155,7 +155,9 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
         plan = KernelPlan.from_json(record["plan"])
         config = GemmConfig(**record["config"])
         key, signature, chooses = record["key"], record["signature"], bool(record["clusters"])
-        family = tuple(GemmConfig(**c) for c in record.get("family", [record["config"]]))
+        family = tuple(GemmConfig(**c).validate() for c in record.get("family", [record["config"]]))
+        if family[0] != config:
+            return None
     except (KeyError, TypeError, ValueError):
         return None
     if plan is None:
@@ -262,7 +264,9 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     # No cluster asked for: the cluster shape is chosen per call (Kernel.cluster_for), the other
     # shapes compiled on first use through the same caches.  A kernel of its own, since a pinned
     # cluster of the same configuration shares the plain one.
-    twin_key = kernel.key + interface.tag() + (":tiles" if len(family) > 1 else ":clusters")
+    from evtc.plan.selector import family_digest
+
+    twin_key = kernel.key + interface.tag() + ":" + family_digest(family, True)
     with _MEMORY_LOCK:
         twin = _MEMORY.get(twin_key)
         if twin is None:

@@ -89,3 +89,21 @@ def test_records_outside_the_family_are_not_used(tmp_path):
                          autotune=True)
     assert fixed._tunable((fixed.config, 1)) and not fixed._tunable((fixed.config, 2))  # no split-K
     assert not fixed._tunable((fixed.config.replace(cluster=(2, 1)), 1))
+
+
+def test_store_rejects_split_counts_out_of_range(tmp_path):
+    store = autotune.Store(tmp_path, "gpu", "k")
+    for splits in (0, -1, 10_000, "2"):
+        store.path.parent.mkdir(parents=True, exist_ok=True)
+        store.path.write_text(json.dumps({"b": {"config": {"ab_dtype": "bfloat16"}, "splits": splits}}))
+        assert autotune.Store(tmp_path, "gpu", "k").get("b") is None, splits
+
+
+def test_pinning_splits_forgets_tuned_launches(tmp_path):
+    tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
+    size = autotune.bucket(16, 4096, 4096, 1)
+    tuned._tuned[size] = (tuned.config, 1)
+    assert tuned.launch_for(16, 4096, 4096) == (tuned.config, 1)  # the tuned launch is reported
+    tuned.pin_splits(2)
+    assert size not in tuned._tuned and tuned.launch_for(16, 4096, 4096)[1] == 2
+    tuned.pin_splits(None)

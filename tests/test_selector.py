@@ -160,3 +160,26 @@ def test_reductions_finish_with_the_launched_tile(tmp_path):
     *_, finisher = k._launch_choice(m, n, kk, 1)
     assert (finisher.tile_m, finisher.out_tile_n) == (64, 64)
     assert finisher.workspace_numels(m, n, 1) != k._finisher.workspace_numels(m, n, 1)
+
+
+def test_a_cooperative_compiled_config_still_serves_large_problems():
+    """An epilogue whose buffers only fit the cooperative schedule compiles to cooperative 128x256:
+    problems with enough tiles run it, not a ping-pong member of the family."""
+    coop = BASE.replace(schedule="cooperative", tile_n=256, cluster=(1, 1))
+    family = tile_family(coop, _fit_all)
+    assert family[0] == coop
+    assert choose_tile(8192, 8192, 8192, 1, family, SLOTS) == coop
+
+
+def test_tiles_wider_than_the_problem_count_as_no_larger():
+    """N = 128: a 64 x 256 tile is half padding; a tile that fills the GPU without padding wins."""
+    chosen = choose_tile(8000, 128, 4096, 1, FAMILY, SLOTS)
+    assert chosen.out_tile_n <= 128 and _tiles(8000, 128, chosen) >= FILL * SLOTS
+
+
+def test_launch_tags_tell_families_apart(tmp_path):
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    auto = evtc.compile(_identity, ex, arch="sm_90a", cache_dir=tmp_path)
+    fixed = evtc.compile(_identity, ex, config={"tile_m": 128}, arch="sm_90a", cache_dir=tmp_path)
+    assert auto.key == fixed.key and auto.launch_tag != fixed.launch_tag
+    assert auto is not fixed and auto.op is not fixed.op

@@ -60,6 +60,16 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> t
     return tuple(family)
 
 
+def family_digest(family: Sequence[GemmConfig], chooses_cluster: bool) -> str:
+    """8 hex digits naming a family and whether the cluster is chosen per call."""
+    import dataclasses
+    import hashlib
+    import json
+
+    text = json.dumps([[dataclasses.asdict(c) for c in family], chooses_cluster], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def _tiles(m: int, n: int, batches: int, config: GemmConfig) -> int:
     return ceil_div(m, config.tile_m) * ceil_div(n, config.out_tile_n) * batches
 
@@ -79,15 +89,21 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
     if m <= 64 and any(c.tile_m == 64 for c in shapes):
         # 128-row tiles would multiply padding rows: only 64-row ones.
         shapes = [c for c in shapes if c.tile_m == 64]
-    elif base in shapes and _tiles(m, n, batches, base) >= FILL * slots:
-        # Enough tiles: the configured one, or the cooperative 128 x 256 one for long K loops.
+    elif _tiles(m, n, batches, base) >= FILL * slots:
+        # Enough tiles: the configured one (whatever its schedule), or the cooperative 128 x 256 one
+        # for long K loops.
         wide = find("cooperative", 128, 256)
         if k >= LONG_K and wide is not None and _tiles(m, n, batches, wide) >= slots:
             return wide
         return base
-    # Few tiles: the largest tile that still fills the GPU (equal areas: 128 rows, the weight's
-    # tile then narrower), else the smallest.
-    ordered = sorted(shapes, key=lambda c: (-c.tile_m * c.tile_n, c.tile_m == 64))
+    # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
+    # problem has (a tile wider than N is no larger for it); equal areas: 128 rows, then the
+    # smaller tile. Else the smallest.
+
+    def useful(c: GemmConfig) -> int:
+        return min(c.tile_m, -(-m // 64) * 64) * min(c.out_tile_n, -(-n // 64) * 64)
+
+    ordered = sorted(shapes, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
     for config in ordered:
         if _tiles(m, n, batches, config) >= FILL * slots:
             return config
@@ -116,4 +132,4 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "choose_launch", "choose_tile", "tile_family"]
+__all__ = ["FAMILY", "FILL", "LONG_K", "choose_launch", "choose_tile", "family_digest", "tile_family"]

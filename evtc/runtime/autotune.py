@@ -123,19 +123,26 @@ class Store:
     def get(self, size: str) -> tuple[GemmConfig, int] | None:
         entry = self._load().get(size)
         try:
-            return GemmConfig(**entry["config"]).validate(), int(entry["splits"])
+            config, splits = GemmConfig(**entry["config"]).validate(), entry["splits"]
         except (TypeError, KeyError, ValueError):
             return None
+        if not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+            return None
+        return config, splits
 
     def put(self, size: str, launch: tuple[GemmConfig, int], times: dict[str, float]) -> None:
         import dataclasses
+        import tempfile
 
-        entries = self._load()
+        self._entries = None  # merge with what other processes wrote since we read it
+        entries = dict(self._load())
         entries[size] = {"config": dataclasses.asdict(launch[0]), "splits": launch[1], "us": times}
+        self._entries = entries
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries, indent=1))
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(entries, indent=1))
             os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only cache: tuned again in the next process

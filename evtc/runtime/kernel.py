@@ -89,6 +89,7 @@ class Kernel:
         self._autotuned_twin: Kernel | None = None
         self._tuned: dict[str, tuple[GemmConfig, int]] = {}
         self._tune_store = None
+        self._tune_lock = threading.Lock()
         self._variants: dict[GemmConfig, Kernel] = {}
         self._pinned_splits: int | None = None
         self._variant_lock = threading.Lock()
@@ -173,10 +174,22 @@ class Kernel:
                 twin._autotune = True
                 twin._tuned = {}
                 twin._tune_store = None
+                twin._tune_lock = threading.Lock()
                 twin._launch_memo = {}
                 twin._op = None
                 self._autotuned_twin = twin
         return self._autotuned_twin
+
+    @property
+    def launch_tag(self) -> str:
+        """A short digest of how calls choose their launch (the family of configurations, whether
+        the cluster is chosen per call): kernels with the same compiled code but another choice get
+        operators and tuning records of their own."""
+        from evtc.plan.selector import family_digest
+
+        if self.config is None:
+            return ""
+        return family_digest(self._family, self._variant_factory is not None)
 
     @property
     def autotunes(self) -> bool:
@@ -239,7 +252,8 @@ class Kernel:
         its epilogue (64-row tiles for M <= 64, smaller tiles where few tiles would leave SMs idle,
         a wider cooperative tile for long K), the cluster shape, and the split count. Other
         kernels keep their configuration; those compiled with ``split_k=True`` still choose the
-        split count. :meth:`pin_splits` fixes the split count."""
+        split count. :meth:`pin_splits` fixes the split count. An autotuning kernel reports the
+        tuned launch of the problem's size bucket once it has one."""
         if self.config is None:
             raise ValueError("launch_for: this kernel has no SM90 code (every call takes the torch path)")
         from evtc.plan.selector import choose_launch
@@ -249,6 +263,12 @@ class Kernel:
             size = cluster[0] * cluster[1]
             return max_active_clusters(size, self._cache.root) * size
 
+        if self._autotune:
+            from evtc.runtime.autotune import bucket
+
+            tuned = self._tuned.get(bucket(m, n, k, batches))
+            if tuned is not None:
+                return tuned
         config, splits = choose_launch(m, n, k, batches, self._family, slots,
                                        choose_cluster=self._variant_factory is not None,
                                        pinned_splits=self._pinned_splits)
@@ -274,6 +294,7 @@ class Kernel:
                              "it with config={'split_k': True} (or without a cluster knob)")
         self._pinned_splits = splits
         self._launch_memo.clear()
+        self._tuned.clear()  # tuned under the previous rule
 
     # ---- reading ---------------------------------------------------------------------------------
     @property
@@ -649,13 +670,15 @@ class Kernel:
             launch_key = (m, n, k, batches, a.get_device())
             chosen = self._launch_memo.get(launch_key)
             if chosen is None:
-                if self._autotune and not torch.cuda.is_current_stream_capturing():
-                    chosen = self._tuned_launch(a, b, ins, m, n, k, batches)
+                capturing = self._autotune and torch.cuda.is_current_stream_capturing()
+                if self._autotune and not capturing:
+                    chosen = self._tuned_launch(a, b, ins, outs, m, n, k, batches)
                 else:
                     chosen = self._launch_choice(m, n, k, batches)
                 if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
                     self._launch_memo.clear()
-                self._launch_memo[launch_key] = chosen
+                if not capturing:  # a tuning kernel tunes this size on its next eager call
+                    self._launch_memo[launch_key] = chosen
             fn, clusters, split, finisher = chosen
         else:
             finisher = self._finisher
@@ -701,23 +724,28 @@ class Kernel:
         return (kernel._fn, clusters, (splits, *workspace_numels(m, n, batches, config, cluster, splits)),
                 kernel._finisher)
 
-    def _tuned_launch(self, a, b, ins, m: int, n: int, k: int, batches: int):
+    def _tuned_launch(self, a, b, ins, outs, m: int, n: int, k: int, batches: int):
         """The launch of an autotuning kernel: the tuned one of the problem's size bucket (from
-        this process, the disk cache, or timed now on the call's inputs into scratch outputs)."""
+        this process, the disk cache, or timed now on the call's inputs into scratch outputs laid
+        out like ``outs``, the buffers the call launches into)."""
         from evtc.runtime import autotune
 
         size = autotune.bucket(m, n, k, batches)
         launch = self._tuned.get(size)
         if launch is None:
-            if self._tune_store is None:
-                self._tune_store = autotune.Store(self._cache.root, torch.cuda.get_device_name(a.device),
-                                                  self.key + self.interface.tag())
-            launch = self._tune_store.get(size)
-            if launch is not None and not self._tunable(launch):
-                launch = None  # a record of another family (another evtc): tuned again
-            if launch is None:
-                launch = self._time_candidates(a, b, ins, m, n, k, batches, size)
-            self._tuned[size] = launch
+            with self._tune_lock:  # one timing per bucket, and one writer of the store
+                launch = self._tuned.get(size)
+                if launch is None:
+                    if self._tune_store is None:
+                        self._tune_store = autotune.Store(self._cache.root,
+                                                          torch.cuda.get_device_name(a.device),
+                                                          self.key + self.interface.tag() + self.launch_tag)
+                    launch = self._tune_store.get(size)
+                    if launch is not None and not self._tunable(launch):
+                        launch = None  # a record this kernel may not run: tuned again
+                    if launch is None:
+                        launch = self._time_candidates(a, b, ins, outs, m, n, k, batches, size)
+                    self._tuned[size] = launch
         return self._resolve(*launch, m, n, batches)
 
     def _tunable(self, launch: tuple[GemmConfig, int]) -> bool:
@@ -729,7 +757,7 @@ class Kernel:
         return any(config.replace(cluster=c.cluster, split_k=c.split_k) == c for c in self._family) and (
             self._variant_factory is not None or config.cluster == self.config.cluster)
 
-    def _time_candidates(self, a, b, ins, m, n, k, batches, size: str) -> tuple[GemmConfig, int]:
+    def _time_candidates(self, a, b, ins, outs, m, n, k, batches, size: str) -> tuple[GemmConfig, int]:
         from evtc.runtime import autotune
         from evtc.runtime.device import max_active_clusters
 
@@ -741,11 +769,16 @@ class Kernel:
         launches = [c for c in autotune.candidates(m, n, k, batches, self._family, slots,
                                                    self._variant_factory is not None, default)
                     if self._tunable(c)]
-        scratch = self._outputs(a, None, m, n, batches)
+        # Scratch outputs with the strides of the real ones (staged calls pad their rows).
+        scratch = [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device) for o in outs]
         times: dict[str, float] = {}
         timed = []
         for launch in launches:
-            fn, clusters, split, finisher = self._resolve(*launch, m, n, batches)
+            try:
+                fn, clusters, split, finisher = self._resolve(*launch, m, n, batches)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is skipped
+                log.warning("%r: autotuning skips %s: %s", self.plan.name, autotune.describe(launch), exc)
+                continue
             numels = finisher.workspace_numels(m, n, batches) if finisher is not None else []
             outs = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels])
             if split is None:
@@ -757,11 +790,16 @@ class Kernel:
                         cn=counters_numel):
                     fn(a, b, outs, tuple(ins), clusters, splits, split_k.partials(a.device, pn),
                        split_k.counters(a.device, cn))
-            us = autotune.time_us(run)
+            try:
+                us = autotune.time_us(run)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                log.warning("%r: autotuning skips %s: %s", self.plan.name, autotune.describe(launch), exc)
+                continue
             times[autotune.describe(launch)] = round(us, 2)
             timed.append((launch, us))
-        best = autotune.fastest(timed)
-        self._tune_store.put(size, best, times)
+        best = autotune.fastest(timed) if timed else default
+        if self._pinned_splits is None:  # a choice limited by a pinned split count stays in memory
+            self._tune_store.put(size, best, times)
         log.info("%r: autotuned %s: %s (%d candidates; the rules chose %s)", self.plan.name, size,
                  autotune.describe(best), len(timed), autotune.describe(default))
         return best

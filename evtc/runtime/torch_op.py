@@ -30,7 +30,7 @@ def op_name(kernel: Kernel) -> str:
     autotune, and for call interfaces (strict, unused parameters): kernels that share compiled code
     but not their behaviour get operators of their own."""
     base = re.sub(r"\W", "_", kernel.plan.name) or "epilogue"
-    auto = "_c" if kernel.chooses_clusters else ""
+    auto = f"_c{kernel.launch_tag}" if kernel.chooses_clusters else ""
     tuned = "_t" if kernel.autotunes else ""
     return f"{base}_{kernel.key[:16]}{auto}{tuned}{kernel.interface.tag()}"
 
