@@ -50,11 +50,12 @@ def _parts(x, k, a, b, ops, fn, b_k, bufs, ins, clusters, workspaces, problem) -
         "add_": lambda: x.add_(1),
         "call": lambda: k(a, b, **ops),
         "fn only": lambda: fn(a, b_k, bufs, ins, clusters),
-        "outputs": lambda: k._outputs(a, None, *problem),
-        "torch.empty": lambda: torch.empty(problem[:2], dtype=torch.float16, device=a.device),
+        "outputs": lambda: k._outputs(a, None, *problem[:3]),
+        "torch.empty": lambda: torch.empty(tuple(problem[:2]), dtype=torch.float16, device=a.device),
     }
-    if k._finisher is not None:
-        parts["finish"] = lambda: k._finisher(workspaces, *problem, ops)
+    finisher = problem[3]
+    if finisher is not None:
+        parts["finish"] = lambda: finisher(workspaces, *problem[:3], ops)
     return parts
 
 
@@ -73,7 +74,6 @@ def main() -> None:
     from compile_catalogue import CATALOGUE, make_inputs
 
     import evtc
-    from evtc.runtime.device import max_active_clusters
 
     x = torch.zeros(1024, device="cuda")
     for name in args.names.split(","):
@@ -92,12 +92,12 @@ def main() -> None:
         for kind, what in k._getters:
             ins.append(kops[what] if kind == 0 else float(kops[what]) if kind == 1
                        else float(what(batches, m, n)))
-        cluster = k.cluster_for(m, n, batches)
-        fn = k._variant(cluster)._fn if k.chooses_clusters else k._fn
-        clusters = max_active_clusters(cluster[0] * cluster[1], k._cache.root)
+        # The launch this size runs (tile, cluster, split count); its own reductions' finish.
+        fn, clusters, split, finisher = k._launch_choice(m, n, a.shape[-1], batches)
+        assert split is None, f"{name}: a split-K launch at {m}x{n}; this bench times the plain one"
         bufs = tuple(outs + workspaces)
         ins_t = tuple(ins)
-        parts = _parts(x, k, a, b, ops, fn, b_k, bufs, ins_t, clusters, workspaces, (m, n, batches))
+        parts = _parts(x, k, a, b, ops, fn, b_k, bufs, ins_t, clusters, workspaces, (m, n, batches, finisher))
         t = timed(parts, args.reps, args.rounds)
         base = t.pop("add_")
         print(f"{name:>30}: add_ {base:5.1f} us; " + "; ".join(f"{p} {v:5.1f}" for p, v in t.items()))

@@ -78,3 +78,15 @@ def test_tuned_launches_come_back_from_the_disk_cache(tmp_path, monkeypatch):
     y2, sums2 = k(x, w.t(), bias=bias)
     assert k._tuned[autotune.bucket(16, 2048, 4096, 1)] == tuned
     assert torch.equal(y2, y) and torch.equal(sums2, sums)
+
+
+def test_tuning_a_staged_call(tmp_path):
+    """N = 1001 halves: rows of 2002 bytes, not a 16-byte multiple, so the call runs on padded
+    copies. The candidates are timed into scratch outputs with those padded strides."""
+    ex = {"a": _meta(8, 64, dtype=torch.float16), "b": _meta(64, 64, dtype=torch.float16).t(),
+          "C": _meta(8, 64, dtype=torch.float16), "bias": _meta(64, dtype=torch.float32)}
+    k = evtc.compile(residual_relu, ex, cache_dir=tmp_path, autotune=True)
+    x, w, C, bias = (t.half() if t.dtype == torch.bfloat16 else t for t in _inputs(48, 1001, 640, 3))
+    ref = torch.relu(x.double() @ w.double().t() + C.double() + bias.double())
+    assert _rel(k(x, w.t(), C=C, bias=bias), ref) < 1e-2
+    assert k.last_path == "staged" and autotune.bucket(48, 1001, 640, 1) in k._tuned
