@@ -432,14 +432,10 @@ def launch_info(kernel, m: int, n: int, k: int) -> str | None:
     say)."""
     try:
         parts = [kernel.last_path]
-        if hasattr(kernel, "launch_for"):
-            config, splits = kernel.launch_for(m, n, k)
-            schedule = "" if config.schedule == "pingpong" else " coop"
-            parts.append(f"{config.tile_m}x{config.tile_n}{schedule} c{config.cluster[0]}x{config.cluster[1]}"
-                         f" s{splits}")
-        else:
-            cm, cn = kernel.cluster_for(m, n)
-            parts.append(f"c{cm}x{cn}")
+        config, splits = kernel.launch_for(m, n, k)
+        schedule = "" if config.schedule == "pingpong" else " coop"
+        parts.append(f"{config.tile_m}x{config.tile_n}{schedule} c{config.cluster[0]}x{config.cluster[1]}"
+                     f" s{splits}")
         return " ".join(str(p) for p in parts)
     except Exception:  # informational only
         return None

@@ -63,12 +63,9 @@ def identity(acc):
 
 def describe_choice(kernel, m: int, n: int, k: int) -> str:
     """What the default kernel runs an (M, N, K) problem with."""
-    if hasattr(kernel, "launch_for"):
-        config, splits = kernel.launch_for(m, n, k)
-        return name_of({"tile_m": config.tile_m, "tile_n": config.tile_n, "cluster": config.cluster,
-                        "schedule": config.schedule}, splits)
-    cl = kernel.cluster_for(m, n)
-    return f"128x128 {cl[0]}x{cl[1]} S{kernel.splits_for(m, n, k)}"
+    config, splits = kernel.launch_for(m, n, k)
+    return name_of({"tile_m": config.tile_m, "tile_n": config.tile_n, "cluster": config.cluster,
+                    "schedule": config.schedule}, splits)
 
 
 def name_of(config: dict, splits: int) -> str:

@@ -228,13 +228,17 @@ COOPERATIVE_ENTRIES = ["relu_lincomb_bias", "col_and_row", "every_kind", "float3
                     "reglu_outputs_and_stats"]
 
 
+def _compile_with(e, knobs: dict, cache_dir) -> evtc.Kernel:
+    """Catalogue entry ``e`` compiled (float16) with ``knobs`` on top of its own config."""
+    example = make_inputs(e, 256, 512, 128, 2 if e.batched else None, torch.float16)
+    return evtc.compile(e.fn, example, out_dtypes=e.out_dtypes, config={**(e.config or {}), **knobs},
+                        cache_dir=str(cache_dir))
+
+
 @pytest.mark.parametrize("name", COOPERATIVE_ENTRIES)
 def test_catalogue_cooperative(name, tmp_path):
     e = _entry(name)
-    batch = 2 if e.batched else None
-    example = make_inputs(e, 256, 512, 128, batch, torch.float16)
-    k = evtc.compile(e.fn, example, out_dtypes=e.out_dtypes,
-                     config={**(e.config or {}), "schedule": "cooperative"}, cache_dir=str(tmp_path))
+    k = _compile_with(e, {"schedule": "cooperative"}, tmp_path)
     assert k.config.schedule == "cooperative"
     shapes = BATCHED if e.batched else [(64, 256, 16, None), *UNBATCHED, (8192, 768, 256, None)]
     for m, n, kk, b in shapes:
@@ -277,11 +281,7 @@ def test_catalogue_decode_sizes(name, cache_dir):
 @pytest.mark.parametrize("name", SELECTOR_ENTRIES)
 def test_catalogue_pinned_128x128(name, tmp_path):
     e = _entry(name)
-    batch = 2 if e.batched else None
-    example = make_inputs(e, 256, 512, 128, batch, torch.float16)
-    k = evtc.compile(e.fn, example, out_dtypes=e.out_dtypes,
-                     config={**(e.config or {}), "tile_m": 128, "schedule": "pingpong"},
-                     cache_dir=str(tmp_path))
+    k = _compile_with(e, {"tile_m": 128, "schedule": "pingpong"}, tmp_path)
     for m, n, kk, b in (BATCHED if e.batched else UNBATCHED):
         assert k.launch_for(m, n, kk, b or 1)[0].tile_m == 128
         inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, f"{name} 128x128 {(m, n, kk, b)}")

@@ -110,6 +110,16 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
     return ordered[-1]
 
 
+def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
+                     slots_of: Callable[[tuple[int, int]], int]) -> GemmConfig:
+    """``config`` with the cluster shape that needs the fewest waves of its tiles for an (L, M, N)
+    problem (:func:`evtc.plan.clusters.cluster_for_problem`, with the tile's cluster costs)."""
+    tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
+    cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
+                                  cluster_costs(config.schedule, config.tile_m, config.tile_n))
+    return config if cluster == config.cluster else config.replace(cluster=cluster)
+
+
 def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
                   pinned_splits: int | None = None) -> tuple[GemmConfig, int]:
@@ -118,11 +128,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
     config = choose_tile(m, n, k, batches, family, slots_of((1, 1))) if len(family) > 1 else family[0]
     if choose_cluster:
-        tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
-        cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
-                                      cluster_costs(config.schedule, config.tile_m, config.tile_n))
-        if cluster != config.cluster:
-            config = config.replace(cluster=cluster)
+        config = with_cluster_for(config, m, n, batches, slots_of)
     if pinned_splits is not None:
         splits = pinned_splits
     else:
@@ -132,4 +138,5 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "choose_launch", "choose_tile", "family_digest", "tile_family"]
+__all__ = ["FAMILY", "FILL", "LONG_K", "choose_launch", "choose_tile", "family_digest", "tile_family",
+           "with_cluster_for"]

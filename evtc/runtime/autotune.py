@@ -22,8 +22,9 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
+from evtc.plan.clusters import ceil_div
 from evtc.plan.config import TILE_K, GemmConfig
+from evtc.plan.selector import with_cluster_for
 from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid
 
 #: Environment variable that turns autotuning on for every kernel ("1", "true", "yes").
@@ -59,11 +60,7 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
     k_tiles = ceil_div(k, TILE_K)
     for config in family:
         if choose_cluster:
-            tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
-            cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of,
-                                          config.schedule,
-                                          cluster_costs(config.schedule, config.tile_m, config.tile_n))
-            config = config.replace(cluster=cluster) if cluster != config.cluster else config
+            config = with_cluster_for(config, m, n, batches, slots_of)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)
         most = min(slots_of(config.cluster) // max(tiles, 1), k_tiles, MAX_SPLITS)
         for splits in SPLIT_COUNTS:

@@ -211,16 +211,16 @@ class Kernel:
         chosen = self._cluster_memo.get(memo_key)
         if chosen is None:
             from evtc.plan.clusters import cluster_for_problem
-            from evtc.runtime.device import max_active_clusters
 
-            def slots(cluster):
-                size = cluster[0] * cluster[1]
-                return max_active_clusters(size, self._cache.root) * size
-
-            chosen = cluster_for_problem(tiles_m, tiles_n, batches, self.config.cluster, slots,
+            chosen = cluster_for_problem(tiles_m, tiles_n, batches, self.config.cluster, self._slots,
                                          self.config.schedule)
             self._cluster_memo[memo_key] = chosen
         return chosen
+
+    def _slots(self, cluster: tuple[int, int]) -> int:
+        """CTAs of clusters of this shape that the current GPU runs at once."""
+        size = cluster[0] * cluster[1]
+        return max_active_clusters(size, self._cache.root) * size
 
     @property
     def chooses_clusters(self) -> bool:
@@ -257,11 +257,6 @@ class Kernel:
         if self.config is None:
             raise ValueError("launch_for: this kernel has no SM90 code (every call takes the torch path)")
         from evtc.plan.selector import choose_launch
-        from evtc.runtime.device import max_active_clusters
-
-        def slots(cluster):
-            size = cluster[0] * cluster[1]
-            return max_active_clusters(size, self._cache.root) * size
 
         if self._autotune:
             from evtc.runtime.autotune import bucket
@@ -269,7 +264,7 @@ class Kernel:
             tuned = self._tuned.get(bucket(m, n, k, batches))
             if tuned is not None:
                 return tuned
-        config, splits = choose_launch(m, n, k, batches, self._family, slots,
+        config, splits = choose_launch(m, n, k, batches, self._family, self._slots,
                                        choose_cluster=self._variant_factory is not None,
                                        pinned_splits=self._pinned_splits)
         if not self._can_split:
@@ -759,14 +754,9 @@ class Kernel:
 
     def _time_candidates(self, a, b, ins, outs, m, n, k, batches, size: str) -> tuple[GemmConfig, int]:
         from evtc.runtime import autotune
-        from evtc.runtime.device import max_active_clusters
-
-        def slots(cluster):
-            count = cluster[0] * cluster[1]
-            return max_active_clusters(count, self._cache.root) * count
 
         default = self.launch_for(m, n, k, batches)
-        launches = [c for c in autotune.candidates(m, n, k, batches, self._family, slots,
+        launches = [c for c in autotune.candidates(m, n, k, batches, self._family, self._slots,
                                                    self._variant_factory is not None, default)
                     if self._tunable(c)]
         # Scratch outputs with the strides of the real ones (staged calls pad their rows).

@@ -109,6 +109,12 @@ class Operand:
         pass
 
 
+def _subtile_tma(op, arg, staged, epi_tile) -> tuple:
+    """(TMA atom, TMA tensor) moving one epilogue subtile of ``arg`` to or from a stage of the
+    staged shared-memory layout ``staged`` (``op``: a G2S load or an S2G store)."""
+    return cpasync.make_tiled_tma_atom(op, arg, cute.slice_(staged, (None, None, 0)), epi_tile)
+
+
 def _coords(tile_coord, batched: bool):
     m, n, batch = tile_coord
     return (m, n, batch) if batched else (m, n)
@@ -144,11 +150,7 @@ class TileLoad(Operand):
         return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[self.dtype_name]
 
     def setup(self, shape, arg):
-        one_stage = cute.slice_(self._staged(shape), (None, None, 0))
-        atom, tma_tensor = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), arg, one_stage, shape.epi_tile
-        )
-        return (atom, tma_tensor)
+        return _subtile_tma(cpasync.CopyBulkTensorTileG2SOp(), arg, self._staged(shape), shape.epi_tile)
 
     def allocate(self, shape, params, smem):
         return allocate_staged(smem, self.dtype, self._staged(shape))
@@ -339,11 +341,7 @@ class TileStore(Operand):
         return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[self.dtype_name] * store_stages
 
     def setup(self, shape, arg):
-        one_stage = cute.slice_(self._staged(shape), (None, None, 0))
-        atom, tma_tensor = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), arg, one_stage, shape.epi_tile
-        )
-        return (atom, tma_tensor)
+        return _subtile_tma(cpasync.CopyBulkTensorTileS2GOp(), arg, self._staged(shape), shape.epi_tile)
 
     def allocate(self, shape, params, smem):
         return allocate_staged(smem, self.dtype, self._staged(shape))
