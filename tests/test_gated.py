@@ -148,10 +148,12 @@ def test_odd_n_and_bad_dims_are_rejected_when_tracing():
         evtc.trace(dim3, inputs())
 
 
-def test_narrow_halves_of_an_n_major_b_are_a_config_error(tmp_path):
+def test_halves_of_an_n_major_b_must_be_whole_swizzle_rows(tmp_path):
     meta = {k: v.to("meta") for k, v in inputs().items()}
-    with pytest.raises(evtc.CompileError, match="too narrow"):
-        evtc.compile(_swiglu, {"a": meta["a"], "b": meta["b"]}, config={"tile_n": 64}, cache_dir=tmp_path)
+    for tile_n, schedule in ((64, "pingpong"), (192, "cooperative")):
+        with pytest.raises(evtc.CompileError, match=f"halves of {tile_n // 2} columns, not a multiple of 64"):
+            evtc.compile(_swiglu, {"a": meta["a"], "b": meta["b"]},
+                         config={"tile_n": tile_n, "schedule": schedule}, cache_dir=tmp_path)
     # K-major B (a linear layer's weight) has no such limit
     w = torch.empty(256, 32, dtype=torch.float16, device="meta")
     k = evtc.compile(_swiglu, {"a": meta["a"], "b": w.t()}, config={"tile_n": 64}, cache_dir=tmp_path)

@@ -34,7 +34,7 @@ SCHEDULES = ("cooperative", "pingpong")
 DEFAULT_SCHEDULE = "pingpong"
 DEFAULT_CLUSTER = {"pingpong": (1, 2), "cooperative": (1, 1)}
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
-TILE_NS = (64, 128, 256)
+TILE_NS = (64, 128, 192, 256)
 EPI_TILE_NS = (16, 32, 64)
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 
@@ -288,10 +288,11 @@ class GemmConfig:
             bad(f"swizzle must be in [1, 64], got {self.swizzle}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.gated and self.b_major == "n" and self.out_tile_n * DTYPE_BYTES[self.ab_dtype] < 128:
-            bad(f"a gated kernel with an N-major B loads each half of a B tile as its own 128-byte "
-                f"swizzled block: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "
-                f"too narrow; use tile_n >= {2 * 128 // DTYPE_BYTES[self.ab_dtype]} or a K-major B")
+        if self.gated and self.b_major == "n" and self.out_tile_n * DTYPE_BYTES[self.ab_dtype] % 128:
+            bad(f"a gated kernel with an N-major B loads each half of a B tile as whole 128-byte "
+                f"swizzled rows: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "
+                f"not a multiple of {128 // DTYPE_BYTES[self.ab_dtype]}; use tile_n = 128 or 256, or a "
+                f"K-major B")
         if self.tile_m not in TILE_MS:
             bad(f"tile_m must be one of {TILE_MS}, got {self.tile_m!r}")
         if self.tile_m != TILE_M and self.schedule != "pingpong":

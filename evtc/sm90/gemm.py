@@ -405,7 +405,10 @@ class Sm90GemmKernel:
         # Partials are read back ``batch`` vectors at a time: all loads of a batch are issued before
         # any add waits (one memory latency per batch, not per vector), in registers that fit
         # beside the accumulator.
-        batch = min(acc_size // 4, SPLIT_K_LOAD_VECTORS)
+        # The batch divides the thread's vectors (tile_n = 192 gives 24 of them per thread: batches
+        # of 12), so that no vector is left out of the store or the sum.
+        vectors = acc_size // 4
+        batch = max(d for d in range(1, min(vectors, SPLIT_K_LOAD_VECTORS) + 1) if vectors % d == 0)
         flat = cute.make_tensor(acc.iterator, cute.make_layout(
             (4, batch, acc_size // (4 * batch)), stride=(1, 4, 4 * batch)))
         counter = counters.iterator + tile
