@@ -82,10 +82,12 @@ def _check_reductions(k, out, ref, what: str) -> None:
         assert rel <= REDUCTION_TOL, f"{what} reduction {key}: relative error {rel:.3g}"
 
 
-def _run_poisoned(k, e, m, n, kk, batch, what, dtype=torch.float16):
+def _run_poisoned(k, e, m, n, kk, batch, what, dtype=torch.float16, k_major_b=False):
     """Run ``k`` on fresh inputs of entry ``e`` into NaN-poisoned outputs and check the result against
-    evtc.reference; returns (inputs, operands, result)."""
+    evtc.reference; returns (inputs, operands, result). ``k_major_b``: B as a linear layer's weight."""
     inputs = make_inputs(e, m, n, kk, batch, dtype, device="cuda", seed=m + n)
+    if k_major_b:
+        inputs["b"] = _k_major(inputs["b"])
     operands = {name: v for name, v in inputs.items() if name not in ("a", "b")}
     ref = evtc.reference(e.fn, inputs)
     out = _poisoned_like(k(inputs["a"], inputs["b"], **operands))
@@ -228,9 +230,16 @@ COOPERATIVE_ENTRIES = ["relu_lincomb_bias", "col_and_row", "every_kind", "float3
                     "reglu_outputs_and_stats"]
 
 
-def _compile_with(e, knobs: dict, cache_dir) -> evtc.Kernel:
+def _k_major(b: torch.Tensor) -> torch.Tensor:
+    """The same (..., K, N) values, stored K-major."""
+    return b.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _compile_with(e, knobs: dict, cache_dir, k_major_b=False) -> evtc.Kernel:
     """Catalogue entry ``e`` compiled (float16) with ``knobs`` on top of its own config."""
     example = make_inputs(e, 256, 512, 128, 2 if e.batched else None, torch.float16)
+    if k_major_b:
+        example["b"] = _k_major(example["b"])
     return evtc.compile(e.fn, example, out_dtypes=e.out_dtypes, config={**(e.config or {}), **knobs},
                         cache_dir=str(cache_dir))
 
@@ -286,3 +295,43 @@ def test_catalogue_pinned_128x128(name, tmp_path):
         assert k.launch_for(m, n, kk, b or 1)[0].tile_m == 128
         inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, f"{name} 128x128 {(m, n, kk, b)}")
         _check_reductions(k, result, evtc.reference(e.fn, inputs), f"{name} 128x128 {(m, n, kk, b)}")
+
+
+# One wave or just over (evtc.plan.selector): the default kernels switch to cooperative 128 x 128
+# or 128 x 64 tiles (one tile per CTA, shared by both consumer warpgroups) or 128 x 192 ones (wave
+# quantization); small K keeps these cheap.
+ONE_WAVE = [((256, 8192, 136, None), 128), ((512, 6144, 72, None), 192), ((256, 4096, 72, None), 64)]
+ONE_WAVE_BATCHED = [((256, 4096, 64, 2), 128), ((256, 6144, 64, 2), 192), ((128, 4096, 80, 2), 64)]
+
+
+@pytest.mark.parametrize("name", SELECTOR_ENTRIES)
+def test_catalogue_one_wave_sizes(name, cache_dir):
+    e = _entry(name)
+    k = compile_entry(e, torch.float16, cache_dir)
+    for (m, n, kk, b), tile_n in (ONE_WAVE_BATCHED if e.batched else ONE_WAVE):
+        config, splits = k.launch_for(m, n, kk, b or 1)
+        what = f"{name} {(m, n, kk, b)} {config.short_name()} S={splits}"
+        if k.config.schedule == "pingpong" and not k.config.gated:
+            assert (config.schedule, config.tile_n) == ("cooperative", tile_n), what
+        inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, what)
+        _check_reductions(k, result, evtc.reference(e.fn, inputs), what)
+
+
+@pytest.mark.parametrize("name", SELECTOR_ENTRIES)
+def test_catalogue_pinned_128x192_split(name, tmp_path):
+    """Tiles 192 wide: six epilogue subtiles, 96 accumulator values per thread (split-K's partials
+    are stored and added in batches that divide them), ragged N."""
+    e = _entry(name)
+    # Gated: halves of 96 columns, which an N-major B cannot load (a config error, tested on the CPU).
+    gated = name in ("swiglu", "reglu_outputs_and_stats")
+    k = _compile_with(e, {"schedule": "cooperative", "tile_n": 192, "split_k": True}, tmp_path,
+                      k_major_b=gated)
+    shapes = BATCHED if e.batched else [*UNBATCHED, (130, 1000, 3000, None)]
+    for splits in (1, 3):
+        k.pin_splits(splits)
+        for m, n, kk, b in shapes:
+            config, chosen = k.launch_for(m, n, kk, b or 1)
+            assert config.tile_n == 192 and chosen == splits
+            what = f"{name} 128x192 S={splits} {(m, n, kk, b)}"
+            inputs, operands, result = _run_poisoned(k, e, m, n, kk, b, what, k_major_b=gated)
+            _check_reductions(k, result, evtc.reference(e.fn, inputs), what)

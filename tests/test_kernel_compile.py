@@ -287,7 +287,12 @@ def test_cluster_for_problem_counts_the_idle_ctas_of_overhanging_clusters():
     assert pick(8192, 8192) == (1, 2)
     assert pick(16384, 128) == (2, 1)         # one column of tiles
     assert pick(16384, 384) == (2, 1)         # three columns: 1x2 pads to four
-    assert pick(257, 384) == (1, 2)           # one wave whatever the shape: keep the configured one
+    assert pick(512, 512) == (1, 2)           # one wave whatever the shape: keep the configured one
+    # Overhanging clusters cost their padding too (measured: three rows of tiles in 2x1 clusters,
+    # one wave, ran 0.72x as fast as in 1x1 ones): three rows and three columns go 1x1, three rows
+    # in a configured 2x1 go 1x2.
+    assert pick(257, 384) == (1, 1)
+    assert pick(384, 4096, preferred=(2, 1)) == (1, 2)
     assert pick(128, 128, batches=200) == (1, 1)
     # Cooperative 128x256 tiles: the shapes cost alike, so only fewer waves move it off its 1x1.
     assert pick(16384, 128, schedule="cooperative", tile_n=256, preferred=(1, 1)) == (1, 1)

@@ -68,6 +68,50 @@ def test_few_tiles_take_the_largest_tile_that_fills_the_gpu():
             assert chosen.tile_m * chosen.tile_n == min(c.tile_m * c.tile_n for c in pingpong), (m, n)
 
 
+def _shape(config):
+    return (config.schedule, config.tile_m, config.tile_n)
+
+
+def test_one_wave_shares_each_tile_between_both_warpgroups():
+    for m, n, k in [(256, 8192, 8192), (512, 4096, 4096), (256, 6144, 4096), (512, 4096, 14336),
+                    (128, 16384, 4096)]:
+        assert FILL * SLOTS <= _tiles(m, n, BASE) <= SLOTS, (m, n)
+        config, splits = _launch(m, n, k)
+        assert _shape(config) == ("cooperative", 128, 128), (m, n, k)
+        # B multicast to a 2x1 cluster, unless one row of tiles would leave half of it idle.
+        assert config.cluster == ((2, 1) if m > 128 else (1, 2)) and splits == 1, (m, n, k)
+    # Batches count: 2 x 256 x 4096 is one wave too, 4 x 256 x 4096 is two.
+    assert _shape(_launch(256, 4096, 4096, batches=2)[0]) == ("cooperative", 128, 128)
+    assert _launch(256, 4096, 4096, batches=4)[0] == BASE
+    # Without the cooperative member (it did not fit the epilogue), the compiled tile.
+    narrow = tuple(c for c in FAMILY if c.schedule == "pingpong")
+    assert _launch(256, 8192, 8192, family=narrow)[0] == BASE
+
+
+def test_just_over_a_wave_takes_wider_tiles_that_fit_in_one():
+    for m, n, k in [(512, 6144, 4096), (1024, 3072, 4096), (256, 12288, 4096)]:
+        wider = next(c for c in FAMILY if _shape(c) == ("cooperative", 128, 192))
+        assert _tiles(m, n, BASE) > SLOTS and FILL * SLOTS <= _tiles(m, n, wider) <= SLOTS
+        assert _shape(_launch(m, n, k)[0]) == ("cooperative", 128, 192), (m, n, k)
+    # 128 x 192 tiles that overflow a wave too (1024 x 4096: 176 of them): the compiled tile.
+    assert _launch(1024, 4096, 4096)[0] == BASE
+    # Many waves: the compiled tile.
+    assert _launch(4096, 6144, 4096)[0] == BASE
+
+
+def test_few_128_row_tiles_run_cooperative_and_padding_rows_count():
+    # One 128 x 64 tile per CTA: cooperative, B multicast where there are two rows of tiles.
+    config, _ = _launch(256, 4096, 4096)
+    assert _shape(config) == ("cooperative", 128, 64) and config.cluster == (2, 1)
+    config, _ = _launch(128, 6144, 4096)
+    assert _shape(config) == ("cooperative", 128, 64) and config.cluster != (2, 1)
+    # 64-row tiles have no cooperative form.
+    assert _launch(64, 4096, 4096)[0].schedule == "pingpong"
+    # M = 192: 128-row tiles would compute 256 rows; 64 x 128 ones compute 192 and fill the GPU.
+    config, _ = _launch(192, 4096, 4096)
+    assert _shape(config) == ("pingpong", 64, 128), config.short_name()
+
+
 def test_large_problems_keep_the_compiled_tile_or_go_wide_for_long_k():
     for m, n, k in [(4096, 4096, 4096), (16384, 8192, 8192), (2048, 128256, 4096), (512, 8192, 8192)]:
         assert _launch(m, n, k) == (BASE, 1), (m, n, k)

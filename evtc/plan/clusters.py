@@ -44,6 +44,10 @@ TILE_CLUSTER_COST = {
     ("pingpong", 64, 128): {(2, 1): 0.96, (1, 2): 1.0, (1, 1): 1.03},
     ("pingpong", 64, 64): {(1, 2): 1.0, (1, 1): 1.09, (2, 1): 1.15},
     ("cooperative", 128, 256): {(1, 2): 1.0, (2, 1): 1.03, (1, 1): 1.08},
+    # Chosen for problems of one wave (evtc.plan.selector), where B multicast (2x1) did best.
+    ("cooperative", 128, 128): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.05},
+    ("cooperative", 128, 192): {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
+    ("cooperative", 128, 64): {(2, 1): 1.0, (1, 1): 1.06, (1, 2): 1.08},
 }
 
 
@@ -73,7 +77,13 @@ def cluster_for_problem(tiles_m: int, tiles_n: int, batches: int, preferred: tup
     costs = costs or CLUSTER_COST[schedule]
 
     def cost(cluster):
-        return waves(tiles_m, tiles_n, batches, cluster, slots_of(cluster)) * costs.get(cluster, 1.0)
+        # Clusters that overhang the problem's edge cost more than the extra CTAs' share of a wave:
+        # on the H100, 384 x 4096 x 4096 in 128 x 128 tiles (three rows) ran 0.58x cuBLAS with 2x1
+        # clusters and 0.81x with 1x1 ones, both one wave. So the overhang also scales the cost.
+        cm, cn = cluster
+        overhang = (ceil_div(tiles_m, cm) * cm * ceil_div(tiles_n, cn) * cn) / max(tiles_m * tiles_n, 1)
+        return (waves(tiles_m, tiles_n, batches, cluster, slots_of(cluster)) * costs.get(cluster, 1.0)
+                * overhang)
 
     best = preferred
     best_cost = cost(preferred)

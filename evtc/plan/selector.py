@@ -10,8 +10,14 @@ docs/performance.md, "A launch per problem size"):
   128 x 256 cooperative where K is long (at least :data:`LONG_K`): there the epilogue's overlap is
   worth little and the wider tile halves the A traffic per FLOP (16384 x 8192 x 28672: 1.03x
   cuBLAS against 0.90x).
+* **One wave or just over** (128 x 128 tiles at most one per SM, or a few more): cooperative 128 x
+  128, whose two consumer warpgroups share the CTA's one tile (a ping-pong CTA would leave one
+  idle: 256 x 8192 x 8192, 0.96x cuBLAS against 0.89x), or cooperative 128 x 192 where its tiles
+  fit one wave that 128 x 128 tiles overflow (512 x 6144 x 4096: 0.95x against 0.75x).
 * **Few tiles** (decode, small MoE batches): the largest tile whose count still fills
   :data:`FILL` of the SMs, else the smallest; 64-row tiles where M <= 64 (no MMA on padding rows).
+  A 128-row tile that leaves one tile per CTA runs cooperative (256 x 4096 x 4096 in 128 x 64
+  tiles: 0.91x cuBLAS against 0.88x ping-pong in the same 2x1 clusters).
   On the H100, 64 x 64 tiles at M = 64, N = K = 4096 ran 1.3x faster than 128 x 128 ones with the
   best split count.
 * **Then split K** while the units fit in one wave and every split keeps enough K tiles
@@ -41,6 +47,9 @@ FAMILY = (
     ("pingpong", 64, 128),
     ("pingpong", 64, 64),
     ("cooperative", 128, 256),
+    ("cooperative", 128, 192),
+    ("cooperative", 128, 128),
+    ("cooperative", 128, 64),
 )
 
 
@@ -90,6 +99,19 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
         # 128-row tiles would multiply padding rows: only 64-row ones.
         shapes = [c for c in shapes if c.tile_m == 64]
     elif _tiles(m, n, batches, base) >= FILL * slots:
+        tiles = _tiles(m, n, batches, base)
+        if base.schedule == "pingpong" and tiles <= slots:
+            # One wave at most: a ping-pong CTA with a single tile keeps one of its two consumer
+            # warpgroups idle; the cooperative one shares the same tile between both.
+            shared = find("cooperative", base.tile_m, base.tile_n)
+            if shared is not None:
+                return shared
+        if base.schedule == "pingpong" and tiles > slots:
+            # Just over a wave: a second round of a few tiles costs as much as the first. Tiles
+            # 1.5x as wide may fit the problem in one round that still fills the GPU.
+            wider = find("cooperative", base.tile_m, base.tile_n * 3 // 2)
+            if wider is not None and FILL * slots <= _tiles(m, n, batches, wider) <= slots:
+                return wider
         # Enough tiles: the configured one (whatever its schedule), or the cooperative 128 x 256 one
         # for long K loops.
         wide = find("cooperative", 128, 256)
@@ -100,14 +122,19 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
     # problem has (a tile wider than N is no larger for it); equal areas: 128 rows, then the
     # smaller tile. Else the smallest.
 
-    def useful(c: GemmConfig) -> int:
-        return min(c.tile_m, -(-m // 64) * 64) * min(c.out_tile_n, -(-n // 64) * 64)
+    def useful(c: GemmConfig) -> float:
+        # Rows and columns the problem has, times the share of the computed rows that are not
+        # padding (M = 192: 128-row tiles compute 256 rows, 64-row ones 192).
+        rows = -(-m // 64) * 64
+        return (min(c.tile_m, rows) * min(c.out_tile_n, -(-n // 64) * 64)
+                * rows / (-(-rows // c.tile_m) * c.tile_m))
 
     ordered = sorted(shapes, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
-    for config in ordered:
-        if _tiles(m, n, batches, config) >= FILL * slots:
-            return config
-    return ordered[-1]
+    chosen = next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
+    if chosen.tile_m == 128 and _tiles(m, n, batches, chosen) <= slots:
+        # One tile per CTA: the cooperative schedule shares it between both consumer warpgroups.
+        chosen = find("cooperative", 128, chosen.tile_n) or chosen
+    return chosen
 
 
 def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
