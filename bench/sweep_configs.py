@@ -55,6 +55,25 @@ LARGE_CANDIDATES = [
     {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "cooperative"}
     for tn in (128, 256) for cl in ((1, 1), (1, 2), (2, 1))
 ]
+# One wave or less of 128-row tiles (M = 128 to 1024): a ping-pong CTA with a single tile leaves
+# its second consumer warpgroup idle, where a cooperative one splits the tile between both.
+MEDIUM_CANDIDATES = [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tn in (128, 64) for cl in ((1, 2), (2, 1))
+] + [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "cooperative"}
+    for tn in (128, 192, 256) for cl in ((1, 1), (1, 2), (2, 1))
+] + [{"tile_m": 64, "tile_n": 192, "cluster": (1, 2), "schedule": "pingpong"}]
+# Few 128-row tiles (M = 128 to 512, N up to 8192): ping-pong and cooperative at the same tile.
+NARROW_CANDIDATES = [
+    {"tile_m": 128, "tile_n": 64, "cluster": cl, "schedule": "pingpong"} for cl in ((1, 2), (2, 1))
+] + [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "cooperative"}
+    for tn in (64, 128) for cl in ((1, 1), (1, 2), (2, 1))
+] + [{"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+       for tn, cl in ((64, (1, 2)), (128, (1, 2)), (128, (2, 1)))]
+CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
+                  "large": LARGE_CANDIDATES}
 
 
 def identity(acc):
@@ -78,7 +97,7 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> 
     """Time every candidate of one shape (and cuBLAS, and the default kernel) in one paired run."""
     m, n, k = (int(x) for x in shape.split("x"))
     which = args.candidates or ("small" if m <= 1024 else "large")
-    candidates = SMALL_CANDIDATES if which == "small" else LARGE_CANDIDATES
+    candidates = CANDIDATE_SETS[which]
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 13 + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     copies = max(2, math.ceil((args.rotate_mb << 20) / (n * k * 2)))
@@ -124,11 +143,34 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> 
     return {"shape": shape, "m": m, "n": n, "k": k, "us": us, "auto": chosen}
 
 
+def _compile_one(config: dict, dtype_name: str) -> None:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    example = {"a": torch.empty(8, 64, dtype=dtype, device="meta"),
+               "b": torch.empty(64, 64, dtype=dtype, device="meta").t()}
+    evtc.compile(identity, example, config={**config, "split_k": True})
+
+
+def precompile(configs: list[dict], dtype_name: str) -> None:
+    """Compile the candidates in parallel processes into the disk cache, which the sweep then loads
+    from (compiling them one by one in the timing process takes minutes)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    start = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(len(configs), os.cpu_count() or 2),
+                                                mp_context=ctx) as pool:
+        for f in [pool.submit(_compile_one, c, dtype_name) for c in configs]:
+            f.result()
+    print(f"precompiled {len(configs)} candidates in {time.time() - start:.0f} s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="", help="comma list of MxNxK")
     p.add_argument("--family", default="", help=f"one of {sorted(FAMILIES)}")
-    p.add_argument("--candidates", default="", choices=["", "small", "large"],
+    p.add_argument("--candidates", default="", choices=["", *CANDIDATE_SETS],
                    help="candidate set (default: small for M <= 1024, large beyond)")
     p.add_argument("--splits", default="1,2,3,4,6", help="split counts tried where they fit in a wave")
     p.add_argument("--samples", type=int, default=9)
@@ -151,6 +193,10 @@ def main() -> None:
             kernels[key] = evtc.compile(identity, example, config={**config, "split_k": True})
         return kernels[key]
 
+    if not args.auto_only:
+        precompile([c for which in sorted({args.candidates or ("small" if int(sh.split("x")[0]) <= 1024
+                                                                 else "large") for sh in shapes})
+                    for c in CANDIDATE_SETS[which]], args.dtype)
     shape_suite.load_torch()  # bench/shapes.py imports torch lazily
     auto = evtc.compile(identity, example)
     split_list = [int(s) for s in args.splits.split(",")]
