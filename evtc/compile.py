@@ -17,7 +17,6 @@ tracing and without the CuTe DSL.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -175,12 +174,9 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
     kernel = Kernel(plan, config, key, cache, built, retrace=retrace)
     log.info("disk cache hit: %r loaded from %s by its front record, without tracing", plan.name, built.path)
     if chooses:
-
-        def other_cluster(cfg: GemmConfig) -> Kernel:
-            source = (built.path / SOURCE).read_text()
-            return _kernel_for(plan, source, signature, cfg, arch, cache_dir, retrace=retrace)
-
-        kernel = kernel._choosing_clusters(other_cluster, family)
+        source_path = built.path / SOURCE
+        factory = VariantSource(plan, source_path.read_text, signature, arch, cache_dir, retrace=retrace)
+        kernel = kernel._choosing_clusters(factory, family)
     return kernel
 
 
@@ -270,8 +266,8 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     with _MEMORY_LOCK:
         twin = _MEMORY.get(twin_key)
         if twin is None:
-            factory = functools.partial(_kernel_for, plan, emitted.source, described, arch=arch,
-                                        cache_dir=cache_dir, graph=graph)
+            source = emitted.source
+            factory = VariantSource(plan, lambda: source, described, arch, cache_dir, graph=graph)
             twin = _MEMORY[twin_key] = kernel._choosing_clusters(factory, family)
     return twin, record
 
@@ -359,11 +355,52 @@ def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: 
     return kernel
 
 
+def kernel_key(source: str, signature: dict, cfg: GemmConfig, arch) -> tuple[str, dict]:
+    """(disk cache key, build metadata) of one configuration of a generated source."""
+    meta = {"versions": versions(), "config": repr(cfg), "signature": signature, "arch": arch or "device"}
+    key = hashlib.sha256(json.dumps({"source": source, **meta}, sort_keys=True).encode()).hexdigest()
+    return key, meta
+
+
+class VariantSource:
+    """What builds the kernels of a kernel's other configurations (its family's tiles, cluster
+    shapes, split-K): the plan, the generated source and the call signature, which every
+    configuration shares. Called with a configuration, it gives that kernel (memory, disk cache or
+    a build, here); :meth:`job` describes the same build for another process
+    (:mod:`evtc.runtime.prebuild`)."""
+
+    def __init__(self, plan: KernelPlan, source: Callable[[], str], signature: dict, arch, cache_dir, *,
+                 graph=None, retrace: Callable[[], Any] | None = None) -> None:
+        self._plan, self._source, self._signature = plan, source, signature
+        self._arch, self._cache_dir, self._graph, self._retrace = arch, cache_dir, graph, retrace
+
+    def __call__(self, cfg: GemmConfig) -> Kernel:
+        return _kernel_for(self._plan, self._source(), self._signature, cfg, self._arch, self._cache_dir,
+                           graph=self._graph, retrace=self._retrace)
+
+    def job(self, cfg: GemmConfig) -> dict:
+        """A JSON-able description of building ``cfg``'s kernel into the disk cache."""
+        return {"plan": self._plan.to_json(), "source": self._source(), "signature": self._signature,
+                "config": dataclasses.asdict(cfg), "arch": self._arch,
+                "cache_dir": str(DiskCache(self._cache_dir).root)}
+
+
+def build_job(job: dict) -> str:
+    """Build the kernel that :meth:`VariantSource.job` describes into the disk cache (or find it
+    there); returns its key. Used by prebuild worker processes."""
+    plan = KernelPlan.from_json(job["plan"])
+    if plan is None:
+        raise ValueError("prebuild job: the plan does not parse (another evtc version?)")
+    cfg = GemmConfig(**job["config"]).validate()
+    key, meta = kernel_key(job["source"], job["signature"], cfg, job["arch"])
+    obtain(plan, job["source"], cfg, key, DiskCache(job["cache_dir"]), job["arch"], meta)
+    return key
+
+
 def _kernel_for(plan: KernelPlan, source: str, signature: dict, cfg: GemmConfig, arch, cache_dir, *,
                 graph=None, retrace: Callable[[], Any] | None = None) -> Kernel:
     """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
-    meta = {"versions": versions(), "config": repr(cfg), "signature": signature, "arch": arch or "device"}
-    key = hashlib.sha256(json.dumps({"source": source, **meta}, sort_keys=True).encode()).hexdigest()
+    key, meta = kernel_key(source, signature, cfg, arch)
     # Kernels of one compiled code but other call interfaces (unused parameters, strict) are
     # separate objects over the same disk cache entry.
     memory_key = key + plan.interface.tag()

@@ -8,9 +8,9 @@ import logging
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_checks import check_device, check_tensor
 from evtc.runtime.device import max_active_clusters
 from evtc.runtime.reductions import HostFinish, size_function
+
+if TYPE_CHECKING:
+    from evtc.runtime.prebuild import Prebuild
 
 log = logging.getLogger("evtc")
 
@@ -290,6 +293,44 @@ class Kernel:
         self._pinned_splits = splits
         self._launch_memo.clear()
         self._tuned.clear()  # tuned under the previous rule
+
+    def prebuild(self, shapes: Iterable[Sequence[int]], *, wait: bool = True) -> Prebuild:
+        """Build now the variants that calls on ``shapes`` will launch, so that those calls compile
+        nothing: at start-up, or before capturing calls into a CUDA graph.
+
+        ``shapes``: problem sizes (M, N, K) or (M, N, K, L). The variants are the ones
+        :meth:`launch_for` reports (tile, cluster shape, and the split-K build where the split count
+        is above 1); those already built are skipped. ``wait=False`` builds them in one background
+        process and returns at once: a call that needs a variant still being built waits for that
+        one only (through the disk cache), and calls that need others never wait. Returns a
+        :class:`evtc.runtime.prebuild.Prebuild` (``configs``; ``wait()``, ``done()``).
+
+        An autotuning kernel builds the rules' launches here; its candidates are built when a size
+        bucket is first tuned."""
+        from evtc.runtime import prebuild
+
+        sizes = []
+        for shape in shapes:
+            shape = tuple(shape)
+            if len(shape) not in (3, 4) or not all(isinstance(d, int) and d > 0 for d in shape):
+                raise ValueError(f"prebuild: each shape is (M, N, K) or (M, N, K, L) of positive ints, "
+                                 f"got {shape!r}")
+            sizes.append(shape if len(shape) == 4 else (*shape, 1))
+        if self.config is None:
+            return prebuild.Prebuild(())
+        configs = []
+        for m, n, k, batches in sizes:
+            config, splits = self.launch_for(m, n, k, batches)
+            if splits > 1 and not config.split_k:
+                config = config.replace(split_k=True)
+            if config not in configs:
+                configs.append(config)
+        missing = [c for c in configs if c != self.config and c not in self._variants]
+        if wait or not hasattr(self._variant_factory, "job"):
+            for config in missing:
+                self._variant(config)
+            return prebuild.Prebuild(configs)
+        return prebuild.start([self._variant_factory.job(c) for c in missing], configs)
 
     # ---- reading ---------------------------------------------------------------------------------
     @property
