@@ -105,3 +105,19 @@ def test_ptx_of_split_k(tmp_path, schedule):
     plain = evtc.compile(residual, ex, config={"schedule": schedule}, arch="sm_90a", cache_dir=tmp_path).ptx
     assert "ld.acquire.gpu" not in plain
     assert not re.search(r"atom\.global\.release", plain)
+
+
+def test_a_launch_passes_split_k_buffers_after_the_cluster_count(monkeypatch):
+    from evtc.runtime import kernel as kernel_module
+
+    monkeypatch.setattr(kernel_module.split_k, "partials", lambda device, n: ("partials", device, n))
+    monkeypatch.setattr(kernel_module.split_k, "counters", lambda device, n: ("counters", device, n))
+    calls = []
+    kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, None, "dev")
+    kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, (3, 100, 7), "dev")
+    assert calls == [("a", "b", ("d",), ("c",), 66),
+                     ("a", "b", ("d",), ("c",), 66, 3, ("partials", "dev", 100), ("counters", "dev", 7))]
+    config = GemmConfig()
+    assert kernel_module._built_config(config, 1) == config
+    assert kernel_module._built_config(config, 2) == config.replace(split_k=True)
+    assert kernel_module._built_config(config.replace(split_k=True), 1).split_k

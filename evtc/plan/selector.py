@@ -86,7 +86,6 @@ def _tiles(m: int, n: int, batches: int, config: GemmConfig) -> int:
 def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int) -> GemmConfig:
     """The configuration of ``family`` (see :func:`tile_family`) for an (L, M, N, K) problem on a
     GPU that runs ``slots`` CTAs at once."""
-    base = family[0]
 
     def find(schedule: str, tile_m: int, tile_n: int) -> GemmConfig | None:
         for config in family:
@@ -94,19 +93,28 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
                 return config
         return None
 
+    chosen = _tile_by_count(m, n, k, batches, family, slots, find)
+    if (chosen.schedule == "pingpong" and chosen.tile_m == 128
+            and _tiles(m, n, batches, chosen) <= slots):
+        # One tile per CTA: a ping-pong CTA would keep one of its two consumer warpgroups idle;
+        # the cooperative schedule shares the tile between both.
+        chosen = find("cooperative", 128, chosen.tile_n) or chosen
+    return chosen
+
+
+def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int,
+                   find: Callable[[str, int, int], GemmConfig | None]) -> GemmConfig:
+    """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
+    base = family[0]
     shapes = [c for c in family if c.schedule == "pingpong"] or [base]
+    tiles = _tiles(m, n, batches, base)
     if m <= 64 and any(c.tile_m == 64 for c in shapes):
         # 128-row tiles would multiply padding rows: only 64-row ones.
         shapes = [c for c in shapes if c.tile_m == 64]
-    elif _tiles(m, n, batches, base) >= FILL * slots:
-        tiles = _tiles(m, n, batches, base)
+    elif tiles >= FILL * slots:
         if base.schedule == "pingpong" and tiles <= slots:
-            # One wave at most: a ping-pong CTA with a single tile keeps one of its two consumer
-            # warpgroups idle; the cooperative one shares the same tile between both.
-            shared = find("cooperative", base.tile_m, base.tile_n)
-            if shared is not None:
-                return shared
-        if base.schedule == "pingpong" and tiles > slots:
+            return base  # one wave: choose_tile runs it cooperative
+        if base.schedule == "pingpong":
             # Just over a wave: a second round of a few tiles costs as much as the first. Tiles
             # 1.5x as wide may fit the problem in one round that still fills the GPU.
             wider = find("cooperative", base.tile_m, base.tile_n * 3 // 2)
@@ -130,11 +138,7 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
                 * rows / (-(-rows // c.tile_m) * c.tile_m))
 
     ordered = sorted(shapes, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
-    chosen = next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
-    if chosen.tile_m == 128 and _tiles(m, n, batches, chosen) <= slots:
-        # One tile per CTA: the cooperative schedule shares it between both consumer warpgroups.
-        chosen = find("cooperative", 128, chosen.tile_n) or chosen
-    return chosen
+    return next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
 
 
 def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,

@@ -60,6 +60,22 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.chunk(2, dim=-1)
 
 
+def _built_config(config: GemmConfig, splits: int) -> GemmConfig:
+    """The configuration whose kernel runs a launch of ``config`` with ``splits`` splits of K: its
+    split-K build where K is split."""
+    return config.replace(split_k=True) if splits > 1 and not config.split_k else config
+
+
+def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device) -> None:
+    """Launch a compiled function; ``split``: split-K's (splits, partials, counters) or None."""
+    if split is None:
+        fn(a, b, outs, ins, clusters)
+    else:
+        splits, partials_numel, counters_numel = split
+        fn(a, b, outs, ins, clusters, splits, split_k.partials(device, partials_numel),
+           split_k.counters(device, counters_numel))
+
+
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
     ``k(a, b, **operands, out=None)`` returns what the epilogue returns."""
@@ -320,13 +336,11 @@ class Kernel:
             return prebuild.Prebuild(())
         configs = []
         for m, n, k, batches in sizes:
-            config, splits = self.launch_for(m, n, k, batches)
-            if splits > 1 and not config.split_k:
-                config = config.replace(split_k=True)
+            config = _built_config(*self.launch_for(m, n, k, batches))
             if config not in configs:
                 configs.append(config)
         missing = [c for c in configs if c != self.config and c not in self._variants]
-        if wait or not hasattr(self._variant_factory, "job"):
+        if wait or not missing:
             for config in missing:
                 self._variant(config)
             return prebuild.Prebuild(configs)
@@ -728,12 +742,7 @@ class Kernel:
                 workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
         if empty:
             return targets, workspaces, (m, n, batches, finisher)
-        if split is None:
-            fn(a, b, tuple(outs + workspaces), tuple(ins), clusters)
-        else:
-            splits, partials_numel, counters_numel = split
-            fn(a, b, tuple(outs + workspaces), tuple(ins), clusters, splits,
-               split_k.partials(device, partials_numel), split_k.counters(device, counters_numel))
+        _invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device)
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
                 if written is not target:
@@ -750,8 +759,7 @@ class Kernel:
         """The launch tuple of :meth:`_launch_choice` for a chosen configuration and split count."""
         from evtc.plan.split_k import workspace_numels
 
-        if splits > 1 and not config.split_k:
-            config = config.replace(split_k=True)
+        config = _built_config(config, splits)
         kernel = self if config == self.config else self._variant(config)
         cluster = config.cluster
         clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
@@ -812,15 +820,9 @@ class Kernel:
                 continue
             numels = finisher.workspace_numels(m, n, batches) if finisher is not None else []
             outs = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels])
-            if split is None:
-                def run(fn=fn, outs=outs, clusters=clusters):
-                    fn(a, b, outs, tuple(ins), clusters)
-            else:
-                splits, partials_numel, counters_numel = split
-                def run(fn=fn, outs=outs, clusters=clusters, splits=splits, pn=partials_numel,
-                        cn=counters_numel):
-                    fn(a, b, outs, tuple(ins), clusters, splits, split_k.partials(a.device, pn),
-                       split_k.counters(a.device, cn))
+
+            def run(fn=fn, outs=outs, clusters=clusters, split=split):
+                _invoke(fn, a, b, outs, tuple(ins), clusters, split, a.device)
             try:
                 us = autotune.time_us(run)
             except (RuntimeError, ValueError, TypeError) as exc:
