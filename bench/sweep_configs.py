@@ -72,8 +72,21 @@ NARROW_CANDIDATES = [
     for tn in (64, 128) for cl in ((1, 1), (1, 2), (2, 1))
 ] + [{"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
        for tn, cl in ((64, (1, 2)), (128, (1, 2)), (128, (2, 1)))]
+# Decode (M <= 128): the narrow 64 x 32 tiles (twice the CTAs of 64 x 64 on the same weight)
+# against the 64-row tiles the rules pick today.
+DECODE_CANDIDATES = [
+    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tn in (32, 64) for cl in ((1, 1), (1, 2), (2, 1))
+] + [{"tile_m": 64, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong"},
+     {"tile_m": 128, "tile_n": 64, "cluster": (2, 1), "schedule": "cooperative"},
+     {"tile_m": 128, "tile_n": 32, "cluster": (2, 1), "schedule": "cooperative"}]
+# Rasterization of the default tile on problems with many tiles (LM heads: 1000 columns of tiles).
+RASTER_CANDIDATES = [
+    {"tile_m": 128, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "raster": r, "swizzle": sw}
+    for r, sw in (("m", 1), ("m", 4), ("m", 8), ("m", 16), ("m", 32), ("n", 4), ("n", 8), ("n", 16))
+]
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
-                  "large": LARGE_CANDIDATES}
+                  "large": LARGE_CANDIDATES, "decode": DECODE_CANDIDATES, "raster": RASTER_CANDIDATES}
 
 
 def identity(acc):
@@ -90,10 +103,11 @@ def describe_choice(kernel, m: int, n: int, k: int) -> str:
 def name_of(config: dict, splits: int) -> str:
     short = {"pingpong": "pp", "cooperative": "co"}[config["schedule"]]
     cl = config["cluster"]
-    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]} S{splits}"
+    raster = f" r{config['raster']}{config.get('swizzle', 8)}" if "raster" in config else ""
+    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster} S{splits}"
 
 
-def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> dict:
+def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twins=None) -> dict:
     """Time every candidate of one shape (and cuBLAS, and the default kernel) in one paired run."""
     m, n, k = (int(x) for x in shape.split("x"))
     which = args.candidates or ("small" if m <= 1024 else "large")
@@ -112,7 +126,8 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> 
         for s in split_list:
             if s > 1 and tiles * s > sms:
                 continue
-            kern.pin_splits(s)
+            if kern.config.split_k:
+                kern.pin_splits(s)
             got = kern(x, weights[0].t(), out=out)
             err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
             assert err < 2e-2, (shape, config, s, err)
@@ -121,12 +136,15 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> 
                 return kern(x, w.t(), out=out)
             calls[name_of(config, s)] = (kern, s, call)
     calls["auto"] = lambda w: auto(x, w.t(), out=out)
+    for label, twin in (twins or {}).items():
+        calls[label] = lambda w, twin=twin: twin(x, w.t(), out=out)
     reps = max(1, min(500, math.ceil(args.sample_ms * 1e3 / max(2.0, m * n * k * 2 / 600e12 * 1e6))))
     graphs = {}
     for name, item in calls.items():
         if isinstance(item, tuple):
             kern, s, fn = item
-            kern.pin_splits(s)  # captured with this split count
+            if kern.config.split_k:
+                kern.pin_splits(s)  # captured with this split count
             graphs[name] = shape_suite.capture(fn, weights, reps).replay
         else:
             graphs[name] = shape_suite.capture(item, weights, reps).replay
@@ -134,23 +152,25 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int) -> 
     ms = time_paired([graphs[nm] for nm in names], 2, args.samples, 1)
     us = {nm: t / reps * 1e3 for nm, t in zip(names, ms, strict=True)}
     base = us["cublas"]
-    ranked = sorted((nm for nm in names if nm not in ("cublas", "auto")), key=lambda nm: us[nm])
+    ranked = sorted((nm for nm in names if nm not in ("cublas", "auto", *(twins or {}))),
+                    key=lambda nm: us[nm])
     best = ranked[0] if ranked else "auto"
     chosen = describe_choice(auto, m, n, k)
     print(f"{shape:>18}: cuBLAS {base:8.1f} us ({n * k * 2 / base / 1e6:4.2f} TB/s)  best {best} "
-          f"{base / us[best]:5.2f}  auto [{chosen}] {base / us['auto']:5.2f}  | "
+          f"{base / us[best]:5.2f}  auto [{chosen}] {base / us['auto']:5.2f}  "
+          + "".join(f"{label} {base / us[label]:5.2f}  " for label in twins or {}) + "| "
           + "  ".join(f"{nm} {base / us[nm]:4.2f}" for nm in ranked[:6]), flush=True)
     return {"shape": shape, "m": m, "n": n, "k": k, "us": us, "auto": chosen}
 
 
-def _compile_one(config: dict, dtype_name: str) -> None:
+def _compile_one(config: dict, dtype_name: str, split_k: bool = True) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     example = {"a": torch.empty(8, 64, dtype=dtype, device="meta"),
                "b": torch.empty(64, 64, dtype=dtype, device="meta").t()}
-    evtc.compile(identity, example, config={**config, "split_k": True})
+    evtc.compile(identity, example, config={**config, "split_k": split_k})
 
 
-def precompile(configs: list[dict], dtype_name: str) -> None:
+def precompile(configs: list[dict], dtype_name: str, split_k: bool = True) -> None:
     """Compile the candidates in parallel processes into the disk cache, which the sweep then loads
     from (compiling them one by one in the timing process takes minutes)."""
     import concurrent.futures
@@ -161,7 +181,7 @@ def precompile(configs: list[dict], dtype_name: str) -> None:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(len(configs), os.cpu_count() or 2),
                                                 mp_context=ctx) as pool:
-        for f in [pool.submit(_compile_one, c, dtype_name) for c in configs]:
+        for f in [pool.submit(_compile_one, c, dtype_name, split_k) for c in configs]:
             f.result()
     print(f"precompiled {len(configs)} candidates in {time.time() - start:.0f} s", flush=True)
 
@@ -178,6 +198,8 @@ def main() -> None:
     p.add_argument("--rotate-mb", type=int, default=256, help="weight copies cycled per graph, in MB")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--auto-only", action="store_true", help="time only the default kernel against cuBLAS")
+    p.add_argument("--pdl-twin", action="store_true",
+                   help="also time the default kernel with programmatic dependent launch off and on")
     p.add_argument("--json", help="write every measurement here (rewritten after each shape)")
     p.add_argument("--time-budget", type=float, default=0.0, help="stop starting shapes after this")
     args = p.parse_args()
@@ -190,16 +212,21 @@ def main() -> None:
     def kernel(config: dict):
         key = json.dumps(config, sort_keys=True)
         if key not in kernels:
-            kernels[key] = evtc.compile(identity, example, config={**config, "split_k": True})
+            kernels[key] = evtc.compile(identity, example, config={**config, "split_k": split_k})
         return kernels[key]
 
+    split_list = [int(s) for s in args.splits.split(",")]
+    # One split only: time the plain kernels (a split-K kernel run with one split is up to 10%
+    # slower than the plain one, and the selector launches the plain one at S = 1).
+    split_k = split_list != [1]
     if not args.auto_only:
         precompile([c for which in sorted({args.candidates or ("small" if int(sh.split("x")[0]) <= 1024
                                                                  else "large") for sh in shapes})
-                    for c in CANDIDATE_SETS[which]], args.dtype)
+                    for c in CANDIDATE_SETS[which]], args.dtype, split_k)
     shape_suite.load_torch()  # bench/shapes.py imports torch lazily
     auto = evtc.compile(identity, example)
-    split_list = [int(s) for s in args.splits.split(",")]
+    twins = {"no-pdl": evtc.compile(identity, example, config={"pdl": False}),
+             "pdl": evtc.compile(identity, example, config={"pdl": True})} if args.pdl_twin else {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; {sms} SMs", flush=True)
     results = []
@@ -208,7 +235,7 @@ def main() -> None:
         if args.time_budget and time.time() - start > args.time_budget:
             print(f"time budget spent: {shape} and later not run", flush=True)
             break
-        row = sweep_shape(shape, args, kernel, auto, dtype, split_list, sms)
+        row = sweep_shape(shape, args, kernel, auto, dtype, split_list, sms, twins)
         results.append(row)
         if args.json:
             Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),

@@ -11,7 +11,7 @@ import torch
 
 import evtc
 from evtc.plan.config import ConfigError, GemmConfig
-from evtc.plan.selector import FILL, LONG_K, choose_launch, choose_tile, tile_family
+from evtc.plan.selector import FILL, LONG_K, MANY_WAVES, PDL_MAX_M, choose_launch, choose_tile, tile_family
 from evtc.plan.split_k import MAX_SPLITS, MIN_K_TILES_PER_SPLIT, choose_splits, cta_tile_grid
 
 BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
@@ -112,11 +112,18 @@ def test_few_128_row_tiles_run_cooperative_and_padding_rows_count():
     assert _shape(config) == ("pingpong", 64, 128), config.short_name()
 
 
-def test_large_problems_keep_the_compiled_tile_or_go_wide_for_long_k():
-    for m, n, k in [(4096, 4096, 4096), (16384, 8192, 8192), (2048, 128256, 4096), (512, 8192, 8192)]:
+def test_large_problems_keep_the_compiled_tile_or_go_wide_for_long_k_or_many_waves():
+    for m, n, k in [(4096, 4096, 4096), (16384, 8192, 8192), (1024, 128256, 4096), (512, 8192, 8192),
+                    (4096, 28672, 4096)]:
         assert _launch(m, n, k) == (BASE, 1), (m, n, k)
-    wide, splits = _launch(16384, 8192, LONG_K * 2)
-    assert (wide.schedule, wide.tile_m, wide.tile_n, splits) == ("cooperative", 128, 256, 1)
+    for m, n, k in [(16384, 8192, LONG_K * 2), (4096, 128256, 4096), (2048, 128256, 4096),
+                    (4096, 152064, 3584), (16384, 28672, 4096)]:
+        wide, splits = _launch(m, n, k)
+        assert (wide.schedule, wide.tile_m, wide.tile_n, splits) == ("cooperative", 128, 256, 1), (m, n, k)
+    # The boundary: MANY_WAVES waves of 128 x 128 tiles.
+    rows = -(-MANY_WAVES * SLOTS // 32)  # the fewest rows of 32 tiles that make MANY_WAVES waves
+    assert _launch(rows * 128, 32 * 128, 4096)[0].tile_n == 256
+    assert _launch((rows - 1) * 128, 32 * 128, 4096)[0] == BASE
     # Without the wide tile in the family (it did not fit the epilogue), the compiled one.
     narrow = tuple(c for c in FAMILY if c.schedule == "pingpong")
     assert _launch(16384, 8192, LONG_K * 2, family=narrow)[0] == BASE
@@ -144,6 +151,27 @@ def test_split_rule():
             s = choose_splits(k, tiles, SLOTS)
             assert 1 <= s <= MAX_SPLITS and (s == 1 or (tiles * s <= SLOTS
                                                         and -(-k // 64) // s >= MIN_K_TILES_PER_SPLIT))
+
+
+def test_decode_launches_with_programmatic_dependent_launch():
+    """One split, one wave, M <= PDL_MAX_M: PDL; a split launch, a larger M or more than a wave of
+    tiles: left off (None, which builds the same kernel as the compiled configuration)."""
+    config, splits = _launch(64, 4096, 4096)
+    assert splits == 1 and config.pdl is True
+    assert _launch(PDL_MAX_M, 4096, 2048)[0].pdl is True
+    config, splits = _launch(64, 4096, 14336)
+    assert splits > 1 and config.pdl is None
+    assert _launch(PDL_MAX_M + 1, 4096, 4096)[0].pdl is None
+    assert _launch(4096, 4096, 4096)[0].pdl is None
+    config, splits = _launch(128, 57344, 4096)  # far more than a wave of any tile
+    assert splits == 1 and _tiles(128, 57344, config) > SLOTS and config.pdl is None
+    # A kernel that cannot build other configurations keeps its own; so does one that fixed pdl.
+    assert _launch(64, 4096, 4096, choose_cluster=False)[0].pdl is None
+    for fixed in (False, True):
+        family = tile_family(BASE.replace(pdl=fixed), lambda knobs, f=fixed: BASE.replace(pdl=f, **knobs))
+        assert {_launch(m, 4096, 4096, family=family)[0].pdl for m in (16, 64, 512, 4096)} == {fixed}
+    with pytest.raises(ConfigError, match="pdl must be"):
+        BASE.replace(pdl="late")
 
 
 def test_tile_m_64_config_rules():
@@ -180,6 +208,22 @@ def test_tile_m_64_ptx_has_one_m64_atom_per_k_step(tmp_path):
                          arch="sm_90a", cache_dir=tmp_path).ptx
     pattern = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"
     assert len(re.findall(pattern, short)) * 2 == len(re.findall(pattern, wide)) > 0
+
+
+def test_pdl_ptx_waits_before_it_touches_memory(tmp_path):
+    """With pdl, every thread waits for the previous grid (griddepcontrol.wait) before the roles
+    split, and the next grid is released (launch_dependents) only after that; without it, neither
+    instruction is there."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    knobs = {"tile_m": 64, "tile_n": 64, "cluster": (1, 2)}
+    on = evtc.compile(_identity, ex, config={**knobs, "pdl": True}, arch="sm_90a", cache_dir=tmp_path).ptx
+    off = evtc.compile(_identity, ex, config=knobs, arch="sm_90a", cache_dir=tmp_path).ptx
+    assert "griddepcontrol" not in off
+    wait, release = on.find("griddepcontrol.wait;"), on.find("griddepcontrol.launch_dependents;")
+    assert 0 < wait < release
+    # Nothing reads or writes global memory (TMA or plain) before the wait.
+    head = on[:wait]
+    assert not re.search(r"cp\.async\.bulk|ld\.global|st\.global|red\.global|atom\.global", head)
 
 
 def test_kernel_carries_its_family_and_reports_the_launch(tmp_path):

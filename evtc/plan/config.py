@@ -97,6 +97,14 @@ class GemmConfig:
     workspace, and the last adds them in split order (fixed: bit-for-bit deterministic) and runs
     the epilogue once on the full sum. For problems with too few tiles to fill the GPU (small M);
     see :mod:`evtc.plan.split_k`.
+
+    ``pdl``: launch with programmatic dependent launch (True), or not (False), or let a kernel
+    that chooses its launch per problem decide (None: off unless
+    :func:`evtc.plan.selector.choose_launch` turns it on). With it, the kernel's set-up (barrier
+    init, descriptor prefetch) overlaps the end of the previous kernel in the stream, and it waits
+    for that kernel to complete before it touches global memory; the next kernel may be scheduled
+    as soon as this one starts. Only what runs before that wait overlaps, so results are the same
+    with or without it.
     """
 
     ab_dtype: str = "float16"
@@ -117,6 +125,7 @@ class GemmConfig:
     gated: bool = False
     store_d: bool = True
     split_k: bool = False
+    pdl: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
@@ -288,6 +297,8 @@ class GemmConfig:
             bad(f"swizzle must be in [1, 64], got {self.swizzle}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.pdl not in (None, True, False):
+            bad(f"pdl must be True, False or None (chosen per launch), got {self.pdl!r}")
         if self.gated and self.b_major == "n" and self.out_tile_n * DTYPE_BYTES[self.ab_dtype] % 128:
             bad(f"a gated kernel with an N-major B loads each half of a B tile as whole 128-byte "
                 f"swizzled rows: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "
@@ -321,4 +332,5 @@ class GemmConfig:
         name = name + " gated" if self.gated else name
         name = name if self.store_d else name + " no-D"
         name = name + " split-k" if self.split_k else name
+        name = name + " pdl" if self.pdl else name
         return name + " pingpong" if self.schedule == "pingpong" else name

@@ -9,7 +9,8 @@ docs/performance.md, "A launch per problem size"):
 * **Enough tiles** (128 x 128 tiles fill at least :data:`FILL` of the SMs): 128 x 128 ping-pong, or
   128 x 256 cooperative where K is long (at least :data:`LONG_K`): there the epilogue's overlap is
   worth little and the wider tile halves the A traffic per FLOP (16384 x 8192 x 28672: 1.03x
-  cuBLAS against 0.90x).
+  cuBLAS against 0.90x); or where there are at least :data:`MANY_WAVES` waves of 128 x 128 tiles
+  (LM heads: 4096 x 128256 x 4096, 1.01x against 0.90x).
 * **One wave or just over** (128 x 128 tiles at most one per SM, or a few more): cooperative 128 x
   128, whose two consumer warpgroups share the CTA's one tile (a ping-pong CTA would leave one
   idle: 256 x 8192 x 8192, 0.96x cuBLAS against 0.89x), or cooperative 128 x 192 where its tiles
@@ -23,6 +24,11 @@ docs/performance.md, "A launch per problem size"):
 * **Then split K** while the units fit in one wave and every split keeps enough K tiles
   (:func:`evtc.plan.split_k.choose_splits`): each split costs a round trip of the accumulator
   through memory, which only a long K loop repays.
+* **Programmatic dependent launch** for decode launches (M <= :data:`PDL_MAX_M`, one split, one
+  wave): the kernel's set-up overlaps the end of the previous kernel. On the H100 that took
+  16 x 4096 x 2048 from 0.82x cuBLAS to 0.93x and 64 x 4096 x 4096 from 0.86x to 0.91x; on
+  larger problems it was no better, and on some worse (320 x 4096 x 4096: 0.58x against 0.80x;
+  1024 x 4096 x 14336: 0.85x against 0.93x), as with split K.
 """
 
 from __future__ import annotations
@@ -39,6 +45,16 @@ FILL = 0.7
 # K (elements) from which the cooperative 128 x 256 tile beats ping-pong 128 x 128 on problems with
 # a wave of tiles or more.
 LONG_K = 16384
+# Waves of 128 x 128 tiles from which the cooperative 128 x 256 tile runs instead, whatever K: LM
+# heads and the largest prefill layers, several milliseconds of steady load each. Fitted on the H100
+# (docs/performance.md): 4096 x 128256 x 4096 (243 waves) ran 1.01x cuBLAS against 0.90x, and
+# 2048 x 128256 x 4096 (121 waves) 1.00x against 0.93x; 4096 x 49152 x 4096 (93 waves) was a tie
+# and below that 128 x 128 ping-pong was as fast or faster (1024 x 128256 x 4096, 61 waves: 1.04x
+# against 1.01x). We read it as power: the wider tile moves a quarter fewer bytes from L2 per
+# FLOP, and at the H100's power limit a long run at lower power keeps higher clocks.
+MANY_WAVES = 90
+# Largest M that launches with programmatic dependent launch (see the module docstring).
+PDL_MAX_M = 128
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
@@ -121,9 +137,10 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
             if wider is not None and FILL * slots <= _tiles(m, n, batches, wider) <= slots:
                 return wider
         # Enough tiles: the configured one (whatever its schedule), or the cooperative 128 x 256 one
-        # for long K loops.
+        # for long K loops and for very many tiles.
         wide = find("cooperative", 128, 256)
-        if k >= LONG_K and wide is not None and _tiles(m, n, batches, wide) >= slots:
+        if ((k >= LONG_K or tiles >= MANY_WAVES * slots) and wide is not None
+                and _tiles(m, n, batches, wide) >= slots):
             return wide
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
@@ -155,19 +172,23 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
                   pinned_splits: int | None = None) -> tuple[GemmConfig, int]:
     """(configuration, splits of K) for an (L, M, N, K) problem: the tile from ``family``, then the
-    cluster shape with the fewest waves (where ``choose_cluster``), then the split count (unless
-    ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
+    cluster shape with the fewest waves (where ``choose_cluster``: the kernel builds other
+    configurations), then the split count (unless ``pinned_splits``), then programmatic dependent
+    launch where the configuration leaves it open (``pdl=None``) and the kernel builds other
+    configurations. ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
     config = choose_tile(m, n, k, batches, family, slots_of((1, 1))) if len(family) > 1 else family[0]
     if choose_cluster:
         config = with_cluster_for(config, m, n, batches, slots_of)
     if pinned_splits is not None:
         splits = pinned_splits
     else:
-        cluster = config.cluster
-        slots = slots_of(cluster)
-        splits = choose_splits(k, cta_tile_grid(m, n, batches, config, cluster), slots)
+        splits = choose_splits(k, cta_tile_grid(m, n, batches, config, config.cluster),
+                               slots_of(config.cluster))
+    if (choose_cluster and config.pdl is None and splits == 1 and m <= PDL_MAX_M
+            and _tiles(m, n, batches, config) <= slots_of(config.cluster)):
+        config = config.replace(pdl=True)
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "choose_launch", "choose_tile", "family_digest", "tile_family",
-           "with_cluster_for"]
+__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "PDL_MAX_M", "choose_launch", "choose_tile",
+           "family_digest", "tile_family", "with_cluster_for"]

@@ -233,6 +233,7 @@ class Sm90GemmKernel:
             cluster=(self.cluster[0], self.cluster[1], 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=bool(self.config.pdl),
         )
 
     def _shared_storage(self, a_smem_staged, b_smem_staged, d_smem_staged):
@@ -561,6 +562,13 @@ class Sm90GemmKernel:
         cta_in_cluster = (cta_coord[0], cta_coord[1])
 
         pipeline_init_wait(cluster_shape_mn=cluster_layout)
+        if cutlass.const_expr(self.config.pdl):
+            # Programmatic dependent launch: everything above (barrier init, descriptor prefetch)
+            # ran while the previous kernel of the stream was finishing; nothing in global memory
+            # is touched before that kernel has completed and flushed. Then the next kernel may be
+            # scheduled at once: its CTAs take SMs as ours leave and wait in this same place.
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         # ======================================================================================
         # Producer warpgroup
