@@ -1,5 +1,5 @@
-"""GPU tests of programmatic dependent launch (PDL): back-to-back kernels must not see each other's
-memory early.
+"""GPU tests of programmatic dependent launch (PDL, ``config={"pdl": True}``): back-to-back kernels
+must not see each other's memory early.
 
 A PDL launch may start while the previous kernel of the stream is still running; the kernel waits
 for it (``griddepcontrol.wait``) before it reads or writes global memory. These tests chain
@@ -17,7 +17,7 @@ import evtc
 
 pytestmark = pytest.mark.gpu
 
-M, N = 64, 512  # decode-sized: the launch takes PDL (evtc.plan.selector.PDL_MAX_M)
+M, N = 64, 512
 
 
 def scaled_plus_bias(acc, bias):
@@ -29,7 +29,8 @@ def kernel(tmp_path_factory):
     ex = {"a": torch.empty(8, N, dtype=torch.float16, device="meta"),
           "b": torch.empty(N, N, dtype=torch.float16, device="meta").t(),
           "bias": torch.empty(N, dtype=torch.float32, device="meta")}
-    return evtc.compile(scaled_plus_bias, ex, cache_dir=tmp_path_factory.mktemp("evtc-pdl"))
+    return evtc.compile(scaled_plus_bias, ex, config={"pdl": True},
+                        cache_dir=tmp_path_factory.mktemp("evtc-pdl"))
 
 
 def _inputs(seed: int):
@@ -50,9 +51,12 @@ def _close(got, want, what):
     assert rel <= 1e-2, f"{what}: relative error {rel:.3g}"
 
 
-def test_the_decode_launch_takes_pdl(kernel):
-    config, splits = kernel.launch_for(M, N, N)
-    assert config.pdl is True and splits == 1, config.short_name()
+def test_every_launch_takes_pdl(kernel):
+    """pdl is not a tile knob: the kernel still chooses its tile per call, each with PDL."""
+    for m, k in ((M, N), (4096, 4096), (M, 16384)):
+        config, _ = kernel.launch_for(m, N, k)
+        assert config.pdl is True, config.short_name()
+    assert len({kernel.launch_for(m, N, 4096)[0].tile_m for m in (16, 4096)}) == 2
 
 
 def test_a_chain_reads_each_previous_output(kernel):

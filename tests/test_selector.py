@@ -11,7 +11,7 @@ import torch
 
 import evtc
 from evtc.plan.config import ConfigError, GemmConfig
-from evtc.plan.selector import FILL, LONG_K, MANY_WAVES, PDL_MAX_M, choose_launch, choose_tile, tile_family
+from evtc.plan.selector import FILL, LONG_K, MANY_WAVES, choose_launch, choose_tile, tile_family
 from evtc.plan.split_k import MAX_SPLITS, MIN_K_TILES_PER_SPLIT, choose_splits, cta_tile_grid
 
 BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
@@ -153,23 +153,13 @@ def test_split_rule():
                                                         and -(-k // 64) // s >= MIN_K_TILES_PER_SPLIT))
 
 
-def test_decode_launches_with_programmatic_dependent_launch():
-    """One split, one wave, M <= PDL_MAX_M: PDL; a split launch, a larger M or more than a wave of
-    tiles: left off (None, which builds the same kernel as the compiled configuration)."""
-    config, splits = _launch(64, 4096, 4096)
-    assert splits == 1 and config.pdl is True
-    assert _launch(PDL_MAX_M, 4096, 2048)[0].pdl is True
-    config, splits = _launch(64, 4096, 14336)
-    assert splits > 1 and config.pdl is None
-    assert _launch(PDL_MAX_M + 1, 4096, 4096)[0].pdl is None
-    assert _launch(4096, 4096, 4096)[0].pdl is None
-    config, splits = _launch(128, 57344, 4096)  # far more than a wave of any tile
-    assert splits == 1 and _tiles(128, 57344, config) > SLOTS and config.pdl is None
-    # A kernel that cannot build other configurations keeps its own; so does one that fixed pdl.
-    assert _launch(64, 4096, 4096, choose_cluster=False)[0].pdl is None
-    for fixed in (False, True):
-        family = tile_family(BASE.replace(pdl=fixed), lambda knobs, f=fixed: BASE.replace(pdl=f, **knobs))
-        assert {_launch(m, 4096, 4096, family=family)[0].pdl for m in (16, 64, 512, 4096)} == {fixed}
+def test_pdl_is_the_users_choice_for_every_launch():
+    """Programmatic dependent launch is opt-in: the selector keeps what the kernel was compiled
+    with, for every size."""
+    sizes = [(1, 6144, 4096), (64, 4096, 4096), (64, 4096, 14336), (512, 4096, 4096), (4096, 128256, 4096)]
+    assert {_launch(*size)[0].pdl for size in sizes} == {False}
+    on = tile_family(BASE.replace(pdl=True), lambda knobs: BASE.replace(pdl=True, **knobs))
+    assert {_launch(*size, family=on)[0].pdl for size in sizes} == {True}
     with pytest.raises(ConfigError, match="pdl must be"):
         BASE.replace(pdl="late")
 

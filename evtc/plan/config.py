@@ -98,13 +98,12 @@ class GemmConfig:
     the epilogue once on the full sum. For problems with too few tiles to fill the GPU (small M);
     see :mod:`evtc.plan.split_k`.
 
-    ``pdl``: launch with programmatic dependent launch (True), or not (False), or let a kernel
-    that chooses its launch per problem decide (None: off unless
-    :func:`evtc.plan.selector.choose_launch` turns it on). With it, the kernel's set-up (barrier
-    init, descriptor prefetch) overlaps the end of the previous kernel in the stream, and it waits
+    ``pdl``: launch with programmatic dependent launch (opt-in). The kernel's set-up (barrier init,
+    descriptor prefetch) then overlaps the end of the previous kernel in the stream, and it waits
     for that kernel to complete before it touches global memory; the next kernel may be scheduled
     as soon as this one starts. Only what runs before that wait overlaps, so results are the same
-    with or without it.
+    with or without it. Off by default: on the H100 it made some decode launches 10% faster and
+    others up to 20% slower (docs/performance.md).
     """
 
     ab_dtype: str = "float16"
@@ -125,7 +124,7 @@ class GemmConfig:
     gated: bool = False
     store_d: bool = True
     split_k: bool = False
-    pdl: bool | None = None
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
@@ -297,8 +296,8 @@ class GemmConfig:
             bad(f"swizzle must be in [1, 64], got {self.swizzle}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.pdl not in (None, True, False):
-            bad(f"pdl must be True, False or None (chosen per launch), got {self.pdl!r}")
+        if self.pdl not in (True, False):
+            bad(f"pdl must be True or False, got {self.pdl!r}")
         if self.gated and self.b_major == "n" and self.out_tile_n * DTYPE_BYTES[self.ab_dtype] % 128:
             bad(f"a gated kernel with an N-major B loads each half of a B tile as whole 128-byte "
                 f"swizzled rows: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "

@@ -24,11 +24,6 @@ docs/performance.md, "A launch per problem size"):
 * **Then split K** while the units fit in one wave and every split keeps enough K tiles
   (:func:`evtc.plan.split_k.choose_splits`): each split costs a round trip of the accumulator
   through memory, which only a long K loop repays.
-* **Programmatic dependent launch** for decode launches (M <= :data:`PDL_MAX_M`, one split, one
-  wave): the kernel's set-up overlaps the end of the previous kernel. On the H100 that took
-  16 x 4096 x 2048 from 0.82x cuBLAS to 0.93x and 64 x 4096 x 4096 from 0.86x to 0.91x; on
-  larger problems it was no better, and on some worse (320 x 4096 x 4096: 0.58x against 0.80x;
-  1024 x 4096 x 14336: 0.85x against 0.93x), as with split K.
 """
 
 from __future__ import annotations
@@ -53,8 +48,6 @@ LONG_K = 16384
 # against 1.01x). We read it as power: the wider tile moves a quarter fewer bytes from L2 per
 # FLOP, and at the H100's power limit a long run at lower power keeps higher clocks.
 MANY_WAVES = 90
-# Largest M that launches with programmatic dependent launch (see the module docstring).
-PDL_MAX_M = 128
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
@@ -172,10 +165,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
                   pinned_splits: int | None = None) -> tuple[GemmConfig, int]:
     """(configuration, splits of K) for an (L, M, N, K) problem: the tile from ``family``, then the
-    cluster shape with the fewest waves (where ``choose_cluster``: the kernel builds other
-    configurations), then the split count (unless ``pinned_splits``), then programmatic dependent
-    launch where the configuration leaves it open (``pdl=None``) and the kernel builds other
-    configurations. ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
+    cluster shape with the fewest waves (where ``choose_cluster``), then the split count (unless
+    ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
     config = choose_tile(m, n, k, batches, family, slots_of((1, 1))) if len(family) > 1 else family[0]
     if choose_cluster:
         config = with_cluster_for(config, m, n, batches, slots_of)
@@ -184,11 +175,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     else:
         splits = choose_splits(k, cta_tile_grid(m, n, batches, config, config.cluster),
                                slots_of(config.cluster))
-    if (choose_cluster and config.pdl is None and splits == 1 and m <= PDL_MAX_M
-            and _tiles(m, n, batches, config) <= slots_of(config.cluster)):
-        config = config.replace(pdl=True)
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "PDL_MAX_M", "choose_launch", "choose_tile",
-           "family_digest", "tile_family", "with_cluster_for"]
+__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "choose_launch", "choose_tile", "family_digest",
+           "tile_family", "with_cluster_for"]
