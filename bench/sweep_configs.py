@@ -72,21 +72,13 @@ NARROW_CANDIDATES = [
     for tn in (64, 128) for cl in ((1, 1), (1, 2), (2, 1))
 ] + [{"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
        for tn, cl in ((64, (1, 2)), (128, (1, 2)), (128, (2, 1)))]
-# Decode (M <= 128): the narrow 64 x 32 tiles (twice the CTAs of 64 x 64 on the same weight)
-# against the 64-row tiles the rules pick today.
-DECODE_CANDIDATES = [
-    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
-    for tn in (32, 64) for cl in ((1, 1), (1, 2), (2, 1))
-] + [{"tile_m": 64, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong"},
-     {"tile_m": 128, "tile_n": 64, "cluster": (2, 1), "schedule": "cooperative"},
-     {"tile_m": 128, "tile_n": 32, "cluster": (2, 1), "schedule": "cooperative"}]
 # Rasterization of the default tile on problems with many tiles (LM heads: 1000 columns of tiles).
 RASTER_CANDIDATES = [
     {"tile_m": 128, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "raster": r, "swizzle": sw}
     for r, sw in (("m", 1), ("m", 4), ("m", 8), ("m", 16), ("m", 32), ("n", 4), ("n", 8), ("n", 16))
 ]
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
-                  "large": LARGE_CANDIDATES, "decode": DECODE_CANDIDATES, "raster": RASTER_CANDIDATES}
+                  "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES}
 
 
 def identity(acc):
