@@ -262,7 +262,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     # cluster of the same configuration shares the plain one.
     from evtc.plan.selector import family_digest
 
-    twin_key = kernel.key + interface.tag() + ":" + family_digest(family, True)
+    twin_key = f"{kernel.key}{interface.tag()}:{family_digest(family, True)}@{kernel._cache.root.resolve()}"
     with _MEMORY_LOCK:
         twin = _MEMORY.get(twin_key)
         if twin is None:
@@ -347,11 +347,12 @@ def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: 
     interface = dataclasses.replace(interface, torch_only=reason)
     key = hashlib.sha256(json.dumps({"torch": format_graph(graph), "signature": signature.describe(),
                                      "interface": interface.tag()}, sort_keys=True).encode()).hexdigest()
+    cache = DiskCache(cache_dir)
     with _MEMORY_LOCK:
-        kernel = _MEMORY.get(key)
+        kernel = _MEMORY.get(f"{key}@{cache.root.resolve()}")
         if kernel is None:
             plan = plan_kernel(graph, emitted, signature, interface)
-            kernel = _MEMORY[key] = Kernel.torch_only(plan, graph, key, DiskCache(cache_dir))
+            kernel = _MEMORY[f"{key}@{cache.root.resolve()}"] = Kernel.torch_only(plan, graph, key, cache)
     return kernel
 
 
@@ -402,14 +403,15 @@ def _kernel_for(plan: KernelPlan, source: str, signature: dict, cfg: GemmConfig,
     """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
     key, meta = kernel_key(source, signature, cfg, arch)
     # Kernels of one compiled code but other call interfaces (unused parameters, strict) are
-    # separate objects over the same disk cache entry.
-    memory_key = key + plan.interface.tag()
+    # separate objects over the same disk cache entry; each cache directory has its own (a user
+    # who points cache_dir somewhere new gets a kernel built or loaded there).
+    cache = DiskCache(cache_dir)
+    memory_key = f"{key}{plan.interface.tag()}@{cache.root.resolve()}"
     with _MEMORY_LOCK:
         hit = _MEMORY.get(memory_key)
     if hit is not None:
         log.debug("memory cache hit: %r, key %s", plan.name, key[:16])
         return hit
-    cache = DiskCache(cache_dir)
     built = obtain(plan, source, cfg, key, cache, arch, meta)
     kernel = Kernel(plan, cfg, key, cache, built, source=source, graph=graph, retrace=retrace)
     with _MEMORY_LOCK:

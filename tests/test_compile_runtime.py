@@ -248,6 +248,25 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
     assert DiskCache().root == tmp_path / "env-cache"
 
 
+def test_each_cache_directory_gets_its_own_kernel(tmp_path):
+    """A second cache directory builds (or loads) its own kernel there, not the first one's
+    from this process's memory; the same directory again is a memory hit."""
+    def tanh_bias(acc, bias):
+        return torch.tanh(acc + bias)
+
+    ex = dict(a=torch.empty(64, 32, dtype=torch.float16, device="meta"),
+              b=torch.empty(32, 64, dtype=torch.float16, device="meta"),
+              bias=torch.empty(64, dtype=torch.float16, device="meta"))
+    first = evtc.compile(tanh_bias, ex, arch="sm_90a", cache_dir=tmp_path / "one")
+    again = evtc.compile(tanh_bias, ex, arch="sm_90a", cache_dir=tmp_path / "one")
+    second = evtc.compile(tanh_bias, ex, arch="sm_90a", cache_dir=tmp_path / "two")
+    assert again is first
+    assert second is not first and second.key == first.key
+    assert second.cache_path is not None and (tmp_path / "two") in second.cache_path.parents
+    assert first.cache_path is not None and (tmp_path / "one") in first.cache_path.parents
+    assert list((tmp_path / "two").glob(f"*/{first.key}"))
+
+
 def test_threads_compile_one_kernel(tmp_path):
     def scaled(acc, s):
         return acc * s + 0.125
