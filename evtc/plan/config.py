@@ -103,7 +103,7 @@ class GemmConfig:
     for that kernel to complete before it touches global memory; the next kernel may be scheduled
     as soon as this one starts. Only what runs before that wait overlaps, so results are the same
     with or without it. Off by default: on the H100 it made some decode launches 10% faster and
-    others up to 20% slower (docs/performance.md).
+    others up to 25% slower (docs/performance.md).
     """
 
     ab_dtype: str = "float16"

@@ -233,7 +233,7 @@ class Sm90GemmKernel:
             cluster=(self.cluster[0], self.cluster[1], 1),
             min_blocks_per_mp=1,
             stream=stream,
-            use_pdl=bool(self.config.pdl),
+            use_pdl=self.config.pdl,
         )
 
     def _shared_storage(self, a_smem_staged, b_smem_staged, d_smem_staged):
