@@ -54,7 +54,7 @@ _CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
 }
 _RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", "Float8E4M3FN",
              "Float8E5M2", "FusedVisitor", "ArgScalar", "ColVector", "DeviceScalar", "RowVector",
-             "TileLoad", "TileStore", "RowReduction", "ColReduction"}
+             "TileLoad", "TileStore", "ReductionOverN", "ReductionOverM"}
 _LOGICAL = {"logical_and", "logical_or", "logical_not"}
 
 
@@ -97,7 +97,7 @@ class ReductionPlan:
     @property
     def operand(self) -> str:
         """The kernel operand class that computes the partials."""
-        return "ColReduction" if self.axis == "col" else "RowReduction"
+        return "ReductionOverM" if self.axis == "col" else "ReductionOverN"
 
 
 @dataclass
@@ -385,7 +385,8 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w("from evtc.sm90 import dsl_ops as op  # noqa: F401")
     w("from evtc.sm90.fused import FusedVisitor")
     w("from evtc.sm90.operands import (  # noqa: F401")
-    w("    ArgScalar, ColReduction, ColVector, DeviceScalar, RowReduction, RowVector, TileLoad, TileStore,")
+    w("    ArgScalar, ColVector, DeviceScalar, ReductionOverM, ReductionOverN, RowVector, TileLoad,")
+    w("    TileStore,")
     w(")")
     w("")
     w("")

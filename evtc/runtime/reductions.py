@@ -3,9 +3,9 @@
 The kernel writes, per reduction, float32 partials into a flat workspace (spare elements last, see
 :mod:`evtc.sm90.operands`):
 
-* per row (``RowReduction``, also behind per-batch and whole-output reductions): each row's partial
+* per row (``ReductionOverN``, also behind per-batch and whole-output reductions): each row's partial
   of each tile, (L, n tiles, M);
-* per column (``ColReduction``): each column's partial of each tile (the warps' partials combined
+* per column (``ReductionOverM``): each column's partial of each tile (the warps' partials combined
   in shared memory), (L, m tiles, N).
 
 :class:`HostFinish` reduces them over the partials with one torch op each (a fixed order, so the

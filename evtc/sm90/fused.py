@@ -43,7 +43,7 @@ class FusedVisitor(EpilogueVisitor):
     name = "fused"
     inputs: tuple[Operand, ...] = ()
     outputs: tuple[TileStore, ...] = ()
-    #: Reductions of tile values (RowReduction): ``fragment`` returns their inputs after the outputs.
+    #: Reductions of tile values (ReductionOverN): ``fragment`` returns their inputs after the outputs.
     reductions: tuple[Operand, ...] = ()
     #: Gated: the kernel pairs gate and up columns, and ``fragment`` takes both accumulator halves.
     gated: bool = False

@@ -6,19 +6,22 @@ registers, so a new kind joins without touching the kernel or the other kinds.
 
 Kinds, and the global-memory views the launcher (:mod:`evtc.sm90.launch`) hands to ``setup``:
 
-=============  ======================  ===========================================================
-kind           view                    how it reaches the fragment
-=============  ======================  ===========================================================
-TileLoad       (M, N[, L])             TMA, one subtile per load stage, read like the accumulator
-RowVector      (N[, L])                TMA of the subtile's epi_n values per load stage, read
-                                       through a (128, epi_n) view with stride 0 along M
-ColVector      (M[, L])                TMA of the tile's 128 values per load stage, read through
-                                       a (128, epi_n) view with stride 0 along N
-DeviceScalar   (1,) or (L,)            one global load per tile (at the tile's batch), by every
-                                       epilogue thread
-ArgScalar      a Float32 argument      passed through
-TileStore      (M, N[, L])             own staged buffer, written in postreduce, TMA store
-=============  ======================  ===========================================================
+===============  ======================  ==========================================================
+kind             view                    how it reaches the fragment
+===============  ======================  ==========================================================
+TileLoad         (M, N[, L])             TMA, one subtile per load stage, read like the accumulator
+RowVector        (N[, L])                TMA of the subtile's epi_n values per load stage, read
+                                         through a (128, epi_n) view with stride 0 along M
+ColVector        (M[, L])                TMA of the tile's 128 values per load stage, read through
+                                         a (128, epi_n) view with stride 0 along N
+DeviceScalar     (1,) or (L,)            one global load per tile (at the tile's batch), by every
+                                         epilogue thread
+ArgScalar        a Float32 argument      passed through
+TileStore        (M, N[, L])             own staged buffer, written in postreduce, TMA store
+ReductionOverN   (L, n tiles, M)         one value per row (sum, max or min over N): per-tile
+                                         partials, stored by lane; the host finishes them
+ReductionOverM   (L, m tiles, N)         one value per column (over M): per-tile partials
+===============  ======================  ==========================================================
 
 ``[, L]`` is there when the operand varies along the batch: one shared by all batches has no L
 mode and is read at batch 0 for every batch.
@@ -449,7 +452,7 @@ class _Reduction(Operand):
                                spare=cute.size(workspace) - 1)
 
 
-class RowReduction(_Reduction):
+class ReductionOverN(_Reduction):
     """Per-tile partials of a reduction over N: the workspace holds (L, n tiles, M) values.
 
     Each thread folds its fragment into a fragment-shaped register tensor, subtile after subtile
@@ -465,7 +468,7 @@ class RowReduction(_Reduction):
         state.partial.fill(self.IDENTITY[self.op])
         corners = state.pattern.corners
         if any(corners[t][0] != corners[t - t % 4][0] for t in corners):
-            raise AssertionError("RowReduction: the lanes of a quad do not share rows")
+            raise AssertionError("ReductionOverN: the lanes of a quad do not share rows")
         return state
 
     def accumulate(self, ctx, state, epi_idx: int, value) -> None:
@@ -500,7 +503,7 @@ class RowReduction(_Reduction):
         state.workspace[index] = totals[0]
 
 
-class ColReduction(_Reduction):
+class ReductionOverM(_Reduction):
     """Per-tile partials of a reduction over M: the workspace holds (L, m tiles, N) values.
 
     Per subtile, each thread folds its values column by column (rows past M masked) and keeps the
@@ -530,10 +533,10 @@ class ColReduction(_Reduction):
         state = super().begin(ctx, params, storage, tile_coord)
         corners = state.pattern.corners
         if any(corners[t][1] != corners[t % 4][1] for t in corners):
-            raise AssertionError("ColReduction: lanes equal mod 4 do not share columns")
+            raise AssertionError("ReductionOverM: lanes equal mod 4 do not share columns")
         warps = ctx.shape.num_threads // 32
         if warps * ctx.shape.config.epi_groups != self.WARP_ROWS:
-            raise AssertionError(f"ColReduction: {warps} warps x {ctx.shape.config.epi_groups} epilogues")
+            raise AssertionError(f"ReductionOverM: {warps} warps x {ctx.shape.config.epi_groups} epilogues")
         # Rows past M (ragged or overhanging tiles): masked once per tile, for every subtile.
         pattern = state.pattern
         room = state.m_size - (state.tile[0] * ctx.shape.tile[0] + pattern.base_row)
@@ -597,16 +600,16 @@ def construct(texts: list[str]) -> list[Operand]:
 
 
 __all__ = [
-    "construct",
     "ArgScalar",
-    "ColReduction",
-    "RowReduction",
     "ColVector",
     "DeviceScalar",
     "Operand",
+    "ReductionOverM",
+    "ReductionOverN",
     "RowVector",
     "TileLoad",
     "TileStore",
+    "construct",
     "dsl_dtype",
 ]
 
