@@ -25,10 +25,13 @@ import torch.nn.functional as F
 
 import evtc
 from evtc.errors import EpilogueError
+from evtc.plan.operand_kinds import KINDS as OPERAND_KINDS
 from evtc.runtime.cache import DiskCache
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-KINDS = ("tile", "row", "col", "scalar", "device_scalar")
+# --kind names: an operand kind, or "scalar" for a Python number ("device_scalar" is the IR's
+# "scalar": a one-element tensor).
+CLI_KINDS = ("tile", "row", "col", "scalar", "device_scalar")
 
 
 def _has_gpu() -> bool:
@@ -206,7 +209,7 @@ def example_inputs(fn: Callable[..., Any], m: int, n: int, k: int, dtype: torch.
         if kind == "scalar":
             ex[p.name] = p.default if isinstance(p.default, int | float) else 1.0
         else:
-            shape = {"tile": (m, n), "row": (n,), "col": (m, 1), "device_scalar": (1,)}[kind]
+            shape = OPERAND_KINDS["scalar" if kind == "device_scalar" else kind].example_shape(m, n)
             ex[p.name] = torch.empty(shape, dtype=dtype if kind == "tile" else torch.float32, device="meta")
     return ex
 
@@ -215,8 +218,8 @@ def _parse_kinds(items: Sequence[str]) -> dict[str, str]:
     kinds = {}
     for item in items:
         name, sep, kind = item.partition("=")
-        if not sep or kind not in KINDS:
-            raise SystemExit(f"--kind takes NAME=KIND with KIND one of {KINDS}, got {item!r}")
+        if not sep or kind not in CLI_KINDS:
+            raise SystemExit(f"--kind takes NAME=KIND with KIND one of {CLI_KINDS}, got {item!r}")
         kinds[name] = kind
     return kinds
 
@@ -279,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="256x512x128", help="MxNxK of the example inputs")
     p.add_argument("--dtype", default="f16", choices=list(DTYPES))
     p.add_argument("--kind", action="append", default=[],
-                   help=f"NAME=KIND for an operand, KIND one of {KINDS} (default: tile, or scalar for "
+                   help=f"NAME=KIND for an operand, KIND one of {CLI_KINDS} (default: tile, or scalar for "
                         "float/int parameters); without --kind, a module-level <function>_inputs dict "
                         "(or function returning one) is used when present")
     p.add_argument("--picture", default=None, help="write a picture of the graph (.svg, .png, .dot)")

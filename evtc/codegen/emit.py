@@ -30,6 +30,7 @@ from evtc.ir.graph import Graph, Node
 from evtc.ir.ops import ELEMENTWISE
 from evtc.ir.printer import format_literal, node_names
 from evtc.ir.shapes import format_shape
+from evtc.plan.operand_kinds import KINDS
 
 #: Output dtypes the kernel's own D store takes (the first such output becomes D).
 KERNEL_D_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -317,16 +318,13 @@ def operand_constructors(emitted: EmittedEpilogue, tile_majors: dict[str, str] |
     The shared-memory planner evaluates the same text (:func:`evtc.sm90.operands.construct`)."""
     inputs = []
     for p in emitted.inputs:
-        if p.kind in ("arg", "literal"):
-            inputs.append(f"ArgScalar({p.ident!r})")
+        kind = KINDS[p.kind]
+        if kind.runtime_scalar:
+            inputs.append(f"{kind.device_class}({p.ident!r})")
             continue
         dtype = _DTYPE_NAME[p.dtype]
-        if p.kind == "tile":
-            major = (tile_majors or {}).get(p.name, "n")
-            inputs.append(f"TileLoad({p.ident!r}, {dtype!r}, major={major!r}, batched={bool(p.batched)})")
-        else:
-            cls = {"row": "RowVector", "col": "ColVector"}.get(p.kind, "DeviceScalar")
-            inputs.append(f"{cls}({p.ident!r}, {dtype!r}, batched={bool(p.batched)})")
+        major = f", major={(tile_majors or {}).get(p.name, 'n')!r}" if p.kind == "tile" else ""
+        inputs.append(f"{kind.device_class}({p.ident!r}, {dtype!r}{major}, batched={bool(p.batched)})")
     outputs = [f"TileStore({o.name!r}, {_DTYPE_NAME[o.dtype]!r}, batched={batched})" for o in emitted.outputs]
     reductions = [f"{r.operand}({r.ident!r}, {r.op!r})" for r in emitted.reductions]
     return inputs, outputs, reductions
@@ -353,8 +351,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     class_name = _class_name(graph.name)
     acc = ", ".join(em.acc_params())
 
-    scalar_kinds = ("arg", "scalar", "literal")
-    uniform_params = [p.ident for p in em.inputs if p.kind in scalar_kinds]
+    uniform_params = [p.ident for p in em.inputs if KINDS[p.kind].uniform]
     reduced = [em.names[r.node.inputs[0].id] for r in em.reductions]
     returned = {em.names[o.node.inputs[0].id] for o in outputs} | set(reduced)
     fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))

@@ -19,6 +19,7 @@ from ..errors import DTypeError, InputError, ShapeError, SourceLoc
 from ..ir.dtypes import GEMM_INPUT_DTYPES, OPERAND_DTYPES, short_name
 from ..ir.graph import Operand
 from ..ir.shapes import HALF_N, ONE, L, M, N, Shape, varying_dims
+from ..plan.operand_kinds import kind_of
 from .source import definition_location
 
 RESERVED = ("a", "b")
@@ -154,12 +155,5 @@ def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc
             )
     sym: Shape = tuple(shape)
     varying = varying_dims(sym)
-    if {M, N} <= varying:
-        kind = "tile"
-    elif N in varying:
-        kind = "row"
-    elif M in varying:
-        kind = "col"
-    else:
-        kind = "scalar"
+    kind = kind_of({str(d) for d in varying})
     return Operand(name, kind, t.dtype, sym, batched=L in varying)

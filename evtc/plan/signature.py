@@ -13,6 +13,7 @@ import torch
 
 from evtc.ir.graph import Graph
 from evtc.ir.shapes import ONE
+from evtc.plan.operand_kinds import KINDS
 from evtc.plan.tensor_spec import TMA_ALIGN, TensorSpec  # noqa: F401 - re-exported
 
 
@@ -36,11 +37,6 @@ def contiguous_dim(spec_dims: tuple[str, ...], t: torch.Tensor, allowed: tuple[s
     return min(reversed(moving), key=lambda i: abs(strides[i]))
 
 
-_VIEW_MODES = {
-    "tile": (("M", "N", "L"), ("M", "N")),
-    "row": (("N", "L"), ("N",)),
-    "col": (("M", "L"), ("M",)),
-}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,24 +105,24 @@ class KernelSignature:
         self.views: list = []
         self.tile_majors: dict[str, str] = {}
         for plan in emitted.inputs:
-            if plan.kind in ("arg", "literal"):
+            kind = KINDS[plan.kind]
+            if kind.runtime_scalar:
                 self.inputs.append(None)
                 self.views.append("arg")
                 continue
             operand = graph.operands[plan.name]
             t = example[plan.name]
             dims = dims_of(operand.shape)
-            if plan.kind == "scalar":
+            if kind.view_modes is None:
                 self.inputs.append(TensorSpec(plan.name, dtype_name(t.dtype), dims, None))
                 # A per-batch scalar is read at each tile's batch through an (L,) view.
                 self.views.append(("L",) if operand.batched else "scalar")
                 continue
-            want = {"row": ("N",), "col": ("M",), "tile": ("M", "N")}[plan.kind]
-            spec = TensorSpec(plan.name, dtype_name(t.dtype), dims, contiguous_dim(dims, t, want))
+            spec = TensorSpec(plan.name, dtype_name(t.dtype), dims, contiguous_dim(dims, t, kind.varying))
             if plan.kind == "tile":
                 self.tile_majors[plan.name] = "n" if dims[spec.contiguous] == "N" else "m"
             self.inputs.append(spec)
-            self.views.append(_VIEW_MODES[plan.kind][0 if operand.batched else 1])
+            self.views.append(kind.view_modes[0 if operand.batched else 1])
 
     def set_output_major(self, d_major: str) -> None:
         """Outputs column-major (``"m"``: M contiguous) or row-major (``"n"``, the default)."""

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from evtc.plan.config import ConfigError, GemmConfig
+from evtc.plan.operand_kinds import KINDS
 
 log = logging.getLogger("evtc")
 
@@ -80,7 +81,7 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
     tile is worth them). Otherwise the deepest staging that keeps those A/B stages wins, and failing
     that the old rule: at least 2 stages, as deep as costs no A/B stage.
     """
-    if "load_stages" in knobs or not any(p.kind in ("tile", "row", "col") for p in emitted.inputs):
+    if "load_stages" in knobs or not any(KINDS[p.kind].staged_load for p in emitted.inputs):
         return cfg
 
     def deepest(cand) -> int | None:

@@ -18,6 +18,7 @@ from evtc.errors import CallError, EpilogueError
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
+from evtc.plan.operand_kinds import KINDS
 from evtc.runtime import split_k
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
@@ -398,14 +399,12 @@ class Kernel:
                          f"too few tiles fill the GPU (other shapes built: {built})")
         lines.append("  inputs:")
         for plan in self.plan.inputs:
-            spec = plan.spec
+            spec, how = plan.spec, KINDS[plan.kind].how
             if plan.kind == "arg":
-                lines.append(f"    {plan.name}: runtime float32 scalar (kernel argument)")
+                lines.append(f"    {plan.name}: {how}")
             elif plan.kind == "literal":
-                lines.append(f"    {plan.ident} = {plan.name}: computed from the sizes at each call")
+                lines.append(f"    {plan.ident} = {plan.name}: {how}")
             else:
-                how = {"tile": "TMA, staged per subtile", "row": "TMA, epi_n values per subtile",
-                       "col": "TMA, 128 values per subtile", "scalar": "one load per tile"}[plan.kind]
                 batch = "per batch" if plan.batched else "shared by all batches"
                 lines.append(f"    {spec.describe()}: {plan.kind}, {batch}; {how}")
         lines.append("  outputs:")
