@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING, Any
 from evtc.errors import CallError, CompileError, EpilogueError
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan, plan_kernel
-from evtc.runtime.build import SOURCE, load, obtain
+from evtc.runtime.build import SOURCE, load
 from evtc.runtime.cache import DiskCache
-from evtc.runtime.front_key import front_key, versions
+from evtc.runtime.front_key import front_key
 from evtc.runtime.kernel import Kernel
+from evtc.runtime.variants import MEMORY, MEMORY_LOCK, VariantSource, kernel_for
 
 if TYPE_CHECKING:
     from evtc.api import OutDtypes
 
 log = logging.getLogger("evtc")
 
-_MEMORY: dict[str, Kernel] = {}
-# In-memory kernels by (front key, cache dir), and a lock per key (see _compile).
+# In-memory kernels by (front key, cache dir), and a lock per key (see _compile); guarded by
+# MEMORY_LOCK, as the kernels by key (evtc.runtime.variants.MEMORY).
 _FRONT: dict[tuple[str, str], Kernel] = {}
 _FRONT_LOCKS: dict[tuple[str, str], threading.Lock] = {}
-_MEMORY_LOCK = threading.Lock()
 
 
 def compile(  # noqa: A001 - the public name, as torch.compile
@@ -107,7 +107,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         return kernel
     memory_key = (fkey, str(cache_dir))
-    with _MEMORY_LOCK:
+    with MEMORY_LOCK:
         hit = _FRONT.get(memory_key)
         lock = _FRONT_LOCKS.setdefault(memory_key, threading.Lock())
     if hit is not None:
@@ -115,7 +115,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
     # One compile per front key at a time: threads asking for the same kernel wait for the first
     # and share its Kernel.
     with lock:
-        with _MEMORY_LOCK:
+        with MEMORY_LOCK:
             hit = _FRONT.get(memory_key)
         if hit is not None:
             return hit
@@ -125,7 +125,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
             if record is not None:
                 DiskCache(cache_dir).commit_front(fkey, record)
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
-        with _MEMORY_LOCK:
+        with MEMORY_LOCK:
             _FRONT[memory_key] = kernel
         return kernel
 
@@ -250,7 +250,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
 
     plan = plan_kernel(graph, emitted, signature, interface)
     described = signature.describe()
-    kernel = _kernel_for(plan, emitted.source, described, cfg, arch, cache_dir, graph=graph)
+    kernel = kernel_for(plan, emitted.source, described, cfg, arch, cache_dir, graph=graph)
     family = _tile_family(cfg, knobs, emitted, signature)
     record = {"key": kernel.key, "plan": plan.to_json(), "config": dataclasses.asdict(cfg),
               "clusters": "cluster" not in knobs, "signature": described,
@@ -263,12 +263,12 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     from evtc.plan.selector import family_digest
 
     twin_key = f"{kernel.key}{interface.tag()}:{family_digest(family, True)}@{kernel._cache.root.resolve()}"
-    with _MEMORY_LOCK:
-        twin = _MEMORY.get(twin_key)
+    with MEMORY_LOCK:
+        twin = MEMORY.get(twin_key)
         if twin is None:
             source = emitted.source
             factory = VariantSource(plan, lambda: source, described, arch, cache_dir, graph=graph)
-            twin = _MEMORY[twin_key] = kernel._choosing_clusters(factory, family)
+            twin = MEMORY[twin_key] = kernel._choosing_clusters(factory, family)
     return twin, record
 
 
@@ -348,80 +348,18 @@ def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: 
     key = hashlib.sha256(json.dumps({"torch": format_graph(graph), "signature": signature.describe(),
                                      "interface": interface.tag()}, sort_keys=True).encode()).hexdigest()
     cache = DiskCache(cache_dir)
-    with _MEMORY_LOCK:
-        kernel = _MEMORY.get(f"{key}@{cache.root.resolve()}")
+    with MEMORY_LOCK:
+        kernel = MEMORY.get(f"{key}@{cache.root.resolve()}")
         if kernel is None:
             plan = plan_kernel(graph, emitted, signature, interface)
-            kernel = _MEMORY[f"{key}@{cache.root.resolve()}"] = Kernel.torch_only(plan, graph, key, cache)
+            kernel = MEMORY[f"{key}@{cache.root.resolve()}"] = Kernel.torch_only(plan, graph, key, cache)
     return kernel
-
-
-def kernel_key(source: str, signature: dict, cfg: GemmConfig, arch) -> tuple[str, dict]:
-    """(disk cache key, build metadata) of one configuration of a generated source."""
-    meta = {"versions": versions(), "config": repr(cfg), "signature": signature, "arch": arch or "device"}
-    key = hashlib.sha256(json.dumps({"source": source, **meta}, sort_keys=True).encode()).hexdigest()
-    return key, meta
-
-
-class VariantSource:
-    """What builds the kernels of a kernel's other configurations (its family's tiles, cluster
-    shapes, split-K): the plan, the generated source and the call signature, which every
-    configuration shares. Called with a configuration, it gives that kernel (memory, disk cache or
-    a build, here); :meth:`job` describes the same build for another process
-    (:mod:`evtc.runtime.prebuild`)."""
-
-    def __init__(self, plan: KernelPlan, source: Callable[[], str], signature: dict, arch, cache_dir, *,
-                 graph=None, retrace: Callable[[], Any] | None = None) -> None:
-        self._plan, self._source, self._signature = plan, source, signature
-        self._arch, self._cache_dir, self._graph, self._retrace = arch, cache_dir, graph, retrace
-
-    def __call__(self, cfg: GemmConfig) -> Kernel:
-        return _kernel_for(self._plan, self._source(), self._signature, cfg, self._arch, self._cache_dir,
-                           graph=self._graph, retrace=self._retrace)
-
-    def job(self, cfg: GemmConfig) -> dict:
-        """A JSON-able description of building ``cfg``'s kernel into the disk cache."""
-        return {"plan": self._plan.to_json(), "source": self._source(), "signature": self._signature,
-                "config": dataclasses.asdict(cfg), "arch": self._arch,
-                "cache_dir": str(DiskCache(self._cache_dir).root)}
-
-
-def build_job(job: dict) -> str:
-    """Build the kernel that :meth:`VariantSource.job` describes into the disk cache (or find it
-    there); returns its key. Used by prebuild worker processes."""
-    plan = KernelPlan.from_json(job["plan"])
-    if plan is None:
-        raise ValueError("prebuild job: the plan does not parse (another evtc version?)")
-    cfg = GemmConfig(**job["config"]).validate()
-    key, meta = kernel_key(job["source"], job["signature"], cfg, job["arch"])
-    obtain(plan, job["source"], cfg, key, DiskCache(job["cache_dir"]), job["arch"], meta)
-    return key
-
-
-def _kernel_for(plan: KernelPlan, source: str, signature: dict, cfg: GemmConfig, arch, cache_dir, *,
-                graph=None, retrace: Callable[[], Any] | None = None) -> Kernel:
-    """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
-    key, meta = kernel_key(source, signature, cfg, arch)
-    # Kernels of one compiled code but other call interfaces (unused parameters, strict) are
-    # separate objects over the same disk cache entry; each cache directory has its own (a user
-    # who points cache_dir somewhere new gets a kernel built or loaded there).
-    cache = DiskCache(cache_dir)
-    memory_key = f"{key}{plan.interface.tag()}@{cache.root.resolve()}"
-    with _MEMORY_LOCK:
-        hit = _MEMORY.get(memory_key)
-    if hit is not None:
-        log.debug("memory cache hit: %r, key %s", plan.name, key[:16])
-        return hit
-    built = obtain(plan, source, cfg, key, cache, arch, meta)
-    kernel = Kernel(plan, cfg, key, cache, built, source=source, graph=graph, retrace=retrace)
-    with _MEMORY_LOCK:
-        return _MEMORY.setdefault(memory_key, kernel)
 
 
 def clear_memory_cache() -> None:
     """Forget the kernels compiled in this process (the disk cache stays)."""
-    with _MEMORY_LOCK:
-        _MEMORY.clear()
+    with MEMORY_LOCK:
+        MEMORY.clear()
         _FRONT.clear()
         _FRONT_LOCKS.clear()
 

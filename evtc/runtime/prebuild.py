@@ -51,7 +51,7 @@ class Prebuild:
 
 
 def start(jobs: list[dict], configs: Sequence) -> Prebuild:
-    """Start one worker process that builds ``jobs`` (see :meth:`evtc.compile.VariantSource.job`).
+    """Start one worker process that builds ``jobs`` (see :meth:`evtc.runtime.variants.VariantSource.job`).
     The jobs and the worker's messages go through files, not pipes: a worker that nobody waits for
     must never block on a full pipe."""
     if not jobs:
@@ -66,7 +66,7 @@ def start(jobs: list[dict], configs: Sequence) -> Prebuild:
 
 def main(argv: list[str]) -> int:
     """The worker: build every job of the JSON file ``argv[0]`` in order, then remove the file."""
-    from evtc.compile import build_job
+    from evtc.runtime.variants import build_job
 
     path = argv[0]
     try:
