@@ -56,12 +56,17 @@ def cluster_costs(schedule: str, tile_m: int, tile_n: int) -> dict[tuple[int, in
     return TILE_CLUSTER_COST.get((schedule, tile_m, tile_n), CLUSTER_COST[schedule])
 
 
+def padded_tiles(tiles_m: int, tiles_n: int, cluster: tuple[int, int]) -> int:
+    """Tiles of one batch counted in whole clusters: a cluster that overhangs the problem's edge
+    runs its idle CTAs too."""
+    cm, cn = cluster
+    return ceil_div(tiles_m, cm) * cm * ceil_div(tiles_n, cn) * cn
+
+
 def waves(tiles_m: int, tiles_n: int, batches: int, cluster: tuple[int, int], slots: int) -> int:
     """Rounds of ``slots`` concurrent CTAs that a persistent launch needs for the problem's tiles,
     counting the idle CTAs of clusters that overhang the edge (they run, and occupy an SM)."""
-    cm, cn = cluster
-    padded = ceil_div(tiles_m, cm) * cm * ceil_div(tiles_n, cn) * cn * batches
-    return ceil_div(padded, max(slots, 1))
+    return ceil_div(padded_tiles(tiles_m, tiles_n, cluster) * batches, max(slots, 1))
 
 
 def cluster_for_problem(tiles_m: int, tiles_n: int, batches: int, preferred: tuple[int, int],
@@ -80,8 +85,7 @@ def cluster_for_problem(tiles_m: int, tiles_n: int, batches: int, preferred: tup
         # Clusters that overhang the problem's edge cost more than the extra CTAs' share of a wave:
         # on the H100, 384 x 4096 x 4096 in 128 x 128 tiles (three rows) ran 0.58x cuBLAS with 2x1
         # clusters and 0.81x with 1x1 ones, both one wave. So the overhang also scales the cost.
-        cm, cn = cluster
-        overhang = (ceil_div(tiles_m, cm) * cm * ceil_div(tiles_n, cn) * cn) / max(tiles_m * tiles_n, 1)
+        overhang = padded_tiles(tiles_m, tiles_n, cluster) / max(tiles_m * tiles_n, 1)
         return (waves(tiles_m, tiles_n, batches, cluster, slots_of(cluster)) * costs.get(cluster, 1.0)
                 * overhang)
 
