@@ -113,7 +113,6 @@ class Kernel:
         self._variants: dict[GemmConfig, Kernel] = {}
         self._pinned_splits: int | None = None
         self._variant_lock = threading.Lock()
-        self._cluster_memo: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._op = None
         self._call_setup()
 
@@ -175,7 +174,6 @@ class Kernel:
         twin._family = tuple(family) or (self.config,)
         twin._variants = {self.config: self}
         twin._variant_lock = threading.Lock()
-        twin._cluster_memo = {}
         twin._launch_memo = {}
         twin._op = None
         twin._autotuned_twin = None
@@ -217,25 +215,18 @@ class Kernel:
         return self._autotune
 
     def cluster_for(self, m: int, n: int, batches: int = 1) -> tuple[int, int]:
-        """The cluster shape a call on an (L, M, N) problem runs with.
+        """The cluster shape the compiled tile runs an (L, M, N) problem with.
 
         ``config.cluster`` unless the kernel was compiled without a cluster knob and another shape
-        needs fewer waves of tiles: a 1x2 cluster over a problem with one column of tiles leaves half
-        the CTAs idle, so a 2x1 (or 1x1) kernel runs instead. Those are compiled, or loaded from
-        the disk cache, on first use."""
+        needs fewer waves of tiles (:func:`evtc.plan.selector.with_cluster_for`, the rule calls
+        use): a 1x2 cluster over a problem with one column of tiles leaves half the CTAs idle, so
+        a 2x1 (or 1x1) kernel runs instead. A kernel that also chooses its tile may launch another
+        tile, with that tile's cluster: :meth:`launch_for` gives the whole launch."""
         if self._variant_factory is None:
             return self.config.cluster
-        tiles_m = -(-m // self.config.tile_m)
-        tiles_n = -(-n // self.config.out_tile_n)
-        memo_key = (tiles_m, tiles_n, batches)
-        chosen = self._cluster_memo.get(memo_key)
-        if chosen is None:
-            from evtc.plan.clusters import cluster_for_problem
+        from evtc.plan.selector import with_cluster_for
 
-            chosen = cluster_for_problem(tiles_m, tiles_n, batches, self.config.cluster, self._slots,
-                                         self.config.schedule)
-            self._cluster_memo[memo_key] = chosen
-        return chosen
+        return with_cluster_for(self.config, m, n, batches, self._slots).cluster
 
     def _slots(self, cluster: tuple[int, int]) -> int:
         """CTAs of clusters of this shape that the current GPU runs at once."""
