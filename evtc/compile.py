@@ -32,7 +32,7 @@ from evtc.runtime.build import SOURCE, load
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.front_key import front_key
 from evtc.runtime.kernel import Kernel
-from evtc.runtime.variants import MEMORY, MEMORY_LOCK, VariantSource, kernel_for
+from evtc.runtime.variants import MEMORY, MEMORY_LOCK, VariantSource, kernel_for, memory_key
 
 if TYPE_CHECKING:
     from evtc.api import OutDtypes
@@ -106,17 +106,17 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         kernel, _ = _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         return kernel
-    memory_key = (fkey, str(cache_dir))
+    front_memo = (fkey, str(cache_dir))
     with MEMORY_LOCK:
-        hit = _FRONT.get(memory_key)
-        lock = _FRONT_LOCKS.setdefault(memory_key, threading.Lock())
+        hit = _FRONT.get(front_memo)
+        lock = _FRONT_LOCKS.setdefault(front_memo, threading.Lock())
     if hit is not None:
         return hit
     # One compile per front key at a time: threads asking for the same kernel wait for the first
     # and share its Kernel.
     with lock:
         with MEMORY_LOCK:
-            hit = _FRONT.get(memory_key)
+            hit = _FRONT.get(front_memo)
         if hit is not None:
             return hit
         kernel = _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir)
@@ -126,7 +126,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
                 DiskCache(cache_dir).commit_front(fkey, record)
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         with MEMORY_LOCK:
-            _FRONT[memory_key] = kernel
+            _FRONT[front_memo] = kernel
         return kernel
 
 
@@ -262,7 +262,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     # cluster of the same configuration shares the plain one.
     from evtc.plan.selector import family_digest
 
-    twin_key = f"{kernel.key}{interface.tag()}:{family_digest(family, True)}@{kernel._cache.root.resolve()}"
+    twin_key = memory_key(f"{kernel.key}{interface.tag()}:{family_digest(family, True)}", kernel._cache)
     with MEMORY_LOCK:
         twin = MEMORY.get(twin_key)
         if twin is None:
@@ -348,11 +348,12 @@ def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: 
     key = hashlib.sha256(json.dumps({"torch": format_graph(graph), "signature": signature.describe(),
                                      "interface": interface.tag()}, sort_keys=True).encode()).hexdigest()
     cache = DiskCache(cache_dir)
+    mkey = memory_key(key, cache)
     with MEMORY_LOCK:
-        kernel = MEMORY.get(f"{key}@{cache.root.resolve()}")
+        kernel = MEMORY.get(mkey)
         if kernel is None:
             plan = plan_kernel(graph, emitted, signature, interface)
-            kernel = MEMORY[f"{key}@{cache.root.resolve()}"] = Kernel.torch_only(plan, graph, key, cache)
+            kernel = MEMORY[mkey] = Kernel.torch_only(plan, graph, key, cache)
     return kernel
 
 

@@ -23,12 +23,8 @@ class OperandKind:
     device_class: str
     #: Problem dims the tensor varies along (besides L); its contiguous dim is one of them.
     varying: tuple[str, ...] = ()
-    #: Modes of the kernel's view of the tensor (with L, without L); None: not a tensor view.
-    view_modes: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     #: Passed to the kernel as a float32 argument (a Python number, or a literal of the sizes).
     runtime_scalar: bool = False
-    #: Loaded by TMA into staged shared-memory buffers (the epilogue-load pipeline).
-    staged_load: bool = False
     #: How the kernel reads it, for ``Kernel.explain``.
     how: str = ""
 
@@ -37,6 +33,18 @@ class OperandKind:
         """The same value for the whole tile: computed once per tile, not per element."""
         return not self.varying
 
+    @property
+    def staged_load(self) -> bool:
+        """Loaded by TMA into staged shared-memory buffers (the epilogue-load pipeline): every
+        kind that varies over the tile."""
+        return bool(self.varying)
+
+    @property
+    def view_modes(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """Modes of the kernel's view of the tensor (with L, without L): the dims it varies
+        along. None for kinds the kernel does not view as a tensor of the tile."""
+        return ((*self.varying, "L"), self.varying) if self.varying else None
+
     def example_shape(self, m: int, n: int) -> tuple[int, ...]:
         """The shape of an example tensor of this kind for an M x N output (``evtc`` on the
         command line builds its example inputs with it)."""
@@ -44,12 +52,9 @@ class OperandKind:
 
 
 KINDS: dict[str, OperandKind] = {k.name: k for k in (
-    OperandKind("tile", "TileLoad", ("M", "N"), (("M", "N", "L"), ("M", "N")), staged_load=True,
-                how="TMA, staged per subtile"),
-    OperandKind("row", "RowVector", ("N",), (("N", "L"), ("N",)), staged_load=True,
-                how="TMA, epi_n values per subtile"),
-    OperandKind("col", "ColVector", ("M",), (("M", "L"), ("M",)), staged_load=True,
-                how="TMA, 128 values per subtile"),
+    OperandKind("tile", "TileLoad", ("M", "N"), how="TMA, staged per subtile"),
+    OperandKind("row", "RowVector", ("N",), how="TMA, epi_n values per subtile"),
+    OperandKind("col", "ColVector", ("M",), how="TMA, 128 values per subtile"),
     OperandKind("scalar", "DeviceScalar", how="one load per tile"),
     OperandKind("arg", "ArgScalar", runtime_scalar=True, how="runtime float32 scalar (kernel argument)"),
     OperandKind("literal", "ArgScalar", runtime_scalar=True, how="computed from the sizes at each call"),

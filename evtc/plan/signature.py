@@ -37,8 +37,6 @@ def contiguous_dim(spec_dims: tuple[str, ...], t: torch.Tensor, allowed: tuple[s
     return min(reversed(moving), key=lambda i: abs(strides[i]))
 
 
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

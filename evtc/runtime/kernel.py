@@ -809,10 +809,10 @@ class Kernel:
                 log.warning("%r: autotuning skips %s: %s", self.plan.name, autotune.describe(launch), exc)
                 continue
             numels = finisher.workspace_numels(m, n, batches) if finisher is not None else []
-            outs = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels])
+            buffers = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels])
 
-            def run(fn=fn, outs=outs, clusters=clusters, split=split):
-                _invoke(fn, a, b, outs, tuple(ins), clusters, split, a.device)
+            def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
+                _invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device)
             try:
                 us = autotune.time_us(run)
             except (RuntimeError, ValueError, TypeError) as exc:

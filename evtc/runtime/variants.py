@@ -32,6 +32,13 @@ MEMORY: dict[str, Kernel] = {}
 MEMORY_LOCK = threading.Lock()
 
 
+def memory_key(key: str, cache: DiskCache) -> str:
+    """The key of :data:`MEMORY` for ``key`` (a code key and whatever else tells kernels apart) in
+    ``cache``'s directory: a user who points cache_dir somewhere new gets a kernel built or loaded
+    there, not this process's kernel of another directory."""
+    return f"{key}@{cache.root.resolve()}"
+
+
 def kernel_key(source: str, signature: dict, cfg: GemmConfig, arch) -> tuple[str, dict]:
     """(disk cache key, build metadata) of one configuration of a generated source."""
     meta = {"versions": versions(), "config": repr(cfg), "signature": signature, "arch": arch or "device"}
@@ -79,19 +86,18 @@ def kernel_for(plan: KernelPlan, source: str, signature: dict, cfg: GemmConfig, 
     """The kernel of one configuration: from this process's memory, the disk cache, or a build."""
     key, meta = kernel_key(source, signature, cfg, arch)
     # Kernels of one compiled code but other call interfaces (unused parameters, strict) are
-    # separate objects over the same disk cache entry; each cache directory has its own (a user
-    # who points cache_dir somewhere new gets a kernel built or loaded there).
+    # separate objects over the same disk cache entry.
     cache = DiskCache(cache_dir)
-    memory_key = f"{key}{plan.interface.tag()}@{cache.root.resolve()}"
+    mkey = memory_key(key + plan.interface.tag(), cache)
     with MEMORY_LOCK:
-        hit = MEMORY.get(memory_key)
+        hit = MEMORY.get(mkey)
     if hit is not None:
         log.debug("memory cache hit: %r, key %s", plan.name, key[:16])
         return hit
     built = obtain(plan, source, cfg, key, cache, arch, meta)
     kernel = Kernel(plan, cfg, key, cache, built, source=source, graph=graph, retrace=retrace)
     with MEMORY_LOCK:
-        return MEMORY.setdefault(memory_key, kernel)
+        return MEMORY.setdefault(mkey, kernel)
 
 
-__all__ = ["MEMORY", "MEMORY_LOCK", "VariantSource", "build_job", "kernel_for", "kernel_key"]
+__all__ = ["MEMORY", "MEMORY_LOCK", "VariantSource", "build_job", "kernel_for", "kernel_key", "memory_key"]
