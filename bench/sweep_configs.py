@@ -96,7 +96,8 @@ def name_of(config: dict, splits: int) -> str:
     short = {"pingpong": "pp", "cooperative": "co"}[config["schedule"]]
     cl = config["cluster"]
     raster = f" r{config['raster']}{config.get('swizzle', 8)}" if "raster" in config else ""
-    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster} S{splits}"
+    rows = f" a{config['a_rows']}" if config.get("a_rows") else ""
+    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster}{rows} S{splits}"
 
 
 def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twins=None) -> dict:

@@ -228,6 +228,10 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
             knobs["schedule"] = config.schedule
     else:
         knobs = dict(config)
+    if knobs.get("a_rows") is not None:
+        raise CompileError("configuration: a_rows is not a compile knob: a kernel that chooses its launch "
+                           "per problem size trims A's loads itself for problems with few rows (see "
+                           "GemmConfig.a_rows)", loc)
     # Only reductions: no D (the kernel's D dtype is then that of a and b, for its unused buffer).
     d_dtype = dtype_name(emitted.outputs[0].dtype) if emitted.outputs else signature.a.dtype
     d_major = knobs.get("d_major", "n")

@@ -11,7 +11,15 @@ import torch
 
 import evtc
 from evtc.plan.config import ConfigError, GemmConfig
-from evtc.plan.selector import FILL, LONG_K, MANY_WAVES, choose_launch, choose_tile, tile_family
+from evtc.plan.selector import (
+    FILL,
+    LONG_K,
+    MANY_WAVES,
+    choose_launch,
+    choose_tile,
+    tile_family,
+    with_a_rows_for,
+)
 from evtc.plan.split_k import MAX_SPLITS, MIN_K_TILES_PER_SPLIT, choose_splits, cta_tile_grid
 
 BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
@@ -261,3 +269,60 @@ def test_launch_tags_tell_families_apart(tmp_path):
     fixed = evtc.compile(_identity, ex, config={"tile_m": 128}, arch="sm_90a", cache_dir=tmp_path)
     assert auto.key == fixed.key and auto.launch_tag != fixed.launch_tag
     assert auto is not fixed and auto.op is not fixed.op
+
+
+def test_short_problems_load_only_their_rows_of_a():
+    """Up to 32 rows, a launch loads the fewest rows of A (8, 16, 32) that hold the problem's rows,
+    whole 8-row swizzle atoms for each CTA that shares A's loads; from 33 rows, whole tiles."""
+    for m, n, k in [(1, 6144, 4096), (4, 4096, 14336), (16, 28672, 4096), (32, 4096, 4096)]:
+        config, _ = _launch(m, n, k)
+        assert config.a_rows is not None and m <= config.a_rows < config.tile_m
+        assert config.a_rows % (8 * config.cluster[1]) == 0
+    for m in (33, 64, 512, 4096):
+        assert _launch(m, 4096, 4096)[0].a_rows is None
+    pp64 = BASE.replace(tile_m=64, tile_n=64, cluster=(1, 2))
+    assert with_a_rows_for(pp64, 1).a_rows == 16  # two CTAs share A: 8 rows each
+    assert with_a_rows_for(pp64.replace(cluster=(1, 1)), 1).a_rows == 8
+    assert with_a_rows_for(pp64.replace(cluster=(1, 1)), 9).a_rows == 16
+    assert with_a_rows_for(pp64, 17).a_rows == 32
+    assert with_a_rows_for(pp64, 33).a_rows is None
+    assert with_a_rows_for(pp64.replace(a_major="m"), 1).a_rows is None
+    # A kernel compiled with fixed tile knobs keeps its configuration.
+    assert _launch(1, 6144, 4096, family=(pp64,))[0].a_rows is None
+
+
+def test_a_rows_config_rules():
+    pp64 = BASE.replace(tile_m=64, tile_n=64, cluster=(1, 2))
+    assert pp64.a_box_rows == 64 and pp64.replace(a_rows=16).a_box_rows == 16
+    assert "a16" in pp64.replace(a_rows=16).short_name()
+    assert pp64.replace(a_rows=16).runs_rows(16) and not pp64.replace(a_rows=16).runs_rows(17)
+    assert pp64.runs_rows(10**6)
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        pp64.replace(a_rows=8)
+    with pytest.raises(ConfigError, match="a_rows must be"):
+        pp64.replace(a_rows=64)
+    with pytest.raises(ConfigError, match="a_rows must be"):
+        pp64.replace(a_rows=12, cluster=(1, 1))
+    with pytest.raises(ConfigError, match="K-major A"):
+        pp64.replace(a_rows=16, a_major="m")
+
+
+def test_a_rows_is_not_a_compile_knob(tmp_path):
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    with pytest.raises(evtc.CompileError, match="a_rows is not a compile knob"):
+        evtc.compile(_identity, ex, config={"a_rows": 16}, arch="sm_90a", cache_dir=tmp_path)
+
+
+def test_trimmed_a_loads_expect_only_their_bytes(tmp_path):
+    """Each stage's barrier expects the bytes its loads bring: 16 rows of A (2 KiB) and the 64 x 64
+    B block (8 KiB) for a 1-row problem, the whole 64-row A block (8 KiB more) for 64 rows."""
+    kernel = evtc.compile(_identity, {"a": _meta(1, 4096), "b": _meta(6144, 4096).t()}, arch="sm_90a",
+                          cache_dir=tmp_path)
+    short, _ = kernel.launch_for(1, 6144, 4096)
+    whole, _ = kernel.launch_for(64, 6144, 4096)
+    assert (short.a_rows, short.tile_m, short.tile_n, whole.a_rows) == (16, 64, 64, None)
+    assert short.replace(a_rows=None) == whole
+    expects = re.compile(r"\bmov\.[bu]32\s+%r\d+, (10240|16384);")
+    assert set(expects.findall(kernel._variant(short).ptx)) == {"10240"}
+    assert set(expects.findall(kernel._variant(whole).ptx)) == {"16384"}
+

@@ -33,6 +33,8 @@ SCHEDULES = ("cooperative", "pingpong")
 # "ping-pong becomes the default"); without multicast the 128x128 tiles are L2-bound.
 DEFAULT_SCHEDULE = "pingpong"
 DEFAULT_CLUSTER = {"pingpong": (1, 2), "cooperative": (1, 1)}
+# Rows of A a stage may load when a problem has fewer rows than a tile (GemmConfig.a_rows).
+A_ROWS = (8, 16, 32)
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
 TILE_NS = (64, 128, 192, 256)
 EPI_TILE_NS = (16, 32, 64)
@@ -98,6 +100,15 @@ class GemmConfig:
     the epilogue once on the full sum. For problems with too few tiles to fill the GPU (small M);
     see :mod:`evtc.plan.split_k`.
 
+    ``a_rows``: rows of A that each pipeline stage loads, for problems with fewer rows than a tile
+    (decode). ``None`` loads the whole tile_m x 64 block. 8, 16 or 32 (a multiple of 8 per CTA
+    that shares A's load in the cluster, K-major A only) loads just that many rows: the TMA unit
+    spends L2 bandwidth on the rows of a box that lie past M as if they were data, so a 64-row box
+    over a 1-row A reads 64 times what it needs, from the few L2 slices that hold that row. The
+    accumulator rows past ``a_rows`` come from shared memory nobody wrote and are never stored or
+    reduced; a call with more than ``a_rows`` rows runs the kernel built with ``a_rows=None``
+    (the runtime's choice, see :meth:`evtc.runtime.kernel.Kernel._resolve`).
+
     ``pdl``: launch with programmatic dependent launch (opt-in). The kernel's set-up (barrier init,
     descriptor prefetch) then overlaps the end of the previous kernel in the stream, and it waits
     for that kernel to complete before it touches global memory; the next kernel may be scheduled
@@ -124,6 +135,7 @@ class GemmConfig:
     gated: bool = False
     store_d: bool = True
     split_k: bool = False
+    a_rows: int | None = None
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -180,6 +192,16 @@ class GemmConfig:
     def d_bytes_per_stage(self) -> int:
         """D staging bytes of one stage of every concurrent epilogue (``epi_groups`` of them)."""
         return self.epi_groups * self.tile_m * self.epi_tile_n * DTYPE_BYTES[self.d_dtype]
+
+    @property
+    def a_box_rows(self) -> int:
+        """Rows of A one pipeline stage loads (see ``a_rows``)."""
+        return self.tile_m if self.a_rows is None else self.a_rows
+
+    def runs_rows(self, m: int) -> bool:
+        """Whether a problem with ``m`` rows per batch may run this configuration's kernel: always,
+        unless ``a_rows`` trims A's loads to fewer rows than ``m``."""
+        return self.a_rows is None or m <= self.a_rows
 
     def ab_bytes_per_stage(self) -> int:
         return (self.tile_m + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
@@ -303,6 +325,15 @@ class GemmConfig:
                 f"swizzled rows: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "
                 f"not a multiple of {128 // DTYPE_BYTES[self.ab_dtype]}; use tile_n = 128 or 256, or a "
                 f"K-major B")
+        if self.a_rows is not None:
+            per_cta = 8 * self.cluster[1]  # whole 8-row swizzle atoms for each CTA that shares A
+            if self.a_rows not in A_ROWS or self.a_rows >= self.tile_m or self.a_rows % per_cta:
+                bad(f"a_rows must be None or one of {A_ROWS}, below tile_m={self.tile_m} and a multiple "
+                    f"of {per_cta} (8 rows per CTA of the cluster's {self.cluster[1]} that share A's "
+                    f"loads), got {self.a_rows!r}")
+            if self.a_major != "k":
+                bad("a_rows needs a K-major A (a_major='k'): an M-major A's rows are its contiguous "
+                    "dimension, loaded as whole 128-byte swizzled rows")
         if self.tile_m not in TILE_MS:
             bad(f"tile_m must be one of {TILE_MS}, got {self.tile_m!r}")
         if self.tile_m != TILE_M and self.schedule != "pingpong":
@@ -331,5 +362,6 @@ class GemmConfig:
         name = name + " gated" if self.gated else name
         name = name if self.store_d else name + " no-D"
         name = name + " split-k" if self.split_k else name
+        name = name + f" a{self.a_rows}" if self.a_rows is not None else name
         name = name + " pdl" if self.pdl else name
         return name + " pingpong" if self.schedule == "pingpong" else name

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
-from evtc.plan.config import GemmConfig
+from evtc.plan.config import A_ROWS, GemmConfig
 from evtc.plan.split_k import choose_splits, cta_tile_grid
 
 # A tile shape is chosen if its tiles fill at least this share of the SMs (fitted: 0.7 picks the
@@ -161,6 +161,17 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
+def with_a_rows_for(config: GemmConfig, m: int) -> GemmConfig:
+    """``config`` loading only the rows of A a problem with ``m`` rows per batch has (the fewest of
+    :data:`evtc.plan.config.A_ROWS` that hold them, whole 8-row atoms per CTA sharing A), where
+    that is fewer than a tile; ``config`` unchanged otherwise. See ``GemmConfig.a_rows``."""
+    if config.a_major != "k":
+        return config
+    per_cta = 8 * config.cluster[1]
+    rows = next((r for r in A_ROWS if r >= m and r % per_cta == 0 and r < config.tile_m), None)
+    return config if rows is None or rows == config.a_rows else config.replace(a_rows=rows)
+
+
 def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
                   pinned_splits: int | None = None) -> tuple[GemmConfig, int]:
@@ -170,6 +181,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     config = choose_tile(m, n, k, batches, family, slots_of((1, 1))) if len(family) > 1 else family[0]
     if choose_cluster:
         config = with_cluster_for(config, m, n, batches, slots_of)
+    if len(family) > 1:
+        config = with_a_rows_for(config, m)
     if pinned_splits is not None:
         splits = pinned_splits
     else:
@@ -179,4 +192,4 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
 
 
 __all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "choose_launch", "choose_tile", "family_digest",
-           "tile_family", "with_cluster_for"]
+           "tile_family", "with_a_rows_for", "with_cluster_for"]

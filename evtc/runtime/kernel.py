@@ -750,6 +750,10 @@ class Kernel:
         from evtc.plan.split_k import workspace_numels
 
         config = _built_config(config, splits)
+        if not config.runs_rows(m):
+            # Loads trimmed to fewer rows than the problem has (a launch tuned or chosen for a
+            # shorter problem): the kernel that loads whole tiles instead.
+            config = config.replace(a_rows=None)
         kernel = self if config == self.config else self._variant(config)
         cluster = config.cluster
         clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
@@ -788,7 +792,8 @@ class Kernel:
             return False
         if self._pinned_splits is not None and splits != self._pinned_splits:
             return False
-        return any(config.replace(cluster=c.cluster, split_k=c.split_k) == c for c in self._family) and (
+        return any(config.replace(cluster=c.cluster, split_k=c.split_k, a_rows=c.a_rows) == c
+                   for c in self._family) and (
             self._variant_factory is not None or config.cluster == self.config.cluster)
 
     def _time_candidates(self, a, b, ins, outs, m, n, k, batches, size: str) -> tuple[GemmConfig, int]:

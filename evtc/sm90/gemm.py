@@ -96,6 +96,8 @@ class Sm90GemmKernel:
         self.split_k = cfg.split_k
         # A is shared by the CTAs of a cluster row (same m, different n), B by a cluster column.
         self.a_mcast = self.cluster[1]
+        # Rows of A each stage loads (GemmConfig.a_rows): the tile's, or fewer for short problems.
+        self.a_rows = cfg.a_box_rows
         self.b_mcast = self.cluster[0]
         # Epilogue-load stages of one ring.  Pingpong: one ring per consumer warpgroup (ring w is
         # stages [w * load_stages, (w + 1) * load_stages) of one pipeline and of the visitor's buffers).
@@ -170,12 +172,19 @@ class Sm90GemmKernel:
             self.d_dtype, self.d_layout, self.shape.epi_tile, self.shape.store_stages
         )
 
+        # A's loads: the whole tile_m x 64 block, or (a_rows) its first rows only, laid out as the
+        # first swizzle atoms of the stage.
+        a_box_staged = a_smem_staged if cutlass.const_expr(self.a_rows == self.tile_m) else (
+            sm90_utils.make_smem_layout_a(
+                self.a_layout, (self.a_rows, self.tile_shape_mnk[1], TILE_K), self.ab_dtype, self.ab_stages
+            )
+        )
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp() if self.a_mcast == 1
             else cpasync.CopyBulkTensorTileG2SMulticastOp(),
             mA,
-            cute.slice_(a_smem_staged, (None, None, 0)),
-            (self.tile_m, TILE_K),
+            cute.slice_(a_box_staged, (None, None, 0)),
+            (self.a_rows, TILE_K),
             num_multicast=self.a_mcast,
         )
         # One TMA per B block: the whole tile, or (gated) a half tile from each half of B. The two
@@ -480,8 +489,8 @@ class Sm90GemmKernel:
 
         a_stage_layout = cute.slice_(a_smem_staged, (None, None, 0))
         b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
-        ab_tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) + cute.size_in_bytes(
-            self.ab_dtype, b_stage_layout
+        ab_tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) * self.a_rows // self.tile_m + (
+            cute.size_in_bytes(self.ab_dtype, b_stage_layout)
         )
         # Every consumer warp releases a stage to each CTA that multicast into it (itself included).
         # A stage is read by both consumer warpgroups (cooperative) or by one (pingpong).
@@ -523,7 +532,9 @@ class Sm90GemmKernel:
 
         # ---- global tiles and TMA partitions --------------------------------------------------
         # (bM, bK, tiles_m, tiles_k, L) and (bN, bK, tiles_n, tiles_k, L)
-        gA = cute.local_tile(mA, (self.tile_m, TILE_K), (None, None, None))
+        # (a_rows, bK, row blocks, tiles_k, L): tile m starts at row block m * tile_m / a_rows
+        gA = cute.local_tile(mA, (self.a_rows, TILE_K), (None, None, None))
+        a_blocks_per_tile = self.tile_m // self.a_rows
         b_block_n = self.tile_shape_mnk[1] // len(mB)
         # (bN, bK, tiles_n, tiles_k, L) of each B block (gated: N tiles of the output's width)
         gBs = [cute.local_tile(half, (b_block_n, TILE_K), (None, None, None)) for half in mB]
@@ -535,7 +546,8 @@ class Sm90GemmKernel:
             tma_atom_a,
             cta_coord[1],
             cute.make_layout(self.cluster[1]),
-            cute.group_modes(sA, 0, 2),
+            cute.group_modes(sA, 0, 2) if cutlass.const_expr(self.a_rows == self.tile_m)
+            else cute.zipped_divide(sA, (self.a_rows, TILE_K))[(None, (0, 0, None))],
             cute.group_modes(gA, 0, 2),
         )
         # Each B block goes to its own part of the stage: the whole stage, or (gated) its first or
@@ -581,7 +593,7 @@ class Sm90GemmKernel:
                 work = Int32(first_work)
                 while work < num_work:
                     m, n, batch = sched.cta_tile(work, cta_in_cluster)
-                    tAgA_tile = tAgA[(None, m, None, batch)]
+                    tAgA_tile = tAgA[(None, m * a_blocks_per_tile, None, batch)]
                     k_first, k_count = self._k_range(sched, work, k_tiles)
                     for kk in cutlass.range(k_count, unroll=1):
                         k = k_first + kk
