@@ -326,3 +326,18 @@ def test_trimmed_a_loads_expect_only_their_bytes(tmp_path):
     assert set(expects.findall(kernel._variant(short).ptx)) == {"10240"}
     assert set(expects.findall(kernel._variant(whole).ptx)) == {"16384"}
 
+
+def test_a_thin_second_round_gives_way_to_one_full_round():
+    """Few tiles: a tile whose count spills a second round at most half full (Qwen2.5 qkv at
+    M = 128: 144 tiles of 64 x 64 on 132 SMs) gives way to a larger tile that fits one round at
+    least half full; a tile that fits one round keeps it."""
+    def tiles(config, m, n):
+        return -(-m // config.tile_m) * -(-n // config.out_tile_n)
+
+    for m, n, k in [(128, 4608, 3584), (128, 6144, 4096), (128, 10240, 8192)]:
+        config, _ = _launch(m, n, k)
+        assert SLOTS // 2 <= tiles(config, m, n) <= SLOTS, (m, n, k, config.short_name())
+    assert (_launch(128, 4608, 3584)[0].tile_m, _launch(128, 4608, 3584)[0].tile_n) == (128, 64)
+    # 72 tiles of 64 x 64 fit one round: kept.
+    kept, _ = _launch(64, 4608, 3584)
+    assert (kept.tile_m, kept.tile_n) == (64, 64)
