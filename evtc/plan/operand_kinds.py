@@ -45,6 +45,17 @@ class OperandKind:
         along. None for kinds the kernel does not view as a tensor of the tile."""
         return ((*self.varying, "L"), self.varying) if self.varying else None
 
+    def load_elems(self, epi_tile: tuple[int, int]) -> int:
+        """Elements of one staged load (one subtile): the subtile's extent along each dim the kind
+        varies along; 0 for kinds that are not loaded."""
+        if not self.staged_load:
+            return 0
+        extent = {"M": epi_tile[0], "N": epi_tile[1]}
+        elems = 1
+        for dim in self.varying:
+            elems *= extent[dim]
+        return elems
+
     def example_shape(self, m: int, n: int) -> tuple[int, ...]:
         """The shape of an example tensor of this kind for an M x N output (``evtc`` on the
         command line builds its example inputs with it)."""

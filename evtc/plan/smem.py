@@ -1,8 +1,11 @@
-"""The one shared-memory planner and configuration search of a fused kernel.
+"""The one shared-memory planner and configuration search of a fused kernel (plain Python).
 
 The kernel (:mod:`evtc.sm90.gemm`) sizes its pipelines from :meth:`GemmConfig.plan_stages`, given the
 visitor's buffers; here the same arithmetic chooses, before anything is built, how deep the
-epilogue's loads are staged and which subtile and schedule make the epilogue's buffers fit.
+epilogue's loads are staged and which subtile and schedule make the epilogue's buffers fit. What
+each epilogue operand takes in shared memory is defined here too, and the device classes of
+:mod:`evtc.sm90.operands` allocate by the same functions, so the plan and the kernel cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -10,10 +13,92 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from evtc.plan.config import ConfigError, GemmConfig
+from evtc.plan.config import DTYPE_BYTES, ConfigError, GemmConfig
 from evtc.plan.operand_kinds import KINDS
 
 log = logging.getLogger("evtc")
+
+# TMA writes a shared-memory destination at a 128-byte boundary: each stage of a vector's buffer is
+# rounded up to it, and each vector or reduction buffer allows that much alignment slack.
+VECTOR_ALIGN = 128
+# Rows of a column reduction's shared buffer: one per consumer warp (4 warps x 2 ping-pong
+# warpgroups, or the 8 warps of a cooperative tile).
+COLUMN_REDUCTION_WARP_ROWS = 8
+# Dtype names of the IR (torch's, e.g. "torch.float16") or of the kernel ("float16").
+_BYTES = {**DTYPE_BYTES, **{f"torch.{k}": v for k, v in DTYPE_BYTES.items()}}
+
+
+def vector_stage_elems(elems: int, dtype: str) -> int:
+    """Elements from one stage of a vector buffer to the next: ``elems`` rounded up so that every
+    stage starts on a 128 B boundary (an f16 row slice of a 128x32 subtile is only 64 B)."""
+    per_line = VECTOR_ALIGN // _BYTES[dtype]
+    return -(-elems // per_line) * per_line
+
+
+def input_load_bytes(kind: str, dtype: str, epi_tile: tuple[int, int]) -> int:
+    """Bytes one staged load of an input of ``kind`` brings (one subtile; 0 if it is not loaded)."""
+    return KINDS[kind].load_elems(epi_tile) * _BYTES[dtype]
+
+
+def input_smem_bytes(kind: str, dtype: str, epi_tile: tuple[int, int], load_stages: int) -> int:
+    """Shared memory of an input's staged buffers: whole swizzled subtiles for a tile; for a vector,
+    stages rounded up to 128 B plus the alignment slack; nothing for scalars."""
+    entry = KINDS[kind]
+    if not entry.staged_load:
+        return 0
+    elems = entry.load_elems(epi_tile)
+    if len(entry.varying) == 2:
+        return elems * _BYTES[dtype] * load_stages
+    return vector_stage_elems(elems, dtype) * _BYTES[dtype] * load_stages + VECTOR_ALIGN
+
+
+def store_smem_bytes(dtype: str, epi_tile: tuple[int, int], store_stages: int) -> int:
+    """Shared memory of an extra full-tile output: one subtile per store stage."""
+    return epi_tile[0] * epi_tile[1] * _BYTES[dtype] * store_stages
+
+
+def column_reduction_columns(tile_n: int) -> int:
+    """Columns of a column reduction's shared buffer: the tile's, and one where padding slots write
+    (never read)."""
+    return tile_n + 1
+
+
+def reduction_smem_bytes(operand: str, tile_n: int) -> int:
+    """Shared memory of a reduction (``operand``: its device class): a float32 row of the tile's
+    columns per consumer warp for a reduction over M; row reductions stay in registers."""
+    if operand != "ReductionOverM":
+        return 0
+    return column_reduction_columns(tile_n) * COLUMN_REDUCTION_WARP_ROWS * 4 + VECTOR_ALIGN
+
+
+def d_buffer_input(inputs: list[tuple[str, str, str]], has_aux_outputs: bool,
+                   config: GemmConfig) -> int | None:
+    """Index of the input whose staged tile buffers D may share (see
+    :meth:`GemmConfig.shares_d_with_load`), each input given as (kind, dtype name, major): the
+    first tile with D's dtype and major, and only without extra outputs (their stores pace the D
+    stores through one ring)."""
+    if has_aux_outputs:
+        return None
+    for i, (kind, dtype, major) in enumerate(inputs):
+        if kind == "tile" and dtype == config.d_dtype and major == config.d_major:
+            return i
+    return None
+
+
+def epilogue_smem_bytes(emitted, config: GemmConfig, load_buffers: int, store_stages: int) -> int:
+    """Shared memory of the epilogue's own buffers (inputs' load stages, extra outputs' store
+    stages, column reductions), as the visitor allocates them."""
+    total = sum(input_smem_bytes(p.kind, _dtype_name(p.dtype), config.epi_tile, load_buffers)
+                for p in emitted.inputs if not KINDS[p.kind].runtime_scalar)
+    total += sum(store_smem_bytes(_dtype_name(o.dtype), config.epi_tile, store_stages)
+                 for o in emitted.outputs[1:])
+    total += sum(reduction_smem_bytes(r.operand, config.tile_n) for r in emitted.reductions)
+    return total
+
+
+def _dtype_name(dtype) -> str:
+    """The kernel's dtype name ("float16") of an IR dtype (a torch dtype or its name)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def fit_config(knobs: dict[str, Any], emitted, signature):
@@ -52,20 +137,14 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
 def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
     """A/B stages the kernel will have with ``load_stages`` epilogue-load stages (it plans its
     shared memory the same way: the visitor's buffers, then D's unless D shares C's)."""
-    from evtc.codegen.emit import operand_constructors
-    from evtc.sm90.fused import d_buffer_input
-    from evtc.sm90.operands import construct
-
     cfg = cfg.replace(load_stages=load_stages)
-    in_texts, out_texts, reduction_texts = operand_constructors(emitted, signature.tile_majors,
-                                                                signature.batched)
-    inputs, outputs, reductions = construct(in_texts), construct(out_texts), construct(reduction_texts)
     stores = (cfg.epi_stages if cfg.epi_stages is not None else 2) * cfg.epi_groups
     # Pingpong: each consumer warpgroup has its own ring of ``load_stages`` epilogue-load buffers.
     buffers = load_stages * cfg.epi_groups
-    smem = sum(o.smem_bytes(cfg.tile_shape_mnk[:2], cfg.epi_tile, buffers, stores)
-               for o in inputs + outputs[1:] + reductions)
-    shares_d = cfg.shares_d_with_load(d_buffer_input(inputs, outputs[1:], cfg) is not None)
+    smem = epilogue_smem_bytes(emitted, cfg, buffers, stores)
+    inputs = [(p.kind, _dtype_name(p.dtype), signature.tile_majors.get(p.name, "n")) for p in emitted.inputs]
+    offered = d_buffer_input(inputs, len(emitted.outputs) > 1, cfg)
+    shares_d = cfg.shares_d_with_load(offered is not None)
     return cfg.plan_stages(smem, shares_d)[0]
 
 
@@ -109,4 +188,6 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
     return cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg
 
 
-__all__ = ["fit_config"]
+__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "VECTOR_ALIGN", "column_reduction_columns", "d_buffer_input",
+           "epilogue_smem_bytes", "fit_config", "input_load_bytes", "input_smem_bytes",
+           "reduction_smem_bytes", "store_smem_bytes", "vector_stage_elems"]

@@ -23,20 +23,17 @@ import inspect
 from types import SimpleNamespace
 
 from evtc.plan.config import GemmConfig
-from evtc.sm90.operands import Operand, TileLoad, TileStore
+from evtc.plan.smem import d_buffer_input as plan_d_buffer_input
+from evtc.sm90.operands import Operand, TileStore
 from evtc.sm90.visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
 
 
 def d_buffer_input(inputs, aux_outputs, config: GemmConfig) -> int | None:
     """Index of the input whose staged tile buffers D can share (see
-    :meth:`EpilogueVisitor.offers_d_buffer`): the first tile input with D's dtype and major, and
-    only when there are no extra outputs (their stores pace the D stores through one ring)."""
-    if aux_outputs:
-        return None
-    for i, o in enumerate(inputs):
-        if isinstance(o, TileLoad) and o.dtype_name == config.d_dtype and o.major == config.d_major:
-            return i
-    return None
+    :meth:`EpilogueVisitor.offers_d_buffer`): the planner's rule
+    (:func:`evtc.plan.smem.d_buffer_input`) applied to the visitor's operands."""
+    described = [(o.kind, o.dtype_name, getattr(o, "major", "n")) for o in inputs]
+    return plan_d_buffer_input(described, bool(aux_outputs), config)
 
 
 class FusedVisitor(EpilogueVisitor):

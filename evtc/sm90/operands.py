@@ -38,7 +38,16 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from evtc.plan.config import DTYPE_BYTES
+from evtc.plan.smem import (
+    COLUMN_REDUCTION_WARP_ROWS,
+    VECTOR_ALIGN,
+    column_reduction_columns,
+    input_load_bytes,
+    input_smem_bytes,
+    reduction_smem_bytes,
+    store_smem_bytes,
+    vector_stage_elems,
+)
 from evtc.sm90.dtypes import cutlass_dtype
 from evtc.sm90.visitor import (
     EpilogueContext,
@@ -51,7 +60,6 @@ from evtc.sm90.visitor import (
 # Swizzled buffers are 1024 B aligned (128 B swizzle atoms) and multiples of 1024 B; the visitor
 # allocates them first, right after the kernel's own 1024 B aligned buffers, so they waste nothing.
 # Vector buffers come last, 128 B aligned; each declares its alignment as slack.
-VECTOR_ALIGN = 128
 
 
 def dsl_dtype(name: str):
@@ -147,10 +155,10 @@ class TileLoad(Operand):
         return make_epi_smem_layout(self.dtype, self.layout, shape, shape.load_stages)
 
     def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
-        return self.load_bytes(epi_tile) * load_stages
+        return input_smem_bytes(self.kind, self.dtype_name, epi_tile, load_stages)
 
     def load_bytes(self, epi_tile) -> int:
-        return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[self.dtype_name]
+        return input_load_bytes(self.kind, self.dtype_name, epi_tile)
 
     def setup(self, shape, arg):
         return _subtile_tma(cpasync.CopyBulkTensorTileG2SOp(), arg, self._staged(shape), shape.epi_tile)
@@ -198,15 +206,13 @@ class _VectorLoad(Operand):
         """Elements from one stage to the next: the box rounded up so that every stage starts on a
         128 B boundary, as TMA requires of its shared-memory destination (an f16 row slice of a
         128x32 subtile is only 64 B)."""
-        per_line = VECTOR_ALIGN // DTYPE_BYTES[self.dtype_name]
-        box = self._box((0, 0), epi_tile)
-        return -(-box // per_line) * per_line
+        return vector_stage_elems(self._box((0, 0), epi_tile), self.dtype_name)
 
     def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
-        return self._stage_elems(epi_tile) * DTYPE_BYTES[self.dtype_name] * load_stages + VECTOR_ALIGN
+        return input_smem_bytes(self.kind, self.dtype_name, epi_tile, load_stages)
 
     def load_bytes(self, epi_tile) -> int:
-        return self._box((0, 0), epi_tile) * DTYPE_BYTES[self.dtype_name]
+        return input_load_bytes(self.kind, self.dtype_name, epi_tile)
 
     def setup(self, shape, arg):
         box = self._box(shape.tile, shape.epi_tile)
@@ -341,7 +347,7 @@ class TileStore(Operand):
         return sm90_utils.make_smem_layout_epi(self.dtype, self.layout, shape.epi_tile, shape.store_stages)
 
     def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
-        return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[self.dtype_name] * store_stages
+        return store_smem_bytes(self.dtype_name, epi_tile, store_stages)
 
     def setup(self, shape, arg):
         return _subtile_tma(cpasync.CopyBulkTensorTileS2GOp(), arg, self._staged(shape), shape.epi_tile)
@@ -516,13 +522,13 @@ class ReductionOverM(_Reduction):
     """
 
     #: Warp rows of the shared buffer: 4 warps x 2 warpgroups (pingpong) or 8 warps (cooperative).
-    WARP_ROWS = 8
+    WARP_ROWS = COLUMN_REDUCTION_WARP_ROWS
 
     def _columns(self, tile_n: int) -> int:
-        return tile_n + 1  # the last column: where padding slots write (never read)
+        return column_reduction_columns(tile_n)  # the last column: where padding slots write (never read)
 
     def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
-        return self._columns(shape_tile[1]) * self.WARP_ROWS * 4 + VECTOR_ALIGN
+        return reduction_smem_bytes("ReductionOverM", shape_tile[1])
 
     def allocate(self, shape, params, smem):
         columns = self._columns(shape.config.tile_n)
