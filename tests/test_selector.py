@@ -325,6 +325,7 @@ def test_trimmed_a_loads_expect_only_their_bytes(tmp_path):
     expects = re.compile(r"\bmov\.[bu]32\s+%r\d+, (10240|16384);")
     assert set(expects.findall(kernel._variant(short).ptx)) == {"10240"}
     assert set(expects.findall(kernel._variant(whole).ptx)) == {"16384"}
+    assert "16 rows of A" in kernel.explain()  # the trimmed variant is listed among those built
 
 
 def test_a_thin_second_round_gives_way_to_one_full_round():

@@ -24,20 +24,18 @@ VECTOR_ALIGN = 128
 # Rows of a column reduction's shared buffer: one per consumer warp (4 warps x 2 ping-pong
 # warpgroups, or the 8 warps of a cooperative tile).
 COLUMN_REDUCTION_WARP_ROWS = 8
-# Dtype names of the IR (torch's, e.g. "torch.float16") or of the kernel ("float16").
-_BYTES = {**DTYPE_BYTES, **{f"torch.{k}": v for k, v in DTYPE_BYTES.items()}}
 
 
 def vector_stage_elems(elems: int, dtype: str) -> int:
     """Elements from one stage of a vector buffer to the next: ``elems`` rounded up so that every
     stage starts on a 128 B boundary (an f16 row slice of a 128x32 subtile is only 64 B)."""
-    per_line = VECTOR_ALIGN // _BYTES[dtype]
+    per_line = VECTOR_ALIGN // DTYPE_BYTES[dtype]
     return -(-elems // per_line) * per_line
 
 
 def input_load_bytes(kind: str, dtype: str, epi_tile: tuple[int, int]) -> int:
     """Bytes one staged load of an input of ``kind`` brings (one subtile; 0 if it is not loaded)."""
-    return KINDS[kind].load_elems(epi_tile) * _BYTES[dtype]
+    return KINDS[kind].load_elems(epi_tile) * DTYPE_BYTES[dtype]
 
 
 def input_smem_bytes(kind: str, dtype: str, epi_tile: tuple[int, int], load_stages: int) -> int:
@@ -48,13 +46,13 @@ def input_smem_bytes(kind: str, dtype: str, epi_tile: tuple[int, int], load_stag
         return 0
     elems = entry.load_elems(epi_tile)
     if len(entry.varying) == 2:
-        return elems * _BYTES[dtype] * load_stages
-    return vector_stage_elems(elems, dtype) * _BYTES[dtype] * load_stages + VECTOR_ALIGN
+        return elems * DTYPE_BYTES[dtype] * load_stages
+    return vector_stage_elems(elems, dtype) * DTYPE_BYTES[dtype] * load_stages + VECTOR_ALIGN
 
 
 def store_smem_bytes(dtype: str, epi_tile: tuple[int, int], store_stages: int) -> int:
     """Shared memory of an extra full-tile output: one subtile per store stage."""
-    return epi_tile[0] * epi_tile[1] * _BYTES[dtype] * store_stages
+    return epi_tile[0] * epi_tile[1] * DTYPE_BYTES[dtype] * store_stages
 
 
 def column_reduction_columns(tile_n: int) -> int:

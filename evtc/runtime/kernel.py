@@ -379,7 +379,8 @@ class Kernel:
             def shape(c: GemmConfig) -> str:
                 tile = "" if (c.schedule, c.tile_m, c.tile_n) == (cfg.schedule, cfg.tile_m, cfg.tile_n) \
                     else f"{c.tile_m}x{c.tile_n}{' cooperative' if c.schedule != cfg.schedule else ''} "
-                return f"{tile}{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
+                return (f"{tile}{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
+                        + (f" {c.a_rows} rows of A" if c.a_rows is not None else ""))
 
             built = ", ".join(shape(c) for c in self._variants if c != cfg) or "none yet"
             tiles = ", ".join(f"{c.tile_m}x{c.tile_n}"
