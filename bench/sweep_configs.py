@@ -77,8 +77,27 @@ RASTER_CANDIDATES = [
     {"tile_m": 128, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "raster": r, "swizzle": sw}
     for r, sw in (("m", 1), ("m", 4), ("m", 8), ("m", 16), ("m", 32), ("n", 4), ("n", 8), ("n", 16))
 ]
+
+def family_candidates() -> list[dict]:
+    """Every tile shape the selector may launch (evtc.plan.selector.FAMILY) in every cluster shape
+    it may choose: the sweep then covers what the rules choose from, whatever they become."""
+    from evtc.plan.config import CLUSTERS, ConfigError, GemmConfig
+    from evtc.plan.selector import FAMILY
+
+    out = []
+    for schedule, tile_m, tile_n in FAMILY:
+        for cluster in CLUSTERS:
+            knobs = {"tile_m": tile_m, "tile_n": tile_n, "cluster": cluster, "schedule": schedule}
+            try:
+                GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k", **knobs).validate()
+            except ConfigError:
+                continue
+            out.append(knobs)
+    return out
+
+
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
-                  "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES}
+                  "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES, "family": family_candidates()}
 
 
 def identity(acc):
@@ -89,7 +108,7 @@ def describe_choice(kernel, m: int, n: int, k: int) -> str:
     """What the default kernel runs an (M, N, K) problem with."""
     config, splits = kernel.launch_for(m, n, k)
     return name_of({"tile_m": config.tile_m, "tile_n": config.tile_n, "cluster": config.cluster,
-                    "schedule": config.schedule}, splits)
+                    "schedule": config.schedule, "a_rows": config.a_rows}, splits)
 
 
 def name_of(config: dict, splits: int) -> str:
@@ -114,11 +133,13 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twi
     out = torch.empty(m, n, device="cuda", dtype=dtype)
     calls = {"cublas": lambda w: torch.matmul(x, w.t())}
     for config in ([] if args.auto_only else candidates):
-        kern = kernel(config)
         tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
         for s in split_list:
             if s > 1 and tiles * s > sms:
                 continue
+            # One split: the plain kernel, as the selector launches it (a split-K build run with
+            # one split reads up to 10% slower); more: the split-K build.
+            kern = kernel(config, s > 1)
             if kern.config.split_k:
                 kern.pin_splits(s)
             got = kern(x, weights[0].t(), out=out)
@@ -202,20 +223,20 @@ def main() -> None:
                "b": torch.empty(64, 64, dtype=dtype, device="meta").t()}
     kernels: dict = {}
 
-    def kernel(config: dict):
-        key = json.dumps(config, sort_keys=True)
+    def kernel(config: dict, split_k: bool):
+        key = json.dumps([config, split_k], sort_keys=True)
         if key not in kernels:
             kernels[key] = evtc.compile(identity, example, config={**config, "split_k": split_k})
         return kernels[key]
 
     split_list = [int(s) for s in args.splits.split(",")]
-    # One split only: time the plain kernels (a split-K kernel run with one split is up to 10%
-    # slower than the plain one, and the selector launches the plain one at S = 1).
-    split_k = split_list != [1]
     if not args.auto_only:
-        precompile([c for which in sorted({args.candidates or ("small" if int(sh.split("x")[0]) <= 1024
-                                                                 else "large") for sh in shapes})
-                    for c in CANDIDATE_SETS[which]], args.dtype, split_k)
+        configs = [c for which in sorted({args.candidates or ("small" if int(sh.split("x")[0]) <= 1024
+                                                               else "large") for sh in shapes})
+                   for c in CANDIDATE_SETS[which]]
+        # Plain kernels for one split, split-K builds for more.
+        for split_k in sorted({s > 1 for s in split_list}):
+            precompile(configs, args.dtype, split_k)
     shape_suite.load_torch()  # bench/shapes.py imports torch lazily
     auto = evtc.compile(identity, example)
     # The default kernel has PDL off: its twin with PDL on runs the same launches with it.
