@@ -15,7 +15,7 @@ import torch
 from .dtypes import COMPUTE_DTYPE, round_to
 from .graph import Graph, Node
 from .ops import ELEMENTWISE, REDUCE_FUNCS
-from .shapes import L, M, N
+from .shapes import L, M, N, evaluate_shape
 
 
 def accumulator(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -93,8 +93,14 @@ def _evaluate_node(
         return _cast(args[0], node.dtype, compute_dtype)
     if op == "store":
         return _cast(args[0], node.dtype, compute_dtype)
+    if op == "join":  # backward graphs (evtc.ir.autodiff): two halves of the last dim side by side
+        return torch.cat(torch.broadcast_tensors(args[0], args[1]), dim=-1)
     if op == "half":
         return torch.chunk(args[0], 2, dim=-1)[node.attrs["index"]]
+    if op == "reduce" and node.attrs["axis"] == "to_shape":
+        # Backward graphs (evtc.ir.autodiff): a sum down to a shape the value was broadcast from.
+        value = args[0].expand(evaluate_shape(node.inputs[0].shape, sizes))
+        return value.sum_to_size(evaluate_shape(node.attrs["to_shape"], sizes))
     if op == "reduce":
         dims = _reduce_dims(node.attrs["axis"], args[0].dim())
         reduced = REDUCE_FUNCS[node.attrs["reduce"]](args[0], dim=dims, keepdim=node.attrs["keepdim"])

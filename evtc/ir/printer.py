@@ -61,6 +61,11 @@ def expression(node: Node, names: dict[int, str]) -> str:
         return f"{args[0]}.to({short_name(node.dtype)})"
     if op == "half":
         return f"{args[0]}.chunk(2, -1)[{node.attrs['index']}]"
+    if op == "join":  # backward graphs: two halves of the last dim side by side
+        return f"torch.cat([{args[0]}, {args[1]}], -1)"
+    if op == "reduce" and node.attrs["axis"] == "to_shape":  # backward graphs: torch's sum_to_size
+        shape = ", ".join(str(d) for d in node.attrs["to_shape"])
+        return f"{args[0]}.sum_to_size({shape})"
     if op == "reduce":
         method = _REDUCE_METHOD[node.attrs["reduce"]]
         dims = _REDUCE_DIM[node.attrs["axis"]]

@@ -1,0 +1,208 @@
+"""Backward epilogues derived from the IR (evtc.ir.autodiff) against torch.autograd on the same
+function, both in float64 through the interpreter: every catalogue epilogue and random programs.
+Also a derivative rule for every IR op, and clear errors where no backward graph is derived."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from compile_catalogue import CATALOGUE, make_inputs
+from epilogue_cases import make_inputs as case_inputs
+from epilogue_cases import random_case
+
+import evtc
+from evtc.ir.autodiff import NO_GRADIENT, RULES, BackwardError, backward
+from evtc.ir.interpreter import accumulator, evaluate
+from evtc.ir.ops import ELEMENTWISE
+from evtc.ir.shapes import L, M, N, evaluate_shape
+
+F64 = torch.float64
+
+
+def _round_straight_through(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The interpreter's rounding cast with the gradient passed through unrounded (torch's own
+    ``.to(float16)`` would round the gradient to float16 on its way back), float8 saturation kept."""
+    if dtype == values.dtype:
+        return values
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        limit = torch.finfo(dtype).max
+        values = values.clamp(-limit, limit)
+    return values + (values.to(dtype).to(values.dtype) - values).detach()
+
+
+@pytest.fixture(autouse=True)
+def _reference_casts(monkeypatch):
+    import evtc.ir.interpreter as interpreter
+
+    monkeypatch.setattr(interpreter, "round_to", _round_straight_through)
+
+
+def _leaves(graph, result) -> dict[str, torch.Tensor]:
+    tree = graph.outputs
+    if tree.kind == "single":
+        return {tree.names[0]: result}
+    if tree.kind == "tuple":
+        return dict(zip(tree.names, result, strict=True))
+    return {name: result[key] for name, key in zip(tree.names, tree.keys, strict=True)}
+
+
+def check_gradients(fn, inputs: dict, out_dtypes=None, seed: int = 0) -> int:
+    """Trace ``fn``, derive its backward graph and compare it with autograd; returns how many
+    gradients were compared (zero ones included)."""
+    graph = evtc.trace(fn, inputs, out_dtypes=out_dtypes)
+    back = backward(graph)
+    g = torch.Generator().manual_seed(seed)
+    acc = accumulator(inputs["a"], inputs["b"], F64).detach().requires_grad_()
+    operands = {}
+    for name, value in inputs.items():
+        if name in ("a", "b"):
+            continue
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+            operands[name] = value.to(F64).detach().requires_grad_()
+        else:
+            operands[name] = value
+    outputs = _leaves(graph, evaluate(graph, {graph.acc_name: acc, **operands}, compute_dtype=F64,
+                                      cast_outputs=False))
+    differentiable = {name: out for name, out in outputs.items()
+                      if name in back.output_grads and out.requires_grad}
+    upstream = {name: torch.randn(out.shape, generator=g, dtype=F64) for name, out in differentiable.items()}
+    wrt_names = [graph.acc_name] + [n for n, v in operands.items()
+                                    if isinstance(v, torch.Tensor) and v.requires_grad]
+    wrt = [acc] + [operands[n] for n in wrt_names[1:]]
+    want = torch.autograd.grad(list(differentiable.values()), wrt,
+                               [upstream[n] for n in differentiable], allow_unused=True)
+    want = dict(zip(wrt_names, want, strict=True))
+
+    sizes = {M: acc.shape[-2], N: acc.shape[-1] // (2 if graph.gated else 1),
+             L: acc.shape[0] if acc.dim() == 3 else 1}
+    feeds = {graph.acc_name: acc.detach(), **{n: (v.detach() if isinstance(v, torch.Tensor) else v)
+                                              for n, v in operands.items()}}
+    for name, grad_name in back.output_grads.items():
+        # An output that depends on no input (a constant, a mask) gets a gradient that goes nowhere.
+        incoming = upstream.get(name, torch.randn(outputs[name].shape, generator=g, dtype=F64))
+        feeds[grad_name] = incoming.reshape(evaluate_shape(back.grad_shapes[grad_name], sizes))
+    got = evaluate(back.graph, feeds, compute_dtype=F64, cast_outputs=False)
+
+    compared = 0
+    for name, reference in want.items():
+        for key, ref in [(name, reference)]:
+            if ref is None or not ref.abs().sum():  # no gradient (piecewise constant, unused)
+                assert key not in got or not got[key].abs().sum(), key
+                compared += 1
+                continue
+            assert key in got, f"no gradient for {key}"
+            value = got[key]
+            value = value.expand(ref.shape) if value.numel() != ref.numel() else value.reshape(ref.shape)
+            scale = ref.abs().max().clamp_min(1e-12)
+            err = ((value - ref).abs().max() / scale).item()
+            assert err < 1e-7, f"{key}: relative error {err:.3g}"
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("entry", CATALOGUE, ids=lambda e: e.name)
+def test_catalogue_gradients_equal_autograd(entry):
+    inputs = make_inputs(entry, 24, 40, 16, 3 if entry.batched else None, torch.float32, "cpu", seed=1)
+    try:
+        compared = check_gradients(entry.fn, inputs, entry.out_dtypes)
+    except BackwardError as exc:
+        pytest.fail(f"no backward graph: {exc}")
+    assert compared >= 1
+
+
+@pytest.mark.parametrize("index", range(60))
+def test_random_program_gradients_equal_autograd(index):
+    case = random_case(11, index)
+    m, n, k = 20, 24 * (2 if case.gated else 1), 16
+    inputs = case_inputs(case, m, n, k, device="cpu", seed=index)
+    inputs = {name: (v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+              for name, v in inputs.items()}
+    try:
+        check_gradients(case.function(), inputs, case.output_dtypes(), seed=index)
+    except evtc.EpilogueError as exc:
+        if isinstance(exc, BackwardError):
+            raise
+        pytest.skip(f"evtc refuses this program: {exc}")
+
+
+def test_every_op_has_a_rule_or_none():
+    for name in ELEMENTWISE:
+        assert (name in RULES) != (name in NO_GRADIENT), name
+
+
+@pytest.mark.parametrize("act", [F.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, F.mish, F.hardswish,
+                                 F.hardsigmoid, F.softplus, lambda x: F.elu(x, 0.7),
+                                 lambda x: F.gelu(x, approximate="tanh"), lambda x: F.leaky_relu(x, 0.2),
+                                 torch.erf, torch.sin, torch.cos, torch.exp, torch.expm1, torch.exp2,
+                                 lambda x: torch.log(x.abs() + 1), lambda x: torch.log2(x.abs() + 1),
+                                 lambda x: torch.log1p(x.abs()), lambda x: torch.sqrt(x.abs() + 1),
+                                 lambda x: torch.rsqrt(x.abs() + 1), lambda x: torch.reciprocal(x.abs() + 1),
+                                 lambda x: x.abs() ** 1.5, lambda x: 2.0 ** x,
+                                 lambda x: torch.maximum(x, -x * 0.5), lambda x: torch.minimum(x, x * x),
+                                 lambda x: torch.where(x > 0, x * 3, -x)])
+def test_activation_rules_with_operands(act):
+    def epilogue(acc, C, bias, scale, s):
+        return act(acc * scale + bias) * s + C
+
+    g = torch.Generator().manual_seed(3)
+    inputs = {"a": torch.randn(16, 8, generator=g), "b": torch.randn(8, 32, generator=g),
+              "C": torch.randn(16, 32, generator=g), "bias": torch.randn(32, generator=g),
+              "scale": torch.rand(16, 1, generator=g) + 0.5, "s": torch.randn(1, generator=g)}
+    assert check_gradients(epilogue, inputs) == 5
+
+
+def test_reductions_and_their_finish():
+    def epilogue(acc, bias):
+        y = torch.relu(acc + bias)
+        return y, y.sum(-1), y.amax(0), torch.sqrt(y.square().mean(-1) + 1e-6), y.sum()
+
+    g = torch.Generator().manual_seed(4)
+    inputs = {"a": torch.randn(12, 8, generator=g), "b": torch.randn(8, 20, generator=g),
+              "bias": torch.randn(20, generator=g)}
+    assert check_gradients(epilogue, inputs) == 2
+
+
+def test_batched_operands_shared_and_per_batch():
+    def epilogue(acc, bias, shared_c, per_batch_scale):
+        return torch.tanh(acc + bias) * per_batch_scale + shared_c
+
+    g = torch.Generator().manual_seed(5)
+    inputs = {"a": torch.randn(3, 10, 8, generator=g), "b": torch.randn(3, 8, 12, generator=g),
+              "bias": torch.randn(12, generator=g), "shared_c": torch.randn(10, 12, generator=g),
+              "per_batch_scale": torch.randn(3, 1, 1, generator=g)}
+    assert check_gradients(epilogue, inputs) == 4
+
+
+def test_swiglu_gives_both_halves_of_the_accumulator():
+    def epilogue(acc, bias):
+        gate, up = (acc + bias).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    g = torch.Generator().manual_seed(6)
+    inputs = {"a": torch.randn(12, 8, generator=g), "b": torch.randn(8, 32, generator=g),
+              "bias": torch.randn(32, generator=g)}
+    back = backward(evtc.trace(epilogue, inputs))
+    assert set(back.input_grads) == {"acc", "bias"}
+    assert check_gradients(epilogue, inputs) == 2
+
+
+def test_a_split_gated_graph_is_refused():
+    from evtc.ir.passes.gated import kernel_graph
+
+    def epilogue(acc):
+        gate, up = acc.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    inputs = {"a": torch.randn(12, 8), "b": torch.randn(8, 32)}
+    with pytest.raises(BackwardError, match="before the kernel's split"):
+        backward(kernel_graph(evtc.trace(epilogue, inputs)))
+
+
+def test_simplified_backward_of_the_identity_is_the_incoming_gradient():
+    inputs = {"a": torch.randn(8, 4), "b": torch.randn(4, 16)}
+    back = backward(evtc.trace(lambda acc: acc, inputs))
+    assert [n.op for n in back.graph.nodes] == ["load", "store"]
+    assert back.output_grads == {"D": "grad_D"} and back.input_grads == {"acc": "grad_acc"}
+    unsimplified = backward(evtc.trace(lambda acc: acc * 1.0 + 0.0, inputs), simplify=False)
+    assert len(unsimplified.graph.nodes) > 2
