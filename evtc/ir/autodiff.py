@@ -230,13 +230,12 @@ NO_GRADIENT = frozenset({"gt", "ge", "lt", "le", "eq", "ne", "logical_and", "log
 # ---- the pass ---------------------------------------------------------------------------------------
 def backward(graph: Graph, *, simplify: bool = True) -> Backward:
     """The backward graph of ``graph`` (a traced epilogue, see :func:`evtc.trace`): see the module
-    docstring. With ``simplify``, the pass pipeline (folding, CSE, dead code) runs on it."""
+    docstring. With ``simplify``, the simplifying passes (folding, CSE, dead code) run on it."""
     builder = GraphBuilder(graph.batched)
     o = _Ops(builder)
     new: dict[int, Node] = {}
     # The forward, recomputed; reductions keep their reduced dims (size 1) so that their
     # gradients broadcast back over the tile.
-    squeezed: dict[int, Shape] = {}
     for node in graph.nodes:
         if node.op == "store":
             continue
@@ -246,7 +245,6 @@ def backward(graph: Graph, *, simplify: bool = True) -> Backward:
             attrs = {**node.attrs, "keepdim": True}
             copy = builder.add("reduce", ins, attrs, loc=node.loc, dtype=node.dtype,
                                shape=reduced_shape(ins[0].shape, node.attrs["axis"], True))
-            squeezed[node.id] = node.shape
         else:
             copy = builder.add(node.op, ins, node.attrs, loc=node.loc, dtype=node.dtype,
                                shape=_kept_shape(node, ins))
