@@ -333,26 +333,11 @@ def backward(graph: Graph, *, simplify: bool = True) -> Backward:
                  outputs=OutputTree("dict", names, keys=list(input_grads)), batched=graph.batched,
                  acc_name=graph.acc_name, ab_dtype=graph.ab_dtype, gated=graph.gated)
     if simplify:
-        back = _simplify(back)
+        from .passes.pipeline import simplify as simplify_graph
+
+        back = simplify_graph(back)
     grad_shapes = {g: operands[g].shape for g in output_grads.values()}
     return Backward(back, output_grads, input_grads, grad_shapes)
-
-
-def _simplify(graph: Graph, max_rounds: int = 8) -> Graph:
-    """Fold constants, merge common subexpressions and drop dead code, to a fixed point (the
-    simplifying passes of :func:`evtc.ir.passes.pipeline.optimize`; not its kernel checks)."""
-    from .passes.cse import eliminate_common_subexpressions
-    from .passes.dce import eliminate_dead_code
-    from .passes.fold import fold_constants
-
-    for _ in range(max_rounds):
-        changed = False
-        for simplify in (fold_constants, eliminate_common_subexpressions, eliminate_dead_code):
-            graph, did = simplify(graph)
-            changed |= did
-        if not changed:
-            break
-    return graph
 
 
 def _check_squeezed_use(graph: Graph, node: Node) -> None:

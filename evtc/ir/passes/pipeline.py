@@ -25,18 +25,24 @@ PASSES: dict[str, Callable[[Graph], PassResult]] = {
 }
 
 
+def simplify(graph: Graph, *, max_rounds: int = 8) -> Graph:
+    """Fold constants, merge common subexpressions and drop dead code, to a fixed point."""
+    for _ in range(max_rounds):
+        changed = False
+        for rewrite_pass in (fold_constants, eliminate_common_subexpressions, eliminate_dead_code):
+            graph, did = rewrite_pass(graph)
+            changed |= did
+        if not changed:
+            break
+    return graph
+
+
 def optimize(graph: Graph, *, max_rounds: int = 8) -> Graph:
     """Check, lower, simplify to a fixed point, fuse and validate."""
     check_dtypes(graph)
     graph = infer_shapes(graph).graph
     graph = make_casts_explicit(graph).graph
-    for _ in range(max_rounds):
-        changed = False
-        for simplify in (fold_constants, eliminate_common_subexpressions, eliminate_dead_code):
-            graph, did = simplify(graph)
-            changed |= did
-        if not changed:
-            break
+    graph = simplify(graph, max_rounds=max_rounds)
     graph = fuse_elementwise(graph).graph
     validate(graph, lowered=True)
     return graph
