@@ -8,6 +8,8 @@ trace it into an IR graph with :func:`trace`, compile it into a fused GEMM kerne
 import logging as _logging
 from typing import TYPE_CHECKING
 
+from . import nn  # evtc.nn.FusedLinear (torch.nn is loaded with torch already)
+
 # Bound here, not lazily: importing the submodules evtc.compile and evtc.linear would otherwise
 # shadow the functions of the same names. Neither imports sympy or the CuTe DSL.
 from .compile import compile  # noqa: E402, I001
@@ -66,6 +68,7 @@ __version__ = "0.1.0"
 _logging.getLogger("evtc").addHandler(_logging.NullHandler())
 
 __all__ = [
+    "nn",
     "CallError",
     "CompileError",
     "ControlFlowError",

@@ -30,8 +30,46 @@ class Linear:
     they are. ``lin.kernel`` is the underlying :class:`evtc.Kernel` (source, graph, PTX, explain).
     """
 
-    def __init__(self, kernel: Kernel) -> None:
+    def __init__(self, kernel: Kernel, fn: Callable[..., Any] | None = None,
+                 example: Mapping[str, Any] | None = None, out_dtypes: OutDtypes = None) -> None:
         self.kernel = kernel
+        # What the backward graph is derived from (on first use): the epilogue as the user wrote it,
+        # traced on meta copies of the examples (the kernel's own graph may be split for SwiGLU).
+        self._fn = fn
+        self._example = None if example is None else {
+            k: (torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v)
+            for k, v in example.items()}
+        self._out_dtypes = out_dtypes
+        self._backward = None
+
+    @property
+    def output_names(self) -> list[str]:
+        """The epilogue's outputs, by name, in the order of its return value."""
+        return list(self.kernel.plan.structure.names)
+
+    @property
+    def gated(self) -> bool:
+        return bool(self.kernel.plan.gated)
+
+    def backward_graph(self):
+        """The epilogue's backward graph (:func:`evtc.ir.autodiff.backward`), derived once."""
+        if self._backward is None:
+            if self._fn is None:
+                raise CallError("this evtc.Linear was built without its epilogue function; use "
+                                "evtc.linear(...) for a differentiable one")
+            from evtc.api import trace
+            from evtc.ir.autodiff import backward
+
+            self._backward = backward(trace(self._fn, self._example, out_dtypes=self._out_dtypes))
+        return self._backward
+
+    def _output_leaves(self, result: Any) -> dict[str, torch.Tensor]:
+        return self.kernel.plan.structure.flatten(result, lambda _: True)
+
+    def _backward_(self, x, weight, operands, grads):
+        from evtc.linear_autograd import backward_of_linear
+
+        return backward_of_linear(self, x, weight, operands, grads)
 
     @property
     def source(self) -> str:
@@ -41,10 +79,24 @@ class Linear:
         return self.kernel.explain()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *, out: Any = None, **operands: Any) -> Any:
+        """The epilogue's outputs. Differentiable in ``x``, ``weight`` and the tensor operands when
+        any of them requires grad (see :mod:`evtc.linear_autograd`); ``out=`` is then refused."""
         try:
+            if torch.is_grad_enabled() and _requires_grad(x, weight, operands):
+                if out is not None:
+                    raise CallError("evtc.linear: out= is not differentiable; leave it out when an "
+                                    "input requires grad")
+                return self._differentiable(x, weight, operands)
             return self._call(x, weight, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
+
+    def _differentiable(self, x, weight, operands):
+        from evtc.linear_autograd import LinearFunction
+
+        names = tuple(operands)
+        outputs = LinearFunction.apply(self, x, weight, names, *operands.values())
+        return self.kernel.plan.structure.build(dict(zip(self.output_names, outputs, strict=True)))
 
     def _call(self, x, weight, out, operands):
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -77,6 +129,10 @@ class Linear:
         mapped = {name: along_m(t) if isinstance(t, torch.Tensor) and dims[name][:1] == ("M",) else t
                   for name, t in leaves.items()}
         return structure.build(mapped)
+
+
+def _requires_grad(x, weight, operands: Mapping[str, Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, *operands.values()))
 
 
 def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
@@ -115,8 +171,9 @@ def linear(
         x, weight = example.pop("x"), example.pop("weight")
         lead = tuple(x.shape[:-1])
         example = {name: _flatten_like(v, lead) for name, v in example.items()}
-        kernel = _compile_kernel(fn, {"a": x.reshape(-1, x.shape[-1]), "b": weight.t(), **example},
-                                 out_dtypes=out_dtypes, config=config, arch=arch, cache_dir=cache_dir)
+        flat_example = {"a": x.reshape(-1, x.shape[-1]), "b": weight.t(), **example}
+        kernel = _compile_kernel(fn, flat_example, out_dtypes=out_dtypes, config=config, arch=arch,
+                                 cache_dir=cache_dir)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
-    return Linear(kernel)
+    return Linear(kernel, fn, flat_example, out_dtypes)

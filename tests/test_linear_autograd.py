@@ -1,0 +1,122 @@
+"""evtc.linear is differentiable: gradients of x, the weight and the tensor operands against
+torch.autograd on the same function, on CPU through the reference path (float32 a and b run there
+as torch.matmul and the epilogue graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evtc
+
+
+def bias_gelu(acc, bias):
+    return F.gelu(acc + bias)
+
+
+def residual_scaled(acc, residual, scale, alpha: float):
+    return acc * scale * alpha + residual
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def with_stats(acc, bias):
+    y = torch.tanh(acc + bias)
+    return y, y.square().sum(-1), y.amax(0)
+
+
+def _close(got, want, what):
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+    assert err < 1e-4, f"{what}: relative error {err:.3g}"
+
+
+def _check(fn, lead, k, n, operands, weight_rows=None, **scalars):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, k, generator=g).requires_grad_()
+    w = torch.randn(weight_rows or n, k, generator=g).requires_grad_()
+    ops = {name: make(g).requires_grad_() for name, make in operands.items()}
+    lin = evtc.linear(fn, {"x": x, "weight": w, **ops, **scalars})
+    got = lin(x, w, **ops, **scalars)
+    want = fn(x @ w.t(), **ops, **scalars)
+    got_leaves = got if isinstance(got, tuple) else (got,)
+    want_leaves = want if isinstance(want, tuple) else (want,)
+    upstream = [torch.randn(t.shape, generator=g) for t in want_leaves]
+    inputs = [x, w, *ops.values()]
+    mine = torch.autograd.grad(got_leaves, inputs, upstream)
+    ref = torch.autograd.grad(want_leaves, inputs, upstream)
+    for name, a, b in zip(["x", "weight", *ops], mine, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        _close(a, b, name)
+
+
+def test_bias_gelu():
+    _check(bias_gelu, (6,), 16, 24, {"bias": lambda g: torch.randn(24, generator=g)})
+
+
+def test_leading_dims_and_operands_shaped_like_the_output():
+    _check(residual_scaled, (2, 3), 16, 24,
+           {"residual": lambda g: torch.randn(2, 3, 24, generator=g),
+            "scale": lambda g: torch.rand(2, 3, 1, generator=g) + 0.5}, alpha=0.7)
+
+
+def test_swiglu_weight_gets_both_halves():
+    _check(swiglu, (5,), 16, 12, {}, weight_rows=24)
+
+
+def test_several_outputs_with_reductions():
+    _check(with_stats, (7,), 16, 20, {"bias": lambda g: torch.randn(20, generator=g)})
+
+
+def test_only_some_inputs_require_grad_and_no_grad_mode():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(12, 8)
+    bias = torch.randn(12)
+    lin = evtc.linear(bias_gelu, {"x": x, "weight": w, "bias": bias})
+    y = lin(x, w, bias=bias)
+    assert y.requires_grad
+    (dx,) = torch.autograd.grad(y.sum(), [x])
+    x_ref = x.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(bias_gelu(x_ref @ w.t(), bias).sum(), [x_ref])
+    _close(dx, want, "x")
+    with torch.no_grad():
+        assert not lin(x, w, bias=bias).requires_grad
+    with pytest.raises(evtc.CallError, match="out= is not differentiable"):
+        lin(x, w, bias=bias, out=torch.empty(4, 12))
+
+
+def test_fused_linear_module_trains_like_nn_linear():
+    from evtc.nn import FusedLinear
+
+    torch.manual_seed(0)
+    fused = FusedLinear(16, 24, bias_gelu)
+    plain = torch.nn.Linear(16, 24)
+    plain.load_state_dict({"weight": fused.weight.detach().clone(), "bias": fused.bias.detach().clone()})
+    assert {name for name, _ in fused.named_parameters()} == {"weight", "bias"}
+    assert "epilogue=bias_gelu" in repr(fused)
+    x = torch.randn(3, 5, 16)
+    for module in (fused, plain):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            out = module(x) if module is fused else F.gelu(module(x))
+            out.square().mean().backward()
+            optimizer.step()
+    _close(fused.weight.detach(), plain.weight.detach(), "weight after 3 steps")
+    _close(fused.bias.detach(), plain.bias.detach(), "bias after 3 steps")
+
+
+def test_fused_linear_without_bias_and_a_clear_error():
+    from evtc.nn import FusedLinear
+
+    gated = FusedLinear(8, 12, swiglu, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    y = gated(x)
+    assert y.shape == (4, 6)
+    y.sum().backward()
+    assert gated.weight.grad is not None and x.grad is not None
+    with pytest.raises(evtc.CallError, match="no parameter named 'bias'"):
+        FusedLinear(8, 12, swiglu)
