@@ -66,7 +66,7 @@ class Linear:
     def _output_leaves(self, result: Any) -> dict[str, torch.Tensor]:
         return self.kernel.plan.structure.flatten(result, lambda _: True)
 
-    def _backward_(self, x, weight, operands, grads):
+    def _gradients(self, x, weight, operands, grads):
         from evtc.linear_autograd import backward_of_linear
 
         return backward_of_linear(self, x, weight, operands, grads)

@@ -46,7 +46,7 @@ class LinearFunction(torch.autograd.Function):
             values[slot] = t
         operands = dict(zip(ctx.names, values, strict=True))
         grads = dict(zip(ctx.lin.output_names, grad_outputs, strict=True))
-        dx, dweight, d_operands = ctx.lin._backward_(x, weight, operands, grads)
+        dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads)
         needs = ctx.needs_input_grad
         operand_grads = [d_operands.get(name) if needs[4 + i] else None for i, name in enumerate(ctx.names)]
         return (None, dx if needs[1] else None, dweight if needs[2] else None, None, *operand_grads)
