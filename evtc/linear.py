@@ -47,10 +47,6 @@ class Linear:
         """The epilogue's outputs, by name, in the order of its return value."""
         return list(self.kernel.plan.structure.names)
 
-    @property
-    def gated(self) -> bool:
-        return bool(self.kernel.plan.gated)
-
     def backward_graph(self):
         """The epilogue's backward graph (:func:`evtc.ir.autodiff.backward`), derived once."""
         if self._backward is None:
