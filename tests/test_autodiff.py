@@ -206,3 +206,88 @@ def test_simplified_backward_of_the_identity_is_the_incoming_gradient():
     assert back.output_grads == {"D": "grad_D"} and back.input_grads == {"acc": "grad_acc"}
     unsimplified = backward(evtc.trace(lambda acc: acc * 1.0 + 0.0, inputs), simplify=False)
     assert len(unsimplified.graph.nodes) > 2
+
+
+# ---- what the forward saves ------------------------------------------------------------------------
+def check_save_plan(fn, inputs: dict, out_dtypes=None, seed: int = 0):
+    """The forward with its saved output computes the same outputs; the backward from the saved
+    value (the accumulator replaced by NaN, so that any use of it shows) equals the backward that
+    recomputes everything. Returns the plan."""
+    from evtc.ir.autodiff import plan_saves
+
+    graph = evtc.trace(fn, inputs, out_dtypes=out_dtypes)
+    back = backward(graph)
+    plan = plan_saves(graph, back)
+    g = torch.Generator().manual_seed(seed)
+    acc = accumulator(inputs["a"], inputs["b"], F64)
+    operands = {k: v for k, v in inputs.items() if k not in ("a", "b")}
+    before = _leaves(graph, evaluate(graph, {graph.acc_name: acc, **operands}, compute_dtype=F64,
+                                     cast_outputs=False))
+    after = _leaves(plan.forward, evaluate(plan.forward, {graph.acc_name: acc, **operands},
+                                           compute_dtype=F64, cast_outputs=False))
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
+    feeds = dict(operands)
+    for grad_name in back.output_grads.values():
+        feeds[grad_name] = torch.randn(evaluate_shape(back.grad_shapes[grad_name], sizes), generator=g,
+                                       dtype=F64)
+    want = evaluate(back.graph, {graph.acc_name: acc, **feeds}, compute_dtype=F64, cast_outputs=False)
+    nan_acc = torch.full_like(acc, float("nan"))
+    extra = {} if plan.saved is None else {plan.saved: after[plan.saved]}
+    got = evaluate(plan.backward, {graph.acc_name: nan_acc, **feeds, **extra}, compute_dtype=F64,
+                   cast_outputs=False)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=1e-12, atol=1e-12, equal_nan=False), key
+    return plan
+
+
+def test_save_plans_of_the_catalogue():
+    saved = 0
+    for entry in CATALOGUE:
+        inputs = make_inputs(entry, 24, 40, 16, 3 if entry.batched else None, torch.float32, "cpu", seed=2)
+        plan = check_save_plan(entry.fn, inputs, entry.out_dtypes)
+        saved += plan.saved is not None
+    assert saved >= 40  # most epilogues are nonlinear in acc
+
+
+@pytest.mark.parametrize("index", range(30))
+def test_save_plans_of_random_programs(index):
+    case = random_case(11, index)
+    m, n, k = 20, 24 * (2 if case.gated else 1), 16
+    inputs = case_inputs(case, m, n, k, device="cpu", seed=index)
+    inputs = {name: (v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+              for name, v in inputs.items()}
+    check_save_plan(case.function(), inputs, case.output_dtypes(), seed=index)
+
+
+def test_what_is_saved():
+    g = torch.Generator().manual_seed(7)
+    inputs = {"a": torch.randn(12, 8, generator=g), "b": torch.randn(8, 32, generator=g),
+              "bias": torch.randn(32, generator=g), "C": torch.randn(12, 32, generator=g)}
+    acc = accumulator(inputs["a"], inputs["b"], F64)
+
+    def saved_value(fn, operands):
+        plan = check_save_plan(fn, {"a": inputs["a"], "b": inputs["b"], **operands})
+        if plan.saved is None:
+            return None
+        out = evaluate(plan.forward, {"acc": acc, **operands}, compute_dtype=F64, cast_outputs=False)
+        return out[-1] if isinstance(out, tuple) else out[plan.saved]
+
+    # Linear in acc: nothing to save.
+    assert saved_value(lambda acc, bias, C: acc * 2 + bias + C, {"bias": inputs["bias"], "C": inputs["C"]}) \
+        is None
+    # gelu(acc + bias): every use goes through gelu'(acc + bias), which the forward computes while
+    # the values are in registers; the backward is then dY * saved.
+    pre = (acc + inputs["bias"].double()).requires_grad_()
+    (slope,) = torch.autograd.grad(F.gelu(pre).sum(), [pre])
+    assert torch.allclose(saved_value(lambda acc, bias: F.gelu(acc + bias), {"bias": inputs["bias"]}), slope)
+
+    # SwiGLU with a bias: the value both halves come from.
+    def swiglu_bias(acc, bias):
+        gate, up = (acc + bias).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # SwiGLU: both halves need values of their own: the pre-activation they come from.
+    assert torch.allclose(saved_value(swiglu_bias, {"bias": inputs["bias"]}), acc + inputs["bias"].double())

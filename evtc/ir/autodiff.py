@@ -476,4 +476,134 @@ def _fresh(name: str, taken: dict) -> str:
     return out
 
 
-__all__ = ["GRAD", "NO_GRADIENT", "RULES", "Backward", "BackwardError", "backward"]
+
+
+# ---- what to save ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SavePlan:
+    """What the forward saves for the backward, and the graphs that use it.
+
+    ``saved`` is None when the backward needs no value of the forward that depends on the
+    accumulator (an epilogue linear in acc: its dZ is a function of dY and the operands only);
+    ``backward`` is then the plain backward graph. Otherwise ``saved`` names one more output of
+    ``forward`` (float32, shaped like the tile), and ``backward`` takes it as an operand of that name
+    instead of the accumulator: recomputing the accumulator would cost the backward a whole GEMM,
+    where the saved tile costs one write and one read of M x N values.
+    """
+
+    forward: Graph
+    backward: Graph
+    saved: str | None
+
+
+def plan_saves(graph: Graph, back: Backward, *, name: str = "saved") -> SavePlan:
+    """Choose what ``graph``'s forward saves for its backward ``back`` (see :class:`SavePlan`).
+
+    The value saved is the latest one through which every use of the accumulator by the backward
+    passes (a dominator of those uses): the pre-activation of ``act(acc * s + bias)``, the input of
+    the halves of SwiGLU, the accumulator itself when two unrelated values of it are needed. The
+    backward then recomputes only the cheap elementwise steps from it to what it needs.
+    """
+    bg = back.graph
+    from_grads: set[int] = set()
+    for node in bg.nodes:
+        if (node.op == "load" and node.attrs["name"] in back.grad_shapes) or any(i.id in from_grads
+                                                                               for i in node.inputs):
+            from_grads.add(node.id)
+    from_acc: set[int] = set()
+    for node in bg.nodes:
+        if node.id not in from_grads and (node.op == "acc" or any(i.id in from_acc for i in node.inputs)):
+            from_acc.add(node.id)
+    # Values of the forward that the backward's own computation (or an output) reads.
+    needed = {i.id for n in bg.nodes if n.id in from_grads or n.op == "store" for i in n.inputs
+              if i.id in from_acc}
+    if not needed:
+        return SavePlan(graph, bg, None)
+    by_id = {n.id: n for n in bg.nodes}
+    acc = next(n for n in bg.nodes if n.op == "acc")
+
+    def reaches_needed_without(cut: int) -> bool:
+        seen = {acc.id} if acc.id != cut else set()
+        for node in bg.nodes:
+            if node.id == cut or node.id in seen:
+                continue
+            if any(i.id in seen for i in node.inputs) and node.id in from_acc:
+                seen.add(node.id)
+        return bool(seen & needed)
+
+    # Floating-point values only (a saved mask would be read back as float32).
+    candidates = [n for n in bg.nodes if n.id in from_acc and n.op != "store" and n.dtype.is_floating_point]
+    cut = next(n for n in reversed(candidates) if not reaches_needed_without(n.id))
+    saved_name = _fresh(name, {**graph.operands, **bg.operands})
+    backward_graph = _load_instead(bg, cut, saved_name)
+    forward_graph = _store_also(graph, bg, by_id, cut, saved_name)
+    return SavePlan(forward_graph, backward_graph, saved_name)
+
+
+def _load_instead(bg: Graph, cut: Node, name: str) -> Graph:
+    """``bg`` with ``cut`` read from an operand ``name`` (float32, its shape); dead code dropped."""
+    from .passes.dce import eliminate_dead_code
+
+    builder = GraphBuilder(bg.batched)
+    mapping: dict[int, Node] = {}
+    operand = Operand(name, _kind(cut.shape), F32, shape=cut.shape,
+                      batched=bg.batched and L in _symbols(cut.shape))
+    for node in bg.nodes:
+        if node.id == cut.id:
+            mapping[node.id] = builder.add("load", (), {"name": name, "kind": operand.kind,
+                                                        "batched": operand.batched, "shape": cut.shape},
+                                           dtype=F32, shape=cut.shape)
+            continue
+        ins = tuple(mapping[i.id] for i in node.inputs)
+        mapping[node.id] = builder.add(node.op, ins, node.attrs, loc=node.loc, dtype=node.dtype,
+                                       shape=node.shape)
+    out = Graph(name=bg.name, nodes=builder.nodes, operands={**bg.operands, name: operand},
+                outputs=bg.outputs, batched=bg.batched, acc_name=bg.acc_name, ab_dtype=bg.ab_dtype,
+                gated=bg.gated)
+    return eliminate_dead_code(out).graph
+
+
+def _store_also(graph: Graph, bg: Graph, by_id: dict[int, Node], cut: Node, name: str) -> Graph:
+    """``graph`` with one more output ``name``: ``cut``'s value (computed as the backward graph
+    computes it from acc and the operands), in float32."""
+    from .passes.pipeline import simplify
+
+    builder = GraphBuilder(graph.batched)
+    mapping: dict[int, Node] = {}
+    stores = []
+    for node in graph.nodes:
+        if node.op == "store":
+            stores.append(node)
+            continue
+        ins = tuple(mapping[i.id] for i in node.inputs)
+        mapping[node.id] = builder.add(node.op, ins, node.attrs, loc=node.loc, dtype=node.dtype,
+                                       shape=node.shape)
+    # The cut's cone, from the backward graph: its acc and loads are the forward's own.
+    forward_loads = {n.attrs["name"]: mapping[n.id] for n in graph.nodes if n.op == "load"}
+    forward_acc = next((mapping[n.id] for n in graph.nodes if n.op == "acc"), None)
+    cone: dict[int, Node] = {}
+    for node in bg.nodes:
+        if node.op == "acc":
+            cone[node.id] = forward_acc if forward_acc is not None else builder.add("acc")
+        elif node.op == "load" and node.attrs["name"] in forward_loads:
+            cone[node.id] = forward_loads[node.attrs["name"]]
+        elif all(i.id in cone for i in node.inputs):
+            cone[node.id] = builder.add(node.op, tuple(cone[i.id] for i in node.inputs), node.attrs,
+                                        loc=node.loc, dtype=node.dtype, shape=node.shape)
+        if node.id == cut.id:
+            break
+    for node in stores:
+        builder.add("store", (mapping[node.inputs[0].id],), node.attrs, loc=node.loc, dtype=node.dtype,
+                    shape=node.shape)
+    builder.add("store", (cone[cut.id],), {"name": name}, dtype=F32, shape=cut.shape)
+    tree = graph.outputs
+    if tree.kind == "dict":
+        outputs = OutputTree("dict", [*tree.names, name], keys=[*(tree.keys or []), name])
+    else:
+        outputs = OutputTree("tuple", [*tree.names, name])
+    out = Graph(name=graph.name, nodes=builder.nodes, operands=graph.operands, outputs=outputs,
+                batched=graph.batched, acc_name=graph.acc_name, ab_dtype=graph.ab_dtype, gated=graph.gated)
+    return simplify(out)
+
+
+__all__ = ["GRAD", "NO_GRADIENT", "RULES", "Backward", "BackwardError", "SavePlan", "backward", "plan_saves"]
