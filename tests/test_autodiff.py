@@ -111,13 +111,18 @@ def test_catalogue_gradients_equal_autograd(entry):
     assert compared >= 1
 
 
-@pytest.mark.parametrize("index", range(60))
-def test_random_program_gradients_equal_autograd(index):
+def _random_program(index: int):
+    """Fuzzer case ``index`` of seed 11 with float32 inputs on the CPU: (case, inputs)."""
     case = random_case(11, index)
     m, n, k = 20, 24 * (2 if case.gated else 1), 16
     inputs = case_inputs(case, m, n, k, device="cpu", seed=index)
-    inputs = {name: (v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
-              for name, v in inputs.items()}
+    return case, {name: (v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+                  for name, v in inputs.items()}
+
+
+@pytest.mark.parametrize("index", range(60))
+def test_random_program_gradients_equal_autograd(index):
+    case, inputs = _random_program(index)
     try:
         check_gradients(case.function(), inputs, case.output_dtypes(), seed=index)
     except evtc.EpilogueError as exc:
@@ -254,11 +259,7 @@ def test_save_plans_of_the_catalogue():
 
 @pytest.mark.parametrize("index", range(30))
 def test_save_plans_of_random_programs(index):
-    case = random_case(11, index)
-    m, n, k = 20, 24 * (2 if case.gated else 1), 16
-    inputs = case_inputs(case, m, n, k, device="cpu", seed=index)
-    inputs = {name: (v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
-              for name, v in inputs.items()}
+    case, inputs = _random_program(index)
     check_save_plan(case.function(), inputs, case.output_dtypes(), seed=index)
 
 
