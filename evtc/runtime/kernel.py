@@ -61,6 +61,10 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.chunk(2, dim=-1)
 
 
+def _needs_grad(a, b, operands: dict) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, *operands.values()))
+
+
 def _built_config(config: GemmConfig, splits: int) -> GemmConfig:
     """The configuration whose kernel runs a launch of ``config`` with ``splits`` splits of K: its
     split-K build where K is split."""
@@ -114,6 +118,7 @@ class Kernel:
         self._pinned_splits: int | None = None
         self._variant_lock = threading.Lock()
         self._op = None
+        self._backward = None  # the epilogue's backward graph, derived on first use
         self._call_setup()
 
     @classmethod
@@ -542,7 +547,8 @@ class Kernel:
 
         Under ``torch.compile`` the call is the kernel's custom operator (:attr:`op`), which the
         compiler sees as one opaque op with a shape function: no graph break."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(a, b, operands)):
+            # The operator has an autograd formula (evtc.runtime.op_autograd).
             return self._call_op(a, b, out, operands)
         try:
             outs = self._launch(a, b, out, operands)
@@ -563,6 +569,19 @@ class Kernel:
 
             self._op = register(self)
         return self._op
+
+    def backward_graph(self):
+        """The epilogue's backward graph (:func:`evtc.ir.autodiff.backward`), derived once; what the
+        custom operator's autograd formula evaluates (:mod:`evtc.runtime.op_autograd`)."""
+        if self._backward is None:
+            if self.plan.gated:
+                raise CallError(f"{self.plan.name!r}: the backward of a gated kernel's operator is not "
+                                "derived yet; evtc.linear (which traces the epilogue unsplit) is "
+                                "differentiable for gated epilogues")
+            from evtc.ir.autodiff import backward
+
+            self._backward = backward(self.graph)
+        return self._backward
 
     @property
     def operand_names(self) -> list[str]:

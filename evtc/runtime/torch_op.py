@@ -73,6 +73,22 @@ def register(kernel: Kernel):
         # CPU tensors reach the same checks, which name the tensor that is not on the GPU.
         _LIBRARY.impl(name, run, "CPU")
         torch.library.register_fake(f"evtc::{name}", fake, lib=_LIBRARY)
+
+        def setup_context(ctx, inputs, output):
+            a, b, *operands = inputs
+            tensors = [t for t in (a, b, *operands) if isinstance(t, torch.Tensor)]
+            ctx.save_for_backward(*tensors)
+            ctx.scalars = [None if isinstance(v, torch.Tensor) else v for v in operands]
+
+        def backward(ctx, *grads):
+            from evtc.runtime.op_autograd import op_backward
+
+            a, b, *tensors = ctx.saved_tensors
+            rest = iter(tensors)
+            operands = [next(rest) if v is None else v for v in ctx.scalars]
+            return op_backward(kernel, a, b, operands, grads)
+
+        torch.library.register_autograd(f"evtc::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
         op = getattr(torch.ops.evtc, name).default
         _OPS[name] = op
         return op

@@ -1,0 +1,58 @@
+"""Autograd for a kernel's custom operator (``torch.ops.evtc.*``), so that ``k(a, b, ...)`` and the
+operator are differentiable, eagerly and under ``torch.compile``.
+
+The backward is the reference one (as for ``evtc.linear``, see :mod:`evtc.linear_autograd`): the
+epilogue's backward graph (:mod:`evtc.ir.autodiff`) evaluated on the accumulator recomputed in
+float32, then ``da = dZ @ b^T`` and ``db = a^T @ dZ``. It is written in torch operations only, so
+``torch.compile`` traces it like any backward formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from evtc.runtime.kernel import Kernel
+
+
+def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequence[Any],
+                grads: Sequence[torch.Tensor | None]) -> tuple:
+    """Gradients of (a, b, *operands) (None for Python-number operands) from the gradients of the
+    kernel's outputs in its output order."""
+    from evtc.ir.interpreter import accumulator
+    from evtc.ir.shapes import L, M, N, evaluate_shape
+
+    back = kernel.backward_graph()
+    names = kernel.operand_names
+    acc = accumulator(a, b, torch.float32)
+    sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
+    feeds: dict[str, Any] = {back.graph.acc_name: acc, **dict(zip(names, operands, strict=True))}
+    by_output = dict(zip(kernel.plan.output_order, grads, strict=True))
+    for name, grad_name in back.output_grads.items():
+        shape = evaluate_shape(back.grad_shapes[grad_name], sizes)
+        g = by_output.get(name)
+        feeds[grad_name] = (torch.zeros(shape, dtype=torch.float32, device=acc.device) if g is None
+                            else g.to(torch.float32).reshape(shape))
+    result = back.graph.evaluate(feeds, compute_dtype=torch.float32, cast_outputs=False)
+    d_acc = result.get(back.graph.acc_name)
+    if d_acc is None:
+        d_acc = torch.zeros_like(acc)
+    da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
+    db = (a.to(torch.float32).transpose(-1, -2) @ d_acc).to(b.dtype)
+    if da.shape != a.shape:  # a shared by all batches
+        da = da.sum_to_size(a.shape)
+    if db.shape != b.shape:
+        db = db.sum_to_size(b.shape)
+    d_operands = []
+    for name, value in zip(names, operands, strict=True):
+        if isinstance(value, torch.Tensor) and name in result:
+            d_operands.append(result[name].reshape(value.shape).to(value.dtype))
+        else:
+            d_operands.append(None)
+    return (da, db, *d_operands)
+
+
+__all__ = ["op_backward"]
