@@ -55,35 +55,19 @@ class LinearFunction(torch.autograd.Function):
 def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, operands: dict[str, Any],
                        grads: dict[str, torch.Tensor | None]):
     """(dx, dweight, {operand: gradient}) of ``lin``'s call on ``x``, ``weight``, ``operands``
-    given the outputs' gradients ``grads`` (None for outputs that received none)."""
-    from evtc.ir.interpreter import accumulator
-    from evtc.ir.shapes import L, M, N, evaluate_shape
+    given the outputs' gradients ``grads`` by output name (None for outputs that received none):
+    the GEMM epilogue's backward with a = x (flattened) and b = weight^T."""
     from evtc.linear import _flatten_like
+    from evtc.runtime.op_autograd import gemm_epilogue_backward
 
-    back = lin.backward_graph()
     lead = tuple(x.shape[:-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    acc = accumulator(x2, weight.t(), torch.float32)
-    sizes = {M: acc.shape[0], N: acc.shape[1], L: 1}  # the traced graph is not split: N is acc's
-    flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
-    feeds: dict[str, Any] = {back.graph.acc_name: acc, **flat}
-    for name, grad_name in back.output_grads.items():
-        shape = evaluate_shape(back.grad_shapes[grad_name], sizes)
-        g = grads.get(name)
-        g = torch.zeros(shape, dtype=torch.float32, device=acc.device) if g is None else \
-            g.to(torch.float32).reshape(shape)
-        feeds[grad_name] = g
-    result = back.graph.evaluate(feeds, compute_dtype=torch.float32, cast_outputs=False)
-    d_acc = result.get(back.graph.acc_name)
-    if d_acc is None:
-        d_acc = torch.zeros_like(acc)
-    dx = (d_acc @ weight.to(torch.float32)).to(x.dtype).reshape(x.shape)
-    dweight = (d_acc.t() @ x2.to(torch.float32)).to(weight.dtype)
-    d_operands = {}
-    for name, value in operands.items():
-        if isinstance(value, torch.Tensor) and name in result:
-            d_operands[name] = result[name].reshape(value.shape).to(value.dtype)
-    return dx, dweight, d_operands
+    names = list(operands)
+    flat = [_flatten_like(operands[name], lead) for name in names]
+    da, db, *d_flat = gemm_epilogue_backward(lin.backward_graph(), x.reshape(-1, x.shape[-1]), weight.t(),
+                                             names, flat, grads)
+    d_operands = {name: d.reshape(operands[name].shape) for name, d in zip(names, d_flat, strict=True)
+                  if d is not None}
+    return da.reshape(x.shape), db.t(), d_operands
 
 
 __all__ = ["LinearFunction", "backward_of_linear"]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from evtc.ir.autodiff import Backward
     from evtc.runtime.kernel import Kernel
 
 
@@ -22,15 +23,20 @@ def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequ
                 grads: Sequence[torch.Tensor | None]) -> tuple:
     """Gradients of (a, b, *operands) (None for Python-number operands) from the gradients of the
     kernel's outputs in its output order."""
+    return gemm_epilogue_backward(kernel.backward_graph(), a, b, kernel.operand_names, operands,
+                                  dict(zip(kernel.plan.output_order, grads, strict=True)))
+
+
+def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, names: Sequence[str],
+                           operands: Sequence[Any], by_output: dict[str, torch.Tensor | None]) -> tuple:
+    """(da, db, *operand gradients) of ``epilogue(a @ b, *operands)`` with backward graph ``back``,
+    given the outputs' gradients by output name (None or missing: no gradient)."""
     from evtc.ir.interpreter import accumulator
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
-    back = kernel.backward_graph()
-    names = kernel.operand_names
     acc = accumulator(a, b, torch.float32)
     sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
     feeds: dict[str, Any] = {back.graph.acc_name: acc, **dict(zip(names, operands, strict=True))}
-    by_output = dict(zip(kernel.plan.output_order, grads, strict=True))
     for name, grad_name in back.output_grads.items():
         shape = evaluate_shape(back.grad_shapes[grad_name], sizes)
         g = by_output.get(name)
@@ -55,4 +61,4 @@ def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequ
     return (da, db, *d_operands)
 
 
-__all__ = ["op_backward"]
+__all__ = ["gemm_epilogue_backward", "op_backward"]
