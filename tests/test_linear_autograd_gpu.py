@@ -55,3 +55,19 @@ def test_fused_linear_module_on_gpu():
     _norm_close(y.detach(), F.gelu(ref), "forward")
     assert layer.weight.grad is not None and layer.bias.grad is not None and x.grad is not None
     assert torch.isfinite(layer.weight.grad.float()).all()
+
+
+def test_kernel_call_is_differentiable_on_gpu():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = (torch.randn(256, 128, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    b = (torch.randn(128, 192, device="cuda", generator=g) * 128 ** -0.5).bfloat16().requires_grad_()
+    bias = torch.randn(192, device="cuda", generator=g).requires_grad_()
+    k = evtc.compile(bias_gelu, {"a": a, "b": b, "bias": bias})
+    y = k(a, b, bias=bias)
+    ref = bias_gelu(a.float() @ b.float(), bias)
+    _norm_close(y, ref, "forward")
+    dy = torch.randn(ref.shape, device="cuda", generator=g)
+    mine = torch.autograd.grad(y, [a, b, bias], dy.bfloat16())
+    want = torch.autograd.grad(ref, [a, b, bias], dy)
+    for name, got, exp in zip(["a", "b", "bias"], mine, want, strict=True):
+        _norm_close(got, exp, name)
