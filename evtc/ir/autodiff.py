@@ -35,6 +35,7 @@ from ..errors import EpilogueError
 from .dtypes import is_float8
 from .graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from .infer import reduced_shape
+from .ops import ELEMENTWISE
 from .shapes import ONE, L, M, N, Shape, broadcast
 
 GRAD = "grad_"
@@ -68,8 +69,7 @@ class _Ops:
         self.b = builder
 
     def op(self, name: str, *inputs: Node, **attrs) -> Node:
-        boolean = name in ("gt", "ge", "lt", "le", "eq", "ne", "logical_and", "logical_or", "logical_not")
-        return self.b.add(name, tuple(inputs), attrs, dtype=torch.bool if boolean else F32)
+        return self.b.add(name, tuple(inputs), attrs, dtype=torch.bool if ELEMENTWISE[name].boolean else F32)
 
     def const(self, value: float) -> Node:
         return self.b.literal(value)
@@ -223,8 +223,8 @@ RULES: dict[str, Rule] = {
     "hardsigmoid": _hardsigmoid,
     "where": lambda o, n, i, g: (None, o.where(i[0], g, o.zero()), o.where(i[0], o.zero(), g)),
 }
-#: Ops whose result is boolean or piecewise constant: no gradient flows through them.
-NO_GRADIENT = frozenset({"gt", "ge", "lt", "le", "eq", "ne", "logical_and", "logical_or", "logical_not"})
+#: Ops whose result is boolean (comparisons, logical ops): no gradient flows through them.
+NO_GRADIENT = frozenset(name for name, op in ELEMENTWISE.items() if op.boolean)
 
 
 # ---- the pass ---------------------------------------------------------------------------------------

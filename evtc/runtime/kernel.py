@@ -62,7 +62,13 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _needs_grad(a, b, operands: dict) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, *operands.values()))
+    """Whether any input requires grad (on the per-call path: no tuple or generator built)."""
+    if getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False):
+        return True
+    for value in operands.values():
+        if getattr(value, "requires_grad", False):
+            return True
+    return False
 
 
 def _built_config(config: GemmConfig, splits: int) -> GemmConfig:
