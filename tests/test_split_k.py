@@ -12,9 +12,15 @@ import evtc
 from evtc.plan.config import GemmConfig
 from evtc.plan.split_k import (
     MAX_SPLITS,
+    MAX_TAIL_SPLITS,
     MIN_K_TILES_PER_SPLIT,
+    MIN_K_TILES_PER_TAIL_SPLIT,
+    MIN_TAIL_GAIN,
+    TAIL_FILL,
     choose_splits,
+    choose_tail_splits,
     cta_tile_grid,
+    whole_cluster_tiles,
     workspace_numels,
 )
 
@@ -57,8 +63,43 @@ def test_workspace_sizes():
     one per CTA tile (a 1x2 cluster over 5 columns of tiles runs 6)."""
     cfg = BF16.replace(tile_n=128)
     assert cta_tile_grid(200, 600, 3, cfg, (1, 2)) == 2 * 6 * 3
-    assert workspace_numels(200, 600, 3, cfg, (1, 2), 4) == (36 * 3 * 128 * 128, 36)
-    assert workspace_numels(200, 600, 3, cfg, (1, 2), 1) == (0, 36)
+    # 18 cluster tiles on 66 clusters: one round, every tile split.
+    assert workspace_numels(200, 600, 3, cfg, (1, 2), 4, 66) == (36 * 3 * 128 * 128, 36)
+    assert workspace_numels(200, 600, 3, cfg, (1, 2), 1, 66) == (0, 36)
+    # On 4 clusters: 16 cluster tiles run whole in 4 rounds, the last 2 (4 CTA tiles) are split.
+    assert workspace_numels(200, 600, 3, cfg, (1, 2), 4, 4) == (4 * 3 * 128 * 128, 4)
+    # Whole rounds only (18 tiles on 6 or 9 clusters): nothing is split.
+    assert workspace_numels(200, 600, 3, cfg, (1, 2), 4, 9) == (0, 0)
+
+
+def test_whole_tiles_are_the_full_rounds():
+    assert whole_cluster_tiles(160, 66) == 132
+    assert whole_cluster_tiles(66, 66) == 0  # one round: every tile may split
+    assert whole_cluster_tiles(40, 66) == 0
+    assert whole_cluster_tiles(132, 66) == 132
+
+
+@pytest.mark.parametrize("tiles,clusters,k,expect", [
+    (160, 66, 8192, 2),    # 512 x 10240 x 8192 in 128 x 128 tiles, 1x2 clusters: 28 tiles left over
+    (288, 66, 3584, 2),    # 2048 x 4608 x 3584: 24 left over
+    (133, 66, 8192, 4),    # one tile left over: as many splits as allowed
+    (133, 66, 1024, 1),    # ... but K too short for two splits of 16 K tiles
+    (133, 66, 2048, 2),
+    (100, 66, 8192, 1),    # last round more than half full
+    (132, 66, 8192, 1),    # whole rounds
+    (60, 66, 8192, 1),     # one round: choose_splits' business
+    (2048, 66, 8192, 1),   # 8192^3: 31 whole rounds, 2 tiles left: a 1.6% saving at most
+    (332, 66, 8192, 4),    # 5 whole rounds, 2 tiles left: (3/4) / 6 of the time
+])
+def test_tail_splits(tiles, clusters, k, expect):
+    assert choose_tail_splits(k, tiles, clusters) == expect
+    s = choose_tail_splits(k, tiles, clusters)
+    assert s <= MAX_TAIL_SPLITS
+    if s > 1:
+        tail = tiles % clusters
+        assert tail <= TAIL_FILL * clusters and tail * s <= clusters
+        assert -(-k // 64) // s >= MIN_K_TILES_PER_TAIL_SPLIT
+        assert (1 - 1 / s) / (tiles // clusters + 1) >= MIN_TAIL_GAIN
 
 
 def test_split_k_config():

@@ -24,7 +24,8 @@ docs/performance.md, "A launch per problem size"):
   fits one round (:func:`_without_a_thin_last_round`).
 * **Then split K** while the units fit in one wave and every split keeps enough K tiles
   (:func:`evtc.plan.split_k.choose_splits`): each split costs a round trip of the accumulator
-  through memory, which only a long K loop repays.
+  through memory, which only a long K loop repays. Past one wave, only a thin last round is split
+  (:func:`evtc.plan.split_k.choose_tail_splits`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
 from evtc.plan.config import A_ROWS, GemmConfig
-from evtc.plan.split_k import choose_splits, cta_tile_grid
+from evtc.plan.split_k import choose_splits, choose_tail_splits, cta_tile_grid
 
 # A tile shape is chosen if its tiles fill at least this share of the SMs (fitted: 0.7 picks the
 # measured best or one within 3% on 30 of 36 decode and prefill shapes).
@@ -206,8 +207,11 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     if pinned_splits is not None:
         splits = pinned_splits
     else:
-        splits = choose_splits(k, cta_tile_grid(m, n, batches, config, config.cluster),
-                               slots_of(config.cluster))
+        tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
+        splits = choose_splits(k, tiles, slots)
+        if splits == 1:
+            ctas = config.cluster[0] * config.cluster[1]
+            splits = choose_tail_splits(k, tiles // ctas, slots // ctas)
     return config, splits
 
 

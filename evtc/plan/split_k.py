@@ -6,6 +6,13 @@ tile's K loop into ``splits`` units that run on different SMs; every split but t
 float32 accumulator (one tile-sized slot) and the last adds them in a fixed order, then runs the
 epilogue once (:meth:`evtc.sm90.gemm.Sm90GemmKernel._split_k_combine`).
 
+A problem with more tiles than fit at once splits only its tail: the tiles past the last whole
+round (``T % G`` of T cluster tiles on G clusters), which alone would leave most SMs idle for a
+whole round. Split S ways, that round takes about 1/S of a tile's time (512 x 10240 x 8192 in 128 x
+128 tiles: 160 cluster tiles on 66 clusters, 3 rounds of which the last is 42% full). This is the
+wave-quantization fix that stream-K gives, with whole K splits instead of fractional ones; see
+:func:`choose_tail_splits` and :class:`evtc.sm90.scheduler.TileScheduler`.
+
 The split count is a runtime argument of the kernel, so a new M never compiles anything: it is
 chosen per problem size by :func:`choose_splits`, after the tile shape (:mod:`evtc.plan.selector`).
 """
@@ -25,21 +32,68 @@ MAX_SPLITS = 16
 MIN_K_TILES_PER_SPLIT = 36
 
 
+# The tail is split only where it fills less than half the clusters: a fuller last round gains less
+# than a split costs (the partials' round trip, and the split-K build's own cost). At exactly half
+# (the Qwen2.5 LM head at M <= 64 in 64 x 256 tiles: 33 of 66 clusters) the memory-bound last
+# round already draws most of the bandwidth, and splitting it lost 1-1.6% on the H100.
+TAIL_FILL = 0.45
+# Fewest K tiles (of 64) a split of the tail keeps, and at most this many splits: the last split
+# reads S - 1 partial tiles back, which a short K loop does not repay.
+MIN_K_TILES_PER_TAIL_SPLIT = 16
+MAX_TAIL_SPLITS = 4
+# A tail is split only where that saves at least this share of the launch's rounds: the split-K
+# build runs the whole rounds too, about 2% slower than the plain build (bench/split_overhead.py:
+# 0.987 against 1.015 of cuBLAS at 4096^3 with every tile whole), and a tail is worth less the more
+# rounds precede it.
+MIN_TAIL_GAIN = 0.03
+
+
 def cta_tile_grid(m: int, n: int, batches: int, config: GemmConfig, cluster: tuple[int, int]) -> int:
-    """CTA tiles of the problem, whole clusters included (a ragged last cluster still runs): the
-    slots of split-K's counters (see :meth:`evtc.sm90.scheduler.TileScheduler.tile_index`)."""
+    """CTA tiles of the problem, whole clusters included (a ragged last cluster still runs)."""
     tiles_m = ceil_div(ceil_div(m, config.tile_m), cluster[0]) * cluster[0]
     tiles_n = ceil_div(ceil_div(n, config.out_tile_n), cluster[1]) * cluster[1]
     return tiles_m * tiles_n * batches
 
 
+def whole_cluster_tiles(cluster_tiles: int, clusters: int) -> int:
+    """Cluster tiles that run whole before the split tail: the whole rounds of ``clusters`` where
+    there are more tiles than that, else none (every tile is split). The kernel's scheduler
+    computes the same (:class:`evtc.sm90.scheduler.TileScheduler`)."""
+    return cluster_tiles - cluster_tiles % clusters if cluster_tiles > clusters else 0
+
+
 def workspace_numels(m: int, n: int, batches: int, config: GemmConfig, cluster: tuple[int, int],
-                     splits: int) -> tuple[int, int]:
-    """(float32 partials, int32 counters) that a launch with ``splits`` splits needs: S - 1 slots of
-    one accumulator tile (tile_m x tile_n, the MMA's width) per CTA tile, one counter per CTA
-    tile."""
-    tiles = cta_tile_grid(m, n, batches, config, cluster)
-    return tiles * (splits - 1) * config.tile_m * config.tile_n, tiles
+                     splits: int, clusters: int) -> tuple[int, int]:
+    """(float32 partials, int32 counters) that a launch with ``splits`` splits on ``clusters``
+    clusters at once needs: S - 1 slots of one accumulator tile (tile_m x tile_n, the MMA's width)
+    per CTA tile that is split, one counter per such CTA tile."""
+    ctas = cluster[0] * cluster[1]
+    cluster_tiles = cta_tile_grid(m, n, batches, config, cluster) // ctas
+    split_tiles = (cluster_tiles - whole_cluster_tiles(cluster_tiles, clusters)) * ctas
+    return split_tiles * (splits - 1) * config.tile_m * config.tile_n, split_tiles
+
+
+def choose_tail_splits(k: int, cluster_tiles: int, clusters: int) -> int:
+    """Splits of the tail of a problem of ``cluster_tiles`` cluster tiles on ``clusters`` clusters
+    at once (1: none). Where whole rounds precede a last round that holds at most
+    :data:`TAIL_FILL` of the clusters: as many splits as that round's clusters take, each keeping
+    :data:`MIN_K_TILES_PER_TAIL_SPLIT` K tiles, at most :data:`MAX_TAIL_SPLITS`, if the last
+    round's saving, (1 - 1/S) of a round, is at least :data:`MIN_TAIL_GAIN` of the rounds.
+
+    Measured on the H100 (bench/split_overhead.py, graph replays, cuBLAS / evtc, 128 x 128
+    ping-pong in 1x2 clusters, plain against a split tail): 512 x 10240 x 8192 0.81 -> 0.92 (S = 2),
+    512 x 14336 x 4096 0.97 -> 1.01, 2048 x 4608 x 3584 0.90 -> 0.94, 8192^3 (31 whole rounds and
+    2 tiles) 1.027 -> 1.044."""
+    if clusters <= 0 or cluster_tiles <= clusters:
+        return 1
+    tail = cluster_tiles % clusters
+    if tail == 0 or tail > TAIL_FILL * clusters:
+        return 1
+    splits = min(MAX_TAIL_SPLITS, clusters // tail, ceil_div(k, TILE_K) // MIN_K_TILES_PER_TAIL_SPLIT)
+    rounds = cluster_tiles // clusters + 1
+    if splits < 2 or (1 - 1 / splits) / rounds < MIN_TAIL_GAIN:
+        return 1
+    return splits
 
 
 def choose_splits(k: int, tiles: int, slots: int) -> int:
@@ -52,4 +106,6 @@ def choose_splits(k: int, tiles: int, slots: int) -> int:
     return max(1, min(MAX_SPLITS, slots // tiles, ceil_div(k, TILE_K) // MIN_K_TILES_PER_SPLIT))
 
 
-__all__ = ["MAX_SPLITS", "MIN_K_TILES_PER_SPLIT", "choose_splits", "cta_tile_grid", "workspace_numels"]
+__all__ = ["MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT", "MIN_K_TILES_PER_TAIL_SPLIT",
+           "MIN_TAIL_GAIN", "TAIL_FILL", "choose_splits", "choose_tail_splits", "cta_tile_grid",
+           "whole_cluster_tiles", "workspace_numels"]

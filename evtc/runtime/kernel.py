@@ -785,8 +785,8 @@ class Kernel:
         clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
         if not config.split_k:
             return kernel._fn, clusters, None, kernel._finisher
-        return (kernel._fn, clusters, (splits, *workspace_numels(m, n, batches, config, cluster, splits)),
-                kernel._finisher)
+        numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
+        return kernel._fn, clusters, (splits, *numels), kernel._finisher
 
     def _tuned_launch(self, a, b, ins, outs, m: int, n: int, k: int, batches: int):
         """The launch of an autotuning kernel: the tuned one of the problem's size bucket (from

@@ -217,7 +217,7 @@ class Sm90GemmKernel:
         sched = TileScheduler.for_problem(
             mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
             self.config.raster == "m", self.config.swizzle,
-            split[0] if cutlass.const_expr(self.split_k) else None,
+            split[0] if cutlass.const_expr(self.split_k) else None, max_clusters,
         )
         num_clusters = cutlass.min(sched.num_work_units(), max_clusters)
 
@@ -362,10 +362,10 @@ class Sm90GemmKernel:
         return Int32(0), k_tiles
 
     def _runs_epilogue(self, sched, work):
-        """Whether work unit ``work`` runs the epilogue: every unit, or (split-K) the last split of
-        its tile. A Python ``True`` without split-K, so no branch is emitted."""
+        """Whether work unit ``work`` runs the epilogue: every unit, or (split-K) a whole tile or the
+        last split of a split one. A Python ``True`` without split-K, so no branch is emitted."""
         if cutlass.const_expr(self.split_k):
-            return sched.split_of(work) == sched.splits - 1
+            return sched.runs_epilogue(work)
         return True
 
     def _load_tile_inputs(self, sched, work, cta_in_cluster, epi_params, visitor_storage, load_pipeline,
@@ -400,17 +400,18 @@ class Sm90GemmKernel:
         return whole[(None, None, None, epi_tidx, slot)]
 
     @cute.jit
-    def _split_k_combine(self, acc, split: tuple, sched, work, tile_coord, epi_tidx, epi_barrier):
-        """Split-K, after a unit's mainloop. Splits 0 .. S-2 of a tile store their float32
+    def _split_k_combine(self, acc, split: tuple, sched, work, cta_in_cluster, epi_tidx, epi_barrier):
+        """Split-K, after a unit's mainloop. Splits 0 .. S-2 of a split tile store their float32
         accumulator in the partials workspace and count themselves in the tile's counter; split S-1
         waits for the count S-1, resets it to 0 for the next launch, and adds the partials in split
         order (a fixed order, so the result is the same bit for bit on every run) before it runs the
-        epilogue. ``split`` is (splits, partials, counters): partials hold S-1 tile-sized slots per
-        CTA tile, counters one int32 per CTA tile (zero between launches)."""
-        splits, partials, counters = split
+        epilogue. A whole tile (the rounds before a split tail) does neither. ``split`` is (splits,
+        partials, counters): partials hold S-1 tile-sized slots per split CTA tile, counters one
+        int32 per split CTA tile (zero between launches)."""
+        _, partials, counters = split
         s = sched.split_of(work)
-        last = splits - 1
-        tile = sched.tile_index(tile_coord)
+        last = sched.last_split(work)
+        tile = sched.split_slot(work, cta_in_cluster)
         acc_size = cute.size(acc)
         # Partials are read back ``batch`` vectors at a time: all loads of a batch are issued before
         # any add waits (one memory latency per batch, not per vector), in registers that fit
@@ -563,14 +564,16 @@ class Sm90GemmKernel:
                 cute.group_modes(gB, 0, 2),
             ))
 
+        _, _, first_work = cute.arch.block_idx()
+        _, _, work_stride = cute.arch.grid_dim()
+        # The grid is the clusters that run at once wherever split-K splits only the tail, so the
+        # scheduler finds the same whole tiles as the host did (see TileScheduler).
         sched = TileScheduler.for_problem(
             mD.shape[0], mD.shape[1], mD.shape[2], self.shape.tile, self.cluster,
             self.config.raster == "m", self.config.swizzle,
-            split[0] if cutlass.const_expr(self.split_k) else None,
+            split[0] if cutlass.const_expr(self.split_k) else None, work_stride,
         )
         num_work = sched.num_work_units()
-        _, _, first_work = cute.arch.block_idx()
-        _, _, work_stride = cute.arch.grid_dim()
         cta_in_cluster = (cta_coord[0], cta_coord[1])
 
         pipeline_init_wait(cluster_shape_mn=cluster_layout)
@@ -803,7 +806,7 @@ class Sm90GemmKernel:
                                 self._release_load_ring(load_pipeline)
 
                 if cutlass.const_expr(self.split_k):
-                    self._split_k_combine(acc, split, sched, work, tile_coord, epi_tidx, epi_barrier)
+                    self._split_k_combine(acc, split, sched, work, cta_in_cluster, epi_tidx, epi_barrier)
 
                 # ---- epilogue (split-K: the last split of the tile only) -------------------------
                 if self._runs_epilogue(sched, work):

@@ -10,11 +10,21 @@ Work units are cluster tiles: a 2x1 cluster owns two vertically adjacent CTA til
 it adds its own position in the cluster.  Output tiles past the edge of the problem (a ragged last
 cluster) still run; TMA clips their loads (zero fill) and stores, so they do no harm.
 
-Split-K (``splits`` > 1): each cluster tile is ``splits`` consecutive work units, one per range of
-K, so the splits of a tile run side by side on neighbouring clusters; unit ``w`` is split
-``w % splits`` of cluster tile ``w // splits``. A split waits only for splits of lower index, which
-run on clusters that are resident at the same time (the grid never has more clusters than fit), so
-the waits always end.
+Split-K (``splits`` > 1): a cluster tile that is split is ``splits`` consecutive work units, one per
+range of K, so its splits run side by side on neighbouring clusters. Which tiles are split depends
+on how many cluster tiles T the problem has against the clusters G that run at once:
+
+* T <= G (one wave or less, decode): every tile, unit ``w`` is split ``w % splits`` of tile
+  ``w // splits``;
+* T > G: only the tail. The first ``dp = (T // G) G`` tiles run whole, one unit each, in whole
+  rounds of the grid; the last ``T % G`` tiles, which alone would leave most SMs idle for a whole
+  round, are split, so that the last round takes 1 / ``splits`` of a tile's time. Unit ``w >= dp``
+  is split ``(w - dp) % splits`` of tile ``dp + (w - dp) // splits``.
+
+``dp`` is computed alike on the host (G: the clusters that fit) and in the kernel (G: the grid,
+which is exactly the clusters that fit whenever T > G), see :meth:`TileScheduler.for_problem`. A
+split waits only for splits of lower index, which run on clusters that are resident at the same
+time (the grid never has more clusters than fit), so the waits always end.
 
 Rasterization: consecutive work units go down a band of ``swizzle`` cluster columns (raster "m") or
 across a band of ``swizzle`` cluster rows (raster "n").  The tiles that run at the same time then
@@ -41,7 +51,7 @@ class TileScheduler:
     ``if`` / ``while`` regions.
     """
 
-    _DYNAMIC = ("clusters_m", "clusters_n", "per_batch", "batches", "splits")
+    _DYNAMIC = ("clusters_m", "clusters_n", "per_batch", "batches", "splits", "whole_units")
 
     def __init__(
         self,
@@ -52,7 +62,9 @@ class TileScheduler:
         raster_m: bool,
         swizzle: int,
         splits=None,
+        clusters=None,
     ):
+        """``clusters``: the clusters that run at once (split-K only; see the module docstring)."""
         self.cluster = cluster
         # Static: a kernel without split-K does no divisions by the (then 1) split count.
         self.split_k = splits is not None
@@ -64,6 +76,11 @@ class TileScheduler:
         self.clusters_n = Int32(ceil_div(tiles_n, cluster[1]))
         self.per_batch = Int32(self.clusters_m * self.clusters_n)
         self.splits = Int32(1 if splits is None else splits)
+        # Split-K: cluster tiles that run whole before the split tail (0: all are split).
+        self.whole_units = Int32(0)
+        if splits is not None:
+            tiles = self.per_batch * self.batches
+            self.whole_units = cutlass.select_(tiles > clusters, tiles - tiles % clusters, Int32(0))
 
     def __extract_mlir_values__(self):
         values = []
@@ -81,41 +98,58 @@ class TileScheduler:
 
     @staticmethod
     def for_problem(m, n, batches, tile_mn: tuple[int, int], cluster, raster_m: bool, swizzle: int,
-                    splits=None):
+                    splits=None, clusters=None):
         """Scheduler for an M x N x L output tiled by ``tile_mn``, K cut in ``splits`` (None: a kernel
-        without split-K)."""
+        without split-K) on a grid of ``clusters`` clusters that run at once."""
         tiles_m = ceil_div(Int32(m), tile_mn[0])
         tiles_n = ceil_div(Int32(n), tile_mn[1])
-        return TileScheduler(tiles_m, tiles_n, Int32(batches), cluster, raster_m, swizzle, splits)
+        return TileScheduler(tiles_m, tiles_n, Int32(batches), cluster, raster_m, swizzle, splits, clusters)
 
     def num_work_units(self) -> Int32:
-        """Work units in the whole problem: cluster tiles of all batches, times the splits of K."""
-        return self.per_batch * self.batches * self.splits
+        """Work units in the whole problem: the whole cluster tiles, then the split ones' splits."""
+        if cutlass.const_expr(not self.split_k):
+            return self.per_batch * self.batches
+        return self.whole_units + (self.per_batch * self.batches - self.whole_units) * self.splits
+
+    def _split_unit(self, work: Int32):
+        """(ordinal among the split tiles, split) of work unit ``work``; (0, 0) for a whole tile."""
+        unit = cutlass.max(work - self.whole_units, Int32(0))
+        ordinal = unit // self.splits
+        return ordinal, unit - ordinal * self.splits
 
     def split_of(self, work: Int32) -> Int32:
-        """The split of K that work unit ``work`` computes."""
-        return work - (work // self.splits) * self.splits
+        """The split of K that work unit ``work`` computes (0 for a whole tile)."""
+        return self._split_unit(work)[1]
+
+    def last_split(self, work: Int32) -> Int32:
+        """The index of the last split of work unit ``work``'s tile: 0 for a whole tile."""
+        return cutlass.select_(work < self.whole_units, Int32(0), self.splits - 1)
+
+    def runs_epilogue(self, work: Int32):
+        """Whether work unit ``work`` finishes its tile: a whole tile, or the last split."""
+        return self.split_of(work) == self.last_split(work)
 
     def k_range(self, work: Int32, k_tiles: Int32):
-        """(first K tile, K tiles) of work unit ``work``: split s takes tiles [s k / S, (s + 1) k / S),
-        so the splits differ by one K tile at most."""
+        """(first K tile, K tiles) of work unit ``work``: all of K for a whole tile; split s of S takes
+        tiles [s k / S, (s + 1) k / S), so the splits differ by one K tile at most."""
         s = self.split_of(work)
-        first = (s * k_tiles) // self.splits
-        return first, ((s + 1) * k_tiles) // self.splits - first
+        parts = self.last_split(work) + 1
+        first = (s * k_tiles) // parts
+        return first, ((s + 1) * k_tiles) // parts - first
 
-    def tile_index(self, tile_coord) -> Int32:
-        """A CTA tile's index in the padded grid of CTA tiles (whole clusters, all batches): the slot
-        of its split-K counter and partials (:mod:`evtc.plan.split_k` sizes them alike)."""
-        m, n, batch = tile_coord
-        grid_m = self.clusters_m * self.cluster[0]
-        grid_n = self.clusters_n * self.cluster[1]
-        return (batch * grid_n + n) * grid_m + m
+    def split_slot(self, work: Int32, cta_in_cluster: tuple) -> Int32:
+        """The split-K counter (and partials block) of this CTA's tile in unit ``work``: CTA tiles of
+        split cluster tiles, numbered in work order (:mod:`evtc.plan.split_k` sizes them alike)."""
+        ordinal, _ = self._split_unit(work)
+        rank = cta_in_cluster[1] * self.cluster[0] + cta_in_cluster[0]
+        return ordinal * (self.cluster[0] * self.cluster[1]) + rank
 
     @cute.jit
     def cluster_tile(self, work: Int32):
         """(cluster row, cluster column, batch) of work unit ``work``."""
         if cutlass.const_expr(self.split_k):
-            work = work // self.splits
+            ordinal, _ = self._split_unit(work)
+            work = cutlass.min(work, self.whole_units) + ordinal
         batch = work // self.per_batch
         r = work - batch * self.per_batch
         # Band along the "slow" dimension; the last band may be narrower.
