@@ -6,6 +6,11 @@ warm-up, medians, shuffled order per sample).
     python3 bench/split_k.py --shapes 64x4096x14336 --splits 1,2,4,8
 
 ratio = cuBLAS time / evtc time (> 1: evtc faster). "auto" is the count evtc picks by itself.
+
+The calls are eager (host cost included; each sample starts from an idle GPU), and the pinned
+columns run a kernel compiled with ``split_k=True``, whose host path allocates the partials on every
+call: at 4096^3 its S=1 column read 0.86 where the same build ran 0.99 on graph replays. For device
+time alone, use bench/split_overhead.py (graphs) or bench/sweep_configs.py.
 """
 
 from __future__ import annotations
