@@ -295,7 +295,8 @@ class Kernel:
 
     def splits_for(self, m: int, n: int, k: int, batches: int = 1) -> int:
         """How many splits of K a call on an (L, M, N, K) problem runs with (1: no split-K); see
-        :meth:`launch_for`."""
+        :meth:`launch_for`. On a problem with more tiles than fit at once, only the tiles past the
+        last whole round are split (docs/compile.md, "Split tail")."""
         if not self._can_split:
             return 1
         return self.launch_for(m, n, k, batches)[1]
@@ -303,7 +304,8 @@ class Kernel:
     def pin_splits(self, splits: int | None) -> None:
         """Run every call with ``splits`` splits of K (1: none), or (None) choose per problem again.
         For kernels that choose their launch shape or were compiled with ``split_k=True``; a
-        split count above K's tiles leaves some splits empty (still correct)."""
+        split count above K's tiles leaves some splits empty (still correct). A problem with more
+        tiles than fit at once splits only the tiles past its last whole round."""
         if splits is not None and not (isinstance(splits, int) and 1 <= splits <= 4096):
             raise ValueError(f"pin_splits: splits must be an int in [1, 4096] or None, got {splits!r}")
         if splits is not None and splits > 1 and not self._can_split:
@@ -399,7 +401,8 @@ class Kernel:
                               for c in self._family)
             lines.append(f"  cluster: {cfg.cluster[0]}x{cfg.cluster[1]}, or per call another shape where "
                          f"that needs fewer waves of tiles; tile per call from {tiles}; K split where "
-                         f"too few tiles fill the GPU (other shapes built: {built})")
+                         f"too few tiles fill the GPU, or for a thin last round of tiles (other shapes "
+                         f"built: {built})")
         lines.append("  inputs:")
         for plan in self.plan.inputs:
             spec, how = plan.spec, KINDS[plan.kind].how

@@ -16,12 +16,12 @@ on how many cluster tiles T the problem has against the clusters G that run at o
 
 * T <= G (one wave or less, decode): every tile, unit ``w`` is split ``w % splits`` of tile
   ``w // splits``;
-* T > G: only the tail. The first ``dp = (T // G) G`` tiles run whole, one unit each, in whole
-  rounds of the grid; the last ``T % G`` tiles, which alone would leave most SMs idle for a whole
-  round, are split, so that the last round takes 1 / ``splits`` of a tile's time. Unit ``w >= dp``
-  is split ``(w - dp) % splits`` of tile ``dp + (w - dp) // splits``.
+* T > G: only the tail. The first ``W = (T // G) G`` tiles (``whole_units``) run whole, one unit
+  each, in whole rounds of the grid; the last ``T % G`` tiles, which alone would leave SMs idle for
+  a whole round, are split, so that the last round takes about 1 / ``splits`` of a tile's time.
+  Unit ``w >= W`` is split ``(w - W) % splits`` of tile ``W + (w - W) // splits``.
 
-``dp`` is computed alike on the host (G: the clusters that fit) and in the kernel (G: the grid,
+``W`` is computed alike on the host (G: the clusters that fit) and in the kernel (G: the grid,
 which is exactly the clusters that fit whenever T > G), see :meth:`TileScheduler.for_problem`. A
 split waits only for splits of lower index, which run on clusters that are resident at the same
 time (the grid never has more clusters than fit), so the waits always end.
