@@ -11,7 +11,7 @@ import torch
 import evtc
 from evtc.plan.config import GemmConfig
 from evtc.plan.selector import tile_family
-from evtc.plan.split_k import cta_tile_grid
+from evtc.plan.split_k import MAX_TAIL_SPLITS, cta_tile_grid
 from evtc.runtime import autotune
 
 BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
@@ -33,9 +33,18 @@ def test_candidates_cover_the_family_within_one_wave():
     for config, splits in cands:
         assert splits == 1 or cta_tile_grid(64, 4096, 1, config, config.cluster) * splits <= 132
     assert any(s > 1 for _, s in cands)
-    # A problem with a wave of tiles gets no split candidates.
-    big = autotune.candidates(8192, 8192, 8192, 1, FAMILY, lambda c: 132, True, default)
-    assert all(s == 1 for _, s in big)
+    # Past one wave, splits only where the last round is partly filled, and only as many as its
+    # idle clusters take: they split that round alone.
+    for m, n, kk in [(8192, 8192, 8192), (512, 10240, 8192), (4096, 4096, 4096)]:
+        for config, splits in autotune.candidates(m, n, kk, 1, FAMILY, lambda c: 132, True, default)[1:]:
+            ctas = config.cluster[0] * config.cluster[1]
+            tiles, clusters = cta_tile_grid(m, n, 1, config, config.cluster) // ctas, 132 // ctas
+            if tiles > clusters and splits > 1:
+                tail = tiles % clusters
+                assert tail and tail * splits <= clusters and splits <= MAX_TAIL_SPLITS, (m, config, splits)
+    tails = autotune.candidates(512, 10240, 8192, 1, FAMILY, lambda c: 132, True, default)
+    base = BASE.replace(cluster=(1, 2))
+    assert (base, 2) in tails and (base, 3) not in tails  # 160 tiles on 66 clusters: 28 left over
 
 
 def test_fastest_prefers_the_first_of_equals():

@@ -4,7 +4,8 @@ hand and keep the fastest, per GPU model and size bucket, in the disk cache.
 The default launch comes from the fitted rules of :mod:`evtc.plan.selector`. With autotuning on
 (``evtc.compile(..., autotune=True)`` or ``EVTC_AUTOTUNE=1``), the first call in a size bucket times
 the candidates instead: every configuration of the kernel's family (cluster chosen for it as the
-selector would), each with the split counts that fit one wave, and the selector's own choice. The
+selector would), each with the split counts that fit one wave (or, past one wave, that split a
+thin last round), and the selector's own choice. The
 winner is written to ``<cache>/autotune/<gpu>/<kernel key>.json`` and used by every later call in
 the bucket, in this process and the next.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from evtc.plan.clusters import ceil_div
 from evtc.plan.config import TILE_K, GemmConfig
 from evtc.plan.selector import with_cluster_for
-from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid
+from evtc.plan.split_k import MAX_SPLITS, MAX_TAIL_SPLITS, cta_tile_grid
 
 #: Environment variable that turns autotuning on for every kernel ("1", "true", "yes").
 ENV = "EVTC_AUTOTUNE"
@@ -55,14 +56,23 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
                default: tuple[GemmConfig, int]) -> list[tuple[GemmConfig, int]]:
     """The launches worth timing: ``default`` first, then each configuration of ``family`` (its
     cluster chosen for the problem where ``choose_cluster``) with every split count of
-    SPLIT_COUNTS that fits in one wave of CTAs (1 always)."""
+    SPLIT_COUNTS that fits in one wave of CTAs (1 always); past one wave, the split counts of a
+    partly filled last round that its idle clusters take (at most MAX_TAIL_SPLITS; only that
+    round is split, see :mod:`evtc.plan.split_k`)."""
     out = [default]
     k_tiles = ceil_div(k, TILE_K)
     for config in family:
         if choose_cluster:
             config = with_cluster_for(config, m, n, batches, slots_of)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)
-        most = min(slots_of(config.cluster) // max(tiles, 1), k_tiles, MAX_SPLITS)
+        slots = slots_of(config.cluster)
+        ctas = config.cluster[0] * config.cluster[1]
+        cluster_tiles, clusters = tiles // ctas, max(slots // ctas, 1)
+        if cluster_tiles > clusters:
+            tail = cluster_tiles % clusters
+            most = min(clusters // tail, MAX_TAIL_SPLITS, k_tiles) if tail else 1
+        else:
+            most = min(slots // max(tiles, 1), k_tiles, MAX_SPLITS)
         for splits in SPLIT_COUNTS:
             if splits > 1 and splits > most:
                 continue
