@@ -18,22 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import evtc  # noqa: E402
-from evtc.timing import time_paired  # noqa: E402
+from evtc.timing import graphed, time_paired  # noqa: E402
 
 
 def identity(acc):
     return acc
-
-
-def graphed(fn, calls: int):
-    """A function that replays ``calls`` calls of ``fn`` captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
 
 
 def host_us(fn, calls: int = 200) -> float:

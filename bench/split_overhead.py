@@ -16,22 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import evtc  # noqa: E402
-from evtc.timing import time_paired  # noqa: E402
+from evtc.timing import graphed, time_paired  # noqa: E402
 
 
 def identity(acc):
     return acc
-
-
-def graphed(fn, reps: int):
-    """A function that replays ``reps`` calls of ``fn`` captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return graph.replay
 
 
 def row(shape: str, plain, builds: dict, samples: int) -> None:

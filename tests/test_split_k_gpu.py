@@ -1,7 +1,12 @@
 """GPU: split-K (K cut into runtime-chosen splits, combined in a fixed order, the epilogue run once)
 against torch in float64, for plain, loading, reducing and gated epilogues under both schedules,
 with ragged sizes, more splits than K tiles, bit-for-bit determinism, CUDA graphs and the
-automatic choice for small M."""
+automatic choice for small M.
+
+Then the split tail: problems of more than one wave, where only the tail is split. The same
+epilogues and batches under both schedules and both 2-CTA cluster shapes, with the partials
+workspace poisoned with NaN first, bit-for-bit repeatable, and chosen by itself where the last round
+is thin."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import evtc
+from evtc.plan.split_k import cta_tile_grid, whole_cluster_tiles
+from evtc.runtime import device
 
 pytestmark = pytest.mark.gpu
 
@@ -37,11 +44,13 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("evtc-split-k"))
 
 
-def _inputs(m, n, k, seed, dtype=torch.bfloat16, gated=False):
+def _inputs(m, n, k, seed, dtype=torch.bfloat16, gated=False, batches=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (torch.randn(m, k, device="cuda", generator=g) * k ** -0.25).to(dtype)
-    w = (torch.randn((2 if gated else 1) * n, k, device="cuda", generator=g) * k ** -0.25).to(dtype)
-    C = torch.randn(m, n, device="cuda", generator=g).to(dtype)
+    lead = () if batches is None else (batches,)
+    x = (torch.randn(*lead, m, k, device="cuda", generator=g) * k ** -0.25).to(dtype)
+    rows = (2 if gated else 1) * n
+    w = (torch.randn(*lead, rows, k, device="cuda", generator=g) * k ** -0.25).to(dtype)
+    C = torch.randn(*lead, m, n, device="cuda", generator=g).to(dtype)
     bias = torch.randn(n, device="cuda", generator=g)
     return x, w, C, bias
 
@@ -105,12 +114,18 @@ def test_gated(cache):
         _close(k(x, w.t()), F.silu(gate) * up)
 
 
-def test_deterministic_and_counters_reset(cache):
+@pytest.mark.parametrize("m,n,kk,knobs,splits", [
+    (32, 768, 8192, {}, 6),
+    # More than one wave of 64 x 64 tiles: only the tail is split.
+    (640, 1800, 4096, {"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (1, 2)}, 4),
+], ids=["one-wave", "tail"])
+def test_deterministic_and_counters_reset(cache, m, n, kk, knobs, splits):
     """Same inputs, same bits, run after run: the partials are added in split order, and the
     counters go back to zero after every launch (else the next launch would not wait)."""
-    x, w, _, _ = _inputs(32, 768, 8192, seed=5)
-    k = evtc.compile(identity, {"a": x, "b": w.t()}, config={"split_k": True}, cache_dir=cache, strict=True)
-    k.pin_splits(6)
+    x, w, _, _ = _inputs(m, n, kk, seed=5)
+    k = evtc.compile(identity, {"a": x, "b": w.t()}, config={"split_k": True, **knobs}, cache_dir=cache,
+                     strict=True)
+    k.pin_splits(splits)
     first = k(x, w.t())
     for _ in range(20):
         assert torch.equal(k(x, w.t()), first)
@@ -159,5 +174,112 @@ def test_chosen_for_small_m(cache):
     k = evtc.compile(residual_relu, examples, cache_dir=cache, strict=True)
     assert k.splits_for(64, 4096, 8192) > 1
     assert k.splits_for(8192, 8192, 8192) == 1
+    _close(k(x, w.t(), C=C, bias=bias),
+           torch.relu(x.double() @ w.double().t() + C.double() + bias.double()))
+
+
+# ---- split tail: problems of more than one wave, where only the tiles past the last whole round
+# are split (evtc.plan.split_k) -----------------------------------------------------------------
+
+
+def _meta(m, n, k, **extra):
+    ex = {"a": torch.empty(m, k, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(n, k, dtype=torch.bfloat16, device="meta").t()}
+    for name, shape in extra.items():
+        ex[name] = torch.empty(*shape, dtype=torch.float32 if name == "bias" else torch.bfloat16,
+                               device="meta")
+    return ex
+
+
+def _poison_partials():
+    """Fill the allocator's free blocks with NaN so a partial read before it is written shows."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+def _has_tail(kernel, m, n, batches=1):
+    """The problem runs more than one round of cluster tiles and a part-filled last one."""
+    config, _ = kernel.launch_for(m, n, 64, batches)
+    cl = config.cluster
+    tiles = cta_tile_grid(m, n, batches, config, cl) // (cl[0] * cl[1])
+    clusters = device.max_active_clusters(cl[0] * cl[1], kernel._cache.root)
+    return tiles > clusters and whole_cluster_tiles(tiles, clusters) < tiles
+
+
+# 64 x 64 tiles keep the problems small while still running several rounds on 132 SMs.
+TAIL_CONFIGS = [
+    {"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (1, 2)},
+    {"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (2, 1)},
+    {"schedule": "cooperative", "tile_m": 128, "tile_n": 64, "cluster": (1, 2)},
+    {"schedule": "cooperative", "tile_m": 128, "tile_n": 64, "cluster": (2, 1)},
+]
+# (M, N, K): ragged M and N (the last cluster ragged too), K not a multiple of 64.
+TAIL_SHAPES = [(640, 1800, 1000), (1100, 1536, 2048)]
+
+
+def _name(c):
+    return f"{c['schedule']}-{c['tile_m']}-c{c['cluster'][0]}x{c['cluster'][1]}"
+
+
+@pytest.mark.parametrize("cfg", TAIL_CONFIGS, ids=_name)
+def test_identity_and_loads(cache, cfg):
+    config = {"split_k": True, **cfg}
+    plain = evtc.compile(identity, _meta(64, 64, 64), config=config, cache_dir=cache, strict=True)
+    fused = evtc.compile(residual_relu, _meta(64, 64, 64, C=(64, 64), bias=(64,)), config=config,
+                         cache_dir=cache, strict=True)
+    for i, (m, n, kk) in enumerate(TAIL_SHAPES):
+        assert _has_tail(plain, m, n), (m, n, cfg)
+        x, w, C, bias = _inputs(m, n, kk, seed=i)
+        acc = x.double() @ w.double().t()
+        for splits in (2, 3, 4):
+            plain.pin_splits(splits)
+            fused.pin_splits(splits)
+            _poison_partials()
+            _close(plain(x, w.t()), acc)
+            _close(fused(x, w.t(), C=C, bias=bias), torch.relu(acc + C.double() + bias.double()))
+
+
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
+def test_reductions_gated_and_batches(cache, schedule):
+    config = {"split_k": True, "schedule": schedule, "tile_m": 64 if schedule == "pingpong" else 128,
+              "tile_n": 64}
+    sums = evtc.compile(with_row_sums, _meta(64, 64, 64, bias=(64,)), config=config, cache_dir=cache,
+                        strict=True)
+    m, n, kk = TAIL_SHAPES[0]
+    x, w, _, bias = _inputs(m, n, kk, seed=5)
+    acc = x.double() @ w.double().t()
+    for splits in (2, 4):
+        sums.pin_splits(splits)
+        y, s = sums(x, w.t(), bias=bias)
+        _close(y, acc + bias.double())
+        _close(s, (acc + bias.double()).sum(-1))
+
+    gated = evtc.compile(swiglu, {"a": torch.empty(64, 64, dtype=torch.bfloat16, device="meta"),
+                                  "b": torch.empty(128, 64, dtype=torch.bfloat16, device="meta").t()},
+                         config=config, cache_dir=cache, strict=True)
+    x, w, _, _ = _inputs(m, n, kk, seed=6, gated=True)
+    gate, up = (x.double() @ w.double().t()).chunk(2, dim=-1)
+    for splits in (2, 3):
+        gated.pin_splits(splits)
+        _close(gated(x, w.t()), F.silu(gate) * up)
+
+    bex = {"a": torch.empty(2, 64, 64, dtype=torch.bfloat16, device="meta"),
+           "b": torch.empty(2, 64, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)}
+    batched = evtc.compile(identity, bex, config=config, cache_dir=cache, strict=True)
+    x, w, _, _ = _inputs(384, 1000, 1536, seed=7, batches=3)
+    assert _has_tail(batched, 384, 1000, batches=3)
+    for splits in (2, 4):
+        batched.pin_splits(splits)
+        _close(batched(x, w.transpose(1, 2)), x.double() @ w.double().transpose(1, 2))
+
+
+def test_chosen_for_a_thin_last_round(cache):
+    """Without knobs, 512 x 10240 x 8192 (three rounds of 128 x 128 tiles, the last 42% full on an
+    H100) splits its tail, and matches float64; 4096 x 4096 x 4096 (a fuller last round) does not."""
+    x, w, C, bias = _inputs(512, 10240, 8192, seed=9)
+    k = evtc.compile(residual_relu, {"a": x, "b": w.t(), "C": C, "bias": bias}, cache_dir=cache, strict=True)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert k.splits_for(512, 10240, 8192) == 2
+        assert k.splits_for(4096, 4096, 4096) == 1
     _close(k(x, w.t(), C=C, bias=bias),
            torch.relu(x.double() @ w.double().t() + C.double() + bias.double()))
