@@ -92,8 +92,10 @@ def test_whole_tiles_are_the_full_rounds():
     (332, 66, 8192, 4),    # 5 whole rounds, 2 tiles left: (3/4) / 6 of the time
 ])
 def test_tail_splits(tiles, clusters, k, expect):
-    assert choose_tail_splits(k, tiles, clusters) == expect
-    s = choose_tail_splits(k, tiles, clusters)
+    # Cluster tiles on clusters of one CTA, and the same in CTA counts for 2-CTA clusters.
+    assert choose_tail_splits(k, tiles, clusters, 1) == expect
+    assert choose_tail_splits(k, 2 * tiles, 2 * clusters, 2) == expect
+    s = choose_tail_splits(k, tiles, clusters, 1)
     assert s <= MAX_TAIL_SPLITS
     if s > 1:
         tail = tiles % clusters

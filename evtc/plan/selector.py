@@ -210,8 +210,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
         splits = choose_splits(k, tiles, slots)
         if splits == 1:
-            ctas = config.cluster[0] * config.cluster[1]
-            splits = choose_tail_splits(k, tiles // ctas, slots // ctas)
+            splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1])
     return config, splits
 
 

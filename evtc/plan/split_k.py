@@ -73,9 +73,19 @@ def workspace_numels(m: int, n: int, batches: int, config: GemmConfig, cluster: 
     return split_tiles * (splits - 1) * config.tile_m * config.tile_n, split_tiles
 
 
-def choose_tail_splits(k: int, cluster_tiles: int, clusters: int) -> int:
-    """Splits of the tail of a problem of ``cluster_tiles`` cluster tiles on ``clusters`` clusters
-    at once (1: none). Where whole rounds precede a last round that holds at most
+def tail_split_limit(tiles: int, slots: int, ctas: int) -> int:
+    """The most splits the last round of a problem of ``tiles`` CTA tiles takes on a GPU running
+    ``slots`` CTAs at once in clusters of ``ctas``: the clusters it leaves idle, over its tiles
+    (at most :data:`MAX_TAIL_SPLITS`); 1 where there is no partly filled round after whole ones."""
+    cluster_tiles, clusters = tiles // ctas, slots // ctas
+    if clusters <= 0 or cluster_tiles <= clusters or cluster_tiles % clusters == 0:
+        return 1
+    return min(MAX_TAIL_SPLITS, clusters // (cluster_tiles % clusters))
+
+
+def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int) -> int:
+    """Splits of the tail of a problem of ``tiles`` CTA tiles on a GPU running ``slots`` CTAs at once
+    in clusters of ``ctas`` (1: none). Where whole rounds precede a last round that holds at most
     :data:`TAIL_FILL` of the clusters: as many splits as that round's clusters take, each keeping
     :data:`MIN_K_TILES_PER_TAIL_SPLIT` K tiles, at most :data:`MAX_TAIL_SPLITS`, if the last
     round's saving, (1 - 1/S) of a round, is at least :data:`MIN_TAIL_GAIN` of the rounds.
@@ -84,12 +94,10 @@ def choose_tail_splits(k: int, cluster_tiles: int, clusters: int) -> int:
     ping-pong in 1x2 clusters, plain against a split tail): 512 x 10240 x 8192 0.81 -> 0.92 (S = 2),
     512 x 14336 x 4096 0.97 -> 1.01, 2048 x 4608 x 3584 0.90 -> 0.94, 8192^3 (31 whole rounds and
     2 tiles) 1.027 -> 1.044."""
-    if clusters <= 0 or cluster_tiles <= clusters:
+    cluster_tiles, clusters = tiles // ctas, slots // ctas
+    if tail_split_limit(tiles, slots, ctas) == 1 or cluster_tiles % clusters > TAIL_FILL * clusters:
         return 1
-    tail = cluster_tiles % clusters
-    if tail == 0 or tail > TAIL_FILL * clusters:
-        return 1
-    splits = min(MAX_TAIL_SPLITS, clusters // tail, ceil_div(k, TILE_K) // MIN_K_TILES_PER_TAIL_SPLIT)
+    splits = min(tail_split_limit(tiles, slots, ctas), ceil_div(k, TILE_K) // MIN_K_TILES_PER_TAIL_SPLIT)
     rounds = cluster_tiles // clusters + 1
     if splits < 2 or (1 - 1 / splits) / rounds < MIN_TAIL_GAIN:
         return 1
@@ -108,4 +116,4 @@ def choose_splits(k: int, tiles: int, slots: int) -> int:
 
 __all__ = ["MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT", "MIN_K_TILES_PER_TAIL_SPLIT",
            "MIN_TAIL_GAIN", "TAIL_FILL", "choose_splits", "choose_tail_splits", "cta_tile_grid",
-           "whole_cluster_tiles", "workspace_numels"]
+           "tail_split_limit", "whole_cluster_tiles", "workspace_numels"]

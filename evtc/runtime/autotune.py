@@ -26,7 +26,7 @@ from pathlib import Path
 from evtc.plan.clusters import ceil_div
 from evtc.plan.config import TILE_K, GemmConfig
 from evtc.plan.selector import with_cluster_for
-from evtc.plan.split_k import MAX_SPLITS, MAX_TAIL_SPLITS, cta_tile_grid
+from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, tail_split_limit
 
 #: Environment variable that turns autotuning on for every kernel ("1", "true", "yes").
 ENV = "EVTC_AUTOTUNE"
@@ -66,11 +66,8 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
             config = with_cluster_for(config, m, n, batches, slots_of)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)
         slots = slots_of(config.cluster)
-        ctas = config.cluster[0] * config.cluster[1]
-        cluster_tiles, clusters = tiles // ctas, max(slots // ctas, 1)
-        if cluster_tiles > clusters:
-            tail = cluster_tiles % clusters
-            most = min(clusters // tail, MAX_TAIL_SPLITS, k_tiles) if tail else 1
+        if tiles > slots:  # past one wave: only a partly filled last round may split
+            most = min(tail_split_limit(tiles, slots, config.cluster[0] * config.cluster[1]), k_tiles)
         else:
             most = min(slots // max(tiles, 1), k_tiles, MAX_SPLITS)
         for splits in SPLIT_COUNTS:
