@@ -78,6 +78,37 @@ RASTER_CANDIDATES = [
     for r, sw in (("m", 1), ("m", 4), ("m", 8), ("m", 16), ("m", 32), ("n", 4), ("n", 8), ("n", 16))
 ]
 
+# Pipeline depth of the small tiles (weight streaming at decode sizes wants many loads in flight),
+# and wider clusters that multicast A to more CTAs.
+DEPTH_CANDIDATES = [
+    {"tile_m": 64, "tile_n": 64, "cluster": (1, 2), "schedule": "pingpong", "ab_stages": s}
+    for s in (8, 10, 13)
+] + [
+    {"tile_m": 64, "tile_n": 64, "cluster": (1, 4), "schedule": "pingpong", "ab_stages": 13},
+    {"tile_m": 64, "tile_n": 64, "cluster": (2, 2), "schedule": "pingpong", "ab_stages": 13},
+    {"tile_m": 64, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "ab_stages": 6},
+    {"tile_m": 64, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "ab_stages": 8, "epi_stages": 2},
+    {"tile_m": 128, "tile_n": 64, "cluster": (1, 1), "schedule": "cooperative", "ab_stages": 6},
+    {"tile_m": 128, "tile_n": 64, "cluster": (1, 1), "schedule": "cooperative", "ab_stages": 8},
+]
+
+# The tiles of few-tile problems (M <= 512) in every cluster shape that multicasts along one side,
+# for fitting the cluster choice of memory-bound launches.
+WIDE_CANDIDATES = [
+    {"tile_m": tm, "tile_n": tn, "cluster": cl, "schedule": sch}
+    for sch, tm, tn in (("pingpong", 64, 64), ("pingpong", 64, 128), ("pingpong", 64, 256),
+                        ("pingpong", 128, 128), ("cooperative", 128, 64), ("cooperative", 128, 128),
+                        ("cooperative", 128, 192))
+    for cl in ((1, 2), (2, 1), (1, 4))
+]
+
+# The decode tiles in the clusters that share the most per K step, for fitting split counts.
+DECODE4_CANDIDATES = [
+    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tn, cl in ((64, (1, 4)), (128, (1, 4)), (64, (2, 1)), (64, (1, 2)))
+]
+
+
 def family_candidates() -> list[dict]:
     """Every tile shape the selector may launch (evtc.plan.selector.FAMILY) in every cluster shape
     it may choose: the sweep then covers what the rules choose from, whatever they become."""
@@ -97,7 +128,9 @@ def family_candidates() -> list[dict]:
 
 
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
-                  "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES, "family": family_candidates()}
+                  "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
+                  "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
+                  "decode4": DECODE4_CANDIDATES, "family": family_candidates()}
 
 
 def identity(acc):
@@ -116,7 +149,8 @@ def name_of(config: dict, splits: int) -> str:
     cl = config["cluster"]
     raster = f" r{config['raster']}{config.get('swizzle', 8)}" if "raster" in config else ""
     rows = f" a{config['a_rows']}" if config.get("a_rows") else ""
-    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster}{rows} S{splits}"
+    depth = f" ab{config['ab_stages']}" if config.get("ab_stages") else ""
+    return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster}{rows}{depth} S{splits}"
 
 
 def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twins=None) -> dict:

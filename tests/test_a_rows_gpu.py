@@ -122,11 +122,11 @@ def test_batched_with_trimmed_loads(cache):
 
 def test_a_trimmed_launch_reused_for_a_taller_problem(cache):
     """The launch memo and the autotuner key problems by size: a configuration chosen for M = 2
-    resolved for M = 48 must not keep its 16-row loads."""
+    resolved for M = 48 must not keep its trimmed loads."""
     x, w, _ = _inputs(48, 256, 512, seed=500)
     kernel = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
     config, splits = kernel.launch_for(2, 256, 512)
-    assert config.a_rows == 16
+    assert config.a_rows in (16, 32)
     fn, *_ = kernel._resolve(config, splits, 48, 256, 1)
     whole, *_ = kernel._resolve(config.replace(a_rows=None), splits, 48, 256, 1)
     assert fn is whole

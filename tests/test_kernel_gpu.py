@@ -114,7 +114,7 @@ def test_identity_dtypes_and_majors(ab, dt, am, bm, dm, schedule):
 
 # ---- every cluster x epilogue tile x tile_n ----------------------------------------------------
 
-SHAPES_KNOBS = list(itertools.product(((1, 1), (2, 1), (1, 2)), (16, 32, 64), (128, 256)))
+SHAPES_KNOBS = list(itertools.product(((1, 1), (2, 1), (1, 2), (1, 4)), (16, 32, 64), (128, 256)))
 
 
 @pytest.mark.parametrize("cluster,epi_n,tile_n", SHAPES_KNOBS,
@@ -157,7 +157,7 @@ ODD = [(1000, 1000, 1000), (1, 4096, 4096), (4096, 8, 4096), (264, 512, 1032), (
        (128, 256, 64), (4096, 4096, 16)]
 
 
-@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)], ids=["c1x1", "c2x1", "c1x2"])
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2), (1, 4)], ids=["c1x1", "c2x1", "c1x2", "c1x4"])
 @pytest.mark.parametrize("m,n,k", ODD, ids=[f"{m}x{n}x{k}" for m, n, k in ODD])
 def test_odd_shapes(m, n, k, cluster):
     cfg = Coop(cluster=cluster, b_major="k")

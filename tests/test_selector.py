@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import evtc
+from evtc.plan.clusters import FOUR_CTA_CLUSTERS_HELD_BACK, planned_clusters
 from evtc.plan.config import ConfigError, GemmConfig
 from evtc.plan.selector import (
     FILL,
@@ -37,8 +38,8 @@ def _slots(cluster):
     return SLOTS
 
 
-def _launch(m, n, k, batches=1, family=FAMILY, choose_cluster=True):
-    return choose_launch(m, n, k, batches, family, _slots, choose_cluster=choose_cluster)
+def _launch(m, n, k, batches=1, family=FAMILY, choose_cluster=True, slots_of=None):
+    return choose_launch(m, n, k, batches, family, slots_of or _slots, choose_cluster=choose_cluster)
 
 
 def _tiles(m, n, config):
@@ -286,6 +287,7 @@ def test_short_problems_load_only_their_rows_of_a():
     assert with_a_rows_for(pp64.replace(cluster=(1, 1)), 9).a_rows == 16
     assert with_a_rows_for(pp64, 17).a_rows == 32
     assert with_a_rows_for(pp64, 33).a_rows is None
+    assert with_a_rows_for(pp64.replace(cluster=(1, 4)), 1).a_rows == 32  # four CTAs share A
     assert with_a_rows_for(pp64.replace(a_major="m"), 1).a_rows is None
     # A kernel compiled with fixed tile knobs keeps its configuration.
     assert _launch(1, 6144, 4096, family=(pp64,))[0].a_rows is None
@@ -314,18 +316,20 @@ def test_a_rows_is_not_a_compile_knob(tmp_path):
 
 
 def test_trimmed_a_loads_expect_only_their_bytes(tmp_path):
-    """Each stage's barrier expects the bytes its loads bring: 16 rows of A (2 KiB) and the 64 x 64
-    B block (8 KiB) for a 1-row problem, the whole 64-row A block (8 KiB more) for 64 rows."""
+    """Each stage's barrier expects the bytes its loads bring: 32 rows of A (4 KiB, 8 rows from each
+    CTA of the 1x4 cluster) and the 64 x 64 B block (8 KiB) for a 1-row problem, the whole 64-row A
+    block (8 KiB) for 64 rows."""
     kernel = evtc.compile(_identity, {"a": _meta(1, 4096), "b": _meta(6144, 4096).t()}, arch="sm_90a",
                           cache_dir=tmp_path)
     short, _ = kernel.launch_for(1, 6144, 4096)
     whole, _ = kernel.launch_for(64, 6144, 4096)
-    assert (short.a_rows, short.tile_m, short.tile_n, whole.a_rows) == (16, 64, 64, None)
+    assert (short.a_rows, short.tile_m, short.tile_n, short.cluster) == (32, 64, 64, (1, 4))
+    assert whole.a_rows is None
     assert short.replace(a_rows=None) == whole
-    expects = re.compile(r"\bmov\.[bu]32\s+%r\d+, (10240|16384);")
-    assert set(expects.findall(kernel._variant(short).ptx)) == {"10240"}
+    expects = re.compile(r"\bmov\.[bu]32\s+%r\d+, (12288|16384);")
+    assert set(expects.findall(kernel._variant(short).ptx)) == {"12288"}
     assert set(expects.findall(kernel._variant(whole).ptx)) == {"16384"}
-    assert "16 rows of A" in kernel.explain()  # the trimmed variant is listed among those built
+    assert "32 rows of A" in kernel.explain()  # the trimmed variant is listed among those built
 
 
 def test_a_thin_second_round_gives_way_to_one_full_round():
@@ -342,3 +346,35 @@ def test_a_thin_second_round_gives_way_to_one_full_round():
     # 72 tiles of 64 x 64 fit one round: kept.
     kept, _ = _launch(64, 4608, 3584)
     assert (kept.tile_m, kept.tile_n) == (64, 64)
+
+
+def test_decode_tiles_share_their_loads_across_the_widest_useful_cluster():
+    """Decode-sized problems stream their weights; the cluster shares what each CTA loads per K
+    step. One row of 64 x 64 tiles: A multicast to four CTAs (1x4). Two rows: 1x4 where its
+    clusters fit one wave, else each weight tile multicast to both rows (2x1). Where 4-CTA
+    clusters would not all run at once, 1x2."""
+    def h100(cluster):  # the occupancy API's answers on the H100: 132 CTAs, 66 pairs, 33 fours
+        size = cluster[0] * cluster[1]
+        return planned_clusters(size, 132 // size) * size
+
+    def launch(m, n, k):
+        return _launch(m, n, k, slots_of=h100)[0]
+
+    for m in (1, 16, 64):
+        for n, k in [(3584, 3584), (4096, 4096), (4608, 3584), (7168, 2048)]:
+            config = launch(m, n, k)
+            assert (config.tile_m, config.tile_n, config.cluster) == (64, 64, (1, 4)), (m, n, k)
+    for m in (96, 128):
+        assert launch(m, 3584, 3584).cluster == (1, 4)  # 112 tiles: 28 clusters of four
+        for n, k in [(4096, 4096), (4096, 14336)]:  # 128 tiles: 32 clusters of four, 29 planned
+            config = launch(m, n, k)
+            assert (config.tile_m, config.tile_n, config.cluster) == (64, 64, (2, 1)), (m, n, k)
+    # 64 tiles of 64 x 64 need 16 four-CTA clusters: with room for only 12 the 1x2 cluster runs.
+    tight = {1: 132, 2: 132, 4: 48}
+    assert _launch(64, 4096, 4096, slots_of=lambda c: tight[c[0] * c[1]])[0].cluster == (1, 2)
+
+
+def test_four_cta_clusters_are_planned_with_some_held_back():
+    assert planned_clusters(1, 132) == 132 and planned_clusters(2, 66) == 66
+    assert planned_clusters(4, 33) == 33 - FOUR_CTA_CLUSTERS_HELD_BACK
+    assert planned_clusters(4, 2) == 1

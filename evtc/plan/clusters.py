@@ -38,17 +38,44 @@ CLUSTER_COST = {
 # (schedule, tile_m, tile_n): geomeans over a sweep of decode and prefill shapes on the H100
 # (bench/sweep_configs.py, docs/performance.md "A launch per problem size").  64-row tiles share
 # the weight (B) best: 2x1 clusters multicast it.
+#
+# The tiles of decode-sized problems stream their weights, and what a CTA loads from L2 per K step
+# bounds them. Where the problem has one row of tiles, a 1x4 cluster shares A's stage among four
+# CTAs; where it has two, a 2x1 cluster shares each weight tile between both rows (the overhang
+# term below keeps 2x1 off problems with one row of tiles), unless 1x4 clusters fit in one wave.
+# Refitted on the H100 with 13-stage 64 x 64 pipelines (docs/performance.md, "Four-CTA clusters
+# and deeper pipelines at decode sizes"): at M = 64, 64 x 64 in 1x4 ran 0.91-1.08x cuBLAS against
+# 0.87-1.04x in 1x2; at M = 96-128 2x1 ran 0.84-1.09x against 0.72-1.02x in 1x2, and 1x4 as fast
+# or faster where its clusters fit one wave (96 x 3584 x 18944: 1.04x against 0.89x in 2x1), 20-35%
+# slower where they do not (N = 4096: 128 tiles, more than the H100's resident 4-CTA clusters hold).
 TILE_CLUSTER_COST = {
     ("pingpong", 128, 64): {(1, 2): 1.0, (1, 1): 1.08, (2, 1): 1.35},
     ("pingpong", 64, 256): {(2, 1): 0.965, (1, 2): 1.0, (1, 1): 1.01},
-    ("pingpong", 64, 128): {(2, 1): 0.96, (1, 2): 1.0, (1, 1): 1.03},
-    ("pingpong", 64, 64): {(1, 2): 1.0, (1, 1): 1.09, (2, 1): 1.15},
+    ("pingpong", 64, 128): {(2, 1): 0.96, (1, 4): 0.965, (1, 2): 1.0, (1, 1): 1.03},
+    ("pingpong", 64, 64): {(1, 4): 0.93, (2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
     ("cooperative", 128, 256): {(1, 2): 1.0, (2, 1): 1.03, (1, 1): 1.08},
     # Chosen for problems of one wave (evtc.plan.selector), where B multicast (2x1) did best.
     ("cooperative", 128, 128): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.05},
     ("cooperative", 128, 192): {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
-    ("cooperative", 128, 64): {(2, 1): 1.0, (1, 1): 1.06, (1, 2): 1.08},
+    ("cooperative", 128, 64): {(2, 1): 1.0, (1, 4): 1.04, (1, 1): 1.06, (1, 2): 1.08},
 }
+
+
+# Four-CTA clusters the selector leaves unplanned. Each needs four free SMs of one GPC at the same
+# moment; on the H100 (33 resident per the occupancy API) launches of 32 such clusters ran 20-35%
+# slower than 2-CTA clusters in back-to-back calls, where 28 ran at full speed (docs/performance.md,
+# "Four-CTA clusters and deeper pipelines at decode sizes"). We read it as the next grid's clusters
+# waiting for whole groups of SMs while the previous grid drains.
+FOUR_CTA_CLUSTERS_HELD_BACK = 4
+
+
+def planned_clusters(cluster_size: int, resident: int) -> int:
+    """How many clusters of ``cluster_size`` CTAs the selector counts on, of the ``resident`` ones
+    the occupancy API reports: all of them, except :data:`FOUR_CTA_CLUSTERS_HELD_BACK` fewer for
+    clusters of four or more."""
+    if cluster_size >= 4:
+        return max(1, resident - FOUR_CTA_CLUSTERS_HELD_BACK)
+    return resident
 
 
 def cluster_costs(schedule: str, tile_m: int, tile_n: int) -> dict[tuple[int, int], float]:

@@ -38,7 +38,10 @@ A_ROWS = (8, 16, 32)
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
 TILE_NS = (64, 128, 192, 256)
 EPI_TILE_NS = (16, 32, 64)
-CLUSTERS = ((1, 1), (2, 1), (1, 2))
+# (1, 4): A multicast to four CTAs along N. It pays only where the kernel streams weights (few
+# 64-row tiles, M <= 64): each CTA then loads a quarter of A's stage instead of half
+# (docs/performance.md, "Four-CTA clusters and deeper pipelines at decode sizes").
+CLUSTERS = ((1, 1), (2, 1), (1, 2), (1, 4))
 
 # H100: 227 KiB of shared memory per block (opt-in maximum).
 SM90_SMEM_BYTES = 232448
@@ -47,7 +50,10 @@ SM90_SMEM_BYTES = 232448
 # buffer; 2 KiB covers A, B, D and two visitor buffers comfortably.
 SMEM_RESERVED_BYTES = 2048
 MIN_AB_STAGES = 2
-MAX_AB_STAGES = 8
+# Only 64 x 64 tiles reach it (13 stages of 16 KiB). At decode sizes a CTA streams its weights
+# through the pipeline, and the loads it keeps in flight bound its bandwidth: 13 stages instead of 8
+# ran 64 x 4096 x 7168 at 1.04x cuBLAS instead of 0.97x (cuBLAS's own decode kernels keep 13 to 16).
+MAX_AB_STAGES = 16
 # The A/B bytes in flight that epilogue staging may bring the pipeline down to (and no further).  At
 # small K the epilogue's own memory traffic (D stores, C loads) is what costs, so deeper epilogue
 # buffers pay, but only while the mainloop keeps enough loads in flight to hide their latency.  On

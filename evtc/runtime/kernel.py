@@ -16,6 +16,7 @@ import torch
 
 from evtc.errors import CallError, EpilogueError
 from evtc.ir.dtypes import torch_dtype
+from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.plan.operand_kinds import KINDS
@@ -240,9 +241,10 @@ class Kernel:
         return with_cluster_for(self.config, m, n, batches, self._slots).cluster
 
     def _slots(self, cluster: tuple[int, int]) -> int:
-        """CTAs of clusters of this shape that the current GPU runs at once."""
+        """CTAs of clusters of this shape that the selector plans to run at once on the current GPU
+        (:func:`evtc.plan.clusters.planned_clusters`)."""
         size = cluster[0] * cluster[1]
-        return max_active_clusters(size, self._cache.root) * size
+        return planned_clusters(size, max_active_clusters(size, self._cache.root)) * size
 
     @property
     def chooses_clusters(self) -> bool:
