@@ -108,6 +108,14 @@ DECODE4_CANDIDATES = [
     for tn, cl in ((64, (1, 4)), (128, (1, 4)), (64, (2, 1)), (64, (1, 2)))
 ]
 
+# Cooperative 128-row tiles of every width the kernel takes, for fitting one wave of tiles
+# (cuBLAS runs 112- and 144-wide tiles at M = 512).
+WAVES_CANDIDATES = [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "cooperative",
+     "epi_tile_n": 16 if tn % 32 else 32}
+    for tn in (112, 128, 144, 160, 192) for cl in ((1, 1), (2, 1), (1, 2))
+]
+
 
 def family_candidates() -> list[dict]:
     """Every tile shape the selector may launch (evtc.plan.selector.FAMILY) in every cluster shape
@@ -119,6 +127,8 @@ def family_candidates() -> list[dict]:
     for schedule, tile_m, tile_n in FAMILY:
         for cluster in CLUSTERS:
             knobs = {"tile_m": tile_m, "tile_n": tile_n, "cluster": cluster, "schedule": schedule}
+            if tile_n % 32:
+                knobs["epi_tile_n"] = 16  # the widths 112 and 144 take 16-column subtiles
             try:
                 GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k", **knobs).validate()
             except ConfigError:
@@ -130,7 +140,8 @@ def family_candidates() -> list[dict]:
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
                   "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
-                  "decode4": DECODE4_CANDIDATES, "family": family_candidates()}
+                  "decode4": DECODE4_CANDIDATES,
+                  "waves": WAVES_CANDIDATES, "family": family_candidates()}
 
 
 def identity(acc):

@@ -15,7 +15,9 @@ from evtc.plan.split_k import MAX_TAIL_SPLITS, cta_tile_grid
 from evtc.runtime import autotune
 
 BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
-FAMILY = tile_family(BASE, lambda knobs: BASE.replace(**knobs))
+# 16-column subtiles where the default 32 does not divide the tile (as evtc.plan.smem.fit_config).
+FAMILY = tile_family(BASE, lambda knobs: BASE.replace(**knobs, **({"epi_tile_n": 16} if knobs["tile_n"] % 32
+                                                                  else {})))
 
 
 def test_bucket_rounds_m_up_to_a_power_of_two():

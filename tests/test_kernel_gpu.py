@@ -126,6 +126,20 @@ def test_identity_clusters_and_tiles(cluster, epi_n, tile_n):
     check(d, ref, cfg.short_name())
 
 
+WAVE_WIDTHS = [(112, 16), (144, 16), (160, 32)]
+
+
+@pytest.mark.parametrize("tile_n,epi_n", WAVE_WIDTHS, ids=[f"n{t}" for t, _ in WAVE_WIDTHS])
+@pytest.mark.parametrize("dm", ["n", "m"])
+def test_wave_fitted_widths(tile_n, epi_n, dm):
+    """The cooperative widths that are not multiples of 64 (K-major B): ragged in M, N and K, with
+    the linear combination and both D majors."""
+    cfg = Coop(tile_n=tile_n, epi_tile_n=epi_n, b_major="k", d_major=dm, cluster=(2, 1),
+               ab_dtype="bfloat16", d_dtype="bfloat16")
+    d, ref, _ = run_case(cfg, ("bfloat16", dm), 600, 1000, 520)
+    check(d, ref, cfg.short_name())
+
+
 def test_tile_n_64():
     cfg = Coop(tile_n=64, epi_tile_n=64, ab_dtype="bfloat16", d_dtype="float32")
     d, ref, _ = run_case(cfg, IDENTITY, 300, 200, 264)

@@ -57,6 +57,10 @@ TILE_CLUSTER_COST = {
     # Chosen for problems of one wave (evtc.plan.selector), where B multicast (2x1) did best.
     ("cooperative", 128, 128): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.05},
     ("cooperative", 128, 192): {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
+    # Wave-fitted widths (evtc.plan.selector): B multicast did best at M = 512-1024.
+    ("cooperative", 128, 112): {(2, 1): 1.0, (1, 1): 1.05, (1, 2): 1.06},
+    ("cooperative", 128, 144): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.03},
+    ("cooperative", 128, 160): {(2, 1): 1.0, (1, 2): 1.0, (1, 1): 1.03},
     ("cooperative", 128, 64): {(2, 1): 1.0, (1, 4): 1.04, (1, 1): 1.06, (1, 2): 1.08},
 }
 

@@ -36,7 +36,10 @@ DEFAULT_CLUSTER = {"pingpong": (1, 2), "cooperative": (1, 1)}
 # Rows of A a stage may load when a problem has fewer rows than a tile (GemmConfig.a_rows).
 A_ROWS = (8, 16, 32)
 TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
-TILE_NS = (64, 128, 192, 256)
+# 112, 144 and 160 (cooperative, K-major B) let a problem's 128-row tiles make whole waves: 512 x
+# 4608 in 128 x 144 tiles is 128 tiles on 132 SMs, one round, where 128 x 128 tiles take two
+# (evtc.plan.selector, "wave-fitted widths").
+TILE_NS = (64, 112, 128, 144, 160, 192, 256)
 EPI_TILE_NS = (16, 32, 64)
 # (1, 4): A multicast to four CTAs along N. It pays only where the kernel streams weights (few
 # 64-row tiles, M <= 64): each CTA then loads a quarter of A's stage instead of half
@@ -305,6 +308,9 @@ class GemmConfig:
             bad(f"d_major must be 'n' or 'm', got {self.d_major!r}")
         if self.tile_n not in TILE_NS:
             bad(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if self.b_major == "n" and self.tile_n % 64:
+            bad(f"tile_n={self.tile_n} needs a K-major B (b_major='k'): an N-major B tile is loaded as "
+                f"whole 128-byte swizzled rows of 64 elements along N; use a multiple of 64")
         if tuple(self.cluster) not in CLUSTERS:
             bad(f"cluster must be one of {CLUSTERS}, got {self.cluster}")
         if self.epi_tile_n not in EPI_TILE_NS:

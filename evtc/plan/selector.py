@@ -61,7 +61,15 @@ FAMILY = (
     ("cooperative", 128, 192),
     ("cooperative", 128, 128),
     ("cooperative", 128, 64),
+    ("cooperative", 128, 112),
+    ("cooperative", 128, 144),
+    ("cooperative", 128, 160),
 )
+# Widths of 128-row cooperative tiles compared by :func:`_wave_fitted` (those in the family).
+WAVE_FIT_WIDTHS = (112, 128, 144, 160, 192)
+# Up to this many waves of 128 x 128 tiles, a part-filled last round costs enough to choose the tile
+# width by it; beyond, the rounds are many and the compiled tile (or 128 x 256) runs.
+WAVE_FIT_MAX_WAVES = 5
 
 
 def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> tuple[GemmConfig, ...]:
@@ -123,6 +131,9 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         # 128-row tiles would multiply padding rows: only 64-row ones.
         shapes = [c for c in shapes if c.tile_m == 64]
     elif tiles >= FILL * slots:
+        fitted = _wave_fitted(m, n, batches, slots, find) if tiles <= WAVE_FIT_MAX_WAVES * slots else None
+        if fitted is not None:
+            return fitted
         if base.schedule == "pingpong" and tiles <= slots:
             return base  # one wave: choose_tile runs it cooperative
         if base.schedule == "pingpong":
@@ -152,6 +163,32 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
     ordered = sorted(shapes, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
     chosen = next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
     return _without_a_thin_last_round(chosen, ordered, m, n, batches, slots)
+
+
+def _wave_fitted(m: int, n: int, batches: int, slots: int,
+                 find: Callable[[str, int, int], GemmConfig | None]) -> GemmConfig | None:
+    """The cooperative 128-row tile of :data:`WAVE_FIT_WIDTHS` whose rounds take the least time, or
+    None where 128 columns are as good (the other rules then choose).
+
+    A round of tiles of width W takes time in proportion to W (each tile's MMAs and loads scale with
+    it), so the launch costs (rounds x W); equal costs go to the wider tile (fewer bytes from L2 per
+    FLOP). On the H100 (docs/performance.md, "Tiles that make whole waves") this picked the measured
+    best at all 17 shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128 tiles,
+    one round) ran 0.95x cuBLAS against 0.78x in 96 tiles of 128 x 192; 512 x 3584 x 3584 in
+    128 x 112 (128 tiles) 0.94x against 0.89x in 112 of 128 x 128."""
+    best, best_cost, cost_128 = None, None, None
+    for width in WAVE_FIT_WIDTHS:
+        config = find("cooperative", 128, width)
+        if config is None:
+            continue
+        cost = ceil_div(_tiles(m, n, batches, config), slots) * config.tile_n
+        if width == 128:
+            cost_128 = cost
+        if best_cost is None or cost <= best_cost:
+            best, best_cost = config, cost
+    if best is None or best.tile_n == 128 or (cost_128 is not None and best_cost >= cost_128):
+        return None
+    return best
 
 
 def _without_a_thin_last_round(chosen: GemmConfig, ordered: Sequence[GemmConfig], m: int, n: int,
@@ -214,5 +251,6 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "choose_launch", "choose_tile", "family_digest",
-           "tile_family", "with_a_rows_for", "with_cluster_for"]
+__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES", "WAVE_FIT_WIDTHS",
+           "choose_launch", "choose_tile", "family_digest", "tile_family", "with_a_rows_for",
+           "with_cluster_for"]
