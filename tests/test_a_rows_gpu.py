@@ -8,37 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_cases import (
+    assert_close,
+    check_reductions,
+    identity,
+    linear_inputs,
+    residual_scaled,
+    with_reductions,
+)
 
 import evtc
 
 pytestmark = pytest.mark.gpu
-
-
-def identity(acc):
-    return acc
-
-
-def residual_scaled(acc, C, bias, row_scale):
-    return torch.relu(acc * row_scale + C + bias)
-
-
-def with_reductions(acc, bias):
-    y = acc + bias
-    return y, y.float().sum(0), y.float().abs().amax(-1), y.float().square().sum()
-
-
-def _inputs(m, n, k, seed, batches=None):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    lead = () if batches is None else (batches,)
-    x = (torch.randn(*lead, m, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
-    w = (torch.randn(*lead, n, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
-    return x, w, g
-
-
-def _close(out, ref, tol=2e-2):
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    assert err < tol, f"max error {err:.3g} relative to the largest value"
 
 
 def _poison_shared_memory():
@@ -60,7 +41,7 @@ ROWS = [1, 3, 8, 15, 16, 17, 31, 32]
 @pytest.mark.parametrize("m", ROWS)
 def test_identity_and_operands_with_trimmed_loads(cache, m):
     n, k = 384, 1000  # K not a multiple of the 64-wide K tile
-    x, w, g = _inputs(m, n, k, seed=m)
+    x, w, g = linear_inputs(m, n, k, seed=m)
     C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g)
     row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
@@ -72,32 +53,27 @@ def test_identity_and_operands_with_trimmed_loads(cache, m):
         assert config.a_rows is not None and m <= config.a_rows < config.tile_m, config.short_name()
     acc = x.double() @ w.double().t()
     _poison_shared_memory()
-    _close(plain(x, w.t()), acc)
+    assert_close(plain(x, w.t()), acc)
     _poison_shared_memory()
-    _close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-           torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    assert_close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 29])
 def test_reductions_ignore_the_rows_not_loaded(cache, m):
     n, k = 320, 512
-    x, w, g = _inputs(m, n, k, seed=100 + m)
+    x, w, g = linear_inputs(m, n, k, seed=100 + m)
     bias = torch.randn(n, device="cuda", generator=g)
     kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
     assert kernel.launch_for(m, n, k)[0].a_rows is not None
     _poison_shared_memory()
-    y, col_sums, row_amax, total = kernel(x, w.t(), bias=bias)
-    ref = x.double() @ w.double().t() + bias.double()
-    _close(y, ref)
-    _close(col_sums, ref.sum(0))
-    _close(row_amax, ref.abs().amax(-1))
-    _close(total, ref.square().sum())
+    check_reductions(kernel, x, w, bias)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
 def test_split_k_with_trimmed_loads(cache, splits):
     m, n, k = 7, 512, 8192
-    x, w, g = _inputs(m, n, k, seed=200 + splits)
+    x, w, g = linear_inputs(m, n, k, seed=200 + splits)
     bias = torch.randn(n, device="cuda", generator=g)
     kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
     kernel.pin_splits(splits)
@@ -108,22 +84,22 @@ def test_split_k_with_trimmed_loads(cache, splits):
     finally:
         kernel.pin_splits(None)
     ref = x.double() @ w.double().t() + bias.double()
-    _close(y, ref)
-    _close(col_sums, ref.sum(0))
+    assert_close(y, ref)
+    assert_close(col_sums, ref.sum(0))
 
 
 def test_batched_with_trimmed_loads(cache):
-    x, w, _ = _inputs(3, 256, 640, seed=300, batches=4)
+    x, w, _ = linear_inputs(3, 256, 640, seed=300, batches=4)
     kernel = evtc.compile(identity, {"a": x, "b": w.mT}, cache_dir=cache)
     assert kernel.launch_for(3, 256, 640, 4)[0].a_rows is not None
     _poison_shared_memory()
-    _close(kernel(x, w.mT), x.double() @ w.double().mT)
+    assert_close(kernel(x, w.mT), x.double() @ w.double().mT)
 
 
 def test_a_trimmed_launch_reused_for_a_taller_problem(cache):
     """The launch memo and the autotuner key problems by size: a configuration chosen for M = 2
     resolved for M = 48 must not keep its trimmed loads."""
-    x, w, _ = _inputs(48, 256, 512, seed=500)
+    x, w, _ = linear_inputs(48, 256, 512, seed=500)
     kernel = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
     config, splits = kernel.launch_for(2, 256, 512)
     assert config.a_rows in (16, 32)
@@ -132,4 +108,4 @@ def test_a_trimmed_launch_reused_for_a_taller_problem(cache):
     assert fn is whole
     kernel._launch_memo[(48, 256, 512, 1, x.get_device())] = kernel._resolve(config, splits, 48, 256, 1)
     _poison_shared_memory()
-    _close(kernel(x, w.t()), x.double() @ w.double().t())
+    assert_close(kernel(x, w.t()), x.double() @ w.double().t())

@@ -7,37 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_cases import (
+    assert_close,
+    check_reductions,
+    identity,
+    linear_inputs,
+    residual_scaled,
+    with_reductions,
+)
 
 import evtc
 
 pytestmark = pytest.mark.gpu
-
-
-def identity(acc):
-    return acc
-
-
-def residual_scaled(acc, C, bias, row_scale):
-    return torch.relu(acc * row_scale + C + bias)
-
-
-def with_reductions(acc, bias):
-    y = acc + bias
-    return y, y.float().sum(0), y.float().abs().amax(-1), y.float().square().sum()
-
-
-def _inputs(m, n, k, seed, batches=None):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    lead = () if batches is None else (batches,)
-    x = (torch.randn(*lead, m, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
-    w = (torch.randn(*lead, n, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
-    return x, w, g
-
-
-def _close(out, ref, tol=2e-2):
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    assert err < tol, f"max error {err:.3g} relative to the largest value"
 
 
 def _fill_free_memory_with_nan():
@@ -58,7 +39,7 @@ N_RAGGED = 3648
 @pytest.mark.parametrize("m", [1, 17, 33, 64])
 def test_decode_sizes_run_four_cta_clusters(cache, m):
     k = 1000  # not a multiple of the 64-wide K tile
-    x, w, g = _inputs(m, N_RAGGED, k, seed=m)
+    x, w, g = linear_inputs(m, N_RAGGED, k, seed=m)
     C = torch.randn(m, N_RAGGED, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(N_RAGGED, device="cuda", generator=g)
     row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
@@ -70,30 +51,25 @@ def test_decode_sizes_run_four_cta_clusters(cache, m):
         assert config.cluster == (1, 4), config.short_name()
     acc = x.double() @ w.double().t()
     _fill_free_memory_with_nan()
-    _close(plain(x, w.t()), acc)
-    _close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-           torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    assert_close(plain(x, w.t()), acc)
+    assert_close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
 
 
 @pytest.mark.parametrize("m", [5, 64])
 def test_reductions_over_four_cta_clusters(cache, m):
     k = 768
-    x, w, g = _inputs(m, N_RAGGED, k, seed=50 + m)
+    x, w, g = linear_inputs(m, N_RAGGED, k, seed=50 + m)
     bias = torch.randn(N_RAGGED, device="cuda", generator=g)
     kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
     assert kernel.launch_for(m, N_RAGGED, k)[0].cluster == (1, 4)
-    y, col_sums, row_amax, total = kernel(x, w.t(), bias=bias)
-    ref = x.double() @ w.double().t() + bias.double()
-    _close(y, ref)
-    _close(col_sums, ref.sum(0))
-    _close(row_amax, ref.abs().amax(-1))
-    _close(total, ref.square().sum())
+    check_reductions(kernel, x, w, bias)
 
 
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_k_over_four_cta_clusters(cache, splits):
     m, n, k = 16, 2048, 8192
-    x, w, g = _inputs(m, n, k, seed=100 + splits)
+    x, w, g = linear_inputs(m, n, k, seed=100 + splits)
     bias = torch.randn(n, device="cuda", generator=g)
     kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
     kernel.pin_splits(splits)
@@ -104,16 +80,16 @@ def test_split_k_over_four_cta_clusters(cache, splits):
     finally:
         kernel.pin_splits(None)
     ref = x.double() @ w.double().t() + bias.double()
-    _close(y, ref)
-    _close(col_sums, ref.sum(0))
-    _close(total, ref.square().sum())
+    assert_close(y, ref)
+    assert_close(col_sums, ref.sum(0))
+    assert_close(total, ref.square().sum())
 
 
 def test_batches_over_four_cta_clusters(cache):
-    x, w, _ = _inputs(40, 1216, 640, seed=300, batches=3)  # 19 tiles of 64 columns per batch
+    x, w, _ = linear_inputs(40, 1216, 640, seed=300, batches=3)  # 19 tiles of 64 columns per batch
     kernel = evtc.compile(identity, {"a": x, "b": w.mT}, cache_dir=cache)
     assert kernel.launch_for(40, 1216, 640, 3)[0].cluster == (1, 4)
-    _close(kernel(x, w.mT), x.double() @ w.double().mT)
+    assert_close(kernel(x, w.mT), x.double() @ w.double().mT)
 
 
 def test_two_rows_of_tiles_share_the_weights(cache):
@@ -122,7 +98,7 @@ def test_two_rows_of_tiles_share_the_weights(cache):
     half empty."""
     for m in (96, 128):
         n, k = 4096, 1536
-        x, w, g = _inputs(m, n, k, seed=400 + m)
+        x, w, g = linear_inputs(m, n, k, seed=400 + m)
         C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
         bias = torch.randn(n, device="cuda", generator=g)
         row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
@@ -131,8 +107,8 @@ def test_two_rows_of_tiles_share_the_weights(cache):
                               config={"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (2, 1)},
                               cache_dir=cache)
         acc = x.double() @ w.double().t()
-        _close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-               torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+        assert_close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                     torch.relu(acc * row_scale.double() + C.double() + bias.double()))
 
 
 @pytest.mark.parametrize("knobs", [
@@ -144,7 +120,7 @@ def test_pinned_four_cta_clusters_over_many_rows(cache, knobs):
     """A kernel compiled with a 1x4 cluster, on a problem with several rows of tiles and clusters
     overhanging N, through the fused epilogue."""
     m, n, k = 300, 1000, 520
-    x, w, g = _inputs(m, n, k, seed=500)
+    x, w, g = linear_inputs(m, n, k, seed=500)
     C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g)
     row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
@@ -152,5 +128,5 @@ def test_pinned_four_cta_clusters_over_many_rows(cache, knobs):
                           config={**knobs, "cluster": (1, 4)}, cache_dir=cache)
     assert kernel.launch_for(m, n, k)[0].cluster == (1, 4)
     acc = x.double() @ w.double().t()
-    _close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-           torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    assert_close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))

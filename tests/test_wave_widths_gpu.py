@@ -6,32 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_cases import (
+    assert_close,
+    check_reductions,
+    linear_inputs,
+    residual_scaled,
+    with_reductions,
+)
 
 import evtc
 
 pytestmark = pytest.mark.gpu
-
-
-def residual_scaled(acc, C, bias, row_scale):
-    return torch.relu(acc * row_scale + C + bias)
-
-
-def with_reductions(acc, bias):
-    y = acc + bias
-    return y, y.float().sum(0), y.float().abs().amax(-1), y.float().square().sum()
-
-
-def _inputs(m, n, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (torch.randn(m, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
-    return x, w, g
-
-
-def _close(out, ref, tol=2e-2):
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    assert err < tol, f"max error {err:.3g} relative to the largest value"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +31,7 @@ WIDTHS = [112, 144, 160]
 @pytest.mark.parametrize("cluster", [(2, 1), (1, 1)], ids=["c2x1", "c1x1"])
 def test_fused_operands(cache, width, cluster):
     m, n, k = 300, 1000, 520  # ragged in M, N and K
-    x, w, g = _inputs(m, n, k, seed=width)
+    x, w, g = linear_inputs(m, n, k, seed=width)
     C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g)
     row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
@@ -55,29 +40,24 @@ def test_fused_operands(cache, width, cluster):
                           config={"schedule": "cooperative", "tile_n": width, "cluster": cluster})
     assert kernel.launch_for(m, n, k)[0].tile_n == width
     acc = x.double() @ w.double().t()
-    _close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-           torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    assert_close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_reductions(cache, width):
     m, n, k = 520, 1000, 384
-    x, w, g = _inputs(m, n, k, seed=10 + width)
+    x, w, g = linear_inputs(m, n, k, seed=10 + width)
     bias = torch.randn(n, device="cuda", generator=g)
     kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias},
                           config={"schedule": "cooperative", "tile_n": width}, cache_dir=cache)
-    y, col_sums, row_amax, total = kernel(x, w.t(), bias=bias)
-    ref = x.double() @ w.double().t() + bias.double()
-    _close(y, ref)
-    _close(col_sums, ref.sum(0))
-    _close(row_amax, ref.abs().amax(-1))
-    _close(total, ref.square().sum())
+    check_reductions(kernel, x, w, bias)
 
 
 @pytest.mark.parametrize("m,n,k,width", [(512, 4608, 3584, 144), (512, 3584, 1024, 112),
                                          (512, 10240, 1024, 160)])
 def test_the_selector_runs_them(cache, m, n, k, width):
-    x, w, g = _inputs(m, n, k, seed=m + n)
+    x, w, g = linear_inputs(m, n, k, seed=m + n)
     C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g)
     row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
@@ -86,17 +66,17 @@ def test_the_selector_runs_them(cache, m, n, k, width):
     config, _ = kernel.launch_for(m, n, k)
     assert (config.schedule, config.tile_m, config.tile_n) == ("cooperative", 128, width), config.short_name()
     acc = x.double() @ w.double().t()
-    _close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-           torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    assert_close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
 
 
 def test_an_n_major_weight_keeps_widths_of_64(cache):
     """A row-major B (N contiguous) cannot take 112- or 144-wide tiles; its kernel's family leaves
     them out and the problem runs another tile."""
     m, n, k = 512, 3584, 1024
-    x, w, _ = _inputs(m, n, k, seed=7)
+    x, w, _ = linear_inputs(m, n, k, seed=7)
     b = w.t().contiguous()  # (K, N), N contiguous
     kernel = evtc.compile(lambda acc: acc, {"a": x, "b": b}, cache_dir=cache)
     config, _ = kernel.launch_for(m, n, k)
     assert config.tile_n % 64 == 0, config.short_name()
-    _close(kernel(x, b), x.double() @ b.double())
+    assert_close(kernel(x, b), x.double() @ b.double())
