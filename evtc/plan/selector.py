@@ -171,11 +171,12 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
     None where 128 columns are as good (the other rules then choose).
 
     A round of tiles of width W takes time in proportion to W (each tile's MMAs and loads scale with
-    it), so the launch costs (rounds x W); equal costs go to the wider tile (fewer bytes from L2 per
-    FLOP). On the H100 (docs/performance.md, "Tiles that make whole waves") this picked the measured
-    best at all 17 shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128 tiles,
-    one round) ran 0.95x cuBLAS against 0.78x in 96 tiles of 128 x 192; 512 x 3584 x 3584 in
-    128 x 112 (128 tiles) 0.94x against 0.89x in 112 of 128 x 128."""
+    it), so the launch costs (rounds x W). A width must cost strictly less than 128 columns; among
+    those, equal costs go to the wider tile (fewer bytes from L2 per FLOP). On the H100
+    (docs/performance.md, "Tiles that make whole waves") this picked the measured best at all 17
+    shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128 tiles, one round) ran
+    0.95x cuBLAS against 0.78x in 96 tiles of 128 x 192; 512 x 3584 x 3584 in 128 x 112 (128 tiles)
+    0.94x against 0.89x in 112 of 128 x 128."""
     best, best_cost, cost_128 = None, None, None
     for width in WAVE_FIT_WIDTHS:
         config = find("cooperative", 128, width)
@@ -186,7 +187,7 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
             cost_128 = cost
         if best_cost is None or cost <= best_cost:
             best, best_cost = config, cost
-    if best is None or best.tile_n == 128 or (cost_128 is not None and best_cost >= cost_128):
+    if best is None or (cost_128 is not None and best_cost >= cost_128):
         return None
     return best
 
