@@ -117,6 +117,15 @@ WAVES_CANDIDATES = [
 ]
 
 
+# Many tiles at M = 512-2048 (several waves): the wave-fitted widths against 128 x 128 ping-pong and
+# the cooperative 128 x 256 tile, in the clusters that share B (2x1) or A (1x2).
+MID_CANDIDATES = WAVES_CANDIDATES + [
+    {"tile_m": 128, "tile_n": 128, "cluster": cl, "schedule": "pingpong"} for cl in ((1, 2), (2, 1))
+] + [
+    {"tile_m": 128, "tile_n": 256, "cluster": cl, "schedule": "cooperative"} for cl in ((1, 2), (2, 1))
+]
+
+
 def family_candidates() -> list[dict]:
     """Every tile shape the selector may launch (evtc.plan.selector.FAMILY) in every cluster shape
     it may choose: the sweep then covers what the rules choose from, whatever they become."""
@@ -141,7 +150,7 @@ CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narro
                   "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
                   "decode4": DECODE4_CANDIDATES,
-                  "waves": WAVES_CANDIDATES, "family": family_candidates()}
+                  "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "family": family_candidates()}
 
 
 def identity(acc):

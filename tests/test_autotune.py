@@ -45,7 +45,7 @@ def test_candidates_cover_the_family_within_one_wave():
                 tail = tiles % clusters
                 assert tail and tail * splits <= clusters and splits <= MAX_TAIL_SPLITS, (m, config, splits)
     tails = autotune.candidates(512, 10240, 8192, 1, FAMILY, lambda c: 132, True, default)
-    base = BASE.replace(cluster=(1, 2))
+    base = BASE.replace(cluster=(2, 1))  # four rows of tiles: 2x1 clusters share the weight tile
     assert (base, 2) in tails and (base, 3) not in tails  # 160 tiles on 66 clusters: 28 left over
 
 

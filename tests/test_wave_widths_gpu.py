@@ -28,7 +28,7 @@ WIDTHS = [112, 144, 160]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("cluster", [(2, 1), (1, 1)], ids=["c2x1", "c1x1"])
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2), (1, 1)], ids=["c2x1", "c1x2", "c1x1"])
 def test_fused_operands(cache, width, cluster):
     m, n, k = 300, 1000, 520  # ragged in M, N and K
     x, w, g = linear_inputs(m, n, k, seed=width)
@@ -54,9 +54,11 @@ def test_reductions(cache, width):
     check_reductions(kernel, x, w, bias)
 
 
-@pytest.mark.parametrize("m,n,k,width", [(512, 4608, 3584, 144), (512, 3584, 1024, 112),
-                                         (512, 10240, 1024, 160)])
-def test_the_selector_runs_them(cache, m, n, k, width):
+@pytest.mark.parametrize("m,n,k,width,cluster", [
+    (512, 4608, 3584, 144, (2, 1)), (512, 3584, 1024, 112, (2, 1)), (512, 10240, 1024, 160, (2, 1)),
+    (2048, 3584, 1024, 112, (1, 2)),  # more rows of tiles: 1x2 (evtc.plan.clusters.FEW_TILE_ROWS)
+])
+def test_the_selector_runs_them(cache, m, n, k, width, cluster):
     x, w, g = linear_inputs(m, n, k, seed=m + n)
     C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g)
@@ -64,7 +66,8 @@ def test_the_selector_runs_them(cache, m, n, k, width):
     kernel = evtc.compile(residual_scaled, {"a": x, "b": w.t(), "C": C, "bias": bias, "row_scale": row_scale},
                           cache_dir=cache)
     config, _ = kernel.launch_for(m, n, k)
-    assert (config.schedule, config.tile_m, config.tile_n) == ("cooperative", 128, width), config.short_name()
+    assert (config.schedule, config.tile_m, config.tile_n, config.cluster) == (
+        "cooperative", 128, width, cluster), config.short_name()
     acc = x.double() @ w.double().t()
     assert_close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
                  torch.relu(acc * row_scale.double() + C.double() + bias.double()))

@@ -56,7 +56,8 @@ TILE_CLUSTER_COST = {
     ("cooperative", 128, 256): {(1, 2): 1.0, (2, 1): 1.03, (1, 1): 1.08},
     # Chosen for problems of one wave (evtc.plan.selector), where B multicast (2x1) did best.
     ("cooperative", 128, 128): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.05},
-    ("cooperative", 128, 192): {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0},
+    # 2048 x 4608 x 3584: 0.99x cuBLAS in 2x1 or 1x2 clusters against 0.96-0.97x in 1x1.
+    ("cooperative", 128, 192): {(2, 1): 1.0, (1, 2): 1.0, (1, 1): 1.02},
     # Wave-fitted widths (evtc.plan.selector): B multicast did best at M = 512-1024.
     ("cooperative", 128, 112): {(2, 1): 1.0, (1, 1): 1.05, (1, 2): 1.06},
     ("cooperative", 128, 144): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.03},
@@ -82,9 +83,38 @@ def planned_clusters(cluster_size: int, resident: int) -> int:
     return resident
 
 
-def cluster_costs(schedule: str, tile_m: int, tile_n: int) -> dict[tuple[int, int], float]:
-    """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST)."""
-    return TILE_CLUSTER_COST.get((schedule, tile_m, tile_n), CLUSTER_COST[schedule])
+# Rows of tiles up to which a problem counts as having few (M <= 512 in 128-row tiles). The cluster
+# that pays depends on it for some tiles, measured on the H100 (`bench/sweep_configs.py --candidates
+# mid`, docs/performance.md "Cluster shapes by rows of tiles"):
+FEW_TILE_ROWS = 4
+# * few rows: every weight tile is loaded by each row of tiles, so sharing it (2x1) pays. Ping-pong
+#   128 x 128 at M = 512: 512 x 28672 x 4096 0.95x cuBLAS in 2x1 against 0.93-0.94x in 1x2,
+#   512 x 37888 x 3584 1.00x against 0.98x.
+FEW_ROWS_CLUSTER_COST = {
+    ("pingpong", 128, 128): {(2, 1): 1.0, (1, 2): 1.02, (1, 1): 1.25},
+    # 512 x 8192 x 8192 and 512 x 8192 x 28672: 0.99x in 2x1 against 0.98x in 1x2.
+    ("cooperative", 128, 256): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.08},
+}
+# * more rows: the 112- and 144-wide tiles run far slower in 2x1 clusters once each CTA runs several
+#   tiles (2048 x 3584 x 3584 in 128 x 112: 1.04x cuBLAS in 1x2 against 0.90x in 2x1; 2048 x 3584 x
+#   18944 1.06x against 0.93x; 2048 x 4608 x 3584 in 128 x 144: 0.97x against 0.93x), where at
+#   M = 256-512 2x1 did best (512 x 3584 x 3584: 0.95x against 0.87x).
+MANY_ROWS_CLUSTER_COST = {
+    ("cooperative", 128, 112): {(1, 2): 1.0, (2, 1): 1.1, (1, 1): 1.1},
+    ("cooperative", 128, 144): {(1, 2): 1.0, (2, 1): 1.02, (1, 1): 1.15},
+}
+
+
+def cluster_costs(schedule: str, tile_m: int, tile_n: int,
+                  tiles_m: int | None = None) -> dict[tuple[int, int], float]:
+    """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST), for a
+    problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`)."""
+    key = (schedule, tile_m, tile_n)
+    if tiles_m is not None:
+        by_rows = FEW_ROWS_CLUSTER_COST if tiles_m <= FEW_TILE_ROWS else MANY_ROWS_CLUSTER_COST
+        if key in by_rows:
+            return by_rows[key]
+    return TILE_CLUSTER_COST.get(key, CLUSTER_COST[schedule])
 
 
 def padded_tiles(tiles_m: int, tiles_n: int, cluster: tuple[int, int]) -> int:

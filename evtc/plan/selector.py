@@ -66,7 +66,14 @@ FAMILY = (
     ("cooperative", 128, 160),
 )
 # Widths of 128-row cooperative tiles compared by :func:`_wave_fitted` (those in the family).
-WAVE_FIT_WIDTHS = (112, 128, 144, 160, 192)
+WAVE_FIT_WIDTHS = (112, 128, 144, 160, 192, 256)
+# What a round of tiles costs besides its columns, in columns: the pipeline's fill and the epilogue,
+# which a cooperative CTA does not overlap with its next tile. Fitted on the H100 between 8 and 32
+# (docs/performance.md, "Cluster shapes by rows of tiles"): 1536 x 6144 x 4096 ran 1.00x cuBLAS in
+# three rounds of 128 x 192 against 0.91x in five of 128 x 112, and 2048 x 3584 x 3584 1.09x in four
+# rounds of 128 x 112 against 1.06x in three of 128 x 160. It also gives the ties of one round of
+# 256 columns against two of 128 to 256 (512 x 8192 x 28672: 1.00x against 0.96x).
+WAVE_FIT_ROUND_COST = 16
 # Up to this many waves of 128 x 128 tiles, a part-filled last round costs enough to choose the tile
 # width by it; beyond, the rounds are many and the compiled tile (or 128 x 256) runs.
 WAVE_FIT_MAX_WAVES = 5
@@ -171,18 +178,18 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
     None where 128 columns are as good (the other rules then choose).
 
     A round of tiles of width W takes time in proportion to W (each tile's MMAs and loads scale with
-    it), so the launch costs (rounds x W). A width must cost strictly less than 128 columns; among
-    those, equal costs go to the wider tile (fewer bytes from L2 per FLOP). On the H100
-    (docs/performance.md, "Tiles that make whole waves") this picked the measured best at all 17
-    shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128 tiles, one round) ran
-    0.95x cuBLAS against 0.78x in 96 tiles of 128 x 192; 512 x 3584 x 3584 in 128 x 112 (128 tiles)
-    0.94x against 0.89x in 112 of 128 x 128."""
+    it), plus :data:`WAVE_FIT_ROUND_COST`: the launch costs rounds x (W + that). A width must cost
+    strictly less than 128 columns; among those, equal costs go to the wider tile (fewer bytes from
+    L2 per FLOP). On the H100 (docs/performance.md, "Tiles that make whole waves") this picked the
+    measured best at all 17 shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128
+    tiles, one round) ran 0.95x cuBLAS against 0.78x in 96 tiles of 128 x 192; 512 x 3584 x 3584 in
+    128 x 112 (128 tiles) 0.94x against 0.89x in 112 of 128 x 128."""
     best, best_cost, cost_128 = None, None, None
     for width in WAVE_FIT_WIDTHS:
         config = find("cooperative", 128, width)
         if config is None:
             continue
-        cost = ceil_div(_tiles(m, n, batches, config), slots) * config.tile_n
+        cost = ceil_div(_tiles(m, n, batches, config), slots) * (config.tile_n + WAVE_FIT_ROUND_COST)
         if width == 128:
             cost_128 = cost
         if best_cost is None or cost <= best_cost:
@@ -216,7 +223,7 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     problem (:func:`evtc.plan.clusters.cluster_for_problem`, with the tile's cluster costs)."""
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
-                                  cluster_costs(config.schedule, config.tile_m, config.tile_n))
+                                  cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
@@ -252,6 +259,6 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES", "WAVE_FIT_WIDTHS",
-           "choose_launch", "choose_tile", "family_digest", "tile_family", "with_a_rows_for",
-           "with_cluster_for"]
+__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST",
+           "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile", "family_digest", "tile_family",
+           "with_a_rows_for", "with_cluster_for"]
