@@ -108,6 +108,12 @@ DECODE4_CANDIDATES = [
     for tn, cl in ((64, (1, 4)), (128, (1, 4)), (64, (2, 1)), (64, (1, 2)))
 ]
 
+# 32-column decode tiles (twice the CTAs of 64-column ones on N = 3584-4608) against 64 x 64.
+DECODE32_CANDIDATES = [
+    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tn, cl in ((32, (1, 4)), (32, (1, 2)), (32, (2, 1)), (64, (1, 4)))
+]
+
 # Cooperative 128-row tiles of every width the kernel takes, for fitting one wave of tiles
 # (cuBLAS runs 112- and 144-wide tiles at M = 512).
 WAVES_CANDIDATES = [
@@ -149,7 +155,7 @@ def family_candidates() -> list[dict]:
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
                   "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
-                  "decode4": DECODE4_CANDIDATES,
+                  "decode4": DECODE4_CANDIDATES, "decode32": DECODE32_CANDIDATES,
                   "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "family": family_candidates()}
 
 
