@@ -6,8 +6,11 @@ gives ``dZ = df/dacc * dY`` and the operands' gradients, then ``dx = dZ @ weight
 ``dweight = dZ^T @ x``. Nothing but the inputs is saved.
 
 This is the reference backward: the backward graph runs as torch operations through the IR's
-interpreter, and the accumulator is recomputed in float32. Fused backward kernels (dZ in the
-epilogue of the GEMM that makes dY) are the next step of issue "Training".
+interpreter in float32, on the accumulator recomputed by a GEMM (in 16-bit with float32 accumulation
+for 16-bit inputs on the GPU, with dZ rounded to 16 bits for dx and dweight, as eager autograd
+does; in float32 otherwise: :func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). Fused
+backward kernels (dZ in the epilogue of the GEMM that makes dY) are the next step of issue
+"Training".
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 operator are differentiable, eagerly and under ``torch.compile``.
 
 The backward is the reference one (as for ``evtc.linear``, see :mod:`evtc.linear_autograd`): the
-epilogue's backward graph (:mod:`evtc.ir.autodiff`) evaluated on the accumulator recomputed in
-float32, then ``da = dZ @ b^T`` and ``db = a^T @ dZ``. It is written in torch operations only, so
+epilogue's backward graph (:mod:`evtc.ir.autodiff`) evaluated in float32 on the recomputed
+accumulator, then ``da = dZ @ b^T`` and ``db = a^T @ dZ`` (16-bit GEMMs for 16-bit inputs on the GPU,
+as eager autograd runs them; float32 otherwise). It is written in torch operations only, so
 ``torch.compile`` traces it like any backward formula.
 """
 
@@ -17,6 +18,9 @@ import torch
 if TYPE_CHECKING:
     from evtc.ir.autodiff import Backward
     from evtc.runtime.kernel import Kernel
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequence[Any],
@@ -34,7 +38,12 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
     from evtc.ir.interpreter import accumulator
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
-    acc = accumulator(a, b, torch.float32)
+    # 16-bit inputs on the GPU: the GEMMs run as eager autograd's would, on the tensor cores with
+    # float32 accumulation and 16-bit results (the accumulator rounded as the 16-bit output that
+    # eager autograd saves, dZ rounded before dX and dW). In float32 they would run several times
+    # slower than the forward (docs/training.md). Otherwise (float32 inputs, the CPU): float32.
+    low = a.dtype == b.dtype and a.dtype in _LOW_PRECISION and a.is_cuda
+    acc = torch.matmul(a, b).to(torch.float32) if low else accumulator(a, b, torch.float32)
     sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
     feeds: dict[str, Any] = {back.graph.acc_name: acc, **dict(zip(names, operands, strict=True))}
     for name, grad_name in back.output_grads.items():
@@ -46,8 +55,12 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
     d_acc = result.get(back.graph.acc_name)
     if d_acc is None:
         d_acc = torch.zeros_like(acc)
-    da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
-    db = (a.to(torch.float32).transpose(-1, -2) @ d_acc).to(b.dtype)
+    if low:
+        dz = d_acc.to(a.dtype)
+        da, db = dz @ b.transpose(-1, -2), a.transpose(-1, -2) @ dz
+    else:
+        da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
+        db = (a.to(torch.float32).transpose(-1, -2) @ d_acc).to(b.dtype)
     if da.shape != a.shape:  # a shared by all batches
         da = da.sum_to_size(a.shape)
     if db.shape != b.shape:

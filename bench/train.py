@@ -1,0 +1,129 @@
+"""A training step of a Llama-style MLP block, forward and backward, in bf16: evtc against eager
+PyTorch and torch.compile (issue "Training").
+
+    python3 bench/train.py                        # M = 8192 tokens, hidden 4096, intermediate 14336
+    python3 bench/train.py --tokens 2048 --no-compile
+
+The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T``;
+``y = x + a @ W_down^T``. A step is the forward and ``y.backward(dy)`` with a fixed random ``dy``
+(gradients accumulate into the parameters, as in training; they are zeroed between checks only).
+
+* eager: ``nn.Linear`` layers and torch ops;
+* torch.compile: the eager block compiled (default mode);
+* evtc: the RMS scaling in torch, then two ``evtc.nn.FusedLinear`` layers (SwiGLU in the gate/up
+  GEMM's epilogue, the residual in the down GEMM's), differentiable through ``evtc.linear``.
+
+All variants start from the same parameters and inputs. Before timing, each one's gradients are
+compared with eager's by relative norm. Steps are timed in alternation, in a shuffled order per
+sample (``evtc.timing.time_paired``); ratio = other's time / evtc's (> 1: evtc faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import evtc  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def add_residual(acc, residual):
+    return acc + residual
+
+
+def rms_scaled(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+    return (x.float() * rstd).to(x.dtype) * weight
+
+
+class EagerMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, **kw) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden, **kw))
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False, **kw)
+        self.down = nn.Linear(inter, hidden, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(rms_scaled(x, self.norm)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class EvtcMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, **kw) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden, **kw))
+        self.gate_up = evtc.nn.FusedLinear(hidden, 2 * inter, swiglu, bias=False, **kw)
+        self.down = evtc.nn.FusedLinear(inter, hidden, add_residual, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.gate_up(rms_scaled(x, self.norm)), residual=x)
+
+
+def gradient_error(model: nn.Module, reference: nn.Module) -> float:
+    """Largest relative norm error of ``model``'s parameter gradients against ``reference``'s."""
+    worst = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert p.grad is not None, name
+        err = ((p.grad.float() - q.grad.float()).norm() / q.grad.float().norm().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+    return worst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    args = p.parse_args()
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    torch.manual_seed(0)
+    eager = EagerMLP(args.hidden, args.inter, **kw)
+    ours = EvtcMLP(args.hidden, args.inter, **kw)
+    with torch.no_grad():
+        ours.gate_up.weight.copy_(eager.gate_up.weight)
+        ours.down.weight.copy_(eager.down.weight)
+    x = (torch.randn(args.tokens, args.hidden, **kw)).requires_grad_()
+    dy = torch.randn(args.tokens, args.hidden, **kw)
+    variants = {"evtc": ours, "eager": eager}
+    if not args.no_compile:
+        variants["torch.compile"] = torch.compile(eager)
+
+    def step(model):
+        def run():
+            model(x).backward(dy)
+        return run
+
+    # Gradients against eager's (one step each from zeroed gradients).
+    for model in {id(m): m for m in variants.values()}.values():
+        model.zero_grad(set_to_none=True)
+        step(model)()
+    x.grad = None
+    err = gradient_error(ours, eager)
+    print(f"gradients of evtc against eager: relative error {err:.2e} by norm (largest over parameters)")
+    names = list(variants)
+    ms = time_paired([step(variants[n]) for n in names], 3, args.samples, 1)
+    # Forward: gate/up 2 M H (2 I) and down 2 M I H flops; the backward twice that (dX and dW).
+    flops = 3 * 6 * args.tokens * args.hidden * args.inter
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens}, hidden "
+          f"{args.hidden}, intermediate {args.inter}, bf16; median of {args.samples}")
+    for n, t in zip(names, ms, strict=True):
+        ratio = t / ms[0]
+        print(f"  {n:14s} {t:8.3f} ms  {flops / t / 1e9:6.0f} TFLOP/s  {n}/evtc = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
