@@ -34,13 +34,19 @@ class Linear:
                  example: Mapping[str, Any] | None = None, out_dtypes: OutDtypes = None) -> None:
         self.kernel = kernel
         # What the backward graph is derived from (on first use): the epilogue as the user wrote it,
-        # traced on meta copies of the examples (the kernel's own graph may be split for SwiGLU).
+        # traced on meta copies of the examples (the kernel's own graph may be split for SwiGLU),
+        # with their strides: the saving kernel compiles from them for the same layouts.
         self._fn = fn
         self._example = None if example is None else {
-            k: (torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v)
+            k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor) else v)
             for k, v in example.items()}
         self._out_dtypes = out_dtypes
         self._backward = None
+        # The kernel a differentiable call runs where the backward reads the accumulator: the same
+        # epilogue that also stores the accumulator (see :meth:`_saving_kernel`); False where none.
+        self._saving: Kernel | bool | None = None
+        self._compile_options: dict[str, Any] = {}
 
     @property
     def output_names(self) -> list[str]:
@@ -59,13 +65,30 @@ class Linear:
             self._backward = backward(trace(self._fn, self._example, out_dtypes=self._out_dtypes))
         return self._backward
 
+    def _saving_kernel(self) -> Kernel | None:
+        """The kernel of a differentiable call whose backward reads the accumulator: the epilogue
+        with the accumulator as extra outputs in the output dtype (its two halves for a gated
+        epilogue), compiled on first use. The backward then reads them instead of recomputing
+        ``x @ weight.t()``, a whole GEMM, as eager autograd reads the 16-bit output it saved. None
+        where the backward never reads the accumulator, or the epilogue's outputs have their own
+        dtypes (``out_dtypes``: the backward then recomputes it)."""
+        if self._saving is None:
+            back = self.backward_graph()
+            reads_acc = any(node.op == "acc" for node in back.graph.nodes)
+            if not reads_acc or self._out_dtypes is not None or self._example is None:
+                self._saving = False
+            else:
+                self._saving = _compile_kernel(_with_accumulator(self._fn, self.kernel.plan.gated),
+                                               self._example, **self._compile_options)
+        return self._saving or None
+
     def _output_leaves(self, result: Any) -> dict[str, torch.Tensor]:
         return self.kernel.plan.structure.flatten(result, lambda _: True)
 
-    def _gradients(self, x, weight, operands, grads):
+    def _gradients(self, x, weight, operands, grads, acc=None):
         from evtc.linear_autograd import backward_of_linear
 
-        return backward_of_linear(self, x, weight, operands, grads)
+        return backward_of_linear(self, x, weight, operands, grads, acc=acc)
 
     @property
     def source(self) -> str:
@@ -95,6 +118,11 @@ class Linear:
         return self.kernel.plan.structure.build(dict(zip(self.output_names, outputs, strict=True)))
 
     def _call(self, x, weight, out, operands):
+        return self._call_kernel(self.kernel, x, weight, operands, out)
+
+    def _call_kernel(self, kernel: Kernel, x, weight, operands, out=None):
+        """``kernel`` (this Linear's, or its saving twin) on ``x @ weight.t()`` and ``operands``,
+        its outputs with ``x``'s leading dims."""
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
             raise CallError("evtc.linear: x and weight must be torch tensors")
         if x.dim() < 1 or weight.dim() != 2:
@@ -107,16 +135,17 @@ class Linear:
         flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
         if out is not None:
             try:
-                out = self._per_output(out, lambda t: t.reshape(-1, *t.shape[len(lead):]))
+                out = self._per_output(kernel, out, lambda t: t.reshape(-1, *t.shape[len(lead):]))
             except (TypeError, ValueError, KeyError, IndexError, AttributeError):
                 pass  # not the epilogue's structure: the kernel's own check says what is wrong
-        result = self.kernel(x.reshape(-1, x.shape[-1]), weight.t(), out=out, **flat)
-        return self._per_output(result, lambda t: t.view(*lead, *t.shape[1:]))
+        result = kernel(x.reshape(-1, x.shape[-1]), weight.t(), out=out, **flat)
+        return self._per_output(kernel, result, lambda t: t.view(*lead, *t.shape[1:]))
 
-    def _per_output(self, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """``value`` (the epilogue's output structure) with ``along_m`` applied to the outputs whose
+    @staticmethod
+    def _per_output(kernel: Kernel, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """``value`` (``kernel``'s output structure) with ``along_m`` applied to the outputs whose
         first dim is M (tiles, per-row reductions); per-column and whole-output reductions pass."""
-        plan = self.kernel.plan
+        plan = kernel.plan
         structure = plan.structure
         dims = {s.name: s.dims for s in plan.outputs} | {h.name: h.dims for h in plan.host_outputs}
         leaves = structure.flatten(value, lambda _: True)
@@ -172,4 +201,32 @@ def linear(
                                  cache_dir=cache_dir)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
-    return Linear(kernel, fn, flat_example, out_dtypes)
+    lin = Linear(kernel, fn, flat_example, out_dtypes)
+    lin._compile_options = {"config": config, "arch": arch, "cache_dir": cache_dir}
+    return lin
+
+
+def _with_accumulator(fn: Callable[..., Any], gated: bool) -> Callable[..., Any]:
+    """``fn`` returning also its accumulator argument (or its gate and up halves, for a gated
+    epilogue) as the last leaves of a tuple: ``(*fn's outputs, acc)``. Its signature is ``fn``'s
+    (``functools.wraps``), so it traces with the same inputs."""
+    import functools
+    import inspect
+
+    from evtc.frontend.epilogue import unwrap
+
+    user = unwrap(fn)
+    acc_name = next(iter(inspect.signature(user).parameters))
+
+    @functools.wraps(user)
+    def with_accumulator(*args, **kwargs):
+        out = user(*args, **kwargs)
+        acc = args[0] if args else kwargs[acc_name]
+        saved = tuple(acc.chunk(2, dim=-1)) if gated else (acc,)
+        if isinstance(out, dict):
+            return (*out.values(), *saved)
+        if isinstance(out, tuple | list):
+            return (*out, *saved)
+        return (out, *saved)
+
+    return with_accumulator

@@ -1,16 +1,17 @@
 """Autograd for ``evtc.linear``: the backward of ``fn(x @ weight.t(), **operands)``.
 
-The forward runs the fused kernel. The backward evaluates the epilogue's backward graph
-(:mod:`evtc.ir.autodiff`, derived once per :class:`evtc.Linear`) on the recomputed accumulator, which
-gives ``dZ = df/dacc * dY`` and the operands' gradients, then ``dx = dZ @ weight`` and
-``dweight = dZ^T @ x``. Nothing but the inputs is saved.
+The forward runs the fused kernel, or where the backward reads the accumulator its twin that also
+stores it (:meth:`evtc.Linear._saving_kernel`). The backward evaluates the epilogue's backward graph
+(:mod:`evtc.ir.autodiff`, derived once per :class:`evtc.Linear`) on that accumulator, which gives
+``dZ = df/dacc * dY`` and the operands' gradients, then ``dx = dZ @ weight`` and
+``dweight = dZ^T @ x``.
 
 This is the reference backward: the backward graph runs as torch operations through the IR's
-interpreter in float32, on the accumulator recomputed by a GEMM (in 16-bit with float32 accumulation
-for 16-bit inputs on the GPU, with dZ rounded to 16 bits for dx and dweight, as eager autograd
-does; in float32 otherwise: :func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). Fused
-backward kernels (dZ in the epilogue of the GEMM that makes dY) are the next step of issue
-"Training".
+interpreter in float32; its GEMMs (dx, dweight, and an accumulator recomputed where none was saved)
+run in 16 bits with float32 accumulation for 16-bit inputs on the GPU, with dZ rounded to 16 bits,
+as eager autograd runs them, and in float32 otherwise
+(:func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). Fused backward kernels (dZ in the
+epilogue of the GEMM that makes dY) are the next step of issue "Training".
 """
 
 from __future__ import annotations
@@ -31,35 +32,44 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, lin: Linear, x: torch.Tensor, weight: torch.Tensor, names: tuple[str, ...],
                 *values: Any) -> tuple[torch.Tensor, ...]:
         operands = dict(zip(names, values, strict=True))
-        result = lin._call(x, weight, None, operands)
-        leaves = lin._output_leaves(result)
-        ctx.lin, ctx.names = lin, names
+        saving = lin._saving_kernel()
+        if saving is None:
+            leaves = lin._output_leaves(lin._call(x, weight, None, operands))
+            outputs, saved_acc = tuple(leaves[name] for name in lin.output_names), ()
+        else:
+            # The epilogue's outputs, then the accumulator (or its halves) for the backward.
+            result = lin._call_kernel(saving, x, weight, operands)
+            count = len(lin.output_names)
+            outputs, saved_acc = tuple(result[:count]), tuple(result[count:])
+        ctx.lin, ctx.names, ctx.saved_count = lin, names, len(saved_acc)
         ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
-        ctx.save_for_backward(x, weight, *[values[i] for i in ctx.tensor_slots])
-        outputs = tuple(leaves[name] for name in lin.output_names)
+        ctx.save_for_backward(x, weight, *saved_acc, *[values[i] for i in ctx.tensor_slots])
         ctx.mark_non_differentiable(*[t for t in outputs if not t.dtype.is_floating_point])
         return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor | None):
         x, weight, *tensors = ctx.saved_tensors
+        saved_acc, tensors = tensors[:ctx.saved_count], tensors[ctx.saved_count:]
         values = list(ctx.others)
         for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
             values[slot] = t
         operands = dict(zip(ctx.names, values, strict=True))
-        grads = dict(zip(ctx.lin.output_names, grad_outputs, strict=True))
-        dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads)
+        grads = dict(zip(ctx.lin.output_names, grad_outputs[:len(ctx.lin.output_names)], strict=True))
+        acc = (torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]) if saved_acc else None
+        dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads, acc=acc)
         needs = ctx.needs_input_grad
         operand_grads = [d_operands.get(name) if needs[4 + i] else None for i, name in enumerate(ctx.names)]
         return (None, dx if needs[1] else None, dweight if needs[2] else None, None, *operand_grads)
 
 
 def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, operands: dict[str, Any],
-                       grads: dict[str, torch.Tensor | None]):
+                       grads: dict[str, torch.Tensor | None], acc: torch.Tensor | None = None):
     """(dx, dweight, {operand: gradient}) of ``lin``'s call on ``x``, ``weight``, ``operands``
     given the outputs' gradients ``grads`` by output name (None for outputs that received none):
-    the GEMM epilogue's backward with a = x (flattened) and b = weight^T."""
+    the GEMM epilogue's backward with a = x (flattened) and b = weight^T. ``acc``: the accumulator
+    the forward saved (with x's leading dims), else recomputed where the backward reads it."""
     from evtc.linear import _flatten_like
     from evtc.runtime.op_autograd import gemm_epilogue_backward
 
@@ -67,7 +77,8 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     names = list(operands)
     flat = [_flatten_like(operands[name], lead) for name in names]
     da, db, *d_flat = gemm_epilogue_backward(lin.backward_graph(), x.reshape(-1, x.shape[-1]), weight.t(),
-                                             names, flat, grads)
+                                             names, flat, grads,
+                                             acc=None if acc is None else acc.reshape(-1, acc.shape[-1]))
     d_operands = {name: d.reshape(operands[name].shape) for name, d in zip(names, d_flat, strict=True)
                   if d is not None}
     return da.reshape(x.shape), db.t(), d_operands

@@ -120,3 +120,50 @@ def test_fused_linear_without_bias_and_a_clear_error():
     assert gated.weight.grad is not None and x.grad is not None
     with pytest.raises(evtc.CallError, match="no parameter named 'bias'"):
         FusedLinear(8, 12, swiglu)
+
+
+def bias_residual(acc, bias, residual, alpha: float):
+    return acc * alpha + bias + residual
+
+
+def gelu_parts(accumulator, bias):
+    y = F.gelu(accumulator + bias)
+    return {"y": y, "pre_sum": (accumulator + bias).sum(-1)}
+
+
+@pytest.mark.parametrize("fn, rows, operands", [
+    (bias_residual, 24, {"bias": (24,), "residual": (6, 24), "alpha": 0.7}),  # reads no acc
+    (bias_gelu, 24, {"bias": (24,)}),             # saves acc as an extra output
+    (swiglu, 48, {}),                             # gated: saves both halves
+    (with_stats, 24, {"bias": (24,)}),            # a tuple with reductions
+    (gelu_parts, 24, {"bias": (24,)}),            # a dict, acc under another name
+])
+def test_the_backward_recomputes_no_accumulator(monkeypatch, fn, rows, operands):
+    """A differentiable call's backward reads the accumulator that the forward stored beside the
+    outputs (or none, where the backward never reads it): it runs no GEMM to recompute it, which
+    would cost a training step one more forward GEMM per layer."""
+    import evtc.ir.interpreter as interpreter
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(rows, 16, generator=g, requires_grad=True)
+    ops = {k: (torch.randn(*v, generator=g).requires_grad_() if isinstance(v, tuple) else v)
+           for k, v in operands.items()}
+    lin = evtc.linear(fn, {"x": x, "weight": w, **ops})
+    got = lin(x, w, **ops)  # the forward (torch path on CPU)
+    want = fn(x @ w.t(), **ops)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the accumulator was recomputed")
+
+    monkeypatch.setattr(interpreter, "accumulator", refuse)
+    leaves = lambda v: list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, tuple) else [v]  # noqa: E731
+    got_leaves, want_leaves = leaves(got), leaves(want)
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        _close(a.detach(), b.detach(), "forward")
+    upstream = [torch.randn(t.shape, generator=g) for t in want_leaves]
+    inputs = [x, w, *[v for v in ops.values() if isinstance(v, torch.Tensor)]]
+    mine = torch.autograd.grad(got_leaves, inputs, upstream)
+    ref = torch.autograd.grad(want_leaves, inputs, upstream)
+    for a, b in zip(mine, ref, strict=True):
+        _close(a, b, fn.__name__)

@@ -10,7 +10,7 @@ as eager autograd runs them; float32 otherwise). It is written in torch operatio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,9 +32,11 @@ def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequ
 
 
 def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, names: Sequence[str],
-                           operands: Sequence[Any], by_output: dict[str, torch.Tensor | None]) -> tuple:
+                           operands: Sequence[Any], by_output: dict[str, torch.Tensor | None],
+                           acc: torch.Tensor | None = None) -> tuple:
     """(da, db, *operand gradients) of ``epilogue(a @ b, *operands)`` with backward graph ``back``,
-    given the outputs' gradients by output name (None or missing: no gradient)."""
+    given the outputs' gradients by output name (None or missing: no gradient). ``acc``: the
+    accumulator as the forward saved it (any float dtype), else recomputed where the graph reads it."""
     from evtc.ir.interpreter import accumulator
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
@@ -43,20 +45,33 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
     # eager autograd saves, dZ rounded before dX and dW). In float32 they would run several times
     # slower than the forward (docs/training.md). Otherwise (float32 inputs, the CPU): float32.
     low = a.dtype == b.dtype and a.dtype in _LOW_PRECISION and a.is_cuda
-    acc = torch.matmul(a, b).to(torch.float32) if low else accumulator(a, b, torch.float32)
-    sizes = {M: acc.shape[-2], N: acc.shape[-1], L: acc.shape[0] if acc.dim() == 3 else 1}
-    feeds: dict[str, Any] = {back.graph.acc_name: acc, **dict(zip(names, operands, strict=True))}
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    acc_shape = (*batch, a.shape[-2], b.shape[-1])
+    feeds: dict[str, Any] = dict(zip(names, operands, strict=True))
+    # An epilogue linear in acc (bias, residual, scaling) has a backward that never reads it: no
+    # GEMM to recompute it then.
+    if acc is not None:
+        feeds[back.graph.acc_name] = acc
+    elif any(node.op == "acc" for node in back.graph.nodes):
+        feeds[back.graph.acc_name] = (torch.matmul(a, b).to(torch.float32) if low
+                                      else accumulator(a, b, torch.float32))
+    else:  # only its sizes are read: a broadcast zero of its shape, no memory
+        feeds[back.graph.acc_name] = torch.zeros((), dtype=torch.float32, device=a.device).expand(acc_shape)
+    sizes = {M: acc_shape[-2], N: acc_shape[-1], L: acc_shape[0] if len(acc_shape) == 3 else 1}
     for name, grad_name in back.output_grads.items():
         shape = evaluate_shape(back.grad_shapes[grad_name], sizes)
         g = by_output.get(name)
-        feeds[grad_name] = (torch.zeros(shape, dtype=torch.float32, device=acc.device) if g is None
-                            else g.to(torch.float32).reshape(shape))
-    result = back.graph.evaluate(feeds, compute_dtype=torch.float32, cast_outputs=False)
+        feeds[grad_name] = (torch.zeros(shape, dtype=torch.float32, device=a.device) if g is None
+                            else g.reshape(shape))
+    grad_names = frozenset(back.output_grads.values())
+    result = _evaluator(back, grad_names, a.dtype if low else torch.float32)(feeds)
     d_acc = result.get(back.graph.acc_name)
     if d_acc is None:
-        d_acc = torch.zeros_like(acc)
+        d_acc = torch.zeros(acc_shape, dtype=a.dtype if low else torch.float32, device=a.device)
+    elif tuple(d_acc.shape) != acc_shape:  # a gradient that broadcasts over the tile
+        d_acc = d_acc.expand(acc_shape)
     if low:
-        dz = d_acc.to(a.dtype)
+        dz = d_acc  # already rounded to the inputs' dtype
         da, db = dz @ b.transpose(-1, -2), a.transpose(-1, -2) @ dz
     else:
         da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
@@ -72,6 +87,24 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
         else:
             d_operands.append(None)
     return (da, db, *d_operands)
+
+
+def _evaluator(back: Backward, grad_names: frozenset[str], dz_dtype: torch.dtype) -> Callable[[dict], Any]:
+    """The function that evaluates ``back``'s graph in float32 on its feeds (the accumulator and
+    the incoming gradients in any float dtype) and rounds dZ to ``dz_dtype``. (Run through
+    torch.compile, to fuse its elementwise steps, it made the training step of bench/train.py no
+    faster on the H100: 22.4 ms against 21.9 ms.)"""
+    acc_name = back.graph.acc_name
+
+    def evaluate(feeds: dict) -> Any:
+        inputs = {k: (v.to(torch.float32) if k == acc_name or k in grad_names else v)
+                  for k, v in feeds.items()}
+        result = back.graph.evaluate(inputs, compute_dtype=torch.float32, cast_outputs=False)
+        if acc_name in result:
+            result = {**result, acc_name: result[acc_name].to(dz_dtype)}
+        return result
+
+    return evaluate
 
 
 __all__ = ["gemm_epilogue_backward", "op_backward"]
