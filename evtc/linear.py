@@ -8,6 +8,7 @@ outputs get them back.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from evtc.runtime.kernel import Kernel
 
 if TYPE_CHECKING:
     from evtc.api import OutDtypes
+
+log = logging.getLogger("evtc")
 
 
 class Linear:
@@ -78,8 +81,16 @@ class Linear:
             if not reads_acc or self._out_dtypes is not None or self._example is None:
                 self._saving = False
             else:
-                self._saving = _compile_kernel(_with_accumulator(self._fn, self.kernel.plan.gated),
-                                               self._example, **self._compile_options)
+                try:
+                    self._saving = _compile_kernel(_with_accumulator(self._fn, self.kernel.plan.gated),
+                                                   self._example, **self._compile_options)
+                except Exception as exc:  # noqa: BLE001 - recomputing gives the same gradients
+                    # One more output may not fit a pinned configuration's shared memory: the
+                    # backward then recomputes the accumulator.
+                    log.warning("%r: the kernel that also stores the accumulator for the backward "
+                                "does not compile (%s); the backward recomputes it",
+                                self.kernel.plan.name, str(exc).splitlines()[0])
+                    self._saving = False
         return self._saving or None
 
     def _output_leaves(self, result: Any) -> dict[str, torch.Tensor]:

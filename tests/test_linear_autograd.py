@@ -167,3 +167,30 @@ def test_the_backward_recomputes_no_accumulator(monkeypatch, fn, rows, operands)
     ref = torch.autograd.grad(want_leaves, inputs, upstream)
     for a, b in zip(mine, ref, strict=True):
         _close(a, b, fn.__name__)
+
+
+def test_a_twin_that_does_not_compile_falls_back_to_recomputing(monkeypatch, caplog):
+    """Where the kernel that also stores the accumulator does not compile (one more output may not
+    fit a pinned configuration's shared memory), the backward recomputes the accumulator: the
+    gradients stay right, and the log says why."""
+    import importlib
+
+    linear_module = importlib.import_module("evtc.linear")  # the module (evtc.linear is the function)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(24, 16, generator=g, requires_grad=True)
+    bias = torch.randn(24, generator=g, requires_grad=True)
+    lin = evtc.linear(bias_gelu, {"x": x, "weight": w, "bias": bias})
+
+    def no_twin(fn, *args, **kwargs):
+        raise evtc.errors.CompileError("configuration: shared memory does not fit (simulated)")
+
+    monkeypatch.setattr(linear_module, "_compile_kernel", no_twin)
+    with caplog.at_level("WARNING", logger="evtc"):
+        y = lin(x, w, bias=bias)
+    assert "recomputes it" in caplog.text and "simulated" in caplog.text
+    dy = torch.randn(6, 24, generator=g)
+    mine = torch.autograd.grad(y, [x, w, bias], dy)
+    want = torch.autograd.grad(bias_gelu(x @ w.t(), bias), [x, w, bias], dy)
+    for name, a, b in zip(["x", "weight", "bias"], mine, want, strict=True):
+        _close(a, b, name)
