@@ -585,13 +585,12 @@ class Kernel:
         """The epilogue's backward graph (:func:`evtc.ir.autodiff.backward`), derived once; what the
         custom operator's autograd formula evaluates (:mod:`evtc.runtime.op_autograd`)."""
         if self._backward is None:
-            if self.plan.gated:
-                raise CallError(f"{self.plan.name!r}: the backward of a gated kernel's operator is not "
-                                "derived yet; evtc.linear (which traces the epilogue unsplit) is "
-                                "differentiable for gated epilogues")
             from evtc.ir.autodiff import backward
+            from evtc.ir.passes.gated import join_halves
 
-            self._backward = backward(self.graph)
+            # A gated kernel's graph is split into halves: the backward is derived from it joined
+            # again (the whole accumulator, and halves of it as the user's chunk takes them).
+            self._backward = backward(join_halves(self.graph))
         return self._backward
 
     @property

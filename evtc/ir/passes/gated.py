@@ -144,4 +144,60 @@ def kernel_graph(graph: Graph) -> Graph:
     return split
 
 
-__all__ = ["HALF_NAMES", "is_gated", "kernel_graph", "split_halves"]
+def join_halves(graph: Graph) -> Graph:
+    """The inverse of :func:`split_halves`: a kernel's split graph back in the user's coordinates
+    (N the GEMM's width), with the accumulator and each split operand whole and ``half`` nodes
+    taking their halves. What the backward of a gated kernel's custom operator is derived from
+    (:meth:`evtc.Kernel.backward_graph`), since the split graph has no whole accumulator to
+    differentiate by. Graphs that are not split are returned as they are."""
+    if not graph.gated:
+        return graph
+    builder = GraphBuilder(graph.batched)
+    operands: dict[str, Operand] = {}
+    for name, operand in graph.operands.items():
+        if operand.half_of is None:
+            operands[name] = Operand(name, operand.kind, operand.dtype, _user_shape(operand.shape),
+                                     operand.batched)
+        else:
+            user = operand.half_of[0]
+            operands.setdefault(user, Operand(user, operand.kind, operand.dtype, _whole_shape(operand.shape),
+                                              operand.batched))
+    whole: dict[str, Node] = {}  # "acc" or an operand's name -> its whole value
+    mapped: dict[int, Node] = {}
+    for node in graph.nodes:
+        half = node.attrs.get("half") if node.op == "acc" else None
+        half_of = node.attrs.get("half_of") if node.op == "load" else None
+        if half is not None or half_of is not None:
+            key, index = ("acc", half) if half is not None else half_of
+            if key not in whole:
+                attrs = {k: v for k, v in node.attrs.items() if k not in ("half", "half_of")}
+                if half_of is not None:
+                    attrs["name"] = key
+                    attrs["shape"] = _whole_shape(node.attrs["shape"])
+                whole[key] = builder.add(node.op, (), attrs, loc=node.loc, dtype=node.dtype,
+                                         shape=_whole_shape(node.shape))
+            mapped[node.id] = builder.add("half", (whole[key],), {"index": index}, loc=node.loc,
+                                          dtype=node.dtype, shape=_user_shape(node.shape))
+            continue
+        attrs = dict(node.attrs)
+        if "value" in attrs:
+            attrs["value"] = sympy.sympify(attrs["value"]).subs(N, N / 2)
+        if "shape" in attrs:
+            attrs["shape"] = _user_shape(attrs["shape"])
+        mapped[node.id] = builder.add(node.op, tuple(mapped[x.id] for x in node.inputs), attrs, loc=node.loc,
+                                      dtype=node.dtype, shape=_user_shape(node.shape))
+    return dataclasses.replace(replace_nodes(graph, builder.nodes), operands=operands, gated=False)
+
+
+def _user_shape(shape: Shape) -> Shape:
+    """A shape in the kernel's coordinates (N = the output's width) in the user's (N = the GEMM's)."""
+    return tuple(sympy.sympify(d).subs(N, N / 2) for d in shape)
+
+
+def _whole_shape(shape: Shape) -> Shape:
+    """The user's shape of the whole value whose half has ``shape`` (kernel coordinates): as wide
+    as the GEMM along its last dim."""
+    return (*_user_shape(shape[:-1]), N)
+
+
+__all__ = ["HALF_NAMES", "is_gated", "join_halves", "kernel_graph", "split_halves"]
