@@ -3,6 +3,7 @@ PyTorch and torch.compile (issue "Training").
 
     python3 bench/train.py                        # M = 8192 tokens, hidden 4096, intermediate 14336
     python3 bench/train.py --tokens 2048 --no-compile
+    python3 bench/train.py --profile             # and where each step spends its GPU time
 
 The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T``;
 ``y = x + a @ W_down^T``. A step is the forward and ``y.backward(dy)`` with a fixed random ``dy``
@@ -88,6 +89,8 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=14336)
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where one step of each variant spends its GPU time (torch.profiler)")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
@@ -123,6 +126,22 @@ def main() -> None:
     for n, t in zip(names, ms, strict=True):
         ratio = t / ms[0]
         print(f"  {n:14s} {t:8.3f} ms  {flops / t / 1e9:6.0f} TFLOP/s  {n}/evtc = {ratio:.3f}")
+    if args.profile:
+        for n in names:
+            profile_step(n, step(variants[n]))
+
+
+def profile_step(name: str, run) -> None:
+    """The GPU kernels of one step of ``run``, by total time (what a faster backward must remove)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(f"\n{name}: GPU time by kernel (one step)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
 
 
 if __name__ == "__main__":
