@@ -141,7 +141,7 @@ def profile_step(name: str, run) -> None:
         run()
         torch.cuda.synchronize()
     print(f"\n{name}: GPU time by kernel (one step)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=70))
 
 
 if __name__ == "__main__":
