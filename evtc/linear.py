@@ -34,7 +34,8 @@ class Linear:
     """
 
     def __init__(self, kernel: Kernel, fn: Callable[..., Any] | None = None,
-                 example: Mapping[str, Any] | None = None, out_dtypes: OutDtypes = None) -> None:
+                 example: Mapping[str, Any] | None = None, out_dtypes: OutDtypes = None,
+                 compile_options: Mapping[str, Any] | None = None) -> None:
         self.kernel = kernel
         # What the backward graph is derived from (on first use): the epilogue as the user wrote it,
         # traced on meta copies of the examples (the kernel's own graph may be split for SwiGLU),
@@ -49,7 +50,7 @@ class Linear:
         # The kernel a differentiable call runs where the backward reads the accumulator: the same
         # epilogue that also stores the accumulator (see :meth:`_saving_kernel`); False where none.
         self._saving: Kernel | bool | None = None
-        self._compile_options: dict[str, Any] = {}
+        self._compile_options = dict(compile_options or {})  # config, arch, cache_dir of the twin
 
     @property
     def output_names(self) -> list[str]:
@@ -212,9 +213,8 @@ def linear(
                                  cache_dir=cache_dir)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
-    lin = Linear(kernel, fn, flat_example, out_dtypes)
-    lin._compile_options = {"config": config, "arch": arch, "cache_dir": cache_dir}
-    return lin
+    return Linear(kernel, fn, flat_example, out_dtypes,
+                  {"config": config, "arch": arch, "cache_dir": cache_dir})
 
 
 def _with_accumulator(fn: Callable[..., Any], gated: bool) -> Callable[..., Any]:

@@ -56,7 +56,7 @@ class LinearFunction(torch.autograd.Function):
         for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
             values[slot] = t
         operands = dict(zip(ctx.names, values, strict=True))
-        grads = dict(zip(ctx.lin.output_names, grad_outputs[:len(ctx.lin.output_names)], strict=True))
+        grads = dict(zip(ctx.lin.output_names, grad_outputs, strict=True))
         acc = (torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]) if saved_acc else None
         dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads, acc=acc)
         needs = ctx.needs_input_grad

@@ -10,7 +10,7 @@ as eager autograd runs them; float32 otherwise). It is written in torch operatio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,8 +63,7 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
         g = by_output.get(name)
         feeds[grad_name] = (torch.zeros(shape, dtype=torch.float32, device=a.device) if g is None
                             else g.reshape(shape))
-    grad_names = frozenset(back.output_grads.values())
-    result = _evaluator(back, grad_names, a.dtype if low else torch.float32)(feeds)
+    result = _evaluate(back, feeds, a.dtype if low else torch.float32)
     d_acc = result.get(back.graph.acc_name)
     if d_acc is None:
         d_acc = torch.zeros(acc_shape, dtype=a.dtype if low else torch.float32, device=a.device)
@@ -89,22 +88,18 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
     return (da, db, *d_operands)
 
 
-def _evaluator(back: Backward, grad_names: frozenset[str], dz_dtype: torch.dtype) -> Callable[[dict], Any]:
-    """The function that evaluates ``back``'s graph in float32 on its feeds (the accumulator and
-    the incoming gradients in any float dtype) and rounds dZ to ``dz_dtype``. (Run through
-    torch.compile, to fuse its elementwise steps, it made the training step of bench/train.py no
-    faster on the H100: 22.4 ms against 21.9 ms.)"""
+def _evaluate(back: Backward, feeds: dict[str, Any], dz_dtype: torch.dtype) -> dict[str, Any]:
+    """``back``'s graph evaluated in float32 on ``feeds`` (the accumulator and the incoming
+    gradients in any float dtype), with dZ rounded to ``dz_dtype``. (Run through torch.compile, to
+    fuse its elementwise steps, it made the training step of bench/train.py no faster on the H100:
+    22.4 ms against 21.9 ms.)"""
     acc_name = back.graph.acc_name
-
-    def evaluate(feeds: dict) -> Any:
-        inputs = {k: (v.to(torch.float32) if k == acc_name or k in grad_names else v)
-                  for k, v in feeds.items()}
-        result = back.graph.evaluate(inputs, compute_dtype=torch.float32, cast_outputs=False)
-        if acc_name in result:
-            result = {**result, acc_name: result[acc_name].to(dz_dtype)}
-        return result
-
-    return evaluate
+    grad_names = set(back.output_grads.values())
+    inputs = {k: (v.to(torch.float32) if k == acc_name or k in grad_names else v) for k, v in feeds.items()}
+    result = back.graph.evaluate(inputs, compute_dtype=torch.float32, cast_outputs=False)
+    if acc_name in result:
+        result = {**result, acc_name: result[acc_name].to(dz_dtype)}
+    return result
 
 
 __all__ = ["gemm_epilogue_backward", "op_backward"]
