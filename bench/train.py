@@ -11,8 +11,11 @@ The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T
 
 * eager: ``nn.Linear`` layers and torch ops;
 * torch.compile: the eager block compiled (default mode);
-* evtc: the RMS scaling in torch, then two ``evtc.nn.FusedLinear`` layers (SwiGLU in the gate/up
-  GEMM's epilogue, the residual in the down GEMM's), differentiable through ``evtc.linear``.
+* evtc: the RMS scaling in torch, then ``evtc.nn.MLP`` (SwiGLU in the gate/up GEMM's epilogue, the
+  residual in the down GEMM's; its backward computes the SwiGLU's dZ in the epilogue of the GEMM
+  that makes its incoming gradient);
+* evtc layers: the same with two separate ``evtc.nn.FusedLinear`` layers (each backward on its own:
+  the incoming gradient of the first goes through memory and torch's elementwise kernels).
 
 All variants start from the same parameters and inputs. Before timing, each one's gradients are
 compared with eager's by relative norm. Steps are timed in alternation, in a shuffled order per
@@ -65,6 +68,16 @@ class EvtcMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, **kw) -> None:
         super().__init__()
         self.norm = nn.Parameter(torch.ones(hidden, **kw))
+        self.mlp = evtc.nn.MLP(hidden, inter, swiglu, add_residual, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(rms_scaled(x, self.norm), residual=x)
+
+
+class EvtcLayers(nn.Module):
+    def __init__(self, hidden: int, inter: int, **kw) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden, **kw))
         self.gate_up = evtc.nn.FusedLinear(hidden, 2 * inter, swiglu, bias=False, **kw)
         self.down = evtc.nn.FusedLinear(inter, hidden, add_residual, bias=False, **kw)
 
@@ -96,12 +109,14 @@ def main() -> None:
     torch.manual_seed(0)
     eager = EagerMLP(args.hidden, args.inter, **kw)
     ours = EvtcMLP(args.hidden, args.inter, **kw)
+    layers = EvtcLayers(args.hidden, args.inter, **kw)
     with torch.no_grad():
-        ours.gate_up.weight.copy_(eager.gate_up.weight)
-        ours.down.weight.copy_(eager.down.weight)
+        for up, down in ((ours.mlp.up, ours.mlp.down), (layers.gate_up, layers.down)):
+            up.weight.copy_(eager.gate_up.weight)
+            down.weight.copy_(eager.down.weight)
     x = (torch.randn(args.tokens, args.hidden, **kw)).requires_grad_()
     dy = torch.randn(args.tokens, args.hidden, **kw)
-    variants = {"evtc": ours, "eager": eager}
+    variants = {"evtc": ours, "evtc layers": layers, "eager": eager}
     if not args.no_compile:
         variants["torch.compile"] = torch.compile(eager)
 
@@ -115,8 +130,10 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         step(model)()
     x.grad = None
-    err = gradient_error(ours, eager)
-    print(f"gradients of evtc against eager: relative error {err:.2e} by norm (largest over parameters)")
+    for name, model in (("evtc", ours), ("evtc layers", layers)):
+        err = gradient_error(model, eager)
+        print(f"gradients of {name} against eager: relative error {err:.2e} by norm "
+              "(largest over parameters)")
     names = list(variants)
     ms = time_paired([step(variants[n]) for n in names], 3, args.samples, 1)
     # Forward: gate/up 2 M H (2 I) and down 2 M I H flops; the backward twice that (dX and dW).

@@ -71,17 +71,18 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     the GEMM epilogue's backward with a = x (flattened) and b = weight^T. ``acc``: the accumulator
     the forward saved (with x's leading dims), else recomputed where the backward reads it."""
     from evtc.linear import _flatten_like
-    from evtc.runtime.op_autograd import gemm_epilogue_backward
+    from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
     lead = tuple(x.shape[:-1])
     names = list(operands)
     flat = [_flatten_like(operands[name], lead) for name in names]
-    da, db, *d_flat = gemm_epilogue_backward(lin.backward_graph(), x.reshape(-1, x.shape[-1]), weight.t(),
-                                             names, flat, grads,
-                                             acc=None if acc is None else acc.reshape(-1, acc.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
+    dz, d_flat = epilogue_gradients(lin.backward_graph(), x2, weight.t(), names, flat, grads,
+                                    acc=None if acc is None else acc.reshape(-1, acc.shape[-1]))
+    dx, _ = input_gradients(dz, x2, weight.t(), need_b=False)
     d_operands = {name: d.reshape(operands[name].shape) for name, d in zip(names, d_flat, strict=True)
                   if d is not None}
-    return da.reshape(x.shape), db.t(), d_operands
+    return dx.reshape(x.shape), weight_gradient(dz, x2, weight), d_operands
 
 
 __all__ = ["LinearFunction", "backward_of_linear"]

@@ -4,6 +4,10 @@
 ``epilogue`` in the same kernel: ``epilogue(x @ weight.t(), bias=bias, **operands)``. Its weight and
 bias are parameters, initialised as ``nn.Linear``'s, and it is differentiable (see
 :mod:`evtc.linear_autograd`).
+
+``MLP(in_features, hidden_features, activation, output)`` is two of them in a row, ``Linear -> act
+-> Linear`` (a SwiGLU MLP with a residual, say). As a pair, its backward computes the first layer's
+dZ inside the GEMM that makes its incoming gradient (see :mod:`evtc.mlp_autograd`).
 """
 
 from __future__ import annotations
@@ -88,4 +92,144 @@ class FusedLinear(nn.Module):
                 f"bias={self.bias is not None}, epilogue={name}")
 
 
-__all__ = ["FusedLinear"]
+def _identity(acc):
+    return acc
+
+
+class MLP(nn.Module):
+    """``y = output(activation(x @ up.weight.t()) @ down.weight.t(), **operands)``: two
+    :class:`FusedLinear` layers, ``up`` and ``down``, each with its epilogue fused.
+
+    Args:
+        in_features: the input's last dim.
+        hidden_features: the activation's width. A gated activation (one that splits its
+            accumulator, ``acc.chunk(2, dim=-1)``, as SwiGLU does) gets an ``up`` layer twice as
+            wide, gate rows first.
+        activation: the first epilogue, ``fn(acc)`` (``fn(acc, bias)`` with ``bias=True``).
+        output: the second epilogue, ``fn(acc, **operands)`` (``add_residual(acc, residual)``, say);
+            the identity by default. ``forward(x, **operands)`` passes it its operands.
+        out_features: the output's last dim (default ``in_features``).
+        bias: whether both layers have a bias (each epilogue then takes a ``bias`` parameter).
+        device, dtype: of the parameters.
+        config, cache_dir: as for :func:`evtc.compile`, for every kernel of the block.
+
+    The backward of the pair computes the first layer's dZ in the epilogue of the GEMM
+    ``dZ2 @ W2`` (so that GEMM's output, the first layer's incoming gradient, is never stored) for
+    16-bit inputs on the GPU, when that dZ is elementwise over the tile and no tensor operand of the
+    first layer needs a gradient; otherwise the two layers' backwards run one after the other
+    (:mod:`evtc.mlp_autograd`). The results are the same either way, up to rounding.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, activation: Callable[..., Any],
+                 output: Callable[..., Any] | None = None, *, out_features: int | None = None,
+                 bias: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, config: Mapping[str, Any] | None = None,
+                 cache_dir: str | os.PathLike | None = None) -> None:
+        super().__init__()
+        output = _identity if output is None else output
+        out_features = in_features if out_features is None else out_features
+        gated = _is_gated(activation, in_features, hidden_features, bias)
+        width = 2 * hidden_features if gated else hidden_features
+        options = {"config": config, "cache_dir": cache_dir}
+        kw = {"bias": bias, "device": device, "dtype": dtype, **options}
+        self.up = FusedLinear(in_features, width, activation, **kw)
+        self.down = FusedLinear(hidden_features, out_features, output, **kw)
+        self.gated = gated
+        self._options = options
+        self._dz: dict[tuple, Any] = {}
+        self._second = None
+
+    def forward(self, x: torch.Tensor, **operands: Any) -> Any:
+        ops1 = {"bias": self.up.bias} if self.up.bias is not None else {}
+        ops2 = {"bias": self.down.bias, **operands} if self.down.bias is not None else dict(operands)
+        tensors = (x, self.up.weight, self.down.weight, *ops1.values(), *ops2.values())
+        if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                for t in tensors)):
+            h = self.up(x)
+            return self.down(h, **operands)
+        from evtc.mlp_autograd import MLPFunction
+
+        names1, names2 = tuple(ops1), tuple(ops2)
+        outputs = MLPFunction.apply(self, x, self.up.weight, self.down.weight, names1, names2,
+                                    *ops1.values(), *ops2.values())
+        second = self._second  # the one MLPFunction.forward just ran
+        return second.kernel.plan.structure.build(dict(zip(second.output_names, outputs, strict=True)))
+
+    # -- what MLPFunction asks of the block -------------------------------------------------------
+    def first_linear(self, x: torch.Tensor, operands: dict[str, Any]):
+        """The first layer's :class:`evtc.Linear` for ``x`` and ``operands``; it must have one output."""
+        lin = self.up._linear_for(x, operands)
+        if len(lin.output_names) != 1:
+            raise CallError(f"evtc.nn.MLP: the activation must return one tensor, the second layer's input; "
+                            f"it returns {len(lin.output_names)} ({', '.join(lin.output_names)})")
+        return lin
+
+    def second_linear(self, h: torch.Tensor, operands: dict[str, Any]):
+        """The second layer's :class:`evtc.Linear` for its input ``h``."""
+        lin = self._second = self.down._linear_for(h, operands)
+        return lin
+
+    def dz_kernel(self, first, dz2: torch.Tensor, w2: torch.Tensor, x2: torch.Tensor, w1: torch.Tensor,
+                  ops1: dict[str, Any]):
+        """The kernel of the fused backward step (``dZ1`` in the epilogue of ``dZ2 @ W2``) and its
+        generated epilogue, or None where there is none (compiled on first use, then kept)."""
+        key = (dz2.dtype, dz2.device, w2.dtype,
+               tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, type(v))
+                     for n, v in ops1.items()))
+        if key not in self._dz:
+            self._dz[key] = _compile_dz(first, dz2, w2, x2, ops1, self._options)
+        return self._dz[key]
+
+    def extra_repr(self) -> str:
+        return f"gated={self.gated}"
+
+
+def _compile_dz(first, dz2, w2, x2, ops1, options):
+    """(kernel, epilogue) of the fused dZ step for the first layer ``first``, or None."""
+    import logging
+
+    from evtc.compile import compile as compile_kernel
+    from evtc.ir.backward_epilogue import dz_epilogue
+
+    epilogue = dz_epilogue(first.backward_graph(), dz2.dtype, name=first.kernel.plan.name)
+    if epilogue is None:
+        return None
+    width = w2.shape[1]
+    meta = {"device": "meta", "dtype": dz2.dtype}
+    example: dict[str, Any] = {"a": torch.empty(8, dz2.shape[1], **meta),
+                               "b": torch.empty(w2.shape[0], width, **meta)}
+    for name in epilogue.saved:
+        example[name] = torch.empty(8, width, **meta)
+    for name in epilogue.operands:
+        value = ops1[name]
+        example[name] = (torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+                         if isinstance(value, torch.Tensor) else value)
+    try:
+        kernel = compile_kernel(epilogue.fn, example, **options)
+    except Exception as exc:  # noqa: BLE001 - the unfused backward gives the same gradients
+        logging.getLogger("evtc").warning("the fused backward kernel of %r does not compile (%s); the "
+                                          "backward runs unfused", first.kernel.plan.name,
+                                          str(exc).splitlines()[0])
+        return None
+    return kernel, epilogue
+
+
+def _is_gated(activation: Callable[..., Any], in_features: int, hidden_features: int, bias: bool) -> bool:
+    """Whether ``activation`` splits its accumulator into gate and up halves: its output is half as
+    wide as the accumulator (traced on meta tensors)."""
+    import sympy
+
+    from evtc.api import trace
+
+    width = 2 * hidden_features
+    example: dict[str, Any] = {"a": torch.empty(8, in_features, device="meta", dtype=torch.bfloat16),
+                               "b": torch.empty(in_features, width, device="meta", dtype=torch.bfloat16)}
+    if bias:
+        example["bias"] = torch.empty(width, device="meta", dtype=torch.bfloat16)
+    from evtc.ir.shapes import N
+
+    graph = trace(activation, example)
+    return any(sympy.sympify(store.shape[-1]) == N / 2 for store in graph.stores)
+
+
+__all__ = ["MLP", "FusedLinear"]

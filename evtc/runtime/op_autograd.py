@@ -37,6 +37,40 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
     """(da, db, *operand gradients) of ``epilogue(a @ b, *operands)`` with backward graph ``back``,
     given the outputs' gradients by output name (None or missing: no gradient). ``acc``: the
     accumulator as the forward saved it (any float dtype), else recomputed where the graph reads it."""
+    d_acc, d_operands = epilogue_gradients(back, a, b, names, operands, by_output, acc)
+    da, db = input_gradients(d_acc, a, b)
+    return (da, db, *d_operands)
+
+
+def input_gradients(d_acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, need_a: bool = True,
+                    need_b: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(d_acc @ b^T, a^T @ d_acc)``, the gradients of ``a`` and ``b`` in ``acc = a @ b`` (None
+    where not needed): 16-bit GEMMs for 16-bit inputs on the GPU (``d_acc`` in their dtype, from
+    :func:`epilogue_gradients`), float32 ones otherwise; summed over batches ``a`` or ``b`` shares."""
+    da = db = None
+    if _low_precision(a, b):
+        if need_a:
+            da = d_acc @ b.transpose(-1, -2)
+        if need_b:
+            db = a.transpose(-1, -2) @ d_acc
+    else:
+        if need_a:
+            da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
+        if need_b:
+            db = (a.to(torch.float32).transpose(-1, -2) @ d_acc).to(b.dtype)
+    if da is not None and da.shape != a.shape:  # a shared by all batches
+        da = da.sum_to_size(a.shape)
+    if db is not None and db.shape != b.shape:
+        db = db.sum_to_size(b.shape)
+    return da, db
+
+
+def epilogue_gradients(back: Backward, a: torch.Tensor, b: torch.Tensor, names: Sequence[str],
+                       operands: Sequence[Any], by_output: dict[str, torch.Tensor | None],
+                       acc: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """(dZ, [operand gradients]) of ``epilogue(a @ b, *operands)``: the epilogue's part of
+    :func:`gemm_epilogue_backward`, without its GEMMs. dZ has the accumulator's shape, in the inputs'
+    16-bit dtype for 16-bit inputs on the GPU (as the GEMMs that follow take it), else float32."""
     from evtc.ir.interpreter import accumulator
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
@@ -44,7 +78,7 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
     # float32 accumulation and 16-bit results (the accumulator rounded as the 16-bit output that
     # eager autograd saves, dZ rounded before dX and dW). In float32 they would run several times
     # slower than the forward (docs/training.md). Otherwise (float32 inputs, the CPU): float32.
-    low = a.dtype == b.dtype and a.dtype in _LOW_PRECISION and a.is_cuda
+    low = _low_precision(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     acc_shape = (*batch, a.shape[-2], b.shape[-1])
     feeds: dict[str, Any] = dict(zip(names, operands, strict=True))
@@ -69,23 +103,42 @@ def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, nam
         d_acc = torch.zeros(acc_shape, dtype=a.dtype if low else torch.float32, device=a.device)
     elif tuple(d_acc.shape) != acc_shape:  # a gradient that broadcasts over the tile
         d_acc = d_acc.expand(acc_shape)
-    if low:
-        dz = d_acc  # already rounded to the inputs' dtype
-        da, db = dz @ b.transpose(-1, -2), a.transpose(-1, -2) @ dz
-    else:
-        da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
-        db = (a.to(torch.float32).transpose(-1, -2) @ d_acc).to(b.dtype)
-    if da.shape != a.shape:  # a shared by all batches
-        da = da.sum_to_size(a.shape)
-    if db.shape != b.shape:
-        db = db.sum_to_size(b.shape)
-    d_operands = []
+    d_operands: list[torch.Tensor | None] = []
     for name, value in zip(names, operands, strict=True):
         if isinstance(value, torch.Tensor) and name in result:
             d_operands.append(result[name].reshape(value.shape).to(value.dtype))
         else:
             d_operands.append(None)
-    return (da, db, *d_operands)
+    return d_acc, d_operands
+
+
+def _passthrough(back: Backward) -> dict[str, str] | None:
+    """{input: incoming gradient's name} where each of ``back``'s gradients is an incoming gradient
+    unchanged (a store of a load), else None."""
+    graph = back.graph
+    grads = set(back.output_grads.values())
+    by_output = dict(zip(graph.outputs.names, graph.outputs.keys or graph.outputs.names, strict=True))
+    passed = {}
+    for store in graph.stores:
+        value = store.inputs[0]
+        if value.op != "load" or value.attrs["name"] not in grads:
+            return None
+        passed[by_output[store.attrs["name"]]] = value.attrs["name"]
+    return passed
+
+
+def weight_gradient(d_acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``d_acc^T @ x``: the gradient of an ``nn.Linear`` weight (``acc = x @ weight.t()``, ``x`` and
+    ``d_acc`` 2-d), made in the weight's own (out, in) layout. (``(x^T @ d_acc).t()`` is the same
+    values transposed: a strided gradient that makes every accumulation into ``.grad`` a slow
+    strided add.) Precision as :func:`input_gradients`."""
+    if _low_precision(x, weight):
+        return d_acc.t() @ x
+    return (d_acc.to(torch.float32).t() @ x.to(torch.float32)).to(weight.dtype)
+
+
+def _low_precision(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.dtype in _LOW_PRECISION and a.is_cuda
 
 
 def _evaluate(back: Backward, feeds: dict[str, Any], dz_dtype: torch.dtype) -> dict[str, Any]:
@@ -95,6 +148,14 @@ def _evaluate(back: Backward, feeds: dict[str, Any], dz_dtype: torch.dtype) -> d
     22.4 ms against 21.9 ms.)"""
     acc_name = back.graph.acc_name
     grad_names = set(back.output_grads.values())
+    passed = _passthrough(back)
+    if passed is not None:
+        # Every gradient is an incoming one as it is (a residual, an added bias of the same
+        # shape): no float32 round trip through the interpreter, which would cost two copies each.
+        result = {name: feeds[grad] for name, grad in passed.items()}
+        if acc_name in result:
+            result[acc_name] = result[acc_name].to(dz_dtype)
+        return result
     inputs = {k: (v.to(torch.float32) if k == acc_name or k in grad_names else v) for k, v in feeds.items()}
     result = back.graph.evaluate(inputs, compute_dtype=torch.float32, cast_outputs=False)
     if acc_name in result:
@@ -102,4 +163,6 @@ def _evaluate(back: Backward, feeds: dict[str, Any], dz_dtype: torch.dtype) -> d
     return result
 
 
-__all__ = ["gemm_epilogue_backward", "op_backward"]
+__all__ = [
+    "epilogue_gradients", "gemm_epilogue_backward", "input_gradients", "op_backward", "weight_gradient",
+]

@@ -1,0 +1,119 @@
+"""Each GEMM of an ``evtc.nn.MLP`` training step against the cuBLAS GEMM it replaces (issue
+"Training"): where the block's time goes, kernel by kernel.
+
+    python3 bench/mlp_parts.py                     # M = 8192, hidden 4096, intermediate 14336, bf16
+
+* forward gate/up: evtc's SwiGLU kernel that also stores the accumulator's halves, against
+  ``x @ W1^T`` alone (cuBLAS; eager then runs SwiGLU as separate kernels);
+* forward down: evtc's residual kernel against ``h @ W2^T`` (cuBLAS);
+* backward dZ1: evtc's kernel ``dZ1 = swiglu'(dZ2 @ W2, saved)`` against ``dZ2 @ W2`` alone.
+
+Timed in alternation, in a shuffled order per sample (``evtc.timing.time_paired``); ratio =
+cuBLAS time / evtc time (> 1: evtc faster, although it does more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import evtc  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def add_residual(acc, residual):
+    return acc + residual
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--samples", type=int, default=30)
+    p.add_argument("--configs", action="store_true",
+                   help="also time the dZ1 kernel compiled with other configurations")
+    args = p.parse_args()
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    block = evtc.nn.MLP(args.hidden, args.inter, swiglu, add_residual, **kw)
+    m, hidden, inter = args.tokens, args.hidden, args.inter
+    x = torch.randn(m, hidden, **kw).requires_grad_()
+    y = block(x, residual=x)  # compiles the forward kernels
+    y.backward(torch.randn_like(y))  # and the backward's
+    w1, w2 = block.up.weight.detach(), block.down.weight.detach()
+    x = x.detach()
+    first = block.first_linear(x, {})
+    second = block.second_linear(torch.empty(m, inter, **kw), {"residual": x})
+    saving1 = first._saving_kernel()
+    h, gate, up = first._call_kernel(saving1, x, w1, {})
+    (kernel, epilogue), = [v for v in block._dz.values() if v is not None]
+    dz2 = torch.randn(m, hidden, **kw)
+    dz1 = torch.empty(m, 2 * inter, **kw)
+    pairs = {
+        "forward gate/up (+SwiGLU, stores acc)": (lambda: first._call_kernel(saving1, x, w1, {}),
+                                                   lambda: x @ w1.t()),
+        "forward down (+residual)": (lambda: second._call(h, w2, None, {"residual": x}),
+                                     lambda: h @ w2.t()),
+        "backward dZ1 (dH never stored)": (
+            lambda: kernel(dz2, w2, saved_gate=gate, saved_up=up, out=(dz1[:, :inter], dz1[:, inter:])),
+            lambda: dz2 @ w2),
+    }
+    fns = [f for pair in pairs.values() for f in pair]
+    ms = time_paired(fns, 3, args.samples, 1)
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; M = {m}, hidden {hidden}, "
+          f"intermediate {inter}, bf16; median of {args.samples}")
+    for i, name in enumerate(pairs):
+        ours, theirs = ms[2 * i], ms[2 * i + 1]
+        print(f"  {name:40s} evtc {ours:7.3f} ms   cuBLAS GEMM alone {theirs:7.3f} ms   "
+              f"ratio {theirs / ours:.3f}")
+    for name, k in (("forward gate/up", saving1), ("dZ1", kernel)):
+        n_, k_ = (2 * inter, hidden) if k is saving1 else (inter, hidden)
+        config, splits = k.launch_for(m, n_, k_)
+        print(f"  {name} launch: {config.short_name()}, {splits} split(s)")
+    if args.configs:
+        time_configs(epilogue, dz2, w2, gate, up, dz1, inter, args.samples)
+
+
+CONFIGS = [
+    {"schedule": "cooperative", "tile_n": 256},
+    {"schedule": "cooperative", "tile_n": 128},
+    {"schedule": "cooperative", "tile_n": 256, "epi_tile_n": 64},
+    {"schedule": "pingpong", "tile_n": 128, "epi_tile_n": 64},
+    {"schedule": "pingpong", "tile_n": 128, "cluster": (2, 1)},
+    {"schedule": "pingpong", "tile_n": 64},
+]
+
+
+def time_configs(epilogue, dz2, w2, gate, up, dz1, inter, samples) -> None:
+    """The dZ1 kernel compiled with each of CONFIGS, against the bare cuBLAS GEMM."""
+    meta = {"device": "meta", "dtype": dz2.dtype}
+    example = {"a": torch.empty(8, dz2.shape[1], **meta), "b": torch.empty(w2.shape, **meta),
+               "saved_gate": torch.empty(8, inter, **meta), "saved_up": torch.empty(8, inter, **meta)}
+    fns, names = [lambda: dz2 @ w2], ["cuBLAS dZ2 @ W2 alone"]
+    out = (dz1[:, :inter], dz1[:, inter:])
+    for config in CONFIGS:
+        try:
+            k = evtc.compile(epilogue.fn, example, config=config)
+        except evtc.CompileError as exc:
+            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
+            continue
+        fns.append(lambda k=k: k(dz2, w2, saved_gate=gate, saved_up=up, out=out))
+        names.append(str(config))
+    ms = time_paired(fns, 3, samples, 1)
+    for name, t in zip(names, ms, strict=True):
+        print(f"  {name:70s} {t:7.3f} ms  ratio {ms[0] / t:.3f}")
+
+
+if __name__ == "__main__":
+    main()

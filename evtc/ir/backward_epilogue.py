@@ -1,0 +1,232 @@
+"""The dZ of a backward graph as an epilogue of the GEMM that produces its incoming gradient.
+
+In ``Linear -> act -> Linear``, the first layer's incoming gradient dY is the second layer's
+``dZ2 @ W2``: a GEMM whose accumulator *is* dY. The first layer's ``dZ = df/dacc * dY`` (from its
+backward graph, :mod:`evtc.ir.autodiff`) is then an epilogue of that GEMM, reading the forward's
+saved accumulator as a tile operand, and dY never goes to memory.
+
+:func:`dz_epilogue` writes that epilogue as a plain Python function, from the part of the backward
+graph that computes dZ, so that it compiles as any user epilogue does (tracing, passes, code
+generation) and runs as its own reference on torch tensors. Its parameters:
+
+* ``grad``: the accumulator of the GEMM, the incoming gradient dY;
+* ``saved`` (the forward's accumulator), or ``saved_gate`` and ``saved_up`` (its halves, for a
+  gated epilogue such as SwiGLU), where dZ reads them;
+* the forward epilogue's operands and Python-number arguments that dZ reads, by their names.
+
+It returns dZ rounded to ``dz_dtype``; for a gated epilogue the gate and up halves of dZ as two
+outputs (the caller writes them into the halves of one tensor with ``out=``). Backward graphs whose
+dZ needs more than elementwise work on the tile (a reduction over a row, a size-dependent constant,
+a gradient of several outputs, an operand as wide as the GEMM of a gated epilogue) have no such
+epilogue: :func:`dz_epilogue` returns None and the caller takes the unfused backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import keyword
+import linecache
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from .autodiff import Backward
+from .graph import Node
+from .ops import ELEMENTWISE
+from .shapes import N
+
+# How each elementwise op is written in the generated source (the tracer maps these calls back
+# onto the same ops). Ops absent here are written ``torch.<name>(...)``.
+_CALLS: dict[str, Callable[[list[str], dict[str, Any]], str]] = {
+    "silu": lambda a, p: f"F.silu({a[0]})",
+    "mish": lambda a, p: f"F.mish({a[0]})",
+    "hardswish": lambda a, p: f"F.hardswish({a[0]})",
+    "hardsigmoid": lambda a, p: f"F.hardsigmoid({a[0]})",
+    "gelu": lambda a, p: f"F.gelu({a[0]})",
+    "gelu_tanh": lambda a, p: f"F.gelu({a[0]}, approximate='tanh')",
+    "leaky_relu": lambda a, p: f"F.leaky_relu({a[0]}, {p['negative_slope']!r})",
+    "elu": lambda a, p: f"F.elu({a[0]}, {p['alpha']!r})",
+    "softplus": lambda a, p: f"F.softplus({a[0]}, beta={p['beta']!r}, threshold={p['threshold']!r})",
+}
+
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class DzEpilogue:
+    """A generated dZ epilogue (see the module docstring)."""
+
+    fn: Callable[..., Any]
+    #: The generated Python source of ``fn``.
+    source: str
+    #: The saved accumulator's parameters: ``("saved",)``, ``("saved_gate", "saved_up")`` or ``()``.
+    saved: tuple[str, ...]
+    #: The forward's operands (tensors and Python numbers) that ``fn`` takes, by name.
+    operands: tuple[str, ...]
+    gated: bool
+
+
+def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz") -> DzEpilogue | None:
+    """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
+    where there is none (see the module docstring)."""
+    graph = back.graph
+    grad_acc = back.input_grads.get(graph.acc_name)
+    if grad_acc is None or len(back.output_grads) != 1:
+        return None
+    (grad_name,) = back.output_grads.values()
+    store = graph.store(grad_acc)
+    by_id = {n.id: n for n in graph.nodes}
+    cone = _cone(store, by_id)
+    final = by_id[store.inputs[0].id]
+    # A gated epilogue (``acc.chunk(2, -1)``): dZ is its halves' gradients joined side by side.
+    gated = final.op == "join"
+    results = list(final.inputs) if gated else [final]
+
+    lines: list[str] = []
+    names: dict[int, str] = {}
+    constants: dict[int, Any] = {}
+    saved: list[str] = []
+    params: list[str] = []
+    for node in graph.nodes:
+        if node.id not in cone or node.op == "store" or node is final and gated:
+            continue
+        op = node.op
+        if op == "acc":
+            if gated:
+                names[node.id] = "<whole accumulator>"  # read only through its halves
+                continue
+            names[node.id] = "saved"
+            saved.append("saved")
+            continue
+        if op == "half":
+            source = node.inputs[0]
+            if source.op != "acc":
+                return None
+            param = ("saved_gate", "saved_up")[node.attrs["index"]]
+            names[node.id] = param
+            if param not in saved:
+                saved.append(param)
+            continue
+        if op == "load":
+            operand = node.attrs["name"]
+            if operand == grad_name:
+                names[node.id] = "grad"
+                continue
+            if gated and any(sympy.sympify(d) == N for d in node.shape):
+                # As wide as the forward GEMM: the new GEMM is half as wide; it would need halves.
+                return None
+            names[node.id] = _param(operand, params)
+            continue
+        if op == "arg":
+            names[node.id] = _param(node.attrs["name"], params)
+            continue
+        if op == "literal":
+            value = sympy.sympify(node.attrs["value"])
+            if value.free_symbols:
+                return None  # a size of the forward problem (a mean's 1/N): not the new GEMM's
+            constants[node.id] = float(value)
+            continue
+        if any(i.id in names and names[i.id] == "<whole accumulator>" for i in node.inputs):
+            return None
+        args = [names[i.id] if i.id in names else constants[i.id] for i in node.inputs]
+        if op == "cast":
+            text = f"{_text(args[0])}.to(torch.{_dtype(node.dtype)})"
+        elif op in ELEMENTWISE:
+            params_of = {p: node.attrs[p] for p in ELEMENTWISE[op].params}
+            if all(i.id in constants for i in node.inputs):
+                constants[node.id] = _fold(op, args, params_of)
+                continue
+            if op == "where" and node.inputs[0].id in constants:
+                # A constant condition (the autodiff's broadcasting ``where(True, g, like)``): one side.
+                picked = node.inputs[1] if constants[node.inputs[0].id] else node.inputs[2]
+                if picked.id in constants:
+                    constants[node.id] = constants[picked.id]
+                else:
+                    names[node.id] = names[picked.id]
+                continue
+            text = _call(op, [_text(a) for a in args], params_of, [i.id in constants for i in node.inputs])
+        else:
+            return None  # a reduction or a join inside dZ: not one elementwise pass over the tile
+        names[node.id] = f"v{node.id}"
+        lines.append(f"v{node.id} = {text}")
+
+    taken = {"grad", "saved", "saved_gate", "saved_up", "torch", "F"}
+    if any(p in taken or re.fullmatch(r"v\d+", p) for p in params):
+        return None  # an operand named like a generated value: rare, and not worth renaming
+    outs = []
+    for r in results:
+        if r.id in constants:
+            return None  # a constant half of dZ (a half without gradient): not worth a kernel
+        outs.append(f"{names[r.id]}.to(torch.{_dtype(dz_dtype)})")
+    fn_name = _identifier(f"{name}_dz")
+    signature = ", ".join(["grad", *saved, *params])
+    body = "".join(f"    {line}\n" for line in lines)
+    ret = ", ".join(outs)
+    source = f"def {fn_name}({signature}):\n{body}    return {ret}\n"
+    filename = f"<evtc: dZ epilogue {next(_counter)} of {graph.name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional}
+    exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
+    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated)
+
+
+def _cone(store: Node, by_id: dict[int, Node]) -> set[int]:
+    """Ids of the nodes ``store`` depends on, itself included."""
+    seen: set[int] = set()
+    stack = [store]
+    while stack:
+        node = stack.pop()
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        stack.extend(by_id[i.id] for i in node.inputs)
+    return seen
+
+
+def _param(name: str, params: list[str]) -> str:
+    if name not in params:
+        params.append(name)
+    return name
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _text(value: Any) -> str:
+    return repr(value) if isinstance(value, bool | float | int) else value
+
+
+def _call(op: str, args: list[str], params: dict[str, Any], constant: list[bool]) -> str:
+    if op in _CALLS:
+        return _CALLS[op](args, params)
+    infix = ELEMENTWISE[op].infix
+    if infix is not None and len(args) == 2:
+        # Python's operators take a number on either side, as torch's functions do not all.
+        return f"({args[0]} {infix} {args[1]})"
+    if op in ("maximum", "minimum") and any(constant):
+        tensor, bound = (args[1], args[0]) if constant[0] else (args[0], args[1])
+        return f"torch.clamp({tensor}, {'min' if op == 'maximum' else 'max'}={bound})"
+    return f"torch.{op}({', '.join(args)})"
+
+
+def _fold(op: str, args: list[Any], params: dict[str, Any]) -> Any:
+    """An op of constants, evaluated now (float64, as exact as the literals)."""
+    tensors = [torch.tensor(a, dtype=torch.float64) if not isinstance(a, bool) else torch.tensor(a)
+               for a in args]
+    value = ELEMENTWISE[op].evaluate(*tensors, **params)
+    return bool(value) if value.dtype == torch.bool else float(value)
+
+
+def _identifier(text: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in text)
+    if not out or out[0].isdigit() or keyword.iskeyword(out):
+        out = f"f_{out}"
+    return out
+
+
+__all__ = ["DzEpilogue", "dz_epilogue"]

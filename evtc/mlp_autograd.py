@@ -1,0 +1,175 @@
+"""Autograd for :class:`evtc.nn.MLP`: ``second(first(x))``, two fused linears seen as one pair.
+
+Seen one at a time (:mod:`evtc.linear_autograd`), the first layer's backward receives its incoming
+gradient ``dH = dZ2 @ W2`` from the second layer's as a tensor in memory, and runs its epilogue's
+backward over it as torch operations. Seen as a pair, ``dH`` is the accumulator of a GEMM whose
+epilogue computes the first layer's ``dZ1`` directly (:mod:`evtc.ir.backward_epilogue`), reading
+the accumulator the forward saved: dH is never stored, and the elementwise backward is one pass
+inside that GEMM instead of one torch kernel per operation.
+
+The backward, for 16-bit inputs on the GPU:
+
+1. ``dZ2`` and the second layer's operand gradients (its residual's, say) from its backward graph,
+   as :func:`evtc.runtime.op_autograd.epilogue_gradients` computes them;
+2. ``dW2 = dZ2^T @ H`` (torch.matmul, in the weight's layout), with ``H`` the first layer's
+   output, saved;
+3. ``dZ1``: the fused kernel ``dZ1 = dz(dZ2 @ W2, saved accumulator, operands)``; for a gated
+   epilogue its two outputs are written into the halves of one tensor;
+4. ``dX = dZ1 @ W1`` and ``dW1 = dZ1^T @ X`` (torch.matmul).
+
+Where the fused kernel does not apply (float32 or CPU inputs; a first epilogue whose dZ is not one
+elementwise pass, see :func:`evtc.ir.backward_epilogue.dz_epilogue`; a tensor operand of the first
+layer that needs its own gradient, such as a trained bias; a kernel that does not compile), step 3
+is the unfused one: ``dH = dZ2 @ W2``, then the first layer's backward graph over it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
+
+if TYPE_CHECKING:
+    from evtc.linear import Linear
+
+log = logging.getLogger("evtc")
+
+
+class MLPFunction(torch.autograd.Function):
+    """``MLPFunction.apply(pair, x, w1, w2, names1, names2, *values)``: the second layer's outputs
+    (a tuple in its output order) of ``second(first(x, w1, **operands1), w2, **operands2)``.
+
+    ``pair`` provides ``linears(x, ops1, h, ops2)`` -> the two :class:`evtc.Linear` and
+    ``dz_kernel(first, example)`` -> the fused kernel of step 3 or None (see :class:`evtc.nn.MLP`).
+    """
+
+    @staticmethod
+    def forward(ctx, pair, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                names1: tuple[str, ...], names2: tuple[str, ...], *values: Any) -> tuple[torch.Tensor, ...]:
+        ops1 = dict(zip(names1, values[:len(names1)], strict=True))
+        ops2 = dict(zip(names2, values[len(names1):], strict=True))
+        first = pair.first_linear(x, ops1)
+        (h,), saved1 = _run_saving(first, x, w1, ops1)
+        second = pair.second_linear(h, ops2)
+        outputs, saved2 = _run_saving(second, h, w2, ops2)
+        ctx.pair, ctx.first, ctx.second = pair, first, second
+        ctx.names1, ctx.names2 = names1, names2
+        ctx.counts = (len(saved1), len(saved2))
+        ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
+        ctx.save_for_backward(x, w1, w2, h, *saved1, *saved2, *[values[i] for i in ctx.tensor_slots])
+        ctx.mark_non_differentiable(*[t for t in outputs if not t.dtype.is_floating_point])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor | None):
+        x, w1, w2, h, *rest = ctx.saved_tensors
+        n1, n2 = ctx.counts
+        saved1, saved2, tensors = rest[:n1], rest[n1:n1 + n2], rest[n1 + n2:]
+        values = list(ctx.others)
+        for slot, t in zip(ctx.tensor_slots, tensors, strict=True):
+            values[slot] = t
+        names1, names2 = ctx.names1, ctx.names2
+        ops1 = dict(zip(names1, values[:len(names1)], strict=True))
+        ops2 = dict(zip(names2, values[len(names1):], strict=True))
+        first, second = ctx.first, ctx.second
+        needs = ctx.needs_input_grad
+        needs1 = needs[6:6 + len(names1)]
+        needs2 = needs[6 + len(names1):]
+
+        lead = tuple(x.shape[:-1])
+        x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
+        # 1. The second layer's dZ and operand gradients.
+        flat2 = [_flat(ops2[n], lead) for n in names2]
+        grads2 = dict(zip(second.output_names, grad_outputs, strict=True))
+        dz2, d_ops2 = epilogue_gradients(second.backward_graph(), h2, w2.t(), names2, flat2, grads2,
+                                         acc=_joined(saved2))
+        # 2. Its weight's gradient (and dZ2 @ W2 below, fused or not).
+        dw2 = weight_gradient(dz2, h2, w2) if needs[3] else None
+        # 3. The first layer's dZ.
+        flat1 = [_flat(ops1[n], lead) for n in names1]
+        low = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w1.dtype == w2.dtype
+        fused = None
+        if low and not any(needs1):
+            fused = ctx.pair.dz_kernel(first, dz2, w2, x2, w1, dict(zip(names1, flat1, strict=True)))
+        d_ops1: list[torch.Tensor | None] = [None] * len(names1)
+        if fused is not None:
+            kernel, epilogue = fused
+            dz1 = _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, dict(zip(names1, flat1, strict=True)))
+        else:
+            dh, _ = input_gradients(dz2, h2, w2.t(), need_a=True, need_b=False)
+            (out_name,) = first.output_names
+            dz1, d_ops1 = epilogue_gradients(first.backward_graph(), x2, w1.t(), names1, flat1,
+                                             {out_name: dh}, acc=_joined(saved1))
+        # 4. The input's and the first weight's gradients.
+        dx, _ = input_gradients(dz1, x2, w1.t(), need_a=needs[1], need_b=False)
+        dw1 = weight_gradient(dz1, x2, w1) if needs[2] else None
+        grads_ops1 = [_shaped(d, ops1[n]) if need else None
+                      for d, n, need in zip(d_ops1, names1, needs1, strict=True)]
+        grads_ops2 = [_shaped(d, ops2[n]) if need else None
+                      for d, n, need in zip(d_ops2, names2, needs2, strict=True)]
+        return (None, None if dx is None else dx.reshape(x.shape), dw1, dw2, None, None,
+                *grads_ops1, *grads_ops2)
+
+
+def _run_saving(lin: Linear, x, weight, operands):
+    """``lin``'s outputs (a tuple in its output order) and what its backward reads: the
+    accumulator (or its halves), from the kernel that also stores it, where the backward reads it."""
+    saving = lin._saving_kernel()
+    if saving is None:
+        leaves = lin._output_leaves(lin._call(x, weight, None, operands))
+        return tuple(leaves[name] for name in lin.output_names), ()
+    result = lin._call_kernel(saving, x, weight, operands)
+    count = len(lin.output_names)
+    return tuple(result[:count]), tuple(result[count:])
+
+
+def _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, ops1) -> torch.Tensor:
+    """Step 3: ``dZ1`` from the kernel whose accumulator is ``dZ2 @ W2``."""
+    m, width = x2.shape[0], w1.shape[0]
+    halves = _saved_halves(saved1, epilogue, x2, w1)
+    feeds = {name: ops1[name] for name in epilogue.operands}
+    dz1 = torch.empty(m, width, dtype=x2.dtype, device=x2.device)
+    if epilogue.gated:
+        half = width // 2
+        kernel(dz2, w2, **halves, **feeds, out=(dz1[:, :half], dz1[:, half:]))
+    else:
+        kernel(dz2, w2, **halves, **feeds, out=dz1)
+    return dz1
+
+
+def _saved_halves(saved1, epilogue, x2, w1) -> dict[str, torch.Tensor]:
+    """The saved accumulator as the fused kernel's parameters (recomputed where the forward saved
+    none: an epilogue with its own output dtypes)."""
+    if not epilogue.saved:
+        return {}
+    if not saved1:
+        acc = x2 @ w1.t()
+        saved1 = tuple(acc.chunk(2, dim=-1)) if epilogue.gated else (acc,)
+    parts = tuple(s.reshape(-1, s.shape[-1]) for s in saved1)
+    if epilogue.gated:
+        return {name: parts[("saved_gate", "saved_up").index(name)] for name in epilogue.saved}
+    return {"saved": parts[0]}
+
+
+def _joined(saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    if not saved:
+        return None
+    whole = torch.cat(saved, dim=-1) if len(saved) > 1 else saved[0]
+    return whole.reshape(-1, whole.shape[-1])
+
+
+def _flat(value: Any, lead: tuple[int, ...]) -> Any:
+    from evtc.linear import _flatten_like
+
+    return _flatten_like(value, lead)
+
+
+def _shaped(grad: torch.Tensor | None, value: Any) -> torch.Tensor | None:
+    return None if grad is None else grad.reshape(value.shape)
+
+
+__all__ = ["MLPFunction"]

@@ -1,0 +1,204 @@
+"""The first layer's dZ as an epilogue of the GEMM that makes its incoming gradient
+(evtc.ir.backward_epilogue), and evtc.nn.MLP, the pair that uses it.
+
+The generated epilogue is plain torch: run on tensors in float64, it must equal torch.autograd's
+gradient of the forward epilogue with respect to its accumulator. Epilogues whose dZ is not one
+elementwise pass get none. On the CPU, evtc.nn.MLP takes the unfused backward (the fused kernel is
+GPU-only; tests/test_mlp_gpu.py runs it): its gradients against torch.autograd in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evtc
+from evtc.ir.autodiff import backward
+from evtc.ir.backward_epilogue import dz_epilogue
+
+F64 = torch.float64
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def geglu_tanh(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_relu_bias(acc, bias):
+    gate, up = acc.chunk(2, dim=-1)
+    return torch.relu(gate) * (up + bias)
+
+
+def bias_gelu(acc, bias):
+    return F.gelu(acc + bias)
+
+
+def scaled_leaky(acc, scale, alpha: float):
+    return F.leaky_relu(acc * scale * alpha, 0.2)
+
+
+def relu_squared(acc):
+    return torch.relu(acc) ** 2
+
+
+def softplus_mish(acc):
+    return F.softplus(acc, beta=2.0, threshold=10.0) + F.mish(acc)
+
+
+def hard_ones(acc):
+    return F.hardswish(acc) * F.hardsigmoid(acc) + torch.clamp(acc, -1.0, 1.0)
+
+
+def linear_only(acc, residual):
+    return 0.5 * acc + residual
+
+
+ACTIVATIONS = [
+    (swiglu, {}),
+    (geglu_tanh, {}),
+    (gated_relu_bias, {"bias": (12,)}),
+    (bias_gelu, {"bias": (12,)}),
+    (scaled_leaky, {"scale": (7, 1), "alpha": 1.5}),
+    (relu_squared, {}),
+    (softplus_mish, {}),
+    (hard_ones, {}),
+    (linear_only, {"residual": (7, 12)}),
+]
+
+
+def _gated(fn) -> bool:
+    return fn in (swiglu, geglu_tanh, gated_relu_bias)
+
+
+@pytest.mark.parametrize("fn, spec", ACTIVATIONS, ids=[f.__name__ for f, _ in ACTIVATIONS])
+def test_generated_dz_equals_autograd(fn, spec):
+    g = torch.Generator().manual_seed(1)
+    m, k, width = 7, 9, 12
+    n = 2 * width if _gated(fn) else width
+    a, b = torch.randn(m, k, generator=g, dtype=F64), torch.randn(k, n, generator=g, dtype=F64)
+    ops = {name: torch.randn(*shape, generator=g, dtype=F64) if isinstance(shape, tuple) else shape
+           for name, shape in spec.items()}
+    as_f32 = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}
+    graph = evtc.trace(fn, {"a": a.float(), "b": b.float(), **as_f32})
+    epilogue = dz_epilogue(backward(graph), F64, name=graph.name)
+    assert epilogue is not None, epilogue
+    assert epilogue.gated == _gated(fn)
+
+    acc = (a @ b).requires_grad_()
+    y = fn(acc, **ops)
+    dy = torch.randn(y.shape, generator=g, dtype=F64)
+    (want,) = torch.autograd.grad(y, acc, dy)
+
+    saved = dict(zip(("saved_gate", "saved_up"), acc.detach().chunk(2, dim=-1), strict=True)) \
+        if epilogue.gated else {"saved": acc.detach()}
+    feeds = {name: saved[name] for name in epilogue.saved}
+    feeds.update({name: ops[name] for name in epilogue.operands})
+    got = epilogue.fn(dy, **feeds)
+    got = torch.cat(got, dim=-1) if epilogue.gated else got
+    # (Literals of the rules such as 1/6 are kept at float32 precision, as the kernel computes.)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    # Readable: one line per value, the halves returned as two outputs.
+    assert epilogue.source.startswith(f"def {graph.name}_dz(grad")
+    if fn is linear_only:
+        assert epilogue.saved == ()  # dZ = 0.5 * dY reads nothing of the forward
+
+
+def test_the_generated_epilogue_traces_to_two_outputs():
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    graph = evtc.trace(swiglu, {"a": torch.empty(8, 16, **meta), "b": torch.empty(16, 32, **meta)})
+    epilogue = dz_epilogue(backward(graph), torch.bfloat16, name="swiglu")
+    assert epilogue.saved == ("saved_gate", "saved_up")
+    dz = evtc.trace(epilogue.fn, {"a": torch.empty(8, 16, **meta), "b": torch.empty(16, 24, **meta),
+                                  "saved_gate": torch.empty(8, 24, **meta),
+                                  "saved_up": torch.empty(8, 24, **meta)})
+    assert [s.dtype for s in dz.stores] == [torch.bfloat16, torch.bfloat16]
+    assert dz.count("acc") == 1 and dz.count("sigmoid") == 1
+
+
+def two_outputs(acc):
+    return torch.relu(acc), acc.sum(-1)
+
+
+def wide_operand_gated(acc, scale):
+    gate, up = (acc * scale).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def sized_literal(acc):
+    return acc * acc.shape[-1]
+
+
+@pytest.mark.parametrize("fn, ops", [
+    (two_outputs, {}),                                 # dZ sums two incoming gradients
+    (wide_operand_gated, {"scale": (7, 24)}),          # an operand as wide as the forward's GEMM
+    (sized_literal, {}),                               # a constant of the forward's problem size
+], ids=["two_outputs", "wide_operand_gated", "sized_literal"])
+def test_no_dz_epilogue_where_it_is_not_one_elementwise_pass(fn, ops):
+    meta = {"device": "meta", "dtype": torch.float32}
+    example = {"a": torch.empty(7, 9, **meta), "b": torch.empty(9, 24, **meta),
+               **{name: torch.empty(*shape, **meta) for name, shape in ops.items()}}
+    graph = evtc.trace(fn, example)
+    assert dz_epilogue(backward(graph), torch.bfloat16) is None
+
+
+def add_residual(acc, residual):
+    return acc + residual
+
+
+def residual_bias(acc, bias, residual):
+    return acc + bias + residual
+
+
+@pytest.mark.parametrize("activation, output, bias", [
+    (swiglu, add_residual, False),
+    (bias_gelu, residual_bias, True),
+    (relu_squared, None, False),
+])
+def test_mlp_gradients_against_autograd(activation, output, bias):
+    torch.manual_seed(0)
+    block = evtc.nn.MLP(16, 24, activation, output, bias=bias, dtype=torch.float32)
+    assert block.gated == (activation is swiglu)
+    assert block.up.weight.shape == ((48 if block.gated else 24), 16)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    operands = {} if output is None else {"residual": x}
+    y = block(x, **operands)
+
+    params = [p.detach().clone().requires_grad_() for p in block.parameters()]
+    names = [name for name, _ in block.named_parameters()]
+    ref = dict(zip(names, params, strict=True))
+    xr = x.detach().clone().requires_grad_()
+    h = xr @ ref["up.weight"].t()
+    h = activation(h, ref["up.bias"]) if bias else activation(h)
+    out = h @ ref["down.weight"].t()
+    kw = {"residual": xr} if output is not None else {}
+    if bias:
+        kw["bias"] = ref["down.bias"]
+    want = output(out, **kw) if output is not None else out
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+    dy = torch.randn(want.shape)
+    mine = torch.autograd.grad(y, [x, *block.parameters()], dy)
+    theirs = torch.autograd.grad(want, [xr, *params], dy)
+    for name, got, exp in zip(["x", *names], mine, theirs, strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_mlp_without_grad_is_the_two_layers():
+    block = evtc.nn.MLP(8, 12, swiglu, add_residual, dtype=torch.float32)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        got = block(x, residual=x)
+        want = block.down(block.up(x), residual=x)
+    torch.testing.assert_close(got, want)
+
+
+def test_mlp_refuses_an_activation_with_two_outputs():
+    block = evtc.nn.MLP(8, 12, two_outputs, dtype=torch.float32)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(evtc.CallError, match="activation must return one tensor"):
+        block(x)
