@@ -14,6 +14,7 @@ from evtc.plan.clusters import FOUR_CTA_CLUSTERS_HELD_BACK, planned_clusters
 from evtc.plan.config import ConfigError, GemmConfig
 from evtc.plan.selector import (
     FILL,
+    HEAVY_EPILOGUE_TILES,
     LONG_K,
     MANY_WAVES,
     choose_launch,
@@ -262,6 +263,33 @@ def test_a_cooperative_compiled_config_still_serves_large_problems():
     family = tile_family(coop, _fit_all)
     assert family[0] == coop
     assert choose_tile(8192, 8192, 8192, 1, family, SLOTS) == coop
+
+
+@pytest.mark.parametrize("m, n, k", [(8192, 14336, 4096), (2048, 14336, 4096), (8192, 4096, 14336),
+                                     (4096, 28672, 4096)])
+def test_an_epilogue_that_moves_several_tiles_runs_the_wide_cooperative_tile(m, n, k):
+    """Two tile operands and a second output (a dZ epilogue): the cooperative 128 x 256 tile
+    wherever it fills the GPU; the same problem with a light epilogue keeps its ping-pong tile."""
+    light = choose_tile(m, n, k, 1, FAMILY, SLOTS, epilogue_tiles=1)
+    heavy = choose_tile(m, n, k, 1, FAMILY, SLOTS, epilogue_tiles=HEAVY_EPILOGUE_TILES)
+    assert (heavy.schedule, heavy.tile_m, heavy.tile_n) == ("cooperative", 128, 256)
+    assert light.schedule == "pingpong"
+
+
+def test_a_heavy_epilogue_on_a_small_problem_keeps_tiles_that_fill_the_gpu():
+    chosen = choose_tile(512, 4096, 4096, 1, FAMILY, SLOTS, epilogue_tiles=HEAVY_EPILOGUE_TILES)
+    assert _tiles(512, 4096, chosen) >= FILL * SLOTS
+
+
+def test_epilogue_tiles_count_tile_operands_and_extra_outputs(tmp_path):
+    def dz(grad, saved_gate, saved_up):
+        return grad * saved_gate, grad * saved_up
+
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64), "saved_gate": _meta(8, 64), "saved_up": _meta(8, 64)}
+    k = evtc.compile(dz, ex, arch="sm_90a", cache_dir=tmp_path)
+    assert k.plan.epilogue_tiles == 3
+    config, _ = k.launch_for(8192, 14336, 4096)
+    assert (config.schedule, config.tile_n) == ("cooperative", 256)
 
 
 def test_tiles_wider_than_the_problem_count_as_no_larger():

@@ -180,6 +180,12 @@ class KernelPlan:
         return tuple(dict.fromkeys(i.user for i in self.inputs if i.kind != "literal"))
 
     @property
+    def epilogue_tiles(self) -> int:
+        """Full tiles the epilogue moves besides D: tile operands read, extra outputs written
+        (what :data:`evtc.plan.selector.HEAVY_EPILOGUE_TILES` counts)."""
+        return sum(1 for i in self.inputs if i.kind == "tile") + max(0, len(self.outputs) - 1)
+
+    @property
     def wide_operands(self) -> tuple[str, ...]:
         """A gated kernel's operands as wide as the GEMM (each call splits them into halves)."""
         return tuple(sorted({i.user for i in self.inputs if i.half is not None}))

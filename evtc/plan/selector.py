@@ -50,6 +50,13 @@ LONG_K = 16384
 # against 1.01x). We read it as power: the wider tile moves a quarter fewer bytes from L2 per
 # FLOP, and at the H100's power limit a long run at lower power keeps higher clocks.
 MANY_WAVES = 90
+# Tiles an epilogue moves besides D (tile operands it reads, extra full-tile outputs it writes)
+# from which it runs on the cooperative 128 x 256 tile whenever that still fills the GPU. Measured
+# on the H100 (docs/performance.md, bench/heavy_epilogue.py): with 3 such tiles (two tile operands
+# and a second output) the cooperative 128 x 256 tile ran 1.30-1.36x faster than ping-pong
+# 128 x 128 on six shapes from 2048 x 14336 x 4096 to 8192 x 4096 x 14336 (0.84-0.97x the bare
+# cuBLAS GEMM against 0.62-0.73x); with one, the two tied within 2%. Two were not measured.
+HEAVY_EPILOGUE_TILES = 3
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
@@ -109,9 +116,11 @@ def _tiles(m: int, n: int, batches: int, config: GemmConfig) -> int:
     return ceil_div(m, config.tile_m) * ceil_div(n, config.out_tile_n) * batches
 
 
-def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int) -> GemmConfig:
+def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int,
+                epilogue_tiles: int = 0) -> GemmConfig:
     """The configuration of ``family`` (see :func:`tile_family`) for an (L, M, N, K) problem on a
-    GPU that runs ``slots`` CTAs at once."""
+    GPU that runs ``slots`` CTAs at once, for an epilogue that moves ``epilogue_tiles`` tiles
+    besides D (see :data:`HEAVY_EPILOGUE_TILES`)."""
 
     def find(schedule: str, tile_m: int, tile_n: int) -> GemmConfig | None:
         for config in family:
@@ -119,7 +128,7 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
                 return config
         return None
 
-    chosen = _tile_by_count(m, n, k, batches, family, slots, find)
+    chosen = _tile_by_count(m, n, k, batches, family, slots, find, epilogue_tiles >= HEAVY_EPILOGUE_TILES)
     if (chosen.schedule == "pingpong" and chosen.tile_m == 128
             and _tiles(m, n, batches, chosen) <= slots):
         # One tile per CTA: a ping-pong CTA would keep one of its two consumer warpgroups idle;
@@ -129,7 +138,7 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
 
 
 def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int,
-                   find: Callable[[str, int, int], GemmConfig | None]) -> GemmConfig:
+                   find: Callable[[str, int, int], GemmConfig | None], heavy: bool = False) -> GemmConfig:
     """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
     base = family[0]
     shapes = [c for c in family if c.schedule == "pingpong"] or [base]
@@ -138,6 +147,11 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         # 128-row tiles would multiply padding rows: only 64-row ones.
         shapes = [c for c in shapes if c.tile_m == 64]
     elif tiles >= FILL * slots:
+        wide = find("cooperative", 128, 256)
+        if heavy and wide is not None and _tiles(m, n, batches, wide) >= slots:
+            # An epilogue that moves several tiles: two consumer warpgroups share its stores and
+            # loads over a tile twice as wide, where ping-pong serialises them with the mainloop.
+            return wide
         fitted = _wave_fitted(m, n, batches, slots, find) if tiles <= WAVE_FIT_MAX_WAVES * slots else None
         if fitted is not None:
             return fitted
@@ -151,7 +165,6 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                 return wider
         # Enough tiles: the configured one (whatever its schedule), or the cooperative 128 x 256 one
         # for long K loops and for very many tiles.
-        wide = find("cooperative", 128, 256)
         if ((k >= LONG_K or tiles >= MANY_WAVES * slots) and wide is not None
                 and _tiles(m, n, batches, wide) >= slots):
             return wide
@@ -240,11 +253,13 @@ def with_a_rows_for(config: GemmConfig, m: int) -> GemmConfig:
 
 def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
-                  pinned_splits: int | None = None) -> tuple[GemmConfig, int]:
+                  pinned_splits: int | None = None, epilogue_tiles: int = 0) -> tuple[GemmConfig, int]:
     """(configuration, splits of K) for an (L, M, N, K) problem: the tile from ``family``, then the
     cluster shape with the fewest waves (where ``choose_cluster``), then the split count (unless
-    ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once."""
-    config = choose_tile(m, n, k, batches, family, slots_of((1, 1))) if len(family) > 1 else family[0]
+    ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once.
+    ``epilogue_tiles``: tiles the epilogue moves besides D (:data:`HEAVY_EPILOGUE_TILES`)."""
+    config = (choose_tile(m, n, k, batches, family, slots_of((1, 1)), epilogue_tiles) if len(family) > 1
+              else family[0])
     if choose_cluster:
         config = with_cluster_for(config, m, n, batches, slots_of)
     if len(family) > 1:
@@ -259,6 +274,6 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["FAMILY", "FILL", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST",
-           "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile", "family_digest", "tile_family",
-           "with_a_rows_for", "with_cluster_for"]
+__all__ = ["FAMILY", "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES",
+           "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile", "family_digest",
+           "tile_family", "with_a_rows_for", "with_cluster_for"]

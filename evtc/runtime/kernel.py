@@ -290,7 +290,8 @@ class Kernel:
                 return tuned
         config, splits = choose_launch(m, n, k, batches, self._family, self._slots,
                                        choose_cluster=self._variant_factory is not None,
-                                       pinned_splits=self._pinned_splits)
+                                       pinned_splits=self._pinned_splits,
+                                       epilogue_tiles=self.plan.epilogue_tiles)
         if not self._can_split:
             splits = 1
         return config, splits
