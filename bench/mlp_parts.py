@@ -21,19 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from train import add_residual, swiglu  # noqa: E402  (bench/train.py: the same block)
 
 import evtc  # noqa: E402
 from evtc.timing import time_paired  # noqa: E402
-
-
-def swiglu(acc):
-    gate, up = acc.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def add_residual(acc, residual):
-    return acc + residual
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from mlp_cases import add_residual, bias_gelu, geglu_tanh, relu_squared, residual_bias, swiglu
 
 import evtc
 from evtc.ir.autodiff import backward
@@ -19,31 +20,13 @@ from evtc.ir.backward_epilogue import dz_epilogue
 F64 = torch.float64
 
 
-def swiglu(acc):
-    gate, up = acc.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def geglu_tanh(acc):
-    gate, up = acc.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
 def gated_relu_bias(acc, bias):
     gate, up = acc.chunk(2, dim=-1)
     return torch.relu(gate) * (up + bias)
 
 
-def bias_gelu(acc, bias):
-    return F.gelu(acc + bias)
-
-
 def scaled_leaky(acc, scale, alpha: float):
     return F.leaky_relu(acc * scale * alpha, 0.2)
-
-
-def relu_squared(acc):
-    return torch.relu(acc) ** 2
 
 
 def softplus_mish(acc):
@@ -144,14 +127,6 @@ def test_no_dz_epilogue_where_it_is_not_one_elementwise_pass(fn, ops):
                **{name: torch.empty(*shape, **meta) for name, shape in ops.items()}}
     graph = evtc.trace(fn, example)
     assert dz_epilogue(backward(graph), torch.bfloat16) is None
-
-
-def add_residual(acc, residual):
-    return acc + residual
-
-
-def residual_bias(acc, bias, residual):
-    return acc + bias + residual
 
 
 @pytest.mark.parametrize("activation, output, bias", [

@@ -6,37 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from mlp_cases import add_residual, bias_gelu, geglu_tanh, relu_squared, residual_bias, swiglu
 
 import evtc
 
 pytestmark = pytest.mark.gpu
-
-
-def swiglu(acc):
-    gate, up = acc.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def geglu_tanh(acc):
-    gate, up = acc.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def relu_squared(acc):
-    return torch.relu(acc) ** 2
-
-
-def bias_gelu(acc, bias):
-    return F.gelu(acc + bias)
-
-
-def add_residual(acc, residual):
-    return acc + residual
-
-
-def residual_bias(acc, bias, residual):
-    return acc + bias + residual
 
 
 def _norm_error(got, want) -> float:
