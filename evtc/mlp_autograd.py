@@ -25,7 +25,6 @@ is the unfused one: ``dH = dZ2 @ W2``, then the first layer's backward graph ove
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,15 +34,13 @@ from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight
 if TYPE_CHECKING:
     from evtc.linear import Linear
 
-log = logging.getLogger("evtc")
-
-
 class MLPFunction(torch.autograd.Function):
     """``MLPFunction.apply(pair, x, w1, w2, names1, names2, *values)``: the second layer's outputs
     (a tuple in its output order) of ``second(first(x, w1, **operands1), w2, **operands2)``.
 
-    ``pair`` provides ``linears(x, ops1, h, ops2)`` -> the two :class:`evtc.Linear` and
-    ``dz_kernel(first, example)`` -> the fused kernel of step 3 or None (see :class:`evtc.nn.MLP`).
+    ``pair`` (an :class:`evtc.nn.MLP`) provides ``first_linear(x, ops1)`` and
+    ``second_linear(h, ops2)``, the two :class:`evtc.Linear`, and ``dz_kernel(first, dz2, w2, x2, w1,
+    ops1)``, the fused kernel of step 3 and its epilogue, or None.
     """
 
     @staticmethod

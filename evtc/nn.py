@@ -13,6 +13,7 @@ dZ inside the GEMM that makes its incoming gradient (see :mod:`evtc.mlp_autograd
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -23,6 +24,8 @@ from torch import nn
 
 from evtc.errors import CallError
 from evtc.frontend.epilogue import unwrap
+
+log = logging.getLogger("evtc")
 
 
 class FusedLinear(nn.Module):
@@ -186,8 +189,6 @@ class MLP(nn.Module):
 
 def _compile_dz(first, dz2, w2, x2, ops1, options):
     """(kernel, epilogue) of the fused dZ step for the first layer ``first``, or None."""
-    import logging
-
     from evtc.compile import compile as compile_kernel
     from evtc.ir.backward_epilogue import dz_epilogue
 
@@ -207,9 +208,8 @@ def _compile_dz(first, dz2, w2, x2, ops1, options):
     try:
         kernel = compile_kernel(epilogue.fn, example, **options)
     except Exception as exc:  # noqa: BLE001 - the unfused backward gives the same gradients
-        logging.getLogger("evtc").warning("the fused backward kernel of %r does not compile (%s); the "
-                                          "backward runs unfused", first.kernel.plan.name,
-                                          str(exc).splitlines()[0])
+        log.warning("the fused backward kernel of %r does not compile (%s); the backward runs unfused",
+                    first.kernel.plan.name, str(exc).splitlines()[0])
         return None
     return kernel, epilogue
 
@@ -220,14 +220,13 @@ def _is_gated(activation: Callable[..., Any], in_features: int, hidden_features:
     import sympy
 
     from evtc.api import trace
+    from evtc.ir.shapes import N
 
     width = 2 * hidden_features
     example: dict[str, Any] = {"a": torch.empty(8, in_features, device="meta", dtype=torch.bfloat16),
                                "b": torch.empty(in_features, width, device="meta", dtype=torch.bfloat16)}
     if bias:
         example["bias"] = torch.empty(width, device="meta", dtype=torch.bfloat16)
-    from evtc.ir.shapes import N
-
     graph = trace(activation, example)
     return any(sympy.sympify(store.shape[-1]) == N / 2 for store in graph.stores)
 
