@@ -45,3 +45,47 @@ def check_reductions(kernel, x, w, bias):
     assert_close(col_sums, ref.sum(0))
     assert_close(row_amax, ref.abs().amax(-1))
     assert_close(total, ref.square().sum())
+
+
+def check_plain_and_fused(cache, m, n, k, seed, launch_ok, before_call):
+    """Compile ``identity`` and ``residual_scaled`` for an (M, N, K) problem, assert
+    ``launch_ok(config)`` of each kernel's launch for it, and compare both with float64, calling
+    ``before_call()`` (which leaves garbage for a wrong read to find) before each launch."""
+    import evtc
+
+    x, w, g = linear_inputs(m, n, k, seed=seed)
+    C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g)
+    row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
+    plain = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
+    fused = evtc.compile(residual_scaled, {"a": x, "b": w.t(), "C": C, "bias": bias, "row_scale": row_scale},
+                         cache_dir=cache)
+    for kernel in (plain, fused):
+        config, _ = kernel.launch_for(m, n, k)
+        assert launch_ok(config), config.short_name()
+    acc = x.double() @ w.double().t()
+    before_call()
+    assert_close(plain(x, w.t()), acc)
+    before_call()
+    assert_close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+
+
+def run_pinned_splits(cache, m, n, k, seed, splits, launch_ok, before_call):
+    """A ``with_reductions`` kernel run with its split count pinned to ``splits`` (unpinned after),
+    its launch asserted by ``launch_ok(config)``: returns its outputs and the float64 reference
+    of ``y``."""
+    import evtc
+
+    x, w, g = linear_inputs(m, n, k, seed=seed)
+    bias = torch.randn(n, device="cuda", generator=g)
+    kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
+    kernel.pin_splits(splits)
+    try:
+        config = kernel.launch_for(m, n, k)[0]
+        assert launch_ok(config), config.short_name()
+        before_call()
+        outputs = kernel(x, w.t(), bias=bias)
+    finally:
+        kernel.pin_splits(None)
+    return outputs, x.double() @ w.double().t() + bias.double()

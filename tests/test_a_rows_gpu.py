@@ -10,10 +10,11 @@ import pytest
 import torch
 from linear_cases import (
     assert_close,
+    check_plain_and_fused,
     check_reductions,
     identity,
     linear_inputs,
-    residual_scaled,
+    run_pinned_splits,
     with_reductions,
 )
 
@@ -40,23 +41,9 @@ ROWS = [1, 3, 8, 15, 16, 17, 31, 32]
 
 @pytest.mark.parametrize("m", ROWS)
 def test_identity_and_operands_with_trimmed_loads(cache, m):
-    n, k = 384, 1000  # K not a multiple of the 64-wide K tile
-    x, w, g = linear_inputs(m, n, k, seed=m)
-    C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda", generator=g)
-    row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
-    plain = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
-    fused = evtc.compile(residual_scaled, {"a": x, "b": w.t(), "C": C, "bias": bias, "row_scale": row_scale},
-                         cache_dir=cache)
-    for kernel in (plain, fused):
-        config, _ = kernel.launch_for(m, n, k)
-        assert config.a_rows is not None and m <= config.a_rows < config.tile_m, config.short_name()
-    acc = x.double() @ w.double().t()
-    _poison_shared_memory()
-    assert_close(plain(x, w.t()), acc)
-    _poison_shared_memory()
-    assert_close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    # K = 1000: not a multiple of the 64-wide K tile.
+    check_plain_and_fused(cache, m, 384, 1000, m,
+                          lambda c: c.a_rows is not None and m <= c.a_rows < c.tile_m, _poison_shared_memory)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 29])
@@ -72,18 +59,8 @@ def test_reductions_ignore_the_rows_not_loaded(cache, m):
 
 @pytest.mark.parametrize("splits", [2, 5])
 def test_split_k_with_trimmed_loads(cache, splits):
-    m, n, k = 7, 512, 8192
-    x, w, g = linear_inputs(m, n, k, seed=200 + splits)
-    bias = torch.randn(n, device="cuda", generator=g)
-    kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
-    kernel.pin_splits(splits)
-    try:
-        assert kernel.launch_for(m, n, k)[0].a_rows is not None
-        _poison_shared_memory()
-        y, col_sums, _, _ = kernel(x, w.t(), bias=bias)
-    finally:
-        kernel.pin_splits(None)
-    ref = x.double() @ w.double().t() + bias.double()
+    (y, col_sums, _, _), ref = run_pinned_splits(cache, 7, 512, 8192, 200 + splits, splits,
+                                                 lambda c: c.a_rows is not None, _poison_shared_memory)
     assert_close(y, ref)
     assert_close(col_sums, ref.sum(0))
 

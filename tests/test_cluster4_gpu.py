@@ -9,10 +9,12 @@ import pytest
 import torch
 from linear_cases import (
     assert_close,
+    check_plain_and_fused,
     check_reductions,
     identity,
     linear_inputs,
     residual_scaled,
+    run_pinned_splits,
     with_reductions,
 )
 
@@ -38,22 +40,9 @@ N_RAGGED = 3648
 
 @pytest.mark.parametrize("m", [1, 17, 33, 64])
 def test_decode_sizes_run_four_cta_clusters(cache, m):
-    k = 1000  # not a multiple of the 64-wide K tile
-    x, w, g = linear_inputs(m, N_RAGGED, k, seed=m)
-    C = torch.randn(m, N_RAGGED, device="cuda", generator=g).to(torch.bfloat16)
-    bias = torch.randn(N_RAGGED, device="cuda", generator=g)
-    row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
-    plain = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
-    fused = evtc.compile(residual_scaled, {"a": x, "b": w.t(), "C": C, "bias": bias, "row_scale": row_scale},
-                         cache_dir=cache)
-    for kernel in (plain, fused):
-        config, _ = kernel.launch_for(m, N_RAGGED, k)
-        assert config.cluster == (1, 4), config.short_name()
-    acc = x.double() @ w.double().t()
-    _fill_free_memory_with_nan()
-    assert_close(plain(x, w.t()), acc)
-    assert_close(fused(x, w.t(), C=C, bias=bias, row_scale=row_scale),
-                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+    # K = 1000: not a multiple of the 64-wide K tile.
+    check_plain_and_fused(cache, m, N_RAGGED, 1000, m, lambda c: c.cluster == (1, 4),
+                          _fill_free_memory_with_nan)
 
 
 @pytest.mark.parametrize("m", [5, 64])
@@ -68,18 +57,9 @@ def test_reductions_over_four_cta_clusters(cache, m):
 
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_k_over_four_cta_clusters(cache, splits):
-    m, n, k = 16, 2048, 8192
-    x, w, g = linear_inputs(m, n, k, seed=100 + splits)
-    bias = torch.randn(n, device="cuda", generator=g)
-    kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
-    kernel.pin_splits(splits)
-    try:
-        assert kernel.launch_for(m, n, k)[0].cluster == (1, 4)
-        _fill_free_memory_with_nan()
-        y, col_sums, _, total = kernel(x, w.t(), bias=bias)
-    finally:
-        kernel.pin_splits(None)
-    ref = x.double() @ w.double().t() + bias.double()
+    four = lambda c: c.cluster == (1, 4)  # noqa: E731
+    (y, col_sums, _, total), ref = run_pinned_splits(cache, 16, 2048, 8192, 100 + splits, splits, four,
+                                                     _fill_free_memory_with_nan)
     assert_close(y, ref)
     assert_close(col_sums, ref.sum(0))
     assert_close(total, ref.square().sum())
