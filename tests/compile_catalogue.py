@@ -306,7 +306,7 @@ def fp8_e5m2_aux(acc):
     return acc.float(), (acc * 8.0).to(torch.float8_e5m2)
 
 
-# ---- reductions: partials per row of each tile, finished on the host --------------------------
+# ---- reductions: partials per tile, finished by the kernel (rows, columns) or the host -----------
 
 
 @entry({"bias": "row"})

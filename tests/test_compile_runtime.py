@@ -305,6 +305,29 @@ def test_an_epilogue_of_reductions_only_stores_no_tile(tmp_path):
     assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", k.ptx), "a TMA store"
 
 
+def test_row_and_column_reductions_are_finished_in_the_kernel(tmp_path):
+    """Per-row and per-column reductions, and what follows them, are finished by the kernel: the
+    visitor has a finish method per axis, the kernel counts its tiles with an atomic, and the plan
+    leaves nothing for the host. A reduction over everything stays a host finish."""
+    def rows_and_columns(acc, eps: float):
+        return acc, torch.sqrt((acc * acc).mean(-1) + eps), acc.amax(-2).to(torch.bfloat16)
+
+    def over_everything(acc):
+        return acc, acc.abs().amax()
+
+    ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
+    k = evtc.compile(rows_and_columns, {**ex, "eps": 1e-6}, cache_dir=tmp_path)
+    assert k.plan.kernel_finish == (("row", ("D1",)), ("col", ("D2",)))
+    assert [s.dims for s in k.plan.finish_args] == [("R",), ("S",), ("Q",)]
+    assert "def finish_rows(self, r0, eps, size_" in k.source and "op.sqrt(" in k.source
+    assert "def finish_columns(self, r1):" in k.source
+    assert re.search(r"atom\.global\.acq_rel\.add", k.ptx) and "fence.acq_rel.gpu" in k.ptx
+    assert "finished in the kernel by the last tile of each block of rows" in k.explain()
+    host = evtc.compile(over_everything, ex, cache_dir=tmp_path)
+    assert host.plan.kernel_finish == () and "def finish_" not in host.source
+    assert not re.search(r"atom\.global\.acq_rel\.add", host.ptx)
+
+
 def test_float8_only_outputs_make_a_float8_d(tmp_path):
     def fp8_only(acc):
         return acc.to(torch.float8_e4m3fn)

@@ -6,7 +6,10 @@ The source is a module holding one :class:`~evtc.sm90.fused.FusedVisitor` subcla
 * ``uniform``: the nodes of the ``uniform`` stage (scalars and ops on scalars), run once per tile;
 * ``fragment``: the nodes of the ``tile`` stage, run on this thread's float32 fragment of every
   subtile, one statement per node, named after the node (``v5`` is ``%5`` of the printed graph),
-  under a comment with the user's line.
+  under a comment with the user's line;
+* ``finish_rows`` / ``finish_columns``: the ``final`` stage (what follows the reductions), run in
+  the kernel once per row or column by the tile that completes it (:class:`FinishPlan`), when every
+  output of that stage can be finished there; otherwise the host finishes them from the partials.
 
 It is meant to be read: what a careful person would write by hand, nothing else. Casts are
 statements only where they round: widening a loaded value to float32 is done by the load, and a
@@ -29,7 +32,7 @@ from evtc.ir.dtypes import short_name
 from evtc.ir.graph import Graph, Node
 from evtc.ir.ops import ELEMENTWISE
 from evtc.ir.printer import format_literal, node_names
-from evtc.ir.shapes import format_shape
+from evtc.ir.shapes import ONE, format_shape
 from evtc.plan.operand_kinds import KINDS
 
 #: Output dtypes the kernel's own D store takes (the first such output becomes D).
@@ -55,7 +58,7 @@ _CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
 }
 _RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", "Float8E4M3FN",
              "Float8E5M2", "FusedVisitor", "ArgScalar", "ColVector", "DeviceScalar", "RowVector",
-             "TileLoad", "TileStore", "ReductionOverN", "ReductionOverM"}
+             "TileLoad", "TileStore", "ReductionOverN", "ReductionOverM", "KernelFinish"}
 _LOGICAL = {"logical_and", "logical_or", "logical_not"}
 
 
@@ -81,7 +84,8 @@ class OutputPlan:
 @dataclass
 class ReductionPlan:
     """A reduction the kernel computes partials of (per row of each tile, or per column of each
-    warp's rows for ``axis == "col"``); the host finishes it."""
+    warp's rows for ``axis == "col"``); the kernel finishes it (:class:`FinishPlan`) or the host
+    does."""
 
     ident: str
     node: Node  # the reduce node
@@ -101,6 +105,24 @@ class ReductionPlan:
         return "ReductionOverM" if self.axis == "col" else "ReductionOverN"
 
 
+#: Dtypes of outputs the kernel's finish stores (one value per row or column).
+FINISH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FINISH_METHOD = {"row": "finish_rows", "col": "finish_columns"}
+
+
+@dataclass
+class FinishPlan:
+    """The outputs of one reduction axis (``row``: one value per row, ``col``: per column) that the
+    kernel finishes itself: the tile that completes a block of rows (columns) combines every tile's
+    partials in a fixed order and runs ``method`` on each row's (column's) totals."""
+
+    axis: str
+    method: str
+    reductions: list[str]  # the idents of this axis's reductions, as ``method`` takes them
+    params: list[str] = field(default_factory=list)  # per-tile values it reads (scalars, args)
+    outputs: list[str] = field(default_factory=list)  # output names, in the order it returns them
+
+
 @dataclass
 class EmittedEpilogue:
     source: str
@@ -109,8 +131,10 @@ class EmittedEpilogue:
     outputs: list[OutputPlan]  # in kernel order: the kernel's D first
     #: Output names in the order the epilogue returns them.
     output_names: list[str] = field(default_factory=list)
-    #: Reductions, in graph order: the kernel writes their per-tile partials, the host finishes them.
+    #: Reductions, in graph order: the kernel writes their per-tile partials.
     reductions: list[ReductionPlan] = field(default_factory=list)
+    #: Per axis, the outputs the kernel finishes; empty when the host finishes the reductions.
+    finishes: list[FinishPlan] = field(default_factory=list)
 
 
 def _identifier(name: str, taken: set[str]) -> str:
@@ -166,12 +190,15 @@ class _Emitter:
         self.inputs: list[InputPlan] = []
         self.uniform_lines: list[str] = []
         self.fragment_lines: list[str] = []
+        self.finish_lines: dict[str, list[str]] = {"row": [], "col": []}
+        #: Nodes emitted into a finish method, by id: the axis whose method computes them.
+        self.finish_axis: dict[int, str] = {}
         self.uniform_defined: list[str] = []
         #: The uniform values the fragment reads (set once the fragment is emitted: a value can
         #: reach it through casts that emit nothing, so its users' stages do not tell).
         self.uniform_results: list[str] = []
         self.reductions: list[ReductionPlan] = []
-        self._last_where: dict[str, str | None] = {"uniform": None, "tile": None}
+        self._last_where: dict[str, str | None] = {"uniform": None, "tile": None, "row": None, "col": None}
 
     # ---- names -----------------------------------------------------------------------------------
     def acc_params(self) -> list[str]:
@@ -188,8 +215,15 @@ class _Emitter:
         return ident
 
     # ---- statements ------------------------------------------------------------------------------
+    def stage_of(self, node: Node) -> str:
+        """Where a node's statement goes: ``uniform``, ``tile`` or a finish method's axis."""
+        return self.finish_axis.get(node.id) or node.stage or "tile"
+
     def emit(self, stage: str, node: Node, target: str, expr: str) -> None:
-        lines = self.uniform_lines if stage == "uniform" else self.fragment_lines
+        if stage in self.finish_lines:
+            lines = self.finish_lines[stage]
+        else:
+            lines = self.uniform_lines if stage == "uniform" else self.fragment_lines
         where = _where(node)
         if where is not None and where != self._last_where[stage]:
             if lines:
@@ -213,7 +247,9 @@ class _Emitter:
             op = node.op
             if on_host(node):
                 if op == "reduce":
-                    self.reductions.append(ReductionPlan(f"r{len(self.reductions)}", node))
+                    ident = _identifier(f"r{len(self.reductions)}", self.taken)
+                    self.reductions.append(ReductionPlan(ident, node))
+                    self.names[node.id] = ident  # what a finish method calls its total
                 continue
             if op == "acc":
                 self.names[node.id] = self.acc_params()[node.attrs.get("half", 0)]
@@ -255,9 +291,83 @@ class _Emitter:
         kernel_order = [ordered[first]] + ordered[:first] + ordered[first + 1:]
         return kernel_order, list(graph.outputs.names)
 
+    def plan_finishes(self) -> list[FinishPlan]:
+        """Emit the ``final`` stage into finish methods, one per reduction axis, and return their
+        plans; or return [] (the host finishes) unless every reduction is per row or per column and
+        every output computed from them can be finished in the kernel: one reduction axis per
+        output, elementwise ops on the reductions and on per-tile values (scalars, arguments), a
+        16- or 32-bit float dtype, and a shape of one value per row (column) and batch."""
+        if not self.reductions or any(r.axis not in _FINISH_METHOD for r in self.reductions):
+            return []
+        graph = self.graph
+        by_node = {r.node.id: r for r in self.reductions}
+        finals: dict[int, str] = {}
+        outputs: dict[str, list[str]] = {"row": [], "col": []}
+        for store in graph.stores:
+            if not on_host(store):
+                continue
+            cone: set[int] = set()
+            axes = self._finish_cone(store.inputs[0], by_node, cone)
+            if axes is None or len(axes) != 1 or store.dtype not in FINISH_DTYPES:
+                return []
+            axis = axes.pop()
+            want = ("L",) if graph.batched else ()
+            want += ("M",) if axis == "row" else ("N",)
+            if tuple(str(d) for d in store.shape if d != ONE) != want:
+                return []
+            finals.update(dict.fromkeys(cone, axis))
+            outputs[axis].append(store.attrs["name"])
+        for node in graph.nodes:  # in graph order: inputs before users
+            if node.id in finals:
+                self.finish_axis[node.id] = finals[node.id]
+                if node.op == "cast":
+                    self.cast(node)
+                else:
+                    self.elementwise(node)
+        plans = []
+        stores = {s.attrs["name"]: s for s in graph.stores}
+        for axis in ("row", "col"):
+            if not outputs[axis]:
+                continue
+            body = "\n".join(x for x in self.finish_lines[axis] if not x.startswith("#"))
+            returned = {self.names[stores[n].inputs[0].id] for n in outputs[axis]}
+            used = [r.ident for r in self.reductions if r.axis == axis
+                    and (r.ident in returned or _mentions(body, r.ident))]
+            plans.append(FinishPlan(axis, _FINISH_METHOD[axis], used, [], outputs[axis]))
+        return plans
+
+    def _finish_cone(self, node: Node, by_node: dict, cone: set[int]) -> set[str] | None:
+        """The reduction axes ``node`` is computed from, collecting its ``final`` nodes in ``cone``;
+        None if something in it cannot run in a finish method."""
+        axes: set[str] = set()
+        stack = [node]
+        seen: set[int] = set()
+        while stack:
+            n = stack.pop()
+            if n.id in seen:
+                continue
+            seen.add(n.id)
+            if n.id in by_node:
+                axes.add(by_node[n.id].axis)
+            elif on_host(n):
+                if n.op != "cast" and n.op not in ELEMENTWISE:
+                    return None
+                cone.add(n.id)
+                stack.extend(n.inputs)
+            elif n.id not in self.names or not self._per_tile(n):
+                return None
+        return axes
+
+    def _per_tile(self, node: Node) -> bool:
+        """Whether a value the kernel computed is the same for the whole tile (then a finish method
+        can read it): scalars, arguments, literals and what ``uniform`` computes from them."""
+        if node.op == "load":
+            return KINDS[self.graph.operands[node.attrs["name"]].kind].uniform
+        return node.stage == "uniform"
+
     def cast(self, node: Node) -> None:
         src = node.inputs[0]
-        stage = node.stage or "tile"
+        stage = self.stage_of(node)
         if src.dtype == torch.bool:
             expr = f"op.mask_to_float({self.names[src.id]})"
             if node.dtype != torch.float32:
@@ -295,7 +405,7 @@ class _Emitter:
             expr = f"{args[0]} {definition.infix} {args[1]}"
         else:
             expr = f"op.{op}({', '.join(args + params)})"
-        self.define(node.stage or "tile", node, expr)
+        self.define(self.stage_of(node), node, expr)
         if definition.boolean:
             self.bool_ids.add(node.id)
 
@@ -330,6 +440,13 @@ def operand_constructors(emitted: EmittedEpilogue, tile_majors: dict[str, str] |
     return inputs, outputs, reductions
 
 
+def finish_constructors(emitted: EmittedEpilogue) -> list[str]:
+    """The visitor's finish operands (:class:`evtc.sm90.operands.KernelFinish`) as the generated
+    source constructs them: one per reduction axis the kernel finishes."""
+    return [f"KernelFinish({f.axis!r}, {f.method!r}, {tuple(f.reductions)!r}, {tuple(f.params)!r}, "
+            f"{tuple(f.outputs)!r})" for f in emitted.finishes]
+
+
 def _class_tuple(w, name: str, lines: list[str]) -> None:
     """A class attribute holding a tuple, one element per line."""
     if not lines:
@@ -348,6 +465,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     """
     em = _Emitter(graph)
     outputs, output_names = em.build()
+    finishes = em.plan_finishes()
     class_name = _class_name(graph.name)
     acc = ", ".join(em.acc_params())
 
@@ -356,12 +474,18 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     returned = {em.names[o.node.inputs[0].id] for o in outputs} | set(reduced)
     fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))
     uniform_body = "\n".join(x for x in em.uniform_lines if not x.startswith("#"))
-    em.uniform_results = [u for u in em.uniform_defined if u in returned or _mentions(fragment_body, u)]
+    finish_bodies = {f.axis: "\n".join(x for x in em.finish_lines[f.axis] if not x.startswith("#"))
+                     for f in finishes}
+    em.uniform_results = [u for u in em.uniform_defined if u in returned or _mentions(fragment_body, u)
+                          or any(_mentions(body, u) for body in finish_bodies.values())]
     fragment_params = [p.ident for p in em.inputs] + em.uniform_results
     fragment_params = [p for p in fragment_params if p in returned or _mentions(fragment_body, p)]
     uniform_params = [p for p in uniform_params if _mentions(uniform_body, p)]
+    for f in finishes:
+        f.params = [p for p in [i.ident for i in em.inputs if KINDS[i.kind].uniform] + em.uniform_results
+                    if _mentions(finish_bodies[f.axis], p)]
 
-    partial = EmittedEpilogue("", class_name, em.inputs, outputs, output_names, em.reductions)
+    partial = EmittedEpilogue("", class_name, em.inputs, outputs, output_names, em.reductions, finishes)
     in_texts, out_texts, _ = operand_constructors(partial, tile_majors, graph.batched)
     in_lines = [f"{o}," for o in in_texts]
     out_lines = [f"{o}," for o in out_texts]
@@ -382,8 +506,8 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w("from evtc.sm90 import dsl_ops as op  # noqa: F401")
     w("from evtc.sm90.fused import FusedVisitor")
     w("from evtc.sm90.operands import (  # noqa: F401")
-    w("    ArgScalar, ColVector, DeviceScalar, ReductionOverM, ReductionOverN, RowVector, TileLoad,")
-    w("    TileStore,")
+    w("    ArgScalar, ColVector, DeviceScalar, KernelFinish, ReductionOverM, ReductionOverN, RowVector,")
+    w("    TileLoad, TileStore,")
     w(")")
     w("")
     w("")
@@ -402,10 +526,19 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     _class_tuple(w, "outputs", out_lines)
     if em.reductions:
         w("    # Reductions: partials per row or per column of each tile (fragment returns their inputs")
-        w("    # last); the host reduces the partials and computes what follows them.")
+        if finishes:
+            w("    # last); the tile that completes a block of rows or columns adds up every tile's partials")
+            w("    # in a fixed order and runs the finish method below on each row's or column's totals.")
+        else:
+            w("    # last); the host reduces the partials and computes what follows them.")
         w("    reductions = (")
         for r in em.reductions:
             w(f"        {r.operand}({r.ident!r}, {r.op!r}),  # {_where(r.node) or r.axis}")
+        w("    )")
+    if finishes:
+        w("    finishes = (")
+        for text in finish_constructors(partial):
+            w(f"        {text},")
         w("    )")
     w("")
     w(f"    def uniform(self{''.join(', ' + p for p in uniform_params)}):")
@@ -427,8 +560,24 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w("")
     value = f"{returned[0]}," if len(returned) == 1 else ", ".join(returned)
     w(f"        return ({value})  # {comment}")
+    stores = {st.attrs["name"]: st for st in graph.stores}
+    for f in finishes:
+        per = "row" if f.axis == "row" else "column"
+        w("")
+        w(f"    def {f.method}(self{''.join(', ' + p for p in f.reductions + f.params)}):")
+        w(f'        """Once per {per}, in the kernel, after every tile\'s partials: the outputs')
+        w(f'        computed from the {per}\'s reductions."""')
+        for line in em.finish_lines[f.axis]:
+            w(("        " + line) if line else "")
+        results = [em.names[stores[n].inputs[0].id] for n in f.outputs]
+        comment = ", ".join(f"{n}: {short_name(stores[n].dtype)}{format_shape(stores[n].shape)}"
+                            for n in f.outputs)
+        if em.finish_lines[f.axis]:
+            w("")
+        value = f"{results[0]}," if len(results) == 1 else ", ".join(results)
+        w(f"        return ({value})  # {comment}")
     source = "\n".join(lines) + "\n"
-    return EmittedEpilogue(source, class_name, em.inputs, outputs, output_names, em.reductions)
+    return EmittedEpilogue(source, class_name, em.inputs, outputs, output_names, em.reductions, finishes)
 
 
-__all__ = ["EmittedEpilogue", "InputPlan", "OutputPlan", "emit"]
+__all__ = ["EmittedEpilogue", "FinishPlan", "InputPlan", "OutputPlan", "emit", "finish_constructors"]

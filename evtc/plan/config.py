@@ -14,7 +14,8 @@ from dataclasses import dataclass
 AB_DTYPES = ("float16", "bfloat16")
 D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int32": 4}  # int32: the counters of a kernel that finishes its own reductions
 
 TILE_M = 128  # the default: two consumer warpgroups, 64 rows each (cooperative schedule)
 # Rows of an output tile.  64 only under ping-pong: one m64 wgmma atom per consumer warpgroup, for

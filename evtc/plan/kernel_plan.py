@@ -22,7 +22,7 @@ from typing import Any
 from evtc.plan.tensor_spec import TensorSpec
 
 #: The version of this format; a manifest of another one is rebuilt.
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -167,12 +167,27 @@ class KernelPlan:
     #: Why a and b cannot run batched as given (a batch broadcast: the torch path), or None.
     broadcast_batch: str | None = None
     class_name: str = ""
+    #: The reductions the kernel finishes itself: per axis (``row``, ``col``), the host outputs it
+    #: stores, in the order of its arguments. Empty when the host finishes them (``finish``).
+    kernel_finish: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     # ---- derived -----------------------------------------------------------------------------
     @property
     def output_order(self) -> tuple[str, ...]:
         """Output names in kernel order: the full-tile outputs, then the host outputs."""
         return tuple(s.name for s in self.outputs) + tuple(h.name for h in self.host_outputs)
+
+    @property
+    def finish_args(self) -> tuple[TensorSpec, ...]:
+        """The kernel's arguments for its own finish (:attr:`kernel_finish`): each finished output,
+        flat (``R`` = L x M values per row, ``S`` = L x N per column), then the int32 counters
+        (``Q``) that tell each block's last tile. Empty when the host finishes."""
+        if not self.kernel_finish:
+            return ()
+        dtypes = {h.name: h.dtype for h in self.host_outputs}
+        specs = [TensorSpec(name, dtypes[name], ("R" if axis == "row" else "S",), 0)
+                 for axis, names in self.kernel_finish for name in names]
+        return (*specs, TensorSpec("counters", "int32", ("Q",), 0))
 
     @property
     def operand_names(self) -> tuple[str, ...]:
@@ -249,6 +264,7 @@ def _decode_plan(d: dict) -> KernelPlan:
         interface=CallInterface(tuple(interface["parameters"]), frozenset(interface["unused"]),
                                 _tuple(interface["constants"]), interface["strict"], interface["torch_only"]),
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
+        kernel_finish=_tuple(d["kernel_finish"]),
     )
 
 
@@ -311,6 +327,7 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
         reductions=reductions, finish=tuple(finish),
         structure=OutputStructure(tree.kind, tuple(tree.names), tuple(tree.keys) if tree.keys else None),
         interface=interface, broadcast_batch=signature.broadcast_batch, class_name=emitted.class_name,
+        kernel_finish=tuple((f.axis, tuple(f.outputs)) for f in emitted.finishes),
     )
 
 

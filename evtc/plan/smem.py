@@ -69,6 +69,12 @@ def reduction_smem_bytes(operand: str, tile_n: int) -> int:
     return column_reduction_columns(tile_n) * COLUMN_REDUCTION_WARP_ROWS * 4 + VECTOR_ALIGN
 
 
+#: The flags by which a kernel that finishes its reductions tells each epilogue's threads whether
+#: their tile completed a block of rows or columns (one int32 per concurrent epilogue), 16 B aligned.
+FINISH_FLAGS = 2
+FINISH_SMEM_BYTES = FINISH_FLAGS * 4 + 16
+
+
 def d_buffer_input(inputs: list[tuple[str, str, str]], has_aux_outputs: bool,
                    config: GemmConfig) -> int | None:
     """Index of the input whose staged tile buffers D may share (see
@@ -91,6 +97,7 @@ def epilogue_smem_bytes(emitted, config: GemmConfig, load_buffers: int, store_st
     total += sum(store_smem_bytes(_dtype_name(o.dtype), config.epi_tile, store_stages)
                  for o in emitted.outputs[1:])
     total += sum(reduction_smem_bytes(r.operand, config.tile_n) for r in emitted.reductions)
+    total += FINISH_SMEM_BYTES * len(emitted.finishes)
     return total
 
 

@@ -140,10 +140,11 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
         kernel = Sm90GemmKernel(config, visitor)
         in_specs = [i.spec for i in plan.inputs]
         launcher = entry_point(config.gated, config.split_k)(
-            kernel, plan.a, plan.b, plan.outputs + plan.workspaces, in_specs, [i.view for i in plan.inputs],
-            plan.batched, workspaces=len(plan.workspaces))
+            kernel, plan.a, plan.b, plan.outputs + plan.workspaces + plan.finish_args, in_specs,
+            [i.view for i in plan.inputs], plan.batched, workspaces=len(plan.workspaces),
+            finished=tuple(len(names) for _, names in plan.kernel_finish))
         symbols = Symbols()
-        fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces)
+        fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces + plan.finish_args)
         fake_ins = tuple(cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in in_specs)
         options = f"{COMPILE_OPTIONS} --dump-dir={staged}"  # PTX dumps stay in the entry
         if arch:

@@ -421,8 +421,11 @@ class Kernel:
             axis = {"row": "per row", "col": "per column", "batch": "per batch",
                     "all": "over everything"}[plan.axis]
             parts = "per column of each tile" if plan.axis == "col" else "per row of each tile"
+            where = ("finished in the kernel by the last tile of each block of "
+                     + ("rows" if plan.axis == "row" else "columns")) if self.plan.kernel_finish \
+                else "finished on the host"
             lines.append(f"    {plan.ident}: {plan.op} {axis}: partials {parts} in the kernel "
-                         "(float32 workspace), finished on the host")
+                         f"(float32 workspace), {where}")
         for i, spec in enumerate(self.plan.outputs):
             how = "stmatrix" if spec.dtype in ("float16", "bfloat16") else "register-to-shared copy"
             role = f"kernel D store ({how} + TMA)" if i == 0 else "extra TMA store"
@@ -757,12 +760,19 @@ class Kernel:
         if finisher is not None:
             # The reductions' partials are laid out by the launched configuration's tiles.
             numels = finisher.workspace_numels(m, n, batches)
-            if len(numels) == 1:
+            if finisher.in_kernel and not empty:
+                # Read back by the kernel itself: a buffer reused on this stream (a single workspace
+                # may be longer than it needs: its spare element is then further along).
+                buffer = split_k.scratch(device, sum(numels))
+                workspaces = [buffer] if len(numels) == 1 else list(buffer[:sum(numels)].split(numels))
+            elif len(numels) == 1:
                 workspaces = [torch.empty(numels[0], dtype=torch.float32, device=device)]
             else:  # one allocation, split
                 workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
         if empty:
             return targets, workspaces, (m, n, batches, finisher)
+        if finisher is not None and finisher.in_kernel:
+            workspaces += finisher.finish_buffers(m, n, batches, device)
         _invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device)
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
@@ -845,7 +855,9 @@ class Kernel:
                 log.warning("%r: autotuning skips %s: %s", self.plan.name, autotune.describe(launch), exc)
                 continue
             numels = finisher.workspace_numels(m, n, batches) if finisher is not None else []
-            buffers = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels])
+            finish = finisher.finish_buffers(m, n, batches, a.device) if finisher is not None else []
+            buffers = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels]
+                            + finish)
 
             def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
                 _invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device)

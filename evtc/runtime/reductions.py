@@ -1,4 +1,9 @@
-"""Finishing reductions on the host, after the kernel.
+"""Finishing reductions: the buffers a launch needs for them, and the host finish where the kernel
+does not finish them itself.
+
+A kernel whose plan has ``kernel_finish`` stores its reductions' outputs itself (the last tile of
+each block of rows or columns, :class:`evtc.sm90.operands.KernelFinish`): :class:`HostFinish` then
+only allocates those outputs (flat) and the counters, and a call returns them reshaped. Otherwise:
 
 The kernel writes, per reduction, float32 partials into a flat workspace (spare elements last, see
 :mod:`evtc.sm90.operands`):
@@ -61,6 +66,36 @@ class HostFinish:
         self.out_tile_n = out_tile_n
         self.literals = {s.node: size_function(s.expr) for s in plan.finish if s.op == "literal"}
         self.steps = plan.finish
+        #: Whether the kernel finishes the reductions (see the module docstring).
+        self.in_kernel = bool(plan.kernel_finish)
+        dtypes = {h.name: torch_dtype(h.dtype) for h in plan.host_outputs}
+        # The kernel's finished outputs in argument order: (name, axis, dtype).
+        self.finished = [(name, axis, dtypes[name]) for axis, names in plan.kernel_finish for name in names]
+        self.host_dims = {h.name: h.dims for h in plan.host_outputs}
+
+    def finish_buffers(self, m: int, n: int, batches: int, device) -> list[torch.Tensor]:
+        """For a kernel that finishes its reductions: its outputs, flat, then its counters (zero
+        between launches, reused on the current stream). Empty otherwise."""
+        if not self.in_kernel:
+            return []
+        from evtc.runtime import split_k
+
+        flats = [torch.empty(batches * (m if axis == "row" else n), dtype=dt, device=device)
+                 for _, axis, dt in self.finished]
+        blocks = batches * (_tiles(m, self.tile_m) + _tiles(n, self.out_tile_n))
+        return flats + [split_k.counters(device, blocks, pool="finish")]
+
+    def finished_outputs(self, buffers: Sequence[torch.Tensor], m: int, n: int,
+                         batches: int) -> dict[str, torch.Tensor]:
+        """The outputs a kernel finished, by name, in their shapes (``buffers``: the workspaces,
+        then :meth:`finish_buffers`)."""
+        sizes = {"M": m, "N": n, "L": batches, "1": 1}
+        first = len(self.reductions)
+        out = {}
+        for (name, _, _), flat in zip(self.finished, buffers[first:], strict=False):
+            dims = self.host_dims[name]
+            out[name] = flat if len(dims) == 1 else flat.view([sizes[d] for d in dims])
+        return out
 
     def partial_rows(self, r: ReductionPartials, m: int, n: int) -> tuple[int, int]:
         """(partials per reduced value, reduced values) of one batch: (n tiles, M) per row, (m tiles,
@@ -81,10 +116,14 @@ class HostFinish:
 
     def __call__(self, workspaces: Sequence[torch.Tensor], m: int, n: int, batches: int,
                  operands: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """The host outputs, by output name."""
+        """The host outputs, by output name: those the kernel finished, or computed here from the
+        partials (also for a kernel that finishes them, when the problem was empty and no kernel
+        ran)."""
+        if self.in_kernel and m and n and batches:
+            return self.finished_outputs(workspaces, m, n, batches)
         sizes = {"M": m, "N": n, "L": batches, "1": 1}
         values: dict[int, Any] = {}
-        for r, ws in zip(self.reductions, workspaces, strict=True):
+        for r, ws in zip(self.reductions, workspaces, strict=False):  # finish buffers follow
             reduce = _REDUCE[r.op]
             parts, count = self.partial_rows(r, m, n)
             value = reduce(ws[:batches * parts * count].view(batches, parts, count), dim=1)  # (L, M) / (L, N)

@@ -1,30 +1,69 @@
-"""Split-K's device buffers: the per-call float32 partials and the per-stream int32 counters.
+"""Device buffers of split-K and of kernels that finish their own reductions: the per-call float32
+partials and the per-stream int32 counters.
 
-The counters are zero between launches: the last split of each tile resets its own counter, so a
-buffer is allocated (zeroed) once per device and stream and reused by every split-K launch on that
-stream (launches on one stream never overlap; launches on two streams get two buffers). Under CUDA
-graph capture a fresh zeroed buffer is allocated instead, so each replay starts from zero through
-the captured memset.
+The counters are zero between launches: the last split of each tile (the last tile of each block
+of rows or columns, :class:`evtc.sm90.operands.KernelFinish`) resets its own counter, so a buffer is
+allocated (zeroed) once per device, stream and pool and reused by every launch on that stream
+(launches on one stream never overlap; launches on two streams get two buffers; split-K and the
+finishes of one launch use two pools). Under CUDA graph capture a fresh zeroed buffer is allocated
+instead, so each replay starts from zero through the captured memset.
 """
 
 from __future__ import annotations
 
 import torch
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def counters(device: torch.device, numel: int) -> torch.Tensor:
-    """At least ``numel`` zeroed int32 counters for a launch on the current stream of ``device``."""
+def _stream_key(device: torch.device) -> tuple[int, int] | None:
+    """(device index, current raw stream) of ``device``, or None while a CUDA graph is being
+    captured. The per-call path: torch's C entry points, not ``torch.cuda.current_stream``, which
+    costs several microseconds of Python."""
+    if _capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, _raw_stream(index)
+
+
+# torch's C entry points where this build has them (CUDA builds), else the public API.
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                      lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def counters(device: torch.device, numel: int, pool: str = "split_k") -> torch.Tensor:
+    """At least ``numel`` zeroed int32 counters of ``pool`` for a launch on the current stream of
+    ``device``."""
     numel = max(numel, 1)
-    if torch.cuda.is_current_stream_capturing():
+    stream = _stream_key(device)
+    if stream is None:
         return torch.zeros(numel, dtype=torch.int32, device=device)
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).stream_id)
+    key = (*stream, pool)
     buffer = _COUNTERS.get(key)
     if buffer is None or buffer.numel() < numel:
         grown = numel if buffer is None else max(numel, 2 * buffer.numel())
         buffer = _COUNTERS[key] = torch.zeros(grown, dtype=torch.int32, device=device)
+    return buffer
+
+
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """At least ``numel`` float32 elements for the partials of a launch on the current stream of
+    ``device`` that reads them back itself (a kernel that finishes its reductions): reused by every
+    such launch on that stream, which never overlap. Nothing outside the kernel may read them: a
+    host finish enqueued after the launch could find them overwritten by a launch from another
+    thread. Under CUDA graph capture each capture gets its own."""
+    numel = max(numel, 4)
+    key = _stream_key(device)
+    if key is None:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        grown = numel if buffer is None else max(numel, 2 * buffer.numel())
+        buffer = _SCRATCH[key] = torch.empty(grown, dtype=torch.float32, device=device)
     return buffer
 
 
@@ -33,4 +72,4 @@ def partials(device: torch.device, numel: int) -> torch.Tensor:
     return torch.empty(max(numel, 4), dtype=torch.float32, device=device)
 
 
-__all__ = ["counters", "partials"]
+__all__ = ["counters", "partials", "scratch"]

@@ -10,6 +10,7 @@ _CUTLASS = {
     "float32": cutlass.Float32,
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "float8_e5m2": cutlass.Float8E5M2,
+    "int32": cutlass.Int32,
 }
 
 

@@ -42,6 +42,9 @@ class FusedVisitor(EpilogueVisitor):
     outputs: tuple[TileStore, ...] = ()
     #: Reductions of tile values (ReductionOverN): ``fragment`` returns their inputs after the outputs.
     reductions: tuple[Operand, ...] = ()
+    #: The reductions the kernel finishes itself, one KernelFinish per axis (each names the method
+    #: of this class that computes its outputs); empty when the host finishes them.
+    finishes: tuple[Operand, ...] = ()
     #: Gated: the kernel pairs gate and up columns, and ``fragment`` takes both accumulator halves.
     gated: bool = False
 
@@ -67,8 +70,8 @@ class FusedVisitor(EpilogueVisitor):
     @property
     def operands(self) -> tuple[Operand, ...]:
         """Everything that takes a kernel argument: inputs, the extra outputs, the reductions'
-        workspaces."""
-        return tuple(self.inputs) + self._aux + tuple(self.reductions)
+        workspaces, the finishes' counters and outputs."""
+        return tuple(self.inputs) + self._aux + tuple(self.reductions) + tuple(self.finishes)
 
     def smem_bytes(self, config: GemmConfig, load_stages: int) -> int:
         stores = (config.epi_stages if config.epi_stages is not None else 2) * config.epi_groups
@@ -110,12 +113,13 @@ class FusedVisitor(EpilogueVisitor):
     def begin(self, ctx: EpilogueContext, params, storage, tile_coord):
         states = [o.begin(ctx, p, s, tile_coord)
                   for o, p, s in zip(self.operands, params, storage, strict=True)]
-        n_in, n_aux = len(self.inputs), len(self._aux)
+        n_in, n_aux, n_red = len(self.inputs), len(self._aux), len(self.reductions)
         values = {o.name: st.value for o, st in zip(self.inputs, states[:n_in], strict=True)
                   if not o.loads}
         values.update(self.uniform(**{k: values[k] for k in self._uniform_params}))
         return SimpleNamespace(inputs=states[:n_in], aux=states[n_in:n_in + n_aux],
-                               reductions=states[n_in + n_aux:], values=values, outs=None)
+                               reductions=states[n_in + n_aux:n_in + n_aux + n_red],
+                               finishes=states[n_in + n_aux + n_red:], values=values, outs=None)
 
     def previsit(self, ctx, state, epi_idx, load_stage):
         for o, st in zip(self.inputs, state.inputs, strict=True):
@@ -146,6 +150,11 @@ class FusedVisitor(EpilogueVisitor):
     def end(self, ctx, state):
         for o, st in zip(self.reductions, state.reductions, strict=True):
             o.end(ctx, st)
+        for f, fs in zip(self.finishes, state.finishes, strict=True):
+            mine = [i for i, o in enumerate(self.reductions) if o.name in f.reductions]
+            order = sorted(mine, key=lambda i: f.reductions.index(self.reductions[i].name))
+            f.finish(ctx, fs, [self.reductions[i] for i in order], [state.reductions[i] for i in order],
+                     getattr(self, f.method), [state.values[p] for p in f.params])
 
 
 __all__ = ["FusedVisitor"]

@@ -30,8 +30,9 @@ class Symbols:
 
     def __init__(self) -> None:
         # W and V: the lengths of the reductions' flat workspaces, per row (M x n tiles x L) and per
-        # column (N x m tiles x L).
-        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W", "V")}
+        # column (N x m tiles x L); R and S: of the outputs a kernel finishes itself, per row (L x M)
+        # and per column (L x N); Q: of its counters.
+        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q")}
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -103,9 +104,13 @@ class Launcher:
     tensor, its spec and the view the kernel or its operand wants."""
 
     def __init__(self, kernel, a_spec: TensorSpec, b_spec: TensorSpec, out_specs, in_specs, in_views,
-                 batched: bool, workspaces: int = 0):
+                 batched: bool, workspaces: int = 0, finished: tuple[int, ...] = ()):
         self.kernel = kernel
-        self.workspaces = workspaces  # the last ``workspaces`` outputs are reduction workspaces
+        # After the full-tile outputs: ``workspaces`` reduction workspaces; then, for a kernel that
+        # finishes its reductions, the outputs of each finish (``finished``: how many per axis) and
+        # the counters.
+        self.workspaces = workspaces
+        self.finished = tuple(finished)
         self.a_spec = a_spec
         self.b_spec = b_spec
         self.out_specs = tuple(out_specs)
@@ -130,7 +135,8 @@ class Launcher:
         """The body of the entry point, traced inline (``mB``: the kernel's view of B; ``split``:
         split-K's (splits, partials, counters), or nothing)."""
         mA = view(a, self.a_spec, ("M", "K", "L"), pad_batch=True)
-        n_tiles = len(outputs) - self.workspaces
+        finish_args = sum(self.finished) + (1 if self.finished else 0)
+        n_tiles = len(outputs) - self.workspaces - finish_args
         if cutlass.const_expr(n_tiles > 0):
             mD = view(outputs[0], self.out_specs[0], ("M", "N", "L"), pad_batch=True)
         else:
@@ -147,7 +153,15 @@ class Launcher:
         tile_m, tile_n = self.kernel.shape.tile
         tiles_m = (m + tile_m - 1) // tile_m
         tiles_n = (n + tile_n - 1) // tile_n
-        epi_args = epi_args + tuple((t, m, n, tiles_m, tiles_n) for t in outputs[n_tiles:])
+        workspaces = outputs[n_tiles:n_tiles + self.workspaces]
+        epi_args = epi_args + tuple((t, m, n, tiles_m, tiles_n) for t in workspaces)
+        if cutlass.const_expr(self.finished):
+            counters = outputs[-1]
+            first = n_tiles + self.workspaces
+            for count in self.finished:
+                epi_args = epi_args + ((counters, tuple(outputs[first:first + count]), m, n, tiles_m,
+                                        tiles_n, batches),)
+                first += count
         self.kernel(mA, mB, mD, epi_args, max_clusters, stream, split)
 
 

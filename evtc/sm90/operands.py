@@ -21,6 +21,8 @@ TileStore        (M, N[, L])             own staged buffer, written in postreduc
 ReductionOverN   (L, n tiles, M)         one value per row (sum, max or min over N): per-tile
                                          partials, stored by lane; the host finishes them
 ReductionOverM   (L, m tiles, N)         one value per column (over M): per-tile partials
+KernelFinish     counters, outputs       the block's last tile combines the partials and runs
+                                         the visitor's finish method (else the host finishes)
 ===============  ======================  ==========================================================
 
 ``[, L]`` is there when the operand varies along the batch: one shared by all batches has no L
@@ -40,6 +42,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from evtc.plan.smem import (
     COLUMN_REDUCTION_WARP_ROWS,
+    FINISH_FLAGS,
+    FINISH_SMEM_BYTES,
     VECTOR_ALIGN,
     column_reduction_columns,
     input_load_bytes,
@@ -599,6 +603,111 @@ class ReductionOverM(_Reduction):
         ctx.barrier.arrive_and_wait()  # the buffer is free for the next tile
 
 
+class KernelFinish(Operand):
+    """The kernel's own finish of the reductions along one axis (``row``: the reductions over N,
+    one value per row; ``col``: over M, one value per column), and of the outputs computed from
+    them by the visitor's ``method`` (see :class:`evtc.codegen.emit.FinishPlan`).
+
+    Every tile counts itself in an int32 counter per block of rows (a row of tiles) or of columns
+    once its partials are stored. The tile that brings the count to the number of tiles in the
+    block is the last: it combines the block's partials, tile after tile in a fixed order (the
+    result is the same bit for bit on every run), runs ``method`` on each row's (column's) totals
+    and the per-tile values it reads, stores the outputs, and sets the counter back to 0 for the
+    next launch. The counters are laid out as (L, m tiles) for rows, then (L, n tiles) for columns.
+
+    Kernel parameters: (counters, outputs (flat, one value per row or column of every batch), M, N,
+    m tiles, n tiles, L).
+    """
+
+    kind = "finish"
+    #: Partials each thread loads before it combines them: loads in flight, not one at a time.
+    UNROLL = 4
+
+    def __init__(self, axis: str, method: str, reductions: tuple[str, ...], params: tuple[str, ...],
+                 outputs: tuple[str, ...]):
+        super().__init__(f"finish_{axis}")
+        if axis not in ("row", "col"):
+            raise ValueError(f"KernelFinish: axis must be 'row' or 'col', got {axis!r}")
+        self.axis = axis
+        self.method = method
+        self.reductions = tuple(reductions)
+        self.params = tuple(params)
+        self.outputs = tuple(outputs)
+
+    def __repr__(self) -> str:
+        return (f"KernelFinish({self.axis!r}, {self.method!r}, {self.reductions!r}, {self.params!r}, "
+                f"{self.outputs!r})")
+
+    def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
+        return FINISH_SMEM_BYTES
+
+    def allocate(self, shape, params, smem):
+        return smem.allocate_tensor(Int32, cute.make_layout(FINISH_FLAGS), 16)
+
+    def begin(self, ctx, params, storage, tile_coord):
+        counters, outputs, m_size, n_size, tiles_m, tiles_n, batches = params
+        return SimpleNamespace(value=None, counters=counters, outputs=outputs, m_size=m_size,
+                               n_size=n_size, tiles_m=tiles_m, tiles_n=tiles_n, batches=batches,
+                               flags=storage, tile=tile_coord)
+
+    @cute.jit
+    def finish(self, ctx, state, reductions: list, reduction_states: list, compute, values: list):
+        """After this tile's partials of ``reductions`` (this axis's, with their states) are stored:
+        count the tile, and if it is its block's last, finish the block (``compute``: the
+        visitor's finish method; ``values``: the per-tile values it takes after the totals)."""
+        m_tile, n_tile, batch = state.tile
+        threads = ctx.shape.num_threads
+        if cutlass.const_expr(self.axis == "row"):
+            block = batch * state.tiles_m + m_tile
+            arrivals = state.tiles_n  # tiles per block of rows
+            extent = ctx.shape.tile[0]
+            first = m_tile * extent
+            size = state.m_size
+            stride = state.m_size  # from one tile's partials of a row to the next tile's
+        else:
+            block = state.batches * state.tiles_m + batch * state.tiles_n + n_tile
+            arrivals = state.tiles_m
+            extent = ctx.shape.tile[1]
+            first = n_tile * extent
+            size = state.n_size
+            stride = state.n_size
+        # Tiles of a cluster that overhangs the problem run but are not counted (nor stored).
+        inside = (m_tile < state.tiles_m) & (n_tile < state.tiles_n)
+        # Every thread's partials reach the GPU scope before the one count that publishes them.
+        cute.arch.fence_acq_rel_gpu()
+        ctx.barrier.arrive_and_wait()
+        if ctx.tidx == 0:
+            last = Int32(0)
+            if inside:
+                before = cute.arch.atomic_add(state.counters.iterator + block, Int32(1), sem="acq_rel",
+                                              scope="gpu")
+                if before == arrivals - 1:
+                    last = Int32(1)
+            state.flags[ctx.group] = last
+        ctx.barrier.arrive_and_wait()
+        if state.flags[ctx.group] != 0:
+            cute.arch.fence_acq_rel_gpu()  # the other tiles' partials, as they published them
+            for start in cutlass.range_constexpr(0, extent, threads):
+                offset = start + ctx.tidx
+                index = first + offset
+                if (offset < extent) & (index < size):
+                    totals = []
+                    for r, rs in zip(reductions, reduction_states, strict=True):
+                        if cutlass.const_expr(self.axis == "row"):
+                            base = state.m_size * state.tiles_n * batch + index
+                        else:
+                            base = state.n_size * state.tiles_m * batch + index
+                        total = r._identity()
+                        for t in cutlass.range(arrivals, unroll=self.UNROLL):
+                            total = r._combine(total, rs.workspace[base + t * stride])
+                        totals.append(total)
+                    results = compute(*totals, *values)
+                    for out, value in zip(state.outputs, results, strict=True):
+                        out[batch * size + index] = value.to(out.element_type)
+            if ctx.tidx == 0:
+                state.counters[block] = Int32(0)  # every tile of the block has counted: reuse it
+
+
 def construct(texts: list[str]) -> list[Operand]:
     """Operand objects from the constructor expressions the code generator writes into a visitor's
     source (:func:`evtc.codegen.emit.operand_constructors`)."""
@@ -609,6 +718,7 @@ __all__ = [
     "ArgScalar",
     "ColVector",
     "DeviceScalar",
+    "KernelFinish",
     "Operand",
     "ReductionOverM",
     "ReductionOverN",

@@ -1,0 +1,166 @@
+"""GPU: reductions the kernel finishes itself (the last tile of each block of rows or columns combines
+every tile's partials and computes the outputs that follow them), against torch in float64.
+
+Problems with many tiles per row (a vocabulary-sized N) and per column, ragged edges, batches, both
+schedules, split-K and clusters that overhang the problem; bit-for-bit repeatable runs, counters back
+at zero after every launch, CUDA graph replay, two streams at once, and no host finish on the call
+path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import evtc
+from evtc.runtime import split_k
+
+pytestmark = pytest.mark.gpu
+
+
+def rms_and_extrema(acc, bias, eps: float):
+    # per row: a mean finished by 1/N, + eps and sqrt; a maximum; a keepdim minimum
+    y = acc + bias
+    return y, torch.sqrt((y * y).mean(-1) + eps), y.amax(-1), y.amin(-1, keepdim=True)
+
+
+def column_stats(acc, scale):
+    # per column: a sum scaled by a device scalar, a mean (1/M), rounded to bfloat16
+    return acc.sum(-2) * scale, acc.mean(-2).to(torch.bfloat16)
+
+
+def rows_and_columns(acc):
+    return acc, (acc * acc).sum(-1), acc.sum(-2)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("evtc-kernel-finish"))
+
+
+def _problem(m, n, k, seed, batches=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lead = () if batches is None else (batches,)
+    x = (torch.randn(*lead, m, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
+    w = (torch.randn(*lead, n, k, device="cuda", generator=g) * k ** -0.25).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g)
+    return x, w, bias
+
+
+def _acc(x, w):
+    return x.double() @ w.double().transpose(-1, -2)
+
+
+def _close(out, ref, tol=1e-4):
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert err < tol, f"relative error {err:.3g}"
+
+
+def _compile(fn, x, w, cache, **kwargs):
+    examples = {"a": x, "b": w.transpose(-1, -2), **kwargs.pop("operands", {})}
+    k = evtc.compile(fn, examples, cache_dir=cache, strict=True, **kwargs)
+    assert k.plan.kernel_finish, "expected the kernel to finish its reductions"
+    return k
+
+
+def _check_rms(k, x, w, bias, eps=1e-5):
+    y, rms, mx, mn = k(x, w.t(), bias=bias, eps=eps)
+    ref = _acc(x, w) + bias.double()
+    _close(rms, torch.sqrt((ref * ref).mean(-1) + eps))
+    _close(mx, ref.amax(-1))
+    _close(mn, ref.amin(-1, keepdim=True))
+    return y, rms, mx, mn
+
+
+@pytest.mark.parametrize("knobs", [{}, {"schedule": "cooperative"}, {"schedule": "pingpong", "tile_m": 64},
+                                   {"cluster": (2, 1)}],
+                         ids=["default", "cooperative", "tile-m-64", "cluster-2x1"])
+def test_rows_of_many_tiles(cache, knobs):
+    """A vocabulary-sized N (over a hundred tiles per row) and ragged M and N."""
+    x, w, bias = _problem(300, 20000 + 8, 256, seed=1)
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5}, config=knobs or None)
+    _check_rms(k, x, w, bias)
+    assert k.last_path == "kernel"
+
+
+def test_columns_scaled_and_rounded(cache):
+    """Columns of a tall problem (many tiles per column), a device scalar in the finish, a
+    bfloat16 finished output."""
+    x, w, _ = _problem(9000 + 5, 392, 128, seed=2)
+    scale = torch.tensor(0.75, device="cuda")
+    k = _compile(column_stats, x, w, cache, operands={"scale": scale})
+    total, mean = k(x, w.t(), scale=scale)
+    acc = _acc(x, w)
+    _close(total, acc.sum(-2) * 0.75)
+    assert mean.dtype == torch.bfloat16
+    _close(mean, acc.mean(-2), tol=1e-2)
+
+
+def test_batches_rows_and_columns_with_split_k(cache):
+    """Batches, both axes in one kernel, and split-K (the epilogue, and the finish, once per tile)."""
+    x, w, _ = _problem(200, 1000, 3000, seed=3, batches=3)
+    k = _compile(rows_and_columns, x, w, cache, config={"split_k": True})
+    acc = _acc(x, w)
+    for splits in (1, 3):
+        k.pin_splits(splits)
+        d, rows, cols = k(x, w.transpose(-1, -2))
+        _close(rows, (acc * acc).sum(-1))
+        _close(cols, acc.sum(-2))
+        _close(d, acc, tol=1e-2)
+
+
+def test_repeatable_and_counters_back_at_zero(cache):
+    x, w, bias = _problem(1000, 5000, 512, seed=4)
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    first = [t.clone() for t in k(x, w.t(), bias=bias, eps=1e-5)]
+    for _ in range(10):
+        again = k(x, w.t(), bias=bias, eps=1e-5)
+        for a, b in zip(first, again, strict=True):
+            assert torch.equal(a, b), "runs differ"
+    torch.cuda.synchronize()
+    finish_pools = [t for key, t in split_k._COUNTERS.items() if key[2] == "finish"]
+    assert finish_pools and all(int(t.abs().sum()) == 0 for t in finish_pools)
+
+
+def test_cuda_graph_replay(cache):
+    x, w, bias = _problem(256, 4096, 256, seed=5)
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    k(x, w.t(), bias=bias, eps=1e-5)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = k(x, w.t(), bias=bias, eps=1e-5)
+    for seed in range(3):
+        x.copy_(_problem(256, 4096, 256, seed=50 + seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _acc(x, w) + bias.double()
+        _close(outs[1], torch.sqrt((ref * ref).mean(-1) + 1e-5))
+        _close(outs[2], ref.amax(-1))
+    _check_rms(k, x, w, bias)  # eager calls after the capture still start from zeroed counters
+
+
+def test_two_streams(cache):
+    problems = [_problem(512, 3000, 1024, seed=60 + i) for i in range(2)]
+    x, w, bias = problems[0]
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    streams = [torch.cuda.Stream() for _ in problems]
+    results = []
+    torch.cuda.synchronize()
+    for _ in range(5):
+        for (x, w, bias), stream in zip(problems, streams, strict=True):
+            with torch.cuda.stream(stream):
+                results.append((k(x, w.t(), bias=bias, eps=1e-5), x, w, bias))
+    torch.cuda.synchronize()
+    for (_, rms, mx, _), x, w, bias in results:
+        ref = _acc(x, w) + bias.double()
+        _close(rms, torch.sqrt((ref * ref).mean(-1) + 1e-5))
+        _close(mx, ref.amax(-1))
+
+
+def test_no_host_finish_on_the_call_path(cache, monkeypatch):
+    """A call runs no torch op of a host finish (the finish steps are never evaluated)."""
+    from evtc.runtime import reductions
+
+    x, w, bias = _problem(128, 512, 64, seed=7)
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    monkeypatch.setattr(reductions, "_REDUCE", None)  # the host finish would fail on it
+    _check_rms(k, x, w, bias)
