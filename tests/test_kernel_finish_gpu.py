@@ -37,6 +37,15 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("evtc-kernel-finish"))
 
 
+@pytest.fixture(autouse=True)
+def kernel_finish_at_every_size(monkeypatch):
+    """Large problems leave the finish to the host by default (KERNEL_FINISH_MAX_OUTPUT): these
+    tests make the kernel finish them all, to test it on many tiles."""
+    from evtc.runtime import reductions
+
+    monkeypatch.setattr(reductions, "KERNEL_FINISH_MAX_OUTPUT", 1 << 62)
+
+
 def _problem(m, n, k, seed, batches=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     lead = () if batches is None else (batches,)
@@ -164,3 +173,18 @@ def test_no_host_finish_on_the_call_path(cache, monkeypatch):
     k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
     monkeypatch.setattr(reductions, "_REDUCE", None)  # the host finish would fail on it
     _check_rms(k, x, w, bias)
+
+
+def test_large_problems_are_finished_on_the_host_and_agree(cache, monkeypatch):
+    """Above KERNEL_FINISH_MAX_OUTPUT the kernel's finish is off (one counter) and the host finishes
+    from the same partials; below it the kernel does. Both give the float64 result, alternately."""
+    from evtc.runtime import reductions
+
+    x, w, bias = _problem(600, 3000, 256, seed=8)
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    for limit in (1 << 62, 1000, 1 << 62, 1000):
+        monkeypatch.setattr(reductions, "KERNEL_FINISH_MAX_OUTPUT", limit)
+        _check_rms(k, x, w, bias)
+    finish_pools = [t for key, t in split_k._COUNTERS.items() if key[2] == "finish"]
+    torch.cuda.synchronize()
+    assert all(int(t.abs().sum()) == 0 for t in finish_pools)

@@ -760,7 +760,7 @@ class Kernel:
         if finisher is not None:
             # The reductions' partials are laid out by the launched configuration's tiles.
             numels = finisher.workspace_numels(m, n, batches)
-            if finisher.in_kernel and not empty:
+            if not empty and finisher.kernel_finishes(m, n, batches):
                 # Read back by the kernel itself: a buffer reused on this stream (a single workspace
                 # may be longer than it needs: its spare element is then further along).
                 buffer = split_k.scratch(device, sum(numels))
@@ -771,7 +771,7 @@ class Kernel:
                 workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
         if empty:
             return targets, workspaces, (m, n, batches, finisher)
-        if finisher is not None and finisher.in_kernel:
+        if finisher is not None:
             workspaces += finisher.finish_buffers(m, n, batches, device)
         _invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device)
         if outs is not targets:

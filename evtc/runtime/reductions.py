@@ -57,6 +57,14 @@ def _cast(value, dtype: torch.dtype):
     return round_to(value.to(torch.float32), dtype)
 
 
+#: The largest output (L x M x N elements) whose reductions the kernel finishes itself. Larger
+#: problems are GPU-bound, and there the finish's count (a barrier and an atomic round trip per
+#: tile) and its loads cost the kernel up to 15% at short K, more than the host finish's few
+#: asynchronous torch ops (docs/performance.md); small ones are host-bound, and there the host
+#: finish's ops cost several times the launch.
+KERNEL_FINISH_MAX_OUTPUT = 1 << 22
+
+
 class HostFinish:
     """The host half of a kernel's reductions (see the module docstring)."""
 
@@ -73,13 +81,21 @@ class HostFinish:
         self.finished = [(name, axis, dtypes[name]) for axis, names in plan.kernel_finish for name in names]
         self.host_dims = {h.name: h.dims for h in plan.host_outputs}
 
+    def kernel_finishes(self, m: int, n: int, batches: int) -> bool:
+        """Whether the launch of an (L, M, N) problem finishes the reductions in the kernel."""
+        return self.in_kernel and m * n * batches <= KERNEL_FINISH_MAX_OUTPUT
+
     def finish_buffers(self, m: int, n: int, batches: int, device) -> list[torch.Tensor]:
-        """For a kernel that finishes its reductions: its outputs, flat, then its counters (zero
-        between launches, reused on the current stream). Empty otherwise."""
+        """For a kernel that can finish its reductions: its outputs, flat, then its counters (zero
+        between launches, reused on the current stream); or, where the host finishes this problem,
+        placeholders the kernel never touches (one counter turns its finish off). Empty for other
+        kernels."""
         if not self.in_kernel:
             return []
         from evtc.runtime import split_k
 
+        if not self.kernel_finishes(m, n, batches):
+            return _placeholders(device, [dt for _, _, dt in self.finished])
         flats = [torch.empty(batches * (m if axis == "row" else n), dtype=dt, device=device)
                  for _, axis, dt in self.finished]
         blocks = batches * (_tiles(m, self.tile_m) + _tiles(n, self.out_tile_n))
@@ -119,7 +135,7 @@ class HostFinish:
         """The host outputs, by output name: those the kernel finished, or computed here from the
         partials (also for a kernel that finishes them, when the problem was empty and no kernel
         ran)."""
-        if self.in_kernel and m and n and batches:
+        if m and n and batches and self.kernel_finishes(m, n, batches):
             return self.finished_outputs(workspaces, m, n, batches)
         sizes = {"M": m, "N": n, "L": batches, "1": 1}
         values: dict[int, Any] = {}
@@ -156,4 +172,18 @@ class HostFinish:
         return outputs
 
 
-__all__ = ["HostFinish", "size_function"]
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholders(device, dtypes: list) -> list[torch.Tensor]:
+    """One-element tensors of ``dtypes`` and one int32 counter, kept per device: the arguments of
+    a launch whose finish is off (never read or written)."""
+    key = (str(device), tuple(dtypes))
+    cached = _PLACEHOLDERS.get(key)
+    if cached is None:
+        cached = _PLACEHOLDERS[key] = ([torch.empty(1, dtype=dt, device=device) for dt in dtypes]
+                                       + [torch.zeros(1, dtype=torch.int32, device=device)])
+    return cached
+
+
+__all__ = ["KERNEL_FINISH_MAX_OUTPUT", "HostFinish", "size_function"]

@@ -609,19 +609,22 @@ class KernelFinish(Operand):
     them by the visitor's ``method`` (see :class:`evtc.codegen.emit.FinishPlan`).
 
     Every tile counts itself in an int32 counter per block of rows (a row of tiles) or of columns
-    once its partials are stored. The tile that brings the count to the number of tiles in the
-    block is the last: it combines the block's partials, tile after tile in a fixed order (the
-    result is the same bit for bit on every run), runs ``method`` on each row's (column's) totals
-    and the per-tile values it reads, stores the outputs, and sets the counter back to 0 for the
-    next launch. The counters are laid out as (L, m tiles) for rows, then (L, n tiles) for columns.
+    once its partials are stored (a barrier, then one acquire-release atomic by one thread). The
+    tile that brings the count to the number of tiles in the block is the last: it combines the
+    block's partials, tile after tile in a fixed order (the result is the same bit for bit on every
+    run), runs ``method`` on each row's (column's) totals and the per-tile values it reads, stores
+    the outputs, and sets the counter back to 0 for the next launch. The counters are laid out as
+    (L, m tiles) for rows, then (L, n tiles) for columns.
 
     Kernel parameters: (counters, outputs (flat, one value per row or column of every batch), M, N,
-    m tiles, n tiles, L).
+    m tiles, n tiles, L). A single counter turns the finish off for the launch (the host then
+    finishes from the partials, see :mod:`evtc.runtime.reductions`).
     """
 
     kind = "finish"
-    #: Partials each thread loads before it combines them: loads in flight, not one at a time.
-    UNROLL = 4
+    #: Tiles' partials each thread loads per step before it combines them: loads in flight, not one
+    #: at a time.
+    UNROLL = 8
 
     def __init__(self, axis: str, method: str, reductions: tuple[str, ...], params: tuple[str, ...],
                  outputs: tuple[str, ...]):
@@ -671,10 +674,12 @@ class KernelFinish(Operand):
             first = n_tile * extent
             size = state.n_size
             stride = state.n_size
-        # Tiles of a cluster that overhangs the problem run but are not counted (nor stored).
-        inside = (m_tile < state.tiles_m) & (n_tile < state.tiles_n)
-        # Every thread's partials reach the GPU scope before the one count that publishes them.
-        cute.arch.fence_acq_rel_gpu()
+        # Tiles of a cluster that overhangs the problem run but are not counted (nor stored). A
+        # launch whose reductions the host finishes passes one counter (a real launch has at least
+        # two blocks): then no tile counts or finishes.
+        inside = (m_tile < state.tiles_m) & (n_tile < state.tiles_n) & (cute.size(state.counters) > 1)
+        # The barrier orders every thread's partials before thread 0's count, whose release (at GPU
+        # scope, cumulative) publishes them all: no fence per thread on every tile.
         ctx.barrier.arrive_and_wait()
         if ctx.tidx == 0:
             last = Int32(0)
@@ -691,17 +696,19 @@ class KernelFinish(Operand):
                 offset = start + ctx.tidx
                 index = first + offset
                 if (offset < extent) & (index < size):
-                    totals = []
-                    for r, rs in zip(reductions, reduction_states, strict=True):
-                        if cutlass.const_expr(self.axis == "row"):
-                            base = state.m_size * state.tiles_n * batch + index
-                        else:
-                            base = state.n_size * state.tiles_m * batch + index
-                        total = r._identity()
-                        for t in cutlass.range(arrivals, unroll=self.UNROLL):
-                            total = r._combine(total, rs.workspace[base + t * stride])
-                        totals.append(total)
-                    results = compute(*totals, *values)
+                    if cutlass.const_expr(self.axis == "row"):
+                        base = state.m_size * state.tiles_n * batch + index
+                    else:
+                        base = state.n_size * state.tiles_m * batch + index
+                    # One pass over the tiles for every reduction at once: their loads are
+                    # independent, so each unrolled step has UNROLL x reductions of them in flight.
+                    totals = cute.make_rmem_tensor((len(reductions),), Float32)
+                    for i, r in enumerate(reductions):
+                        totals[i] = r._identity()
+                    for t in cutlass.range(arrivals, unroll=self.UNROLL):
+                        for i, (r, rs) in enumerate(zip(reductions, reduction_states, strict=True)):
+                            totals[i] = r._combine(totals[i], rs.workspace[base + t * stride])
+                    results = compute(*[totals[i] for i in range(len(reductions))], *values)
                     for out, value in zip(state.outputs, results, strict=True):
                         out[batch * size + index] = value.to(out.element_type)
             if ctx.tidx == 0:
