@@ -31,6 +31,7 @@ import torch
 from evtc.ir.dtypes import round_to, torch_dtype
 from evtc.ir.ops import ELEMENTWISE
 from evtc.plan.kernel_plan import KernelPlan, ReductionPartials
+from evtc.runtime import split_k
 
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
@@ -92,8 +93,6 @@ class HostFinish:
         kernels."""
         if not self.in_kernel:
             return []
-        from evtc.runtime import split_k
-
         if not self.kernel_finishes(m, n, batches):
             return _placeholders(device, [dt for _, _, dt in self.finished])
         flats = [torch.empty(batches * (m if axis == "row" else n), dtype=dt, device=device)

@@ -150,11 +150,11 @@ class FusedVisitor(EpilogueVisitor):
     def end(self, ctx, state):
         for o, st in zip(self.reductions, state.reductions, strict=True):
             o.end(ctx, st)
+        by_name = {o.name: (o, st) for o, st in zip(self.reductions, state.reductions, strict=True)}
         for f, fs in zip(self.finishes, state.finishes, strict=True):
-            mine = [i for i, o in enumerate(self.reductions) if o.name in f.reductions]
-            order = sorted(mine, key=lambda i: f.reductions.index(self.reductions[i].name))
-            f.finish(ctx, fs, [self.reductions[i] for i in order], [state.reductions[i] for i in order],
-                     getattr(self, f.method), [state.values[p] for p in f.params])
+            mine = [by_name[name] for name in f.reductions]  # in the order the finish method takes them
+            f.finish(ctx, fs, [o for o, _ in mine], [st for _, st in mine], getattr(self, f.method),
+                     [state.values[p] for p in f.params])
 
 
 __all__ = ["FusedVisitor"]
