@@ -308,12 +308,16 @@ def test_an_epilogue_of_reductions_only_stores_no_tile(tmp_path):
 def test_row_and_column_reductions_are_finished_in_the_kernel(tmp_path):
     """Per-row and per-column reductions, and what follows them, are finished by the kernel: the
     visitor has a finish method per axis, the kernel counts its tiles with an atomic, and the plan
-    leaves nothing for the host. A reduction over everything stays a host finish."""
+    leaves nothing for the host. A reduction over everything has a second level (the blocks of
+    rows combined across threads by shuffles); a float8 output of a reduction stays a host finish."""
     def rows_and_columns(acc, eps: float):
         return acc, torch.sqrt((acc * acc).mean(-1) + eps), acc.amax(-2).to(torch.bfloat16)
 
     def over_everything(acc):
         return acc, acc.abs().amax()
+
+    def float8_row_max(acc):
+        return acc, acc.amax(-1).to(torch.float8_e4m3fn)
 
     ex = dict(a=torch.empty(64, 64, dtype=torch.float16), b=torch.empty(64, 64, dtype=torch.float16))
     k = evtc.compile(rows_and_columns, {**ex, "eps": 1e-6}, cache_dir=tmp_path)
@@ -323,7 +327,13 @@ def test_row_and_column_reductions_are_finished_in_the_kernel(tmp_path):
     assert "def finish_columns(self, r1):" in k.source
     assert re.search(r"atom\.global\.acq_rel\.add", k.ptx) and "fence.acq_rel.gpu" in k.ptx
     assert "finished in the kernel by the last tile of each block of rows" in k.explain()
-    host = evtc.compile(over_everything, ex, cache_dir=tmp_path)
+    everything = evtc.compile(over_everything, ex, cache_dir=tmp_path)
+    assert everything.plan.kernel_finish == (("all", ("D1",)),)
+    assert [s.dims for s in everything.plan.finish_args] == [("1",), ("Q",)]
+    assert "def finish_all(self, r0):" in everything.source
+    assert "shfl.sync.bfly" in everything.ptx and re.search(r"atom\.global\.acq_rel\.add", everything.ptx)
+    assert "then the last block of the launch" in everything.explain()
+    host = evtc.compile(float8_row_max, ex, cache_dir=tmp_path)
     assert host.plan.kernel_finish == () and "def finish_" not in host.source
     assert not re.search(r"atom\.global\.acq_rel\.add", host.ptx)
 

@@ -50,6 +50,18 @@ def row_and_everything(acc):
     return acc, acc.sum(-1), acc.amax()
 
 
+def rms_over_everything(acc, eps: float):
+    return acc, torch.sqrt((acc * acc).mean() + eps).to(torch.bfloat16)
+
+
+def batch_and_everything(acc):
+    return acc, acc.sum((-2, -1)), acc.amax()
+
+
+def row_over_everything(acc):
+    return acc, acc.sum(-1) / acc.abs().amax()  # one output from two axes
+
+
 def float8_row_max(acc):
     return acc, acc.amax(-1).to(torch.float8_e4m3fn)
 
@@ -67,9 +79,12 @@ SCALAR = torch.empty((), device="meta")
     (rms, {"eps": 1e-6}, False, {"row": ["D"]}),
     (scaled_by_device_scalar, {"s": SCALAR}, False, {"row": ["D1"]}),
     (batched_rows, {}, True, {"row": ["D1"], "col": ["D2"]}),
-    (over_everything, {}, False, {}),
-    (per_batch, {}, True, {}),
-    (row_and_everything, {}, False, {}),  # all or nothing: one host finish for every output
+    (over_everything, {}, False, {"all": ["D1"]}),
+    (rms_over_everything, {"eps": 1e-6}, True, {"all": ["D1"]}),
+    (per_batch, {}, True, {"batch": ["D1"]}),
+    (row_and_everything, {}, False, {"row": ["D1"], "all": ["D2"]}),
+    (batch_and_everything, {}, True, {"batch": ["D1"], "all": ["D2"]}),
+    (row_over_everything, {}, False, {}),  # all or nothing: one host finish for every output
     (float8_row_max, {}, False, {}),
     (boolean_row_test, {}, False, {"row": ["D1"]}),  # a comparison, stored as float32
 ], ids=lambda v: getattr(v, "__name__", None))

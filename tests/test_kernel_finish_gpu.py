@@ -1,5 +1,6 @@
 """GPU: reductions the kernel finishes itself (the last tile of each block of rows or columns combines
-every tile's partials and computes the outputs that follow them), against torch in float64.
+every tile's partials and computes the outputs that follow them; for reductions per batch or over
+everything, the last such block combines the blocks' values), against torch in float64.
 
 Problems with many tiles per row (a vocabulary-sized N) and per column, ragged edges, batches, both
 schedules, split-K and clusters that overhang the problem; bit-for-bit repeatable runs, counters back
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import evtc
-from evtc.runtime import split_k
+from evtc.runtime import stream_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +31,29 @@ def column_stats(acc, scale):
 
 def rows_and_columns(acc):
     return acc, (acc * acc).sum(-1), acc.sum(-2)
+
+
+def over_everything(acc, bias, eps: float):
+    # one value for the launch: a maximum, and a mean finished by 1/(M N), + eps and sqrt
+    y = acc + bias
+    return y, y.abs().amax(), torch.sqrt((y * y).mean() + eps), y.sum().to(torch.bfloat16)
+
+
+def rows_and_everything(acc):
+    return acc, acc.sum(-1), acc.abs().amax()
+
+
+def per_batch(acc):
+    return acc, acc.sum((-2, -1)), acc.amin((-2, -1))
+
+
+def rows_batches_everything(acc):
+    return acc, acc.sum((-2, -1)), acc.amax(-1), acc.sum()
+
+
+def fp8_with_amax(acc, bias, s):
+    y = acc + bias
+    return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +150,7 @@ def test_repeatable_and_counters_back_at_zero(cache):
         for a, b in zip(first, again, strict=True):
             assert torch.equal(a, b), "runs differ"
     torch.cuda.synchronize()
-    finish_pools = [t for key, t in split_k._COUNTERS.items() if key[2] == "finish"]
+    finish_pools = [t for key, t in stream_buffers._COUNTERS.items() if key[2] == "finish"]
     assert finish_pools and all(int(t.abs().sum()) == 0 for t in finish_pools)
 
 
@@ -185,6 +209,112 @@ def test_large_problems_are_finished_on_the_host_and_agree(cache, monkeypatch):
     for limit in (1 << 62, 1000, 1 << 62, 1000):
         monkeypatch.setattr(reductions, "KERNEL_FINISH_MAX_OUTPUT", limit)
         _check_rms(k, x, w, bias)
-    finish_pools = [t for key, t in split_k._COUNTERS.items() if key[2] == "finish"]
+    finish_pools = [t for key, t in stream_buffers._COUNTERS.items() if key[2] == "finish"]
     torch.cuda.synchronize()
     assert all(int(t.abs().sum()) == 0 for t in finish_pools)
+
+
+def _check_everything(k, x, w, bias, eps=1e-5):
+    y, amax, rms, total = k(x, w.t(), bias=bias, eps=eps)
+    ref = _acc(x, w) + bias.double()
+    assert amax.shape == () and rms.shape == () and total.dtype == torch.bfloat16
+    _close(amax, ref.abs().amax(), tol=1e-5)
+    _close(rms, torch.sqrt((ref * ref).mean() + eps))
+    _close(total, ref.sum(), tol=1e-2)
+    return y, amax, rms, total
+
+
+@pytest.mark.parametrize("knobs", [{}, {"schedule": "cooperative"}, {"schedule": "pingpong", "tile_m": 64},
+                                   {"cluster": (2, 1)}],
+                         ids=["default", "cooperative", "tile-m-64", "cluster-2x1"])
+def test_over_everything(cache, knobs):
+    """Reductions over everything: hundreds of tiles in dozens of blocks of rows, ragged M and N."""
+    x, w, bias = _problem(3000 + 3, 5000 + 8, 256, seed=11)
+    k = _compile(over_everything, x, w, cache, operands={"bias": bias, "eps": 1e-5}, config=knobs or None)
+    assert [axis for axis, _ in k.plan.kernel_finish] == ["all"]
+    _check_everything(k, x, w, bias)
+    assert k.last_path == "kernel"
+
+
+def test_rows_and_everything_in_one_kernel(cache):
+    x, w, _ = _problem(1000, 3000, 128, seed=12)
+    k = _compile(rows_and_everything, x, w, cache)
+    assert sorted(axis for axis, _ in k.plan.kernel_finish) == ["all", "row"]
+    for _ in range(2):  # the second launch starts from the counters the first reset
+        d, rows, amax = k(x, w.t())
+        acc = _acc(x, w)
+        _close(rows, acc.sum(-1))
+        _close(amax, acc.abs().amax(), tol=1e-5)
+
+
+def test_per_batch_with_split_k(cache):
+    x, w, _ = _problem(700, 904, 3000, seed=13, batches=3)
+    k = _compile(per_batch, x, w, cache, config={"split_k": True})
+    assert [axis for axis, _ in k.plan.kernel_finish] == ["batch"]
+    acc = _acc(x, w)
+    for splits in (1, 3):
+        k.pin_splits(splits)
+        _, total, low = k(x, w.transpose(-1, -2))
+        assert total.shape == (3,)
+        _close(total, acc.sum((-2, -1)))
+        _close(low, acc.amin((-2, -1)), tol=1e-5)
+
+
+def test_fp8_output_and_amax_in_one_kernel(cache, monkeypatch):
+    """The float8 chain's amax comes from the kernel: no host finish runs."""
+    from evtc.runtime import reductions
+
+    x, w, bias = _problem(512, 4096, 256, seed=14)
+    s = torch.tensor(0.5, device="cuda")
+    k = _compile(fp8_with_amax, x, w, cache, operands={"bias": bias, "s": s})
+    monkeypatch.setattr(reductions, "_REDUCE", None)  # the host finish would fail on it
+    d, amax = k(x, w.t(), bias=bias, s=s)
+    ref = _acc(x, w) + bias.double()
+    _close(amax, ref.abs().amax(), tol=1e-5)
+    assert d.dtype == torch.float8_e4m3fn
+    _close(d.double(), (ref * 0.5).to(torch.float8_e4m3fn).double(), tol=0.1)
+
+
+def test_over_everything_repeatable_under_graph_replay(cache):
+    x, w, bias = _problem(2000, 3000, 256, seed=15)
+    k = _compile(over_everything, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    first = [t.clone() for t in _check_everything(k, x, w, bias)]
+    for _ in range(5):
+        for a, b in zip(first, k(x, w.t(), bias=bias, eps=1e-5), strict=True):
+            assert torch.equal(a, b), "runs differ"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = k(x, w.t(), bias=bias, eps=1e-5)
+    for seed in range(2):
+        x.copy_(_problem(2000, 3000, 256, seed=150 + seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _acc(x, w) + bias.double()
+        _close(outs[1], ref.abs().amax(), tol=1e-5)
+        _close(outs[2], torch.sqrt((ref * ref).mean() + 1e-5))
+    torch.cuda.synchronize()
+    finish_pools = [t for key, t in stream_buffers._COUNTERS.items() if key[2] == "finish"]
+    assert finish_pools and all(int(t.abs().sum()) == 0 for t in finish_pools)
+
+
+def test_batched_over_everything(cache):
+    x, w, bias = _problem(300, 704, 128, seed=16, batches=4)
+    k = _compile(over_everything, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    _, amax, rms, _ = k(x, w.transpose(-1, -2), bias=bias, eps=1e-5)
+    ref = _acc(x, w) + bias.double()
+    _close(amax, ref.abs().amax(), tol=1e-5)
+    _close(rms, torch.sqrt((ref * ref).mean() + 1e-5))
+
+
+def test_rows_batches_and_everything_in_one_kernel(cache):
+    """Three finishes in one kernel, each with its own counters: per row, per batch, over
+    everything."""
+    x, w, _ = _problem(500, 1000, 256, seed=17, batches=3)
+    k = _compile(rows_batches_everything, x, w, cache)
+    assert sorted(axis for axis, _ in k.plan.kernel_finish) == ["all", "batch", "row"]
+    acc = _acc(x, w)
+    for _ in range(2):
+        _, per_batch_sum, row_max, total = k(x, w.transpose(-1, -2))
+        _close(per_batch_sum, acc.sum((-2, -1)))
+        _close(row_max, acc.amax(-1), tol=1e-5)
+        _close(total, acc.sum())

@@ -153,8 +153,8 @@ def test_ptx_of_split_k(tmp_path, schedule):
 def test_a_launch_passes_split_k_buffers_after_the_cluster_count(monkeypatch):
     from evtc.runtime import kernel as kernel_module
 
-    monkeypatch.setattr(kernel_module.split_k, "partials", lambda device, n: ("partials", device, n))
-    monkeypatch.setattr(kernel_module.split_k, "counters", lambda device, n: ("counters", device, n))
+    monkeypatch.setattr(kernel_module.stream_buffers, "partials", lambda device, n: ("partials", device, n))
+    monkeypatch.setattr(kernel_module.stream_buffers, "counters", lambda device, n: ("counters", device, n))
     calls = []
     kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, None, "dev")
     kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, (3, 100, 7), "dev")

@@ -107,7 +107,11 @@ class ReductionPlan:
 
 #: Dtypes of outputs the kernel's finish stores (one value per row or column).
 FINISH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FINISH_METHOD = {"row": "finish_rows", "col": "finish_columns"}
+_FINISH_METHOD = {"row": "finish_rows", "col": "finish_columns", "batch": "finish_batches",
+                  "all": "finish_all"}
+#: What one call of each finish method computes, for its docstring.
+_FINISH_UNIT = {"row": "row", "col": "column", "batch": "batch", "all": "launch"}
+_AXIS_TEXT = {"batch": "per batch", "all": "over everything"}
 
 
 @dataclass
@@ -190,7 +194,7 @@ class _Emitter:
         self.inputs: list[InputPlan] = []
         self.uniform_lines: list[str] = []
         self.fragment_lines: list[str] = []
-        self.finish_lines: dict[str, list[str]] = {"row": [], "col": []}
+        self.finish_lines: dict[str, list[str]] = {axis: [] for axis in _FINISH_METHOD}
         #: Nodes emitted into a finish method, by id: the axis whose method computes them.
         self.finish_axis: dict[int, str] = {}
         self.uniform_defined: list[str] = []
@@ -198,7 +202,7 @@ class _Emitter:
         #: reach it through casts that emit nothing, so its users' stages do not tell).
         self.uniform_results: list[str] = []
         self.reductions: list[ReductionPlan] = []
-        self._last_where: dict[str, str | None] = {"uniform": None, "tile": None, "row": None, "col": None}
+        self._last_where: dict[str, str | None] = dict.fromkeys(["uniform", "tile", *_FINISH_METHOD])
 
     # ---- names -----------------------------------------------------------------------------------
     def acc_params(self) -> list[str]:
@@ -293,16 +297,16 @@ class _Emitter:
 
     def plan_finishes(self) -> list[FinishPlan]:
         """Emit the ``final`` stage into finish methods, one per reduction axis, and return their
-        plans; or return [] (the host finishes) unless every reduction is per row or per column and
-        every output computed from them can be finished in the kernel: one reduction axis per
-        output, elementwise ops on the reductions and on per-tile values (scalars, arguments), a
-        16- or 32-bit float dtype, and a shape of one value per row (column) and batch."""
+        plans; or return [] (the host finishes) unless every output computed from the reductions
+        can be finished in the kernel: one reduction axis per output, elementwise ops on the
+        reductions and on per-tile values (scalars, arguments), a 16- or 32-bit float dtype, and a
+        shape of one value per row (column) and batch, per batch, or one."""
         if not self.reductions or any(r.axis not in _FINISH_METHOD for r in self.reductions):
             return []
         graph = self.graph
         by_node = {r.node.id: r for r in self.reductions}
         finals: dict[int, str] = {}
-        outputs: dict[str, list[str]] = {"row": [], "col": []}
+        outputs: dict[str, list[str]] = {axis: [] for axis in _FINISH_METHOD}
         for store in graph.stores:
             if not on_host(store):
                 continue
@@ -311,8 +315,8 @@ class _Emitter:
             if axes is None or len(axes) != 1 or store.dtype not in FINISH_DTYPES:
                 return []
             axis = axes.pop()
-            want = ("L",) if graph.batched else ()
-            want += ("M",) if axis == "row" else ("N",)
+            want = ("L",) if graph.batched and axis != "all" else ()
+            want += {"row": ("M",), "col": ("N",)}.get(axis, ())
             if tuple(str(d) for d in store.shape if d != ONE) != want:
                 return []
             finals.update(dict.fromkeys(cone, axis))
@@ -326,7 +330,7 @@ class _Emitter:
                     self.elementwise(node)
         plans = []
         stores = {s.attrs["name"]: s for s in graph.stores}
-        for axis in ("row", "col"):
+        for axis in _FINISH_METHOD:
             if not outputs[axis]:
                 continue
             body = "\n".join(x for x in self.finish_lines[axis] if not x.startswith("#"))
@@ -528,7 +532,11 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w("    # Reductions: partials per row or per column of each tile (fragment returns their inputs")
         if finishes:
             w("    # last); the tile that completes a block of rows or columns adds up every tile's partials")
-            w("    # in a fixed order and runs the finish method below on each row's or column's totals.")
+            if any(f.axis in ("batch", "all") for f in finishes):
+                w("    # in a fixed order, then the block that completes a batch (or the launch) adds up the")
+                w("    # blocks' values in a fixed order, and the finish methods below run on the totals.")
+            else:
+                w("    # in a fixed order and runs the finish method below on each row's or column's totals.")
         else:
             w("    # last); the host reduces the partials and computes what follows them.")
         w("    reductions = (")
@@ -555,6 +563,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     returned = [em.names[o.node.inputs[0].id] for o in outputs] + reduced  # noqa: F811
     comment = ", ".join([f"{o.name}: {short_name(o.dtype)}{format_shape(o.node.shape)}" for o in outputs]
                         + [f"{r.ident}: {r.op} per {'column' if r.axis == 'col' else 'row'}"
+                           + ("" if r.axis in ("row", "col") else f" (then {_AXIS_TEXT[r.axis]})")
                            for r in em.reductions])
     if em.fragment_lines:
         w("")
@@ -562,7 +571,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w(f"        return ({value})  # {comment}")
     stores = {st.attrs["name"]: st for st in graph.stores}
     for f in finishes:
-        per = "row" if f.axis == "row" else "column"
+        per = _FINISH_UNIT[f.axis]
         w("")
         w(f"    def {f.method}(self{''.join(', ' + p for p in f.reductions + f.params)}):")
         w(f'        """Once per {per}, in the kernel, after every tile\'s partials: the outputs')

@@ -167,8 +167,8 @@ class KernelPlan:
     #: Why a and b cannot run batched as given (a batch broadcast: the torch path), or None.
     broadcast_batch: str | None = None
     class_name: str = ""
-    #: The reductions the kernel finishes itself: per axis (``row``, ``col``), the host outputs it
-    #: stores, in the order of its arguments. Empty when the host finishes them (``finish``).
+    #: The reductions the kernel finishes itself: per axis (``row``, ``col``, ``batch``, ``all``), the
+    #: host outputs it stores, in the order of its arguments. Empty when the host finishes them (``finish``).
     kernel_finish: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     # ---- derived -----------------------------------------------------------------------------
@@ -180,12 +180,14 @@ class KernelPlan:
     @property
     def finish_args(self) -> tuple[TensorSpec, ...]:
         """The kernel's arguments for its own finish (:attr:`kernel_finish`): each finished output,
-        flat (``R`` = L x M values per row, ``S`` = L x N per column), then the int32 counters
+        flat (``R`` = L x M values per row, ``S`` = L x N per column, L per batch, 1 over
+        everything), then the int32 counters
         (``Q``) that tell each block's last tile. Empty when the host finishes."""
         if not self.kernel_finish:
             return ()
         dtypes = {h.name: h.dtype for h in self.host_outputs}
-        specs = [TensorSpec(name, dtypes[name], ("R" if axis == "row" else "S",), 0)
+        dims = {"row": "R", "col": "S", "batch": "L", "all": "1"}
+        specs = [TensorSpec(name, dtypes[name], (dims[axis],), 0)
                  for axis, names in self.kernel_finish for name in names]
         return (*specs, TensorSpec("counters", "int32", ("Q",), 0))
 

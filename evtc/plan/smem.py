@@ -73,6 +73,17 @@ def reduction_smem_bytes(operand: str, tile_n: int) -> int:
 #: their tile completed a block of rows or columns (one int32 per concurrent epilogue), 16 B aligned.
 FINISH_FLAGS = 2
 FINISH_SMEM_BYTES = FINISH_FLAGS * 4 + 16
+#: Axes whose finish has a second level (per batch, over everything): one more flag per epilogue,
+#: and a float32 per consumer warp and reduction to combine a block's rows across the warps.
+TWO_LEVEL_FINISH_AXES = ("batch", "all")
+
+
+def finish_smem_bytes(axis: str, reductions: int) -> int:
+    """Shared memory of one kernel finish (:class:`evtc.sm90.operands.KernelFinish`) of ``axis``
+    over ``reductions`` reductions."""
+    if axis not in TWO_LEVEL_FINISH_AXES:
+        return FINISH_SMEM_BYTES
+    return 2 * FINISH_FLAGS * 4 + 16 + COLUMN_REDUCTION_WARP_ROWS * reductions * 4 + VECTOR_ALIGN
 
 
 def d_buffer_input(inputs: list[tuple[str, str, str]], has_aux_outputs: bool,
@@ -97,7 +108,7 @@ def epilogue_smem_bytes(emitted, config: GemmConfig, load_buffers: int, store_st
     total += sum(store_smem_bytes(_dtype_name(o.dtype), config.epi_tile, store_stages)
                  for o in emitted.outputs[1:])
     total += sum(reduction_smem_bytes(r.operand, config.tile_n) for r in emitted.reductions)
-    total += FINISH_SMEM_BYTES * len(emitted.finishes)
+    total += sum(finish_smem_bytes(f.axis, len(f.reductions)) for f in emitted.finishes)
     return total
 
 
@@ -193,6 +204,6 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
     return cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg
 
 
-__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "VECTOR_ALIGN", "column_reduction_columns", "d_buffer_input",
-           "epilogue_smem_bytes", "fit_config", "input_load_bytes", "input_smem_bytes",
-           "reduction_smem_bytes", "store_smem_bytes", "vector_stage_elems"]
+__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN", "column_reduction_columns",
+           "d_buffer_input", "epilogue_smem_bytes", "finish_smem_bytes", "fit_config", "input_load_bytes",
+           "input_smem_bytes", "reduction_smem_bytes", "store_smem_bytes", "vector_stage_elems"]

@@ -20,12 +20,12 @@ from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.plan.operand_kinds import KINDS
-from evtc.runtime import split_k
+from evtc.runtime import reductions, stream_buffers
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_checks import check_device, check_tensor
 from evtc.runtime.device import max_active_clusters
-from evtc.runtime.reductions import HostFinish, size_function
+from evtc.runtime.reductions import ReductionFinish, size_function
 
 if TYPE_CHECKING:
     from evtc.runtime.prebuild import Prebuild
@@ -84,8 +84,8 @@ def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device) -> 
         fn(a, b, outs, ins, clusters)
     else:
         splits, partials_numel, counters_numel = split
-        fn(a, b, outs, ins, clusters, splits, split_k.partials(device, partials_numel),
-           split_k.counters(device, counters_numel))
+        fn(a, b, outs, ins, clusters, splits, stream_buffers.partials(device, partials_numel),
+           stream_buffers.counters(device, counters_numel))
 
 
 class Kernel:
@@ -421,9 +421,13 @@ class Kernel:
             axis = {"row": "per row", "col": "per column", "batch": "per batch",
                     "all": "over everything"}[plan.axis]
             parts = "per column of each tile" if plan.axis == "col" else "per row of each tile"
-            where = ("finished in the kernel by the last tile of each block of "
-                     + ("rows" if plan.axis == "row" else "columns")) if self.plan.kernel_finish \
-                else "finished on the host"
+            if self.plan.kernel_finish:
+                where = "finished in the kernel by the last tile of each block of " + {
+                    "row": "rows", "col": "columns", "batch": "rows, then the last block of each batch",
+                    "all": "rows, then the last block of the launch"}[plan.axis]
+                where += f" (on the host above {reductions.KERNEL_FINISH_MAX_OUTPUT:,} output elements)"
+            else:
+                where = "finished on the host"
             lines.append(f"    {plan.ident}: {plan.op} {axis}: partials {parts} in the kernel "
                          f"(float32 workspace), {where}")
         for i, spec in enumerate(self.plan.outputs):
@@ -553,7 +557,7 @@ class Kernel:
         # needs padded output rows (the staged path).
         self._out_align = max((16 // torch.empty((), dtype=dt).element_size() for dt in self._out_dtypes),
                               default=1)
-        self._finisher = (HostFinish(plan, self.config.tile_m, self.config.out_tile_n)
+        self._finisher = (ReductionFinish(plan, self.config.tile_m, self.config.out_tile_n)
                           if plan.reductions and self.config is not None else None)
 
     def __call__(self, a, b, *, out=None, **operands):
@@ -756,23 +760,10 @@ class Kernel:
             fn, clusters, split, finisher = chosen
         else:
             finisher = self._finisher
-        workspaces = []
-        if finisher is not None:
-            # The reductions' partials are laid out by the launched configuration's tiles.
-            numels = finisher.workspace_numels(m, n, batches)
-            if not empty and finisher.kernel_finishes(m, n, batches):
-                # Read back by the kernel itself: a buffer reused on this stream (a single workspace
-                # may be longer than it needs: its spare element is then further along).
-                buffer = split_k.scratch(device, sum(numels))
-                workspaces = [buffer] if len(numels) == 1 else list(buffer[:sum(numels)].split(numels))
-            elif len(numels) == 1:
-                workspaces = [torch.empty(numels[0], dtype=torch.float32, device=device)]
-            else:  # one allocation, split
-                workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
+        # The reductions' partials are laid out by the launched configuration's tiles.
+        workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
         if empty:
             return targets, workspaces, (m, n, batches, finisher)
-        if finisher is not None:
-            workspaces += finisher.finish_buffers(m, n, batches, device)
         _invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device)
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
@@ -854,10 +845,9 @@ class Kernel:
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is skipped
                 log.warning("%r: autotuning skips %s: %s", self.plan.name, autotune.describe(launch), exc)
                 continue
-            numels = finisher.workspace_numels(m, n, batches) if finisher is not None else []
-            finish = finisher.finish_buffers(m, n, batches, a.device) if finisher is not None else []
-            buffers = tuple(scratch + [torch.empty(c, dtype=torch.float32, device=a.device) for c in numels]
-                            + finish)
+            # The buffers a call of this launch would get (launches on one stream never overlap).
+            buffers = tuple(scratch + (finisher.buffers(m, n, batches, a.device) if finisher is not None
+                                       else []))
 
             def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
                 _invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device)
@@ -964,8 +954,7 @@ class Kernel:
         launched configuration), into ``out``'s tensors if given."""
         if not self._host_outputs:
             return []
-        done = finisher(workspaces, m, n, batches, operands)
-        results = [done[h.name] for h in self._host_outputs]
+        results = finisher(workspaces, m, n, batches, operands)
         if out is None:
             return results
         given = self._tree.flatten(out, _is_tensor)

@@ -2,8 +2,9 @@
 does not finish them itself.
 
 A kernel whose plan has ``kernel_finish`` stores its reductions' outputs itself (the last tile of
-each block of rows or columns, :class:`evtc.sm90.operands.KernelFinish`): :class:`HostFinish` then
-only allocates those outputs (flat) and the counters, and a call returns them reshaped. Otherwise:
+each block of rows or columns, and for reductions per batch or over everything the last such block,
+:class:`evtc.sm90.operands.KernelFinish`): :class:`ReductionFinish` then only allocates those outputs
+(flat) and the counters, and a call returns them reshaped. Otherwise:
 
 The kernel writes, per reduction, float32 partials into a flat workspace (spare elements last, see
 :mod:`evtc.sm90.operands`):
@@ -13,7 +14,7 @@ The kernel writes, per reduction, float32 partials into a flat workspace (spare 
 * per column (``ReductionOverM``): each column's partial of each tile (the warps' partials combined
   in shared memory), (L, m tiles, N).
 
-:class:`HostFinish` reduces them over the partials with one torch op each (a fixed order, so the
+:class:`ReductionFinish` reduces them over the partials with one torch op each (a fixed order, so the
 result is the same bit for bit on every run), then over rows and batches for per-batch and
 whole-output reductions, and runs the plan's finish steps: what the epilogue computes from
 finished reductions (the 1/N of a mean, ``sqrt(ms + eps)``, a scale). Everything is prepared from
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +33,8 @@ import torch
 from evtc.ir.dtypes import round_to, torch_dtype
 from evtc.ir.ops import ELEMENTWISE
 from evtc.plan.kernel_plan import KernelPlan, ReductionPartials
-from evtc.runtime import split_k
+from evtc.plan.smem import TWO_LEVEL_FINISH_AXES
+from evtc.runtime import stream_buffers
 
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
@@ -66,8 +69,26 @@ def _cast(value, dtype: torch.dtype):
 KERNEL_FINISH_MAX_OUTPUT = 1 << 22
 
 
-class HostFinish:
-    """The host half of a kernel's reductions (see the module docstring)."""
+@dataclass(frozen=True)
+class SizeLayout:
+    """What a launch of one problem size needs for its reductions, worked out once per size."""
+
+    #: Whether the kernel finishes this problem's reductions (else the host does).
+    in_kernel: bool
+    #: Elements of each reduction's workspace.
+    numels: tuple[int, ...]
+    #: The kernel-finished outputs, flat: (elements, dtype) in argument order.
+    flats: tuple[tuple[int, torch.dtype], ...] = ()
+    #: The finish's int32 counters.
+    counters: int = 0
+    #: The host outputs in the plan's order, for a kernel finish: (index among ``flats``, the shape
+    #: to view it as, or None where the flat tensor already has it).
+    views: tuple[tuple[int, tuple[int, ...] | None], ...] = ()
+
+
+class ReductionFinish:
+    """The host half of a kernel's reductions (see the module docstring): the buffers a launch
+    needs for them, and the outputs finished from them."""
 
     def __init__(self, plan: KernelPlan, tile_m: int, out_tile_n: int) -> None:
         self.reductions = plan.reductions
@@ -80,37 +101,70 @@ class HostFinish:
         dtypes = {h.name: torch_dtype(h.dtype) for h in plan.host_outputs}
         # The kernel's finished outputs in argument order: (name, axis, dtype).
         self.finished = [(name, axis, dtypes[name]) for axis, names in plan.kernel_finish for name in names]
+        #: Whether a finish has a second level (per batch or over everything), whose blocks' values
+        #: follow the partials in the workspaces.
+        self.two_level = any(axis in TWO_LEVEL_FINISH_AXES for axis, _ in plan.kernel_finish)
         self.host_dims = {h.name: h.dims for h in plan.host_outputs}
+        self.host_names = [h.name for h in plan.host_outputs]
+        self._layouts: dict[tuple[int, int, int, int], SizeLayout] = {}
 
     def kernel_finishes(self, m: int, n: int, batches: int) -> bool:
         """Whether the launch of an (L, M, N) problem finishes the reductions in the kernel."""
-        return self.in_kernel and m * n * batches <= KERNEL_FINISH_MAX_OUTPUT
+        return self.layout(m, n, batches).in_kernel
 
-    def finish_buffers(self, m: int, n: int, batches: int, device) -> list[torch.Tensor]:
-        """For a kernel that can finish its reductions: its outputs, flat, then its counters (zero
-        between launches, reused on the current stream); or, where the host finishes this problem,
-        placeholders the kernel never touches (one counter turns its finish off). Empty for other
-        kernels."""
-        if not self.in_kernel:
-            return []
-        if not self.kernel_finishes(m, n, batches):
-            return _placeholders(device, [dt for _, _, dt in self.finished])
-        flats = [torch.empty(batches * (m if axis == "row" else n), dtype=dt, device=device)
-                 for _, axis, dt in self.finished]
-        blocks = batches * (_tiles(m, self.tile_m) + _tiles(n, self.out_tile_n))
-        return flats + [split_k.counters(device, blocks, pool="finish")]
+    def layout(self, m: int, n: int, batches: int) -> SizeLayout:
+        """The :class:`SizeLayout` of an (L, M, N) problem (kept per size: the per-call path)."""
+        key = (m, n, batches, KERNEL_FINISH_MAX_OUTPUT)  # the limit: tests move it
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) > 4096:  # many distinct sizes: start over rather than grow
+                self._layouts.clear()
+            found = self._layouts[key] = self._work_out(m, n, batches)
+        return found
 
-    def finished_outputs(self, buffers: Sequence[torch.Tensor], m: int, n: int,
-                         batches: int) -> dict[str, torch.Tensor]:
-        """The outputs a kernel finished, by name, in their shapes (``buffers``: the workspaces,
-        then :meth:`finish_buffers`)."""
+    def _work_out(self, m: int, n: int, batches: int) -> SizeLayout:
+        numels = tuple(self.workspace_numels(m, n, batches))
+        if not (self.in_kernel and m and n and batches and m * n * batches <= KERNEL_FINISH_MAX_OUTPUT):
+            return SizeLayout(False, numels)
+        per_axis = {"row": batches * m, "col": batches * n, "batch": batches, "all": 1}
+        flats = tuple((per_axis[axis], dt) for _, axis, dt in self.finished)
         sizes = {"M": m, "N": n, "L": batches, "1": 1}
-        first = len(self.reductions)
-        out = {}
-        for (name, _, _), flat in zip(self.finished, buffers[first:], strict=False):
-            dims = self.host_dims[name]
-            out[name] = flat if len(dims) == 1 else flat.view([sizes[d] for d in dims])
-        return out
+        index = {name: i for i, (name, _, _) in enumerate(self.finished)}
+        views = tuple((index[name], None if len(self.host_dims[name]) == 1
+                       else tuple(sizes[d] for d in self.host_dims[name])) for name in self.host_names)
+        return SizeLayout(True, numels, flats, self._counters(m, n, batches), views)
+
+    def buffers(self, m: int, n: int, batches: int, device) -> list[torch.Tensor]:
+        """The buffers a launch passes after its full-tile outputs: each reduction's workspace, then
+        for a kernel that can finish its reductions its outputs (flat) and its counters (zero
+        between launches, reused on the current stream), or, where the host finishes this problem,
+        placeholders the kernel never touches (one counter turns its finish off). An empty problem
+        gets the workspaces only (no kernel runs)."""
+        layout = self.layout(m, n, batches)
+        if layout.in_kernel:
+            # Read back by the kernel itself: buffers reused on this stream.
+            stream = stream_buffers.stream_key(device)
+            return (stream_buffers.scratch_workspaces(device, layout.numels, stream)
+                    + [torch.empty(numel, dtype=dt, device=device) for numel, dt in layout.flats]
+                    + [stream_buffers.counters(device, layout.counters, pool="finish", stream=stream)])
+        numels = layout.numels
+        if len(numels) == 1:
+            workspaces = [torch.empty(numels[0], dtype=torch.float32, device=device)]
+        else:  # one allocation, split
+            workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
+        if self.in_kernel and m and n and batches:
+            workspaces += _placeholders(device, [dt for _, _, dt in self.finished])
+        return workspaces
+
+    def _counters(self, m: int, n: int, batches: int) -> int:
+        """The counters a launch's finish uses (see :class:`evtc.sm90.operands.KernelFinish`): per
+        block of rows, per block of columns, and where a finish has a second level (per batch,
+        over everything) a block of rows and a batch for each of the two."""
+        tiles_m = _tiles(m, self.tile_m)
+        count = batches * (tiles_m + _tiles(n, self.out_tile_n))
+        if self.two_level:
+            count += 2 * batches * (tiles_m + 1)
+        return count
 
     def partial_rows(self, r: ReductionPartials, m: int, n: int) -> tuple[int, int]:
         """(partials per reduced value, reduced values) of one batch: (n tiles, M) per row, (m tiles,
@@ -120,22 +174,29 @@ class HostFinish:
         return _tiles(n, self.out_tile_n), m
 
     def workspace_numels(self, m: int, n: int, batches: int) -> list[int]:
-        """Per reduction: the partials of every batch and at least one spare element (the kernel's
+        """Per reduction: the partials of every batch, for a finish with a second level the
+        blocks' values (L x m tiles), and at least one spare element (the kernel's
         branch-free stores go to the last), rounded up to 16 bytes so that the workspaces can be
         cut from one allocation, each aligned as TMA and the kernel need."""
         out = []
         for r in self.reductions:
             parts, values = self.partial_rows(r, m, n)
-            out.append(-(-(parts * values * batches + 1) // 4) * 4)
+            numel = parts * values * batches + 1
+            if self.two_level:
+                numel += batches * _tiles(m, self.tile_m)  # the blocks' values, (L, m tiles)
+            out.append(-(-numel // 4) * 4)
         return out
 
-    def __call__(self, workspaces: Sequence[torch.Tensor], m: int, n: int, batches: int,
-                 operands: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """The host outputs, by output name: those the kernel finished, or computed here from the
-        partials (also for a kernel that finishes them, when the problem was empty and no kernel
-        ran)."""
-        if m and n and batches and self.kernel_finishes(m, n, batches):
-            return self.finished_outputs(workspaces, m, n, batches)
+    def __call__(self, buffers: Sequence[torch.Tensor], m: int, n: int, batches: int,
+                 operands: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The host outputs in the plan's order: those the kernel finished, or computed here from
+        the partials (also for a kernel that finishes them, when the problem was empty and no
+        kernel ran). ``buffers``: what :meth:`buffers` gave the launch."""
+        layout = self.layout(m, n, batches)
+        if layout.in_kernel:
+            flats = buffers[len(self.reductions):]
+            return [flats[i] if shape is None else flats[i].view(shape) for i, shape in layout.views]
+        workspaces = buffers
         sizes = {"M": m, "N": n, "L": batches, "1": 1}
         values: dict[int, Any] = {}
         for r, ws in zip(self.reductions, workspaces, strict=False):  # finish buffers follow
@@ -168,7 +229,7 @@ class HostFinish:
                     args[0] = torch.tensor(args[0], dtype=torch.float32, device=device)
                 result = definition.evaluate(*args, **dict(step.params))
                 values[step.node] = result if definition.boolean else _cast(result, torch_dtype(step.dtype))
-        return outputs
+        return [outputs[name] for name in self.host_names]
 
 
 _PLACEHOLDERS: dict = {}
@@ -185,4 +246,4 @@ def _placeholders(device, dtypes: list) -> list[torch.Tensor]:
     return cached
 
 
-__all__ = ["KERNEL_FINISH_MAX_OUTPUT", "HostFinish", "size_function"]
+__all__ = ["KERNEL_FINISH_MAX_OUTPUT", "ReductionFinish", "SizeLayout", "size_function"]

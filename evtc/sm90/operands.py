@@ -43,9 +43,10 @@ from cutlass.tensor_utils import LayoutEnum
 from evtc.plan.smem import (
     COLUMN_REDUCTION_WARP_ROWS,
     FINISH_FLAGS,
-    FINISH_SMEM_BYTES,
+    TWO_LEVEL_FINISH_AXES,
     VECTOR_ALIGN,
     column_reduction_columns,
+    finish_smem_bytes,
     input_load_bytes,
     input_smem_bytes,
     reduction_smem_bytes,
@@ -604,19 +605,31 @@ class ReductionOverM(_Reduction):
 
 
 class KernelFinish(Operand):
-    """The kernel's own finish of the reductions along one axis (``row``: the reductions over N,
-    one value per row; ``col``: over M, one value per column), and of the outputs computed from
-    them by the visitor's ``method`` (see :class:`evtc.codegen.emit.FinishPlan`).
+    """The kernel's own finish of the reductions along one axis, and of the outputs computed from
+    them by the visitor's ``method`` (see :class:`evtc.codegen.emit.FinishPlan`). Axes: ``row`` (the
+    reductions over N, one value per row), ``col`` (over M, one value per column), ``batch`` (one
+    value per batch) and ``all`` (one value).
 
     Every tile counts itself in an int32 counter per block of rows (a row of tiles) or of columns
     once its partials are stored (a barrier, then one acquire-release atomic by one thread). The
     tile that brings the count to the number of tiles in the block is the last: it combines the
     block's partials, tile after tile in a fixed order (the result is the same bit for bit on every
-    run), runs ``method`` on each row's (column's) totals and the per-tile values it reads, stores
-    the outputs, and sets the counter back to 0 for the next launch. The counters are laid out as
-    (L, m tiles) for rows, then (L, n tiles) for columns.
+    run), then
 
-    Kernel parameters: (counters, outputs (flat, one value per row or column of every batch), M, N,
+    * ``row`` / ``col``: runs ``method`` on each row's (column's) totals and the per-tile values it
+      reads, and stores the outputs;
+    * ``batch`` / ``all`` (reductions over N whose rows are reduced too): combines its block's row
+      totals across the threads in a fixed order (shuffles within a warp, then the warps in order
+      through shared memory), stores the block's value in the reduction's workspace after the
+      partials, and counts the block in a second counter, per batch or one for everything. The
+      block that completes it combines the blocks' values the same way, and one thread runs
+      ``method`` and stores the outputs.
+
+    Every last tile sets its counter back to 0 for the next launch. The counters are laid out as
+    (L, m tiles) for rows, then (L, n tiles) for columns, then the two levels of ``batch``, (L, m
+    tiles) and (L), then those of ``all``, (L, m tiles) and (1).
+
+    Kernel parameters: (counters, outputs (flat, one value per row, column or batch, or one), M, N,
     m tiles, n tiles, L). A single counter turns the finish off for the launch (the host then
     finishes from the partials, see :mod:`evtc.runtime.reductions`).
     """
@@ -625,13 +638,17 @@ class KernelFinish(Operand):
     #: Tiles' partials each thread loads per step before it combines them: loads in flight, not one
     #: at a time.
     UNROLL = 8
+    AXES = ("row", "col", *TWO_LEVEL_FINISH_AXES)
+    #: Consumer warps' rows of the shared buffer through which a block's rows are combined.
+    WARP_ROWS = COLUMN_REDUCTION_WARP_ROWS
 
     def __init__(self, axis: str, method: str, reductions: tuple[str, ...], params: tuple[str, ...],
                  outputs: tuple[str, ...]):
         super().__init__(f"finish_{axis}")
-        if axis not in ("row", "col"):
-            raise ValueError(f"KernelFinish: axis must be 'row' or 'col', got {axis!r}")
+        if axis not in self.AXES:
+            raise ValueError(f"KernelFinish: axis must be one of {self.AXES}, got {axis!r}")
         self.axis = axis
+        self.two_level = axis in TWO_LEVEL_FINISH_AXES
         self.method = method
         self.reductions = tuple(reductions)
         self.params = tuple(params)
@@ -642,16 +659,64 @@ class KernelFinish(Operand):
                 f"{self.outputs!r})")
 
     def smem_bytes(self, shape_tile, epi_tile, load_stages, store_stages) -> int:
-        return FINISH_SMEM_BYTES
+        return finish_smem_bytes(self.axis, len(self.reductions))
 
     def allocate(self, shape, params, smem):
-        return smem.allocate_tensor(Int32, cute.make_layout(FINISH_FLAGS), 16)
+        if not self.two_level:
+            return smem.allocate_tensor(Int32, cute.make_layout(FINISH_FLAGS), 16)
+        flags = smem.allocate_tensor(Int32, cute.make_layout(2 * FINISH_FLAGS), 16)
+        rows = cute.make_layout((self.WARP_ROWS, len(self.reductions)), stride=(len(self.reductions), 1))
+        return flags, smem.allocate_tensor(Float32, rows, VECTOR_ALIGN)
 
     def begin(self, ctx, params, storage, tile_coord):
         counters, outputs, m_size, n_size, tiles_m, tiles_n, batches = params
+        flags, warp_rows = storage if self.two_level else (storage, None)
         return SimpleNamespace(value=None, counters=counters, outputs=outputs, m_size=m_size,
                                n_size=n_size, tiles_m=tiles_m, tiles_n=tiles_n, batches=batches,
-                               flags=storage, tile=tile_coord)
+                               flags=flags, warp_rows=warp_rows, tile=tile_coord)
+
+    def _two_level_counters(self, state):
+        """Where this finish's counters start: after the rows' (L x m tiles) and the columns' (L x n
+        tiles); a finish per batch first, (L x m tiles) then (L), then one over everything, (L x m
+        tiles) then (1)."""
+        start = state.batches * (state.tiles_m + state.tiles_n)
+        if cutlass.const_expr(self.axis == "all"):
+            start = start + state.batches * (state.tiles_m + 1)
+        return start
+
+    @cute.jit
+    def _count(self, ctx, state, counter, arrivals, inside, flag: int):
+        """Counts this tile (block) in ``counter`` if ``inside``; every thread of the epilogue then
+        learns from ``state.flags[flag]`` whether it was the last of ``arrivals``."""
+        if ctx.tidx == 0:
+            last = Int32(0)
+            if inside:
+                before = cute.arch.atomic_add(state.counters.iterator + counter, Int32(1), sem="acq_rel",
+                                              scope="gpu")
+                if before == arrivals - 1:
+                    last = Int32(1)
+            state.flags[flag] = last
+        ctx.barrier.arrive_and_wait()
+
+    def _across_threads(self, ctx, state, reductions: list, mine):
+        """Every reduction's values of this epilogue's threads (``mine``) combined in a fixed
+        order: the 32 lanes of each warp by butterfly shuffles (every lane ends with the same
+        bits), then the warps in order through shared memory. Every thread gets the totals."""
+        warps = ctx.shape.num_threads // 32
+        first_row = ctx.group * warps
+        for i, r in enumerate(reductions):
+            value = mine[i]
+            for offset in (16, 8, 4, 2, 1):
+                value = r._combine(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
+            state.warp_rows[first_row + ctx.tidx // 32, i] = value  # every lane: the same value
+        ctx.barrier.arrive_and_wait()
+        totals = cute.make_rmem_tensor((len(reductions),), Float32)
+        for i, r in enumerate(reductions):
+            total = state.warp_rows[first_row, i]
+            for w in range(1, warps):
+                total = r._combine(total, state.warp_rows[first_row + w, i])
+            totals[i] = total
+        return totals
 
     @cute.jit
     def finish(self, ctx, state, reductions: list, reduction_states: list, compute, values: list):
@@ -660,20 +725,24 @@ class KernelFinish(Operand):
         visitor's finish method; ``values``: the per-tile values it takes after the totals)."""
         m_tile, n_tile, batch = state.tile
         threads = ctx.shape.num_threads
-        if cutlass.const_expr(self.axis == "row"):
-            block = batch * state.tiles_m + m_tile
-            arrivals = state.tiles_n  # tiles per block of rows
-            extent = ctx.shape.tile[0]
-            first = m_tile * extent
-            size = state.m_size
-            stride = state.m_size  # from one tile's partials of a row to the next tile's
-        else:
+        if cutlass.const_expr(self.axis == "col"):
             block = state.batches * state.tiles_m + batch * state.tiles_n + n_tile
             arrivals = state.tiles_m
             extent = ctx.shape.tile[1]
             first = n_tile * extent
             size = state.n_size
             stride = state.n_size
+        else:
+            # Blocks of rows: per row, or the first level of a finish per batch or over everything
+            # (its own counters, after the rows' and the columns').
+            block = batch * state.tiles_m + m_tile
+            if cutlass.const_expr(self.two_level):
+                block = block + self._two_level_counters(state)
+            arrivals = state.tiles_n  # tiles per block of rows
+            extent = ctx.shape.tile[0]
+            first = m_tile * extent
+            size = state.m_size
+            stride = state.m_size  # from one tile's partials of a row to the next tile's
         # Tiles of a cluster that overhangs the problem run but are not counted (nor stored). A
         # launch whose reductions the host finishes passes one counter (a real launch has at least
         # two blocks): then no tile counts or finishes.
@@ -681,25 +750,20 @@ class KernelFinish(Operand):
         # The barrier orders every thread's partials before thread 0's count, whose release (at GPU
         # scope, cumulative) publishes them all: no fence per thread on every tile.
         ctx.barrier.arrive_and_wait()
-        if ctx.tidx == 0:
-            last = Int32(0)
-            if inside:
-                before = cute.arch.atomic_add(state.counters.iterator + block, Int32(1), sem="acq_rel",
-                                              scope="gpu")
-                if before == arrivals - 1:
-                    last = Int32(1)
-            state.flags[ctx.group] = last
-        ctx.barrier.arrive_and_wait()
+        self._count(ctx, state, block, arrivals, inside, ctx.group)
         if state.flags[ctx.group] != 0:
             cute.arch.fence_acq_rel_gpu()  # the other tiles' partials, as they published them
+            mine = cute.make_rmem_tensor((len(reductions),), Float32)  # two levels: my rows' totals
+            for i, r in enumerate(reductions):
+                mine[i] = r._identity()
             for start in cutlass.range_constexpr(0, extent, threads):
                 offset = start + ctx.tidx
                 index = first + offset
                 if (offset < extent) & (index < size):
-                    if cutlass.const_expr(self.axis == "row"):
-                        base = state.m_size * state.tiles_n * batch + index
-                    else:
+                    if cutlass.const_expr(self.axis == "col"):
                         base = state.n_size * state.tiles_m * batch + index
+                    else:
+                        base = state.m_size * state.tiles_n * batch + index
                     # One pass over the tiles for every reduction at once: their loads are
                     # independent, so each unrolled step has UNROLL x reductions of them in flight.
                     totals = cute.make_rmem_tensor((len(reductions),), Float32)
@@ -708,11 +772,59 @@ class KernelFinish(Operand):
                     for t in cutlass.range(arrivals, unroll=self.UNROLL):
                         for i, (r, rs) in enumerate(zip(reductions, reduction_states, strict=True)):
                             totals[i] = r._combine(totals[i], rs.workspace[base + t * stride])
-                    results = compute(*[totals[i] for i in range(len(reductions))], *values)
-                    for out, value in zip(state.outputs, results, strict=True):
-                        out[batch * size + index] = value.to(out.element_type)
+                    if cutlass.const_expr(self.two_level):
+                        for i, r in enumerate(reductions):
+                            mine[i] = r._combine(mine[i], totals[i])
+                    else:
+                        results = compute(*[totals[i] for i in range(len(reductions))], *values)
+                        for out, value in zip(state.outputs, results, strict=True):
+                            out[batch * size + index] = value.to(out.element_type)
+            if cutlass.const_expr(self.two_level):
+                self._second_level(ctx, state, reductions, reduction_states, compute, values, mine)
             if ctx.tidx == 0:
                 state.counters[block] = Int32(0)  # every tile of the block has counted: reuse it
+
+    @cute.jit
+    def _second_level(self, ctx, state, reductions: list, reduction_states: list, compute, values: list,
+                      mine):
+        """The last tile of a block of rows, for a finish per batch or over everything: its block's
+        value, then the second count, and the finish if this block completes it."""
+        m_tile, _, batch = state.tile
+        threads = ctx.shape.num_threads
+        block_totals = self._across_threads(ctx, state, reductions, mine)
+        # The blocks' values: after the partials in each reduction's workspace, (L, m tiles).
+        values_at = state.m_size * state.tiles_n * state.batches
+        counter = self._two_level_counters(state) + state.batches * state.tiles_m
+        if cutlass.const_expr(self.axis == "batch"):
+            counter = counter + batch
+            blocks = state.tiles_m
+            first = batch * state.tiles_m
+        else:
+            blocks = state.batches * state.tiles_m
+            first = 0
+        if ctx.tidx == 0:
+            for i, rs in enumerate(reduction_states):
+                rs.workspace[values_at + batch * state.tiles_m + m_tile] = block_totals[i]
+        # Thread 0 wrote the block's values before its own count releases them.
+        self._count(ctx, state, counter, blocks, True, FINISH_FLAGS + ctx.group)
+        if state.flags[FINISH_FLAGS + ctx.group] != 0:
+            cute.arch.fence_acq_rel_gpu()  # the other blocks' values
+            totals = cute.make_rmem_tensor((len(reductions),), Float32)
+            for i, r in enumerate(reductions):
+                totals[i] = r._identity()
+            for j in cutlass.range(ctx.tidx, blocks, threads, unroll=1):  # a fixed share per thread
+                for i, (r, rs) in enumerate(zip(reductions, reduction_states, strict=True)):
+                    totals[i] = r._combine(totals[i], rs.workspace[values_at + first + j])
+            totals = self._across_threads(ctx, state, reductions, totals)
+            if ctx.tidx == 0:
+                results = compute(*[totals[i] for i in range(len(reductions))], *values)
+                if cutlass.const_expr(self.axis == "batch"):
+                    at = batch
+                else:
+                    at = Int32(0)
+                for out, value in zip(state.outputs, results, strict=True):
+                    out[at] = value.to(out.element_type)
+                state.counters[counter] = Int32(0)
 
 
 def construct(texts: list[str]) -> list[Operand]:

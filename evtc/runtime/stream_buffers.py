@@ -1,5 +1,5 @@
-"""Device buffers of split-K and of kernels that finish their own reductions: the per-call float32
-partials and the per-stream int32 counters.
+"""Device buffers kept per device and stream: split-K's float32 partials (per call) and int32
+counters, and the partials and counters of kernels that finish their own reductions.
 
 The counters are zero between launches: the last split of each tile (the last tile of each block
 of rows or columns, :class:`evtc.sm90.operands.KernelFinish`) resets its own counter, so a buffer is
@@ -16,10 +16,11 @@ import torch
 _COUNTERS: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def _stream_key(device: torch.device) -> tuple[int, int] | None:
+def stream_key(device: torch.device) -> tuple[int, int] | None:
     """(device index, current raw stream) of ``device``, or None while a CUDA graph is being
-    captured. The per-call path: torch's C entry points, not ``torch.cuda.current_stream``, which
-    costs several microseconds of Python."""
+    captured: what the buffers of a launch on the current stream are kept by. The per-call path:
+    torch's C entry points, not ``torch.cuda.current_stream``, which costs several microseconds of
+    Python."""
     if _capturing():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -32,11 +33,15 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                       lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
-def counters(device: torch.device, numel: int, pool: str = "split_k") -> torch.Tensor:
+_UNKNOWN = object()
+
+
+def counters(device: torch.device, numel: int, pool: str = "split_k", stream=_UNKNOWN) -> torch.Tensor:
     """At least ``numel`` zeroed int32 counters of ``pool`` for a launch on the current stream of
-    ``device``."""
+    ``device`` (``stream``: its :func:`stream_key`, where the caller has it)."""
     numel = max(numel, 1)
-    stream = _stream_key(device)
+    if stream is _UNKNOWN:
+        stream = stream_key(device)
     if stream is None:
         return torch.zeros(numel, dtype=torch.int32, device=device)
     key = (*stream, pool)
@@ -57,7 +62,7 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     host finish enqueued after the launch could find them overwritten by a launch from another
     thread. Under CUDA graph capture each capture gets its own."""
     numel = max(numel, 4)
-    key = _stream_key(device)
+    key = stream_key(device)
     if key is None:
         return torch.empty(numel, dtype=torch.float32, device=device)
     buffer = _SCRATCH.get(key)
@@ -67,9 +72,31 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     return buffer
 
 
+_SCRATCH_VIEWS: dict = {}
+
+
+def scratch_workspaces(device: torch.device, numels: tuple[int, ...], stream) -> list[torch.Tensor]:
+    """Workspaces of ``numels`` elements cut from :func:`scratch` (``stream``: the current stream's
+    :func:`stream_key`): the views are kept with the buffer, so a call on a size seen before cuts
+    nothing. A single workspace is the whole buffer (its spare element is then further along)."""
+    if stream is None:
+        buffer = scratch(device, sum(numels))
+        return [buffer] if len(numels) == 1 else list(buffer[:sum(numels)].split(numels))
+    key = (stream, numels)
+    cached = _SCRATCH_VIEWS.get(key)
+    buffer = _SCRATCH.get(stream)
+    if cached is None or cached[0] is not buffer:
+        buffer = scratch(device, sum(numels))
+        views = [buffer] if len(numels) == 1 else list(buffer[:sum(numels)].split(numels))
+        if len(_SCRATCH_VIEWS) > 4096:  # many distinct sizes: start over rather than grow
+            _SCRATCH_VIEWS.clear()
+        cached = _SCRATCH_VIEWS[key] = (buffer, views)
+    return cached[1]
+
+
 def partials(device: torch.device, numel: int) -> torch.Tensor:
     """A float32 workspace of ``numel`` partial sums (every element is written before it is read)."""
     return torch.empty(max(numel, 4), dtype=torch.float32, device=device)
 
 
-__all__ = ["counters", "partials", "scratch"]
+__all__ = ["counters", "partials", "scratch", "scratch_workspaces", "stream_key"]
