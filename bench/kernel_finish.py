@@ -1,7 +1,7 @@
 """Who should finish the reductions: the kernel (its last tiles) or the host (torch ops on the
-partials)? Each reduction epilogue is timed both ways on the same inputs, per problem size, with
-``gelu(acc + bias)`` without a reduction and ``torch.matmul`` alone as references, in shuffled
-order (CUDA events, warm-up, medians).
+partials)? Each reduction epilogue of bench/reductions.py is timed both ways on the same inputs,
+per problem size, with ``gelu(acc + bias)`` without a reduction and ``torch.matmul`` alone as
+references, in shuffled order (CUDA events, warm-up, medians).
 
     python3 bench/kernel_finish.py                          # float16, sizes from 256^3 to 8192x8192x1024
     python3 bench/kernel_finish.py --sizes 2048x2048x1024 --samples 21
@@ -22,44 +22,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import evtc  # noqa: E402
-from evtc.runtime import reductions  # noqa: E402
+import evtc.runtime.reductions as runtime_reductions  # noqa: E402
 from evtc.timing import graphed, time_paired  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reductions import (  # noqa: E402  bench/reductions.py
+    fp8_with_amax,
+    gelu_bias,
+    gelu_bias_amax,
+    gelu_bias_col_sum,
+    gelu_bias_row_norm,
+)
 
-def gelu_bias(acc, bias):
-    return F.gelu(acc + bias)
-
-
-def row_rms(acc, bias):
-    y = F.gelu(acc + bias)
-    return y, torch.sqrt((y * y).mean(-1) + 1e-6)
-
-
-def column_sum(acc, bias):
-    y = F.gelu(acc + bias)
-    return y, y.sum(-2)
-
-
-def amax(acc, bias):
-    y = F.gelu(acc + bias)
-    return y, y.abs().amax()
-
-
-def fp8_amax(acc, bias, s):
-    y = acc + bias
-    return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
-
-
-EPILOGUES = [row_rms, column_sum, amax, fp8_amax]
+EPILOGUES = [gelu_bias_row_norm, gelu_bias_col_sum, gelu_bias_amax, fp8_with_amax]
 ON, OFF = 1 << 62, -1  # limits that force the kernel's finish on, off
 
 
 def _with_limit(fn, limit):
     def call():
-        reductions.KERNEL_FINISH_MAX_OUTPUT = limit
+        runtime_reductions.KERNEL_FINISH_MAX_OUTPUT = limit
         return fn()
     return call
 
@@ -85,9 +68,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--cache", default=None)
     args = p.parse_args()
-    default_limit = reductions.KERNEL_FINISH_MAX_OUTPUT
+    default_limit = runtime_reductions.KERNEL_FINISH_MAX_OUTPUT
     dtype = torch.float16
-    print(f"{'M x N x K':>18} {'epilogue':>10} | {'eager: kernel':>13} {'host':>7} {'ratio':>6} | "
+    print(f"{'M x N x K':>18} {'epilogue':>18} | {'eager: kernel':>13} {'host':>7} {'ratio':>6} | "
           f"{'graph: kernel':>13} {'host':>7} {'ratio':>6} | {'no red.':>7} {'matmul':>7}")
     print("(us per call; ratio = host finish / kernel finish)")
     ratios: dict[str, list[float]] = {"eager": [], "graph": []}
@@ -101,18 +84,18 @@ def main() -> None:
         ex = {"a": a, "b": b, "bias": bias}
         plain = evtc.compile(gelu_bias, ex, cache_dir=args.cache)
         for epi in EPILOGUES:
-            ops = {"bias": bias, **({"s": s} if epi is fp8_amax else {})}
+            ops = {"bias": bias, **({"scale": s} if epi is fp8_with_amax else {})}
             kern = evtc.compile(epi, {**ex, **ops}, cache_dir=args.cache)
             if not kern.plan.kernel_finish:
-                print(f"{size:>18} {epi.__name__:>10} | the host finishes it at every size: skipped")
+                print(f"{size:>18} {epi.__name__:>18} | the host finishes it at every size: skipped")
                 continue
             try:
                 eager, graph = _time_both_ways(kern, plain, a, b, bias, ops, args.samples)
             finally:
-                reductions.KERNEL_FINISH_MAX_OUTPUT = default_limit
+                runtime_reductions.KERNEL_FINISH_MAX_OUTPUT = default_limit
             for mode, (kern_ms, host_ms) in (("eager", eager), ("graph", graph[:2])):
                 ratios[mode].append(host_ms / kern_ms)
-            print(f"{size:>18} {epi.__name__:>10} | {eager[0] * 1e3:13.1f} {eager[1] * 1e3:7.1f} "
+            print(f"{size:>18} {epi.__name__:>18} | {eager[0] * 1e3:13.1f} {eager[1] * 1e3:7.1f} "
                   f"{eager[1] / eager[0]:6.3f} | {graph[0] * 1e3:13.1f} {graph[1] * 1e3:7.1f} "
                   f"{graph[1] / graph[0]:6.3f} | {graph[2] * 1e3:7.1f} {graph[3] * 1e3:7.1f}")
     for mode, values in ratios.items():

@@ -95,6 +95,19 @@ def _compile(fn, x, w, cache, **kwargs):
     return k
 
 
+def _replays(k, x, w, bias, seeds):
+    """Capture one call (with ``eps`` = 1e-5) in a CUDA graph, then replay it on new values of x:
+    per seed, the captured outputs and the float64 reference of acc + bias."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = k(x, w.t(), bias=bias, eps=1e-5)
+    for seed in seeds:
+        x.copy_(_problem(x.shape[0], w.shape[0], x.shape[1], seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        yield outs, _acc(x, w) + bias.double()
+
+
 def _check_rms(k, x, w, bias, eps=1e-5):
     y, rms, mx, mn = k(x, w.t(), bias=bias, eps=eps)
     ref = _acc(x, w) + bias.double()
@@ -158,14 +171,7 @@ def test_cuda_graph_replay(cache):
     x, w, bias = _problem(256, 4096, 256, seed=5)
     k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
     k(x, w.t(), bias=bias, eps=1e-5)  # warm up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = k(x, w.t(), bias=bias, eps=1e-5)
-    for seed in range(3):
-        x.copy_(_problem(256, 4096, 256, seed=50 + seed)[0])
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = _acc(x, w) + bias.double()
+    for outs, ref in _replays(k, x, w, bias, seeds=(50, 51, 52)):
         _close(outs[1], torch.sqrt((ref * ref).mean(-1) + 1e-5))
         _close(outs[2], ref.amax(-1))
     _check_rms(k, x, w, bias)  # eager calls after the capture still start from zeroed counters
@@ -282,14 +288,7 @@ def test_over_everything_repeatable_under_graph_replay(cache):
     for _ in range(5):
         for a, b in zip(first, k(x, w.t(), bias=bias, eps=1e-5), strict=True):
             assert torch.equal(a, b), "runs differ"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = k(x, w.t(), bias=bias, eps=1e-5)
-    for seed in range(2):
-        x.copy_(_problem(2000, 3000, 256, seed=150 + seed)[0])
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = _acc(x, w) + bias.double()
+    for outs, ref in _replays(k, x, w, bias, seeds=(150, 151)):
         _close(outs[1], ref.abs().amax(), tol=1e-5)
         _close(outs[2], torch.sqrt((ref * ref).mean() + 1e-5))
     torch.cuda.synchronize()

@@ -64,9 +64,10 @@ def _cast(value, dtype: torch.dtype):
 #: The largest output (L x M x N elements) whose reductions the kernel finishes itself. Above it
 #: the kernel counts no tile and the host finishes. Measured (bench/kernel_finish.py, H100,
 #: docs/performance.md): at 16M output elements the kernel's finish costs the same GPU time as the
-#: host's few torch ops (0.95 to 1.05) and saves their host time (1.04 to 2.2 times faster calls);
-#: at 64M and K = 1024 its count (a barrier and an atomic round trip per tile) and its last tiles'
-#: loads cost 5 to 10% of GPU time, and the host's ops overlap the next kernel.
+#: host's few torch ops (0.96 to 1.03) and saves their host time (calls 3 to 8% faster, twice as
+#: fast at 4M and below); at 64M and K = 1024 its count (a barrier and an atomic round trip per
+#: tile) and its last tiles' loads cost 4 to 9% of GPU time, and the host's ops overlap the next
+#: kernel.
 KERNEL_FINISH_MAX_OUTPUT = 1 << 24
 
 
