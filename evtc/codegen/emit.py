@@ -197,6 +197,8 @@ class _Emitter:
         self.finish_lines: dict[str, list[str]] = {axis: [] for axis in _FINISH_METHOD}
         #: Nodes emitted into a finish method, by id: the axis whose method computes them.
         self.finish_axis: dict[int, str] = {}
+        #: Each finish method's statements without their source comments, by axis.
+        self.finish_bodies: dict[str, str] = {}
         self.uniform_defined: list[str] = []
         #: The uniform values the fragment reads (set once the fragment is emitted: a value can
         #: reach it through casts that emit nothing, so its users' stages do not tell).
@@ -333,7 +335,8 @@ class _Emitter:
         for axis in _FINISH_METHOD:
             if not outputs[axis]:
                 continue
-            body = "\n".join(x for x in self.finish_lines[axis] if not x.startswith("#"))
+            body = self.finish_bodies[axis] = "\n".join(x for x in self.finish_lines[axis]
+                                                        if not x.startswith("#"))
             returned = {self.names[stores[n].inputs[0].id] for n in outputs[axis]}
             used = [r.ident for r in self.reductions if r.axis == axis
                     and (r.ident in returned or _mentions(body, r.ident))]
@@ -478,8 +481,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     returned = {em.names[o.node.inputs[0].id] for o in outputs} | set(reduced)
     fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))
     uniform_body = "\n".join(x for x in em.uniform_lines if not x.startswith("#"))
-    finish_bodies = {f.axis: "\n".join(x for x in em.finish_lines[f.axis] if not x.startswith("#"))
-                     for f in finishes}
+    finish_bodies = em.finish_bodies
     em.uniform_results = [u for u in em.uniform_defined if u in returned or _mentions(fragment_body, u)
                           or any(_mentions(body, u) for body in finish_bodies.values())]
     fragment_params = [p.ident for p in em.inputs] + em.uniform_results

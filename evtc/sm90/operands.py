@@ -812,7 +812,8 @@ class KernelFinish(Operand):
             totals = cute.make_rmem_tensor((len(reductions),), Float32)
             for i, r in enumerate(reductions):
                 totals[i] = r._identity()
-            for j in cutlass.range(ctx.tidx, blocks, threads, unroll=1):  # a fixed share per thread
+            # A fixed share of the blocks per thread, in order (unrolled: loads in flight).
+            for j in cutlass.range(ctx.tidx, blocks, threads, unroll=self.UNROLL):
                 for i, (r, rs) in enumerate(zip(reductions, reduction_states, strict=True)):
                     totals[i] = r._combine(totals[i], rs.workspace[values_at + first + j])
             totals = self._across_threads(ctx, state, reductions, totals)
