@@ -7,6 +7,15 @@ Start-up and cache hits run in fresh processes (medians over ``--runs``); the pe
 time per call (no synchronisation inside the loop) on a small problem, against ``x.add_(1)`` timed
 the same way in the same process, in alternating order: the median of the rounds, and the best
 round's difference (the host is shared and noisy).
+
+Python must be able to cache bytecode, as an installed package has it (pip compiles it at install
+time). The device machines set PYTHONDONTWRITEBYTECODE=1 and their site-packages hold no bytecode, so
+every process compiles torch, sympy and the DSL from source there: about 3 s more per cold compile
+and 2 s more for ``import torch``. Measure there with a bytecode cache::
+
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc bash .devkit/gpu.sh python3 bench/host.py
+
+The script warms the cache with one import process first, and says whether it could.
 """
 
 from __future__ import annotations
@@ -29,6 +38,18 @@ import json, sys, time
 t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import evtc; t2 = time.perf_counter()
 print(json.dumps({"torch": t1 - t0, "evtc": t2 - t1, "sympy": "sympy" in sys.modules,
                   "cutlass": "cutlass" in sys.modules}))
+"""
+
+CHILD_WARM = """
+import torch, sympy, evtc.api, evtc.runtime.build, cutlass.cute
+print("{}")
+"""
+
+CHILD_DSL = """
+import json, time
+import torch
+t1 = time.perf_counter(); import cutlass.cute; t2 = time.perf_counter()
+print(json.dumps({"dsl": t2 - t1}))
 """
 
 CHILD_HIT = """
@@ -121,6 +142,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated catalogue entries: their per-call cost only")
     p.add_argument("--rounds", type=int, default=7, help="rounds of 200 calls per entry")
+    p.add_argument("--startup", action="store_true", help="start-up, cache hits and cold compiles only")
     args = p.parse_args()
     cache = args.cache or tempfile.mkdtemp(prefix="evtc-host-")
     only = [n for n in args.only.split(",") if n]
@@ -129,15 +151,26 @@ def main() -> None:
         _print_per_call(per_call(cache, rounds=args.rounds, names=only))
         return
 
+    # The first imports on a machine write the bytecode caches (see the module docstring).
+    t0 = time.perf_counter()
+    child(CHILD_WARM)
+    caching = ("off (PYTHONDONTWRITEBYTECODE): the times include compiling every module imported"
+               if sys.flags.dont_write_bytecode else "on")
+    print(f"bytecode caches: {caching}; a first import of torch, evtc, sympy and the DSL: "
+          f"{time.perf_counter() - t0:.2f} s")
     imports = [child(CHILD_IMPORT) for _ in range(args.runs)]
     evtc_ms = [r["evtc"] * 1e3 for r in imports]
     print(f"import torch: median {statistics.median(r['torch'] for r in imports):.2f} s; import evtc on top: "
           f"median {statistics.median(evtc_ms):.1f} ms, max {max(evtc_ms):.1f} ms; sympy imported: "
           f"{any(r['sympy'] for r in imports)}, cutlass imported: {any(r['cutlass'] for r in imports)}")
 
+    dsl = [child(CHILD_DSL)["dsl"] for _ in range(2)]
+    print(f"import of the CuTe DSL in a new process: {dsl[1]:.2f} s (the first: {dsl[0]:.2f} s)")
     name = "relu_lincomb_bias"
-    cold = child(CHILD_HIT.format(tests=str(ROOT / "tests"), name=name, cache=cache))
-    print(f"cold compile of {name!r} in a new process: {cold['hit']:.2f} s ({cold['origin']})")
+    for cold_name in (name, "gelu_erf", "rms_per_row"):
+        fresh = cache if cold_name == name else tempfile.mkdtemp(prefix="evtc-cold-")
+        cold = child(CHILD_HIT.format(tests=str(ROOT / "tests"), name=cold_name, cache=fresh))
+        print(f"cold compile of {cold_name!r} in a new process: {cold['hit']:.2f} s ({cold['origin']})")
     hits = [child(CHILD_HIT.format(tests=str(ROOT / "tests"), name=name, cache=cache))
             for _ in range(args.runs)]
     hit_ms = statistics.median(h["hit"] for h in hits) * 1e3
@@ -146,6 +179,8 @@ def main() -> None:
           f"{statistics.median(h['first_call'] for h in hits) * 1e3:.1f} ms; cutlass imported: "
           f"{any(h['cutlass'] for h in hits)}, sympy imported: {any(h['sympy'] for h in hits)}")
 
+    if args.startup:
+        return
     t0 = time.perf_counter()
     precompile(cache)
     print(f"\n(catalogue compiled into the cache in {time.perf_counter() - t0:.0f} s)")

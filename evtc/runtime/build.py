@@ -10,9 +10,10 @@ Loading a cached kernel opens the library with ``tvm_ffi.load_module``: a few mi
 process that never imports ``cutlass``. Where no library could be linked (no C compiler at build
 time) or it does not load here, the object file is loaded through the DSL instead (slower to start).
 
-Where a build's time goes (H100 host, a typical epilogue): importing the DSL about 1 s once per
-process, tracing the kernel in Python about 1 to 2 s, MLIR lowering and ptxas about 2 to 3 s, the
-export and link under 0.1 s (``evtc.compile`` logs the build's seconds; docs/performance.md).
+Where a cold compile's 2.6 to 2.8 s go (H100 host, Python with its bytecode caches, a typical
+epilogue): importing the DSL about 0.4 s once per process, the DSL tracing our kernel in Python
+about 0.9 s, MLIR lowering and ptxas about 1.3 s, the export and link 0.1 s (``evtc.compile`` logs
+the build's seconds; docs/performance.md, "start-up measured with bytecode caches").
 """
 
 from __future__ import annotations
