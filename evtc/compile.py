@@ -180,6 +180,21 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
     return kernel
 
 
+def _float8_layout_message(signature) -> str:
+    """Why float8 a and b of these layouts do not compile, and how to lay them out."""
+    wrong = []
+    if signature.a_major != "k":
+        wrong.append("a (M, K) is column-major (M has unit stride): pass x.contiguous(), K innermost")
+    if signature.b_major != "k":
+        wrong.append("b (K, N) is row-major (N has unit stride): pass the weight w (N, K) as b = w.t() "
+                     "with w contiguous, or b.t().contiguous().t()")
+    return (f"{signature.a.dtype} a and b must both be K-major, as the H100's 8-bit tensor cores read "
+            f"them (and as torch._scaled_mm takes them): {'; '.join(wrong)}. A call with another layout "
+            "than the compiled one is staged through a K-major copy (docs/compile.md, 'Call paths'); "
+            "an example of another layout is refused here, so that a weight is transposed once, not "
+            "on every call")
+
+
 def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict):
     """The full path: trace, optimize, generate, plan and obtain. Returns the kernel and its front
     record (None for a kernel without SM90 code)."""
@@ -191,7 +206,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     from evtc.frontend.source import definition_location
     from evtc.ir.dtypes import KERNEL_INPUT_DTYPES
     from evtc.ir.passes.gated import kernel_graph
-    from evtc.plan.config import DEFAULT_SCHEDULE, ConfigError
+    from evtc.plan.config import DEFAULT_SCHEDULE, FLOAT8_DTYPES, ConfigError
     from evtc.plan.signature import KernelSignature, dtype_name
     from evtc.plan.smem import fit_config
 
@@ -211,7 +226,9 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
         reason = ("float32 a and b: the SM90 kernel has no tf32 or float32 mainloop yet (torch.matmul "
                   "follows torch.backends.cuda.matmul.allow_tf32)")
         return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason,
-                             "Pass float16 or bfloat16 a and b for a fused kernel"), None
+                             "Pass float16, bfloat16 or float8 a and b for a fused kernel"), None
+    if signature.a.dtype in FLOAT8_DTYPES and (signature.a_major, signature.b_major) != ("k", "k"):
+        raise CompileError(_float8_layout_message(signature), loc)
     if signature.broadcast_batch is not None:
         return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, signature.broadcast_batch,
                              "Expand a or b so both have the same batch size"), None
@@ -239,6 +256,8 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
         raise CompileError("configuration: d_major='m' (a column-major output) needs an epilogue with "
                            "one full-tile output and no reductions", loc)
     signature.set_output_major(d_major)
+    if signature.b.dtype != signature.a.dtype:
+        knobs["b_dtype"] = signature.b.dtype  # float8 of the other format
     knobs.update(ab_dtype=signature.a.dtype, d_dtype=d_dtype, a_major=signature.a_major,
                  b_major=signature.b_major, d_major=d_major, gated=graph.gated,
                  store_d=bool(emitted.outputs))

@@ -16,7 +16,7 @@ import sympy
 import torch
 
 from ..errors import DTypeError, InputError, ShapeError, SourceLoc
-from ..ir.dtypes import GEMM_INPUT_DTYPES, OPERAND_DTYPES, short_name
+from ..ir.dtypes import FLOAT8_DTYPES, GEMM_INPUT_DTYPES, OPERAND_DTYPES, short_name
 from ..ir.graph import Operand
 from ..ir.shapes import HALF_N, ONE, L, M, N, Shape, varying_dims
 from ..plan.operand_kinds import kind_of
@@ -101,8 +101,9 @@ def read_problem(example: Mapping[str, Any], loc: SourceLoc | None) -> Problem:
         if t.dtype not in GEMM_INPUT_DTYPES:
             allowed = ", ".join(short_name(d) for d in GEMM_INPUT_DTYPES)
             raise DTypeError(f"{name!r} has dtype {t.dtype}; the GEMM takes {allowed}", loc)
-    if a.dtype != b.dtype:
-        raise DTypeError(f"'a' is {a.dtype} but 'b' is {b.dtype}: they must match", loc)
+    if a.dtype != b.dtype and not (a.dtype in FLOAT8_DTYPES and b.dtype in FLOAT8_DTYPES):
+        raise DTypeError(f"'a' is {a.dtype} but 'b' is {b.dtype}: they must match (only float8 a and b "
+                         "may mix e4m3 and e5m2)", loc)
     if a.shape[-1] != b.shape[-2]:
         raise ShapeError(
             f"a @ b: a has shape {tuple(a.shape)} and b {tuple(b.shape)}; K differs "

@@ -10,7 +10,7 @@ import torch
 from torch.overrides import resolve_name
 
 from ..errors import EpilogueError, InputError, OutputError, ReductionError, UnsupportedOpError
-from ..ir.dtypes import COMPUTE_DTYPE
+from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
@@ -280,9 +280,11 @@ def _depends_on_reduction(node: Node) -> bool:
 
 
 def _default_output_dtype(node: Node, ab_dtype: torch.dtype) -> torch.dtype:
-    """An explicit final cast wins; else full tiles take a's dtype and reductions float32."""
+    """An explicit final cast wins; else full tiles take a's dtype (bfloat16 for float8 a and b,
+    whose products are not stored in 8 bits unless the epilogue says so, as with
+    ``torch._scaled_mm(..., out_dtype=torch.bfloat16)``) and reductions float32."""
     if node.op == "cast" and not node.attrs.get("implicit") or node.dtype not in (COMPUTE_DTYPE, torch.bool):
         return node.dtype
     if _depends_on_reduction(node):
         return COMPUTE_DTYPE
-    return ab_dtype
+    return torch.bfloat16 if ab_dtype in FLOAT8_DTYPES else ab_dtype

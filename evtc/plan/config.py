@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 # Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
 # cutlass or torch; :mod:`evtc.sm90.dtypes` maps them to both.
-AB_DTYPES = ("float16", "bfloat16")
+AB_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -27,6 +27,9 @@ TILE_MS = (64, 128)
 # takes tile_m * tile_n / 128 registers per thread; 128 (the cooperative schedule's) is the most
 # that leaves room for the epilogue: tile_n up to 128 at tile_m = 128, up to 256 at tile_m = 64.
 PINGPONG_ACC_REGS = 128
+# A mainloop that promotes float8 partial sums (GemmConfig.fast_accum) keeps a scratch accumulator
+# beside the tile's: two of at most 64 registers per thread.
+PROMOTING_ACC_REGS = 64
 PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
 # The default: ping-pong, 128x128 per warpgroup, clusters of 1x2 CTAs (A multicast to both).  On the
@@ -36,7 +39,9 @@ DEFAULT_SCHEDULE = "pingpong"
 DEFAULT_CLUSTER = {"pingpong": (1, 2), "cooperative": (1, 1)}
 # Rows of A a stage may load when a problem has fewer rows than a tile (GemmConfig.a_rows).
 A_ROWS = (8, 16, 32)
-TILE_K = 64  # four k16 wgmma steps per pipeline stage: 128 B of 16-bit K, one full swizzle row
+# K of one pipeline stage for 16-bit A and B: four k16 wgmma steps, 128 bytes of K, one full
+# swizzle row. 8-bit A and B take 128 (four k32 steps, the same 128 bytes): GemmConfig.tile_k.
+TILE_K = 64
 # 112, 144 and 160 (cooperative, K-major B) let a problem's 128-row tiles make whole waves: 512 x
 # 4608 in 128 x 144 tiles is 128 tiles on 132 SMs, one round, where 128 x 128 tiles take two
 # (evtc.plan.selector, "wave-fitted widths").
@@ -125,10 +130,21 @@ class GemmConfig:
     as soon as this one starts. Only what runs before that wait overlaps, so results are the same
     with or without it. Off by default: on the H100 it made some decode launches 10% faster and
     others up to 25% slower (docs/performance.md).
+
+    ``fast_accum`` (float8 A and B only): the H100's 8-bit wgmma adds its products into the
+    accumulator with fewer mantissa bits than float32. By default (False) each K tile's products
+    (128 K elements, four k32 wgmma steps) are summed by the wgmma into a scratch accumulator that
+    the consumer then adds into a float32 one, the promotion of DeepSeek-V3's recipe. It costs the
+    scratch accumulator's registers (tiles of at most PROMOTING_ACC_REGS per thread) and a wait for
+    each K tile's wgmma before its add. True keeps every product in the wgmma's own
+    accumulator: faster, less precise (torch._scaled_mm's ``use_fast_accum=True``). 16-bit
+    wgmma accumulates in full float32 either way.
     """
 
     ab_dtype: str = "float16"
     d_dtype: str = "float16"
+    # B's dtype where it differs from A's: float8 A and B may mix e4m3 and e5m2 (None: ab_dtype).
+    b_dtype: str | None = None
     a_major: str = "k"
     b_major: str = "n"
     d_major: str = "n"
@@ -147,6 +163,7 @@ class GemmConfig:
     split_k: bool = False
     a_rows: int | None = None
     pdl: bool = False
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
@@ -170,8 +187,30 @@ class GemmConfig:
         return 128 * (2 // self.epi_groups)
 
     @property
+    def promotes(self) -> bool:
+        """Whether the mainloop promotes float8 partial sums into a float32 accumulator after each
+        K tile (see ``fast_accum``)."""
+        return self.ab_dtype in FLOAT8_DTYPES and not self.fast_accum
+
+    @property
+    def acc_regs(self) -> int:
+        """Accumulator registers per consumer thread (a warpgroup's share of the tile)."""
+        return self.tile_m * self.tile_n // (128 * (2 // self.epi_groups))
+
+    @property
+    def b_element(self) -> str:
+        """B's dtype: ``b_dtype``, or A's."""
+        return self.b_dtype or self.ab_dtype
+
+    @property
     def tile_shape_mnk(self) -> tuple[int, int, int]:
-        return (self.tile_m, self.tile_n, TILE_K)
+        return (self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def tile_k(self) -> int:
+        """K of one pipeline stage: 128 bytes of A's and B's rows (64 16-bit or 128 8-bit
+        elements), one full 128-byte swizzle row."""
+        return 128 // DTYPE_BYTES[self.ab_dtype]
 
     @property
     def epi_tile(self) -> tuple[int, int]:
@@ -214,7 +253,7 @@ class GemmConfig:
         return self.a_rows is None or m <= self.a_rows
 
     def ab_bytes_per_stage(self) -> int:
-        return (self.tile_m + self.tile_n) * TILE_K * DTYPE_BYTES[self.ab_dtype]
+        return (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.ab_dtype]
 
     def overlap_ab_stages(self) -> int:
         """The fewest A/B stages that epilogue buffers may leave: enough to hold OVERLAP_AB_BYTES
@@ -296,11 +335,19 @@ class GemmConfig:
 
         if self.ab_dtype not in AB_DTYPES:
             bad(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
+        if self.b_dtype is not None and self.b_dtype != self.ab_dtype and not (
+                self.ab_dtype in FLOAT8_DTYPES and self.b_dtype in FLOAT8_DTYPES):
+            bad(f"b_dtype={self.b_dtype!r} differs from ab_dtype={self.ab_dtype!r}: only float8 A and B "
+                f"may mix formats ({FLOAT8_DTYPES})")
         if self.d_dtype not in D_DTYPES:
             bad(f"d_dtype must be one of {D_DTYPES}, got {self.d_dtype!r}")
         if self.d_dtype in FLOAT8_DTYPES and self.d_major != "n":
             bad(f"a {self.d_dtype} D must be row-major (d_major='n'): 8-bit elements are stored by "
                 "rows of the epilogue subtile")
+        if self.ab_dtype in FLOAT8_DTYPES and (self.a_major, self.b_major) != ("k", "k"):
+            bad(f"{self.ab_dtype} A and B must both be K-major (a_major='k', b_major='k'), got "
+                f"a_major={self.a_major!r}, b_major={self.b_major!r}: the H100's 8-bit wgmma reads "
+                "both operands along K")
         if self.a_major not in ("k", "m"):
             bad(f"a_major must be 'k' or 'm', got {self.a_major!r}")
         if self.b_major not in ("k", "n"):
@@ -353,6 +400,13 @@ class GemmConfig:
             bad(f"tile_m={self.tile_m} needs schedule='pingpong' (the cooperative schedule stacks its "
                 f"two consumer warpgroups along M, 64 rows each: 128 rows)")
         acc_regs = self.tile_m * self.tile_n // 128
+        if self.promotes and self.acc_regs > PROMOTING_ACC_REGS:
+            bad(f"promoting float8 partial sums keeps a scratch accumulator beside the tile's: a "
+                f"{self.schedule} {self.tile_m} x {self.tile_n} tile needs {self.acc_regs} registers per "
+                f"thread for each, more than {PROMOTING_ACC_REGS}; use cooperative 128 x 128, ping-pong "
+                "128 x 64 or 64 x 128, or fast_accum=True")
+        if self.fast_accum not in (True, False):
+            bad(f"fast_accum must be True or False, got {self.fast_accum!r}")
         if self.schedule == "pingpong" and acc_regs > PINGPONG_ACC_REGS:
             bad(f"schedule='pingpong' computes a {self.tile_m} x tile_n tile per consumer warpgroup: "
                 f"tile_n={self.tile_n} needs {acc_regs} accumulator registers per thread, too many with "
@@ -367,8 +421,11 @@ class GemmConfig:
         """A compact, readable identifier (bench tables, test ids)."""
         ab = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3",
               "float8_e5m2": "e5m2"}
+        inputs = ab[self.ab_dtype] if self.b_element == self.ab_dtype else \
+            f"{ab[self.ab_dtype]}x{ab[self.b_element]}"
         name = (
-            f"{ab[self.ab_dtype]}->{ab[self.d_dtype]} A{self.a_major}B{self.b_major}D{self.d_major} "
+            f"{inputs}{' fast' if self.fast_accum and self.ab_dtype in FLOAT8_DTYPES else ''}"
+            f"->{ab[self.d_dtype]} A{self.a_major}B{self.b_major}D{self.d_major} "
             f"{self.tile_m}x{self.tile_n} c{self.cluster[0]}x{self.cluster[1]} "
             f"epi{self.tile_m}x{self.epi_tile_n}"
         )

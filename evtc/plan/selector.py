@@ -268,9 +268,9 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         splits = pinned_splits
     else:
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
-        splits = choose_splits(k, tiles, slots)
+        splits = choose_splits(k, tiles, slots, config.tile_k)
         if splits == 1:
-            splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1])
+            splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1], config.tile_k)
     return config, splits
 
 

@@ -84,11 +84,11 @@ class KernelSignature:
                                     "broadcast): the kernel needs equal ones; expand the other one to get "
                                     "a kernel")
         self.batched = graph.batched
-        ab = dtype_name(a.dtype)
         a_dims = ("L", "M", "K") if a.dim() == 3 else ("M", "K")
         b_dims = ("L", "K", "N") if b.dim() == 3 else ("K", "N")
-        self.a = TensorSpec("a", ab, a_dims, contiguous_dim(a_dims, a, ("M", "K")))
-        self.b = TensorSpec("b", ab, b_dims, contiguous_dim(b_dims, b, ("K", "N")))
+        # Their own dtypes: float8 a and b may mix formats.
+        self.a = TensorSpec("a", dtype_name(a.dtype), a_dims, contiguous_dim(a_dims, a, ("M", "K")))
+        self.b = TensorSpec("b", dtype_name(b.dtype), b_dims, contiguous_dim(b_dims, b, ("K", "N")))
         self.a_major = "k" if a_dims[self.a.contiguous] == "K" else "m"
         self.b_major = "n" if b_dims[self.b.contiguous] == "N" else "k"
         out_dims = ("L", "M", "N") if graph.batched else ("M", "N")

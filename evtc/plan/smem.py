@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from evtc.plan.config import DTYPE_BYTES, ConfigError, GemmConfig
+from evtc.plan.config import DTYPE_BYTES, FLOAT8_DTYPES, ConfigError, GemmConfig
 from evtc.plan.operand_kinds import KINDS
 
 log = logging.getLogger("evtc")
@@ -129,6 +129,10 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
         attempts.append({"epi_tile_n": 16})
     if "schedule" not in knobs and "tile_n" not in knobs and "cluster" not in knobs:
         attempts.append({"schedule": "cooperative", **attempts[-1]})
+        if knobs.get("ab_dtype") in FLOAT8_DTYPES and not knobs.get("fast_accum"):
+            # Promoting float8 partial sums keeps two accumulators: at most 64 registers each.
+            attempts += [{"schedule": "cooperative", "tile_n": 128},
+                         {"schedule": "cooperative", "tile_n": 128, "epi_tile_n": 16}]
     first_error = None
     for extra in attempts:
         try:
@@ -144,10 +148,18 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
         return cfg
     assert first_error is not None
     if len(attempts) > 1:
-        tried = ", ".join("128x16 subtiles" if a == {"epi_tile_n": 16} else "the cooperative schedule"
-                          for a in attempts[1:])
+        tried = ", ".join(_describe_attempt(a) for a in attempts[1:])
         raise ConfigError(f"{first_error} (also tried: {tried})")
     raise first_error
+
+
+def _describe_attempt(extra: dict[str, Any]) -> str:
+    parts = []
+    if "schedule" in extra:
+        parts.append(f"the cooperative schedule{' with 128 x 128 tiles' if 'tile_n' in extra else ''}")
+    if "epi_tile_n" in extra:
+        parts.append("128x16 subtiles")
+    return " and ".join(parts)
 
 
 def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:

@@ -83,7 +83,7 @@ def tail_split_limit(tiles: int, slots: int, ctas: int) -> int:
     return min(MAX_TAIL_SPLITS, clusters // (cluster_tiles % clusters))
 
 
-def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int) -> int:
+def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int, tile_k: int = TILE_K) -> int:
     """Splits of the tail of a problem of ``tiles`` CTA tiles on a GPU running ``slots`` CTAs at once
     in clusters of ``ctas`` (1: none). Where whole rounds precede a last round that holds at most
     :data:`TAIL_FILL` of the clusters: as many splits as that round's clusters take, each keeping
@@ -97,21 +97,21 @@ def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int) -> int:
     cluster_tiles, clusters = tiles // ctas, slots // ctas
     if tail_split_limit(tiles, slots, ctas) == 1 or cluster_tiles % clusters > TAIL_FILL * clusters:
         return 1
-    splits = min(tail_split_limit(tiles, slots, ctas), ceil_div(k, TILE_K) // MIN_K_TILES_PER_TAIL_SPLIT)
+    splits = min(tail_split_limit(tiles, slots, ctas), ceil_div(k, tile_k) // MIN_K_TILES_PER_TAIL_SPLIT)
     rounds = cluster_tiles // clusters + 1
     if splits < 2 or (1 - 1 / splits) / rounds < MIN_TAIL_GAIN:
         return 1
     return splits
 
 
-def choose_splits(k: int, tiles: int, slots: int) -> int:
+def choose_splits(k: int, tiles: int, slots: int, tile_k: int = TILE_K) -> int:
     """Splits of K for a problem of ``tiles`` CTA tiles on a GPU that runs ``slots`` CTAs at once:
     as many as fit in one wave with at least MIN_K_TILES_PER_SPLIT K tiles each, at most
     MAX_SPLITS, and none where the tiles alone fill half the GPU (there a split only adds the
     partials' traffic)."""
     if tiles <= 0 or tiles * 2 > slots:
         return 1
-    return max(1, min(MAX_SPLITS, slots // tiles, ceil_div(k, TILE_K) // MIN_K_TILES_PER_SPLIT))
+    return max(1, min(MAX_SPLITS, slots // tiles, ceil_div(k, tile_k) // MIN_K_TILES_PER_SPLIT))
 
 
 __all__ = ["MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT", "MIN_K_TILES_PER_TAIL_SPLIT",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from evtc.plan.clusters import ceil_div
-from evtc.plan.config import TILE_K, GemmConfig
+from evtc.plan.config import GemmConfig
 from evtc.plan.selector import with_cluster_for
 from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, tail_split_limit
 
@@ -60,7 +60,7 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
     partly filled last round that its idle clusters take (at most MAX_TAIL_SPLITS; only that
     round is split, see :mod:`evtc.plan.split_k`)."""
     out = [default]
-    k_tiles = ceil_div(k, TILE_K)
+    k_tiles = ceil_div(k, default[0].tile_k)
     for config in family:
         if choose_cluster:
             config = with_cluster_for(config, m, n, batches, slots_of)

@@ -37,7 +37,6 @@ from evtc.plan.config import (
     CONSUMER_REGS,
     NUM_THREADS,
     PRODUCER_REGS,
-    TILE_K,
     GemmConfig,
 )
 from evtc.sm90.dtypes import cutlass_dtype
@@ -71,13 +70,16 @@ class Sm90GemmKernel:
         self.config = config.validate()
         self.visitor = visitor
         cfg = self.config
-        self.ab_dtype = cutlass_dtype(cfg.ab_dtype)
+        self.ab_dtype = cutlass_dtype(cfg.ab_dtype)  # A's (and B's, unless b_dtype differs)
+        self.b_dtype = cutlass_dtype(cfg.b_element)
         self.d_dtype = cutlass_dtype(cfg.d_dtype)
         self.acc_dtype = cutlass.Float32
         self.a_layout = LayoutEnum.ROW_MAJOR if cfg.a_major == "k" else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else LayoutEnum.COL_MAJOR
         self.d_layout = LayoutEnum.ROW_MAJOR if cfg.d_major == "n" else LayoutEnum.COL_MAJOR
         self.tile_shape_mnk = cfg.tile_shape_mnk
+        self.tile_k = cfg.tile_k
+        self.promotes = cfg.promotes
         self.tile_m = cfg.tile_m
         self.pingpong = cfg.schedule == "pingpong"
         # Gated (SwiGLU): B comes as two halves; tile n of the output loads block n of each into
@@ -146,14 +148,14 @@ class Sm90GemmKernel:
         Split-K: ``split`` is (splits, partials, counters), see :meth:`_split_k_combine`."""
         b_halves = mB if cutlass.const_expr(self.gated) else (mB,)
         if cutlass.const_expr(mA.element_type != self.ab_dtype
-                              or any(h.element_type != self.ab_dtype for h in b_halves)):
-            raise TypeError(f"A and B must be {self.ab_dtype}")
+                              or any(h.element_type != self.b_dtype for h in b_halves)):
+            raise TypeError(f"A must be {self.ab_dtype} and B {self.b_dtype}")
         if cutlass.const_expr(mD.element_type != self.d_dtype):
             raise TypeError(f"D must be {self.d_dtype}, got {mD.element_type}")
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
-            self.ab_dtype,
+            self.b_dtype,
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
@@ -166,7 +168,7 @@ class Sm90GemmKernel:
             self.a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages
         )
         b_smem_staged = sm90_utils.make_smem_layout_b(
-            self.b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages
+            self.b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stages
         )
         d_smem_staged = sm90_utils.make_smem_layout_epi(
             self.d_dtype, self.d_layout, self.shape.epi_tile, self.shape.store_stages
@@ -176,7 +178,8 @@ class Sm90GemmKernel:
         # first swizzle atoms of the stage.
         a_box_staged = a_smem_staged if cutlass.const_expr(self.a_rows == self.tile_m) else (
             sm90_utils.make_smem_layout_a(
-                self.a_layout, (self.a_rows, self.tile_shape_mnk[1], TILE_K), self.ab_dtype, self.ab_stages
+                self.a_layout, (self.a_rows, self.tile_shape_mnk[1], self.tile_k), self.ab_dtype,
+                self.ab_stages,
             )
         )
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
@@ -184,14 +187,14 @@ class Sm90GemmKernel:
             else cpasync.CopyBulkTensorTileG2SMulticastOp(),
             mA,
             cute.slice_(a_box_staged, (None, None, 0)),
-            (self.a_rows, TILE_K),
+            (self.a_rows, self.tile_k),
             num_multicast=self.a_mcast,
         )
         # One TMA per B block: the whole tile, or (gated) a half tile from each half of B. The two
         # halves of a B stage are contiguous blocks laid out like a half-wide tile's stage.
         b_block_n = self.tile_shape_mnk[1] // len(b_halves)
         b_block_staged = sm90_utils.make_smem_layout_b(
-            self.b_layout, (self.tile_m, b_block_n, TILE_K), self.ab_dtype, self.ab_stages
+            self.b_layout, (self.tile_m, b_block_n, self.tile_k), self.b_dtype, self.ab_stages
         )
         b_atoms = []
         for half in b_halves:
@@ -200,7 +203,7 @@ class Sm90GemmKernel:
                 else cpasync.CopyBulkTensorTileG2SMulticastOp(),
                 half,
                 cute.slice_(b_block_staged, (None, None, 0)),
-                (b_block_n, TILE_K),
+                (b_block_n, self.tile_k),
                 num_multicast=self.b_mcast,
             ))
         tma_atom_b = tuple(atom for atom, _ in b_atoms)
@@ -255,7 +258,7 @@ class Sm90GemmKernel:
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], BUFFER_ALIGN
             ],
             "sB": cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], BUFFER_ALIGN
+                cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem_staged)], BUFFER_ALIGN
             ],
         }
         if not self.d_in_load_buffers:
@@ -491,7 +494,7 @@ class Sm90GemmKernel:
         a_stage_layout = cute.slice_(a_smem_staged, (None, None, 0))
         b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
         ab_tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) * self.a_rows // self.tile_m + (
-            cute.size_in_bytes(self.ab_dtype, b_stage_layout)
+            cute.size_in_bytes(self.b_dtype, b_stage_layout)
         )
         # Every consumer warp releases a stage to each CTA that multicast into it (itself included).
         # A stage is read by both consumer warpgroups (cooperative) or by one (pingpong).
@@ -534,11 +537,11 @@ class Sm90GemmKernel:
         # ---- global tiles and TMA partitions --------------------------------------------------
         # (bM, bK, tiles_m, tiles_k, L) and (bN, bK, tiles_n, tiles_k, L)
         # (a_rows, bK, row blocks, tiles_k, L): tile m starts at row block m * tile_m / a_rows
-        gA = cute.local_tile(mA, (self.a_rows, TILE_K), (None, None, None))
+        gA = cute.local_tile(mA, (self.a_rows, self.tile_k), (None, None, None))
         a_blocks_per_tile = self.tile_m // self.a_rows
         b_block_n = self.tile_shape_mnk[1] // len(mB)
         # (bN, bK, tiles_n, tiles_k, L) of each B block (gated: N tiles of the output's width)
-        gBs = [cute.local_tile(half, (b_block_n, TILE_K), (None, None, None)) for half in mB]
+        gBs = [cute.local_tile(half, (b_block_n, self.tile_k), (None, None, None)) for half in mB]
         # (bM, bN, tiles_m, tiles_n, L)
         gD = cute.local_tile(mD, self.shape.tile, (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
@@ -548,12 +551,12 @@ class Sm90GemmKernel:
             cta_coord[1],
             cute.make_layout(self.cluster[1]),
             cute.group_modes(sA, 0, 2) if cutlass.const_expr(self.a_rows == self.tile_m)
-            else cute.zipped_divide(sA, (self.a_rows, TILE_K))[(None, (0, 0, None))],
+            else cute.zipped_divide(sA, (self.a_rows, self.tile_k))[(None, (0, 0, None))],
             cute.group_modes(gA, 0, 2),
         )
         # Each B block goes to its own part of the stage: the whole stage, or (gated) its first or
         # second half along N.
-        sB_blocks = cute.zipped_divide(sB, (b_block_n, TILE_K))  # ((bN', bK), (blocks, 1, stages))
+        sB_blocks = cute.zipped_divide(sB, (b_block_n, self.tile_k))  # ((bN', bK), (blocks, 1, stages))
         b_parts = []
         for i, (atom, gB) in enumerate(zip(tma_atom_b, gBs, strict=True)):
             b_parts.append(cpasync.tma_partition(
@@ -682,6 +685,9 @@ class Sm90GemmKernel:
             # The MMA tile (gated: twice as wide as the output tile gD is cut into).
             acc_shape = thr_mma.partition_C(cute.make_identity_tensor(self.tile_shape_mnk[:2])).shape
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            # Promoting float8 partial sums: the wgmma's accumulator of one K tile.
+            acc_k = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if cutlass.const_expr(self.promotes) \
+                else None
             k_blocks = cute.size(tCrA, mode=[2])
 
             # ---- epilogue plumbing (built once, reused for every tile) --------------------------
@@ -762,43 +768,73 @@ class Sm90GemmKernel:
                         cute.arch.barrier(barrier_id=ORDER_BARRIER_ID + wg,
                                           number_of_threads=2 * WARPGROUP_THREADS)
 
-                # ---- mainloop: keep one wgmma batch in flight, release stages one behind ---------
                 acc.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.fence()
-                if k_count > 0:
-                    ab_pipeline.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    warpgroup.commit_group()
-                    read_state.advance()
-                for _k in cutlass.range(1, k_count, unroll=1):
-                    ab_pipeline.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    warpgroup.commit_group()
-                    if cutlass.const_expr(self.d_in_load_buffers):
-                        if is_store_warp:
-                            if tiles_done > 0:
-                                if _k == ring_release_k:
-                                    self._release_load_ring(load_pipeline)
-                    # The batch issued one iteration ago is done: its stage can be refilled.
-                    warpgroup.wait_group(1)
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    read_state.advance()
-                if cutlass.const_expr(self.pingpong):
-                    # Hand the tensor cores to the other warpgroup if the CTA has a next tile (so
-                    # arrivals and waits on each order barrier pair up exactly).
-                    if work + work_stride < num_work:
-                        cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
-                                                 number_of_threads=2 * WARPGROUP_THREADS)
-                warpgroup.wait_group(0)
-                if k_count > 0:
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
+                if cutlass.const_expr(self.promotes):
+                    # ---- float8 mainloop: the wgmma sums each K tile's products in acc_k (with
+                    # fewer mantissa bits than float32), which is then added into acc in float32
+                    # (GemmConfig.fast_accum). The wait for each K tile's wgmma before the add is
+                    # the cost; two scratch accumulators taking turns measured slower (docs/fp8.md).
+                    for _k in cutlass.range(0, k_count, unroll=1):
+                        ab_pipeline.consumer_wait(read_state)
+                        warpgroup.fence()
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        if cutlass.const_expr(self.d_in_load_buffers):
+                            if is_store_warp:
+                                if tiles_done > 0:
+                                    if _k > 0:
+                                        if _k == ring_release_k:
+                                            self._release_load_ring(load_pipeline)
+                        warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        read_state.advance()
+                        acc.store(acc.load() + acc_k.load())
+                    if cutlass.const_expr(self.pingpong):
+                        if work + work_stride < num_work:
+                            cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
+                                                     number_of_threads=2 * WARPGROUP_THREADS)
+                else:
+                    # ---- mainloop: keep one wgmma batch in flight, release stages one behind -----
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    if k_count > 0:
+                        ab_pipeline.consumer_wait(read_state)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                        warpgroup.commit_group()
+                        read_state.advance()
+                    for _k in cutlass.range(1, k_count, unroll=1):
+                        ab_pipeline.consumer_wait(read_state)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                        warpgroup.commit_group()
+                        if cutlass.const_expr(self.d_in_load_buffers):
+                            if is_store_warp:
+                                if tiles_done > 0:
+                                    if _k == ring_release_k:
+                                        self._release_load_ring(load_pipeline)
+                        # The batch issued one iteration ago is done: its stage can be refilled.
+                        warpgroup.wait_group(1)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        read_state.advance()
+                    if cutlass.const_expr(self.pingpong):
+                        # Hand the tensor cores to the other warpgroup if the CTA has a next tile (so
+                        # arrivals and waits on each order barrier pair up exactly).
+                        if work + work_stride < num_work:
+                            cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
+                                                     number_of_threads=2 * WARPGROUP_THREADS)
+                    warpgroup.wait_group(0)
+                    if k_count > 0:
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
                 if cutlass.const_expr(self.d_in_load_buffers):
                     if is_store_warp:
                         if tiles_done > 0:

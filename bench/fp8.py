@@ -1,0 +1,167 @@
+"""float8 GEMMs (issue "FP8 inputs"): evtc against ``torch._scaled_mm`` (cuBLASLt) over the LLM
+layers of bench/shapes.py, one process, shuffled order per sample, medians.
+
+    bash .devkit/gpu.sh python3 bench/fp8.py [--ms 128,1024,4096,16384] [--samples 15]
+
+Per (layer, M), e4m3 a (M, K) and a K-major weight (b = w.t(), w (N, K)), bf16 results:
+
+* ``tensorwise``: ``acc * sa * sb`` with device scalars, against ``_scaled_mm`` with the same
+  scalars (ratio = its time / evtc's, above 1: evtc faster);
+* ``rowwise``: ``acc * sa * sb`` with sa (M, 1) and sb (N,), against ``_scaled_mm``'s rowwise
+  scaling (sa (M, 1), sb (1, N));
+* ``fused``: ``y = gelu(acc * sa * sb + bias)``, then ``(y * s).to(e4m3)`` and ``amax(|y|)``, one
+  evtc kernel, against rowwise ``_scaled_mm`` followed by the same epilogue in eager PyTorch.
+
+``--accum promote`` (the default) compiles evtc's kernels as they come (each K tile's partial sums
+promoted into float32) and runs ``_scaled_mm`` without ``use_fast_accum`` (cuBLASLt promotes too);
+``--accum fast`` compiles them with ``fast_accum=True`` against ``use_fast_accum=True``. Each row
+also prints the largest relative error of both against float64 (tensorwise, float32 results, so
+that only the accumulation differs). Geomeans and the worst row at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import evtc  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+LAYERS = ["llama3-8b", "llama3-70b", "qwen2.5-7b", "mixtral-8x7b-expert", "deepseek-v3-expert", "lm-head"]
+
+
+def scaled(acc, sa, sb):
+    return acc * sa * sb
+
+
+def fused(acc, sa, sb, bias, s):
+    y = F.gelu(acc * sa * sb + bias)
+    return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
+
+
+def scaled_to_float32(acc, sa, sb):
+    return (acc * sa * sb).float()
+
+
+def eager_fused(a, b, sa, sb_row, bias, s, fast: bool):
+    y = F.gelu(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb_row, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast) + bias)
+    return (y * s).to(E4M3), y.abs().amax()
+
+
+def shapes(ms: list[int]) -> list[tuple[str, int, int, int]]:
+    from shapes import FAMILIES
+
+    out = []
+    for family in LAYERS:
+        for layer in FAMILIES[family]:
+            n = layer.gemm_n
+            out += [(layer.name, m, n, layer.k) for m in ms]
+    return out
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast: bool) -> tuple:
+    """One row: the three ratios, evtc's tensorwise time (us) and both errors."""
+    dev = "cuda"
+    a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
+    w = (torch.randn(n, k, device=dev) * 2).to(E4M3)
+    b = w.t()
+    one = torch.tensor(1.0, device=dev)
+    sa_t, sb_t = torch.tensor(0.5, device=dev), torch.tensor(0.25, device=dev)
+    sa_r = torch.rand(m, 1, device=dev) + 0.5
+    sb_r = torch.rand(n, device=dev) / 8 + 0.01
+    sb_row = sb_r.view(1, n)
+    bias = torch.randn(n, device=dev).to(torch.bfloat16)
+    if "scaled" not in kernels:
+        cfg = {"fast_accum": fast}
+        kernels["scaled"] = evtc.compile(scaled, {"a": a, "b": b, "sa": sa_t, "sb": sb_t}, config=cfg)
+        kernels["rowwise"] = evtc.compile(scaled, {"a": a, "b": b, "sa": sa_r, "sb": sb_r}, config=cfg)
+        kernels["fused"] = evtc.compile(fused, {"a": a, "b": b, "sa": sa_r, "sb": sb_r, "bias": bias,
+                                                "s": one}, config=cfg)
+        kernels["float32"] = evtc.compile(scaled_to_float32, {"a": a, "b": b, "sa": sa_t, "sb": sb_t},
+                                          config=cfg)
+    kt, kr, kf, k32 = kernels["scaled"], kernels["rowwise"], kernels["fused"], kernels["float32"]
+    calls = {
+        "evtc_t": lambda: kt(a, b, sa=sa_t, sb=sb_t),
+        "lt_t": lambda: torch._scaled_mm(a, b, scale_a=sa_t, scale_b=sb_t, out_dtype=torch.bfloat16,
+                                         use_fast_accum=fast),
+        "evtc_r": lambda: kr(a, b, sa=sa_r, sb=sb_r),
+        "lt_r": lambda: torch._scaled_mm(a, b, scale_a=sa_r, scale_b=sb_row, out_dtype=torch.bfloat16,
+                                         use_fast_accum=fast),
+        "evtc_f": lambda: kf(a, b, sa=sa_r, sb=sb_r, bias=bias, s=one),
+        "eager_f": lambda: eager_fused(a, b, sa_r, sb_row, bias, one, fast),
+    }
+    for f in calls.values():  # builds the variants this size launches before timing
+        f()
+    torch.cuda.synchronize()
+    times = dict(zip(calls, time_paired(list(calls.values()), warmup=3, samples=samples, reps=5),
+                     strict=True))
+    err_evtc = err_lt = math.nan
+    if m * n * k <= 2**37:  # a float64 reference in reasonable time and memory
+        ref = a.double() @ b.double() * 0.125
+        err_evtc = rel_error(k32(a, b, sa=sa_t, sb=sb_t), ref)
+        err_lt = rel_error(torch._scaled_mm(a, b, scale_a=sa_t, scale_b=sb_t, out_dtype=torch.float32,
+                                            use_fast_accum=fast), ref)
+        del ref
+    row = (name, m, n, k, times["lt_t"] / times["evtc_t"], times["lt_r"] / times["evtc_r"],
+           times["eager_f"] / times["evtc_f"], times["evtc_t"] * 1e3, err_evtc, err_lt)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default="128,1024,4096,16384")
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
+    p.add_argument("--accum", choices=("promote", "fast"), default="promote")
+    args = p.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    keep = [s for s in args.layers.split(",") if s]
+    torch.manual_seed(0)
+    kernels: dict[str, evtc.Kernel] = {}
+    rows = []
+    print(f"{'layer':>34} {'M':>6} {'N':>6} {'K':>6} | {'tensorwise':>10} {'rowwise':>8} {'fused':>6} | "
+          f"{'evtc us':>8} {'err evtc':>9} {'err cuBLASLt':>12}")
+    for name, m, n, k in shapes(ms):
+        if keep and not any(name.endswith(s) for s in keep):
+            continue
+        if m * k + n * k > 3 * 2**30:
+            continue
+        row = measure(name, m, n, k, kernels, args.samples, args.accum == "fast")
+        rows.append(row)
+        print(f"{name:>34} {m:6d} {n:6d} {k:6d} | {row[4]:10.3f} {row[5]:8.3f} {row[6]:6.3f} | "
+              f"{row[7]:8.1f} {row[8]:9.2e} {row[9]:12.2e}", flush=True)
+
+    def geomean(xs):
+        return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+    for i, what in ((4, "tensorwise"), (5, "rowwise"), (6, "fused (bias, GELU, e4m3 out, amax)")):
+        worst = min(rows, key=lambda r: r[i])
+        print(f"{what}: geomean {geomean([r[i] for r in rows]):.3f} over {len(rows)} rows, worst "
+              f"{worst[i]:.3f} ({worst[0]} M={worst[1]})")
+        for m in ms:
+            sel = [r[i] for r in rows if r[1] == m]
+            if sel:
+                print(f"    M={m}: {geomean(sel):.3f}")
+    checked = [r for r in rows if not math.isnan(r[8])]
+    if checked:
+        print(f"largest relative error vs float64 (tensorwise, {len(checked)} rows): evtc "
+              f"{max(r[8] for r in checked):.2e}, cuBLASLt {max(r[9] for r in checked):.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""float8 a and b (issue "FP8 inputs"): what compiles, what is refused and why, and the torch path's
+results against float64 (CPU). The kernels' results on the GPU: tests/test_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import evtc
+from evtc.errors import CompileError, DTypeError
+from evtc.plan.config import ConfigError, GemmConfig
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def scaled(acc, sa, sb):
+    return acc * sa * sb
+
+
+def rowwise_gelu(acc, sa, sb, bias):
+    return torch.nn.functional.gelu(acc * sa * sb + bias)
+
+
+def _fp8(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+
+def _weight_t(n, k, dtype, seed):
+    """b = w.t() for an (N, K) weight: K-major, as the 8-bit wgmma reads it."""
+    return _fp8((n, k), dtype, seed).t()
+
+
+@pytest.mark.parametrize(("a_dtype", "b_dtype", "wgmma"), [
+    (E4M3, E4M3, "f32.e4m3.e4m3"), (E5M2, E5M2, "f32.e5m2.e5m2"), (E4M3, E5M2, "f32.e4m3.e5m2"),
+])
+def test_float8_compiles_to_the_8_bit_wgmma_with_k_blocks_of_128(tmp_path, a_dtype, b_dtype, wgmma):
+    a, b = _fp8((128, 256), a_dtype, 0), _weight_t(256, 256, b_dtype, 1)
+    k = evtc.compile(scaled, {"a": a, "b": b, "sa": torch.tensor(0.5), "sb": torch.tensor(2.0)},
+                     cache_dir=tmp_path)
+    ops = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k(\d+)\.([\w.]+)", k.ptx))
+    assert ops == {("32", wgmma)}
+    assert k.config.tile_k == 128 and k.config.tile_shape_mnk[2] == 128
+    # The products are not stored in 8 bits unless the epilogue says so.
+    assert k.plan.outputs[0].dtype == "bfloat16"
+
+
+def test_tile_k_is_128_bytes_of_k():
+    assert GemmConfig(ab_dtype="float16").tile_k == 64
+    assert GemmConfig(ab_dtype="bfloat16").tile_k == 64
+    assert GemmConfig(ab_dtype="float8_e4m3fn", b_major="k").tile_k == 128
+
+
+def test_a_float8_config_must_be_k_major():
+    with pytest.raises(ConfigError, match="must both be K-major"):
+        GemmConfig(ab_dtype="float8_e4m3fn", b_major="n").validate()
+    with pytest.raises(ConfigError, match="only float8 A and B may mix"):
+        GemmConfig(ab_dtype="float16", b_dtype="bfloat16").validate()
+
+
+def test_an_n_major_float8_weight_is_refused_with_the_way_to_lay_it_out(tmp_path):
+    a, b = _fp8((128, 256), E4M3, 0), _fp8((256, 512), E4M3, 1)  # b (K, N) row-major
+    with pytest.raises(CompileError, match=r"must both be K-major.*b = w\.t\(\)") as err:
+        evtc.compile(scaled, {"a": a, "b": b, "sa": torch.tensor(1.0), "sb": torch.tensor(1.0)},
+                     cache_dir=tmp_path)
+    assert "test_fp8.py" in str(err.value)  # the user's file and line
+
+
+def test_a_column_major_float8_a_is_refused(tmp_path):
+    a = _fp8((256, 128), E4M3, 0).t()  # (M, K) with M unit stride
+    with pytest.raises(CompileError, match=r"a \(M, K\) is column-major"):
+        evtc.compile(scaled, {"a": a, "b": _weight_t(256, 256, E4M3, 1), "sa": torch.tensor(1.0),
+                              "sb": torch.tensor(1.0)}, cache_dir=tmp_path)
+
+
+def test_float8_and_16_bit_do_not_mix(tmp_path):
+    with pytest.raises(DTypeError, match="only float8 a and b may mix"):
+        evtc.compile(scaled, {"a": _fp8((128, 256), E4M3, 0), "b": torch.randn(512, 256).half().t(),
+                              "sa": torch.tensor(1.0), "sb": torch.tensor(1.0)}, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize(("a_dtype", "b_dtype"), [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E5M2)])
+def test_the_torch_path_matches_float64(tmp_path, a_dtype, b_dtype):
+    m, n, k = 96, 160, 272
+    a, b = _fp8((m, k), a_dtype, 2), _weight_t(n, k, b_dtype, 3)
+    sa, sb = torch.rand(m, 1) + 0.5, torch.rand(n) + 0.5
+    bias = torch.randn(n).to(torch.bfloat16)
+    ops = {"sa": sa, "sb": sb, "bias": bias}
+    kernel = evtc.compile(rowwise_gelu, {"a": a, "b": b, **ops}, cache_dir=tmp_path)
+    got = kernel(a, b, sa=sa, sb=sb, bias=bias)
+    ref = torch.nn.functional.gelu(a.double() @ b.double() * sa.double() * sb.double() + bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_float8_promotes_partial_sums_by_default_and_fast_accum_opts_out(tmp_path):
+    a, b = _fp8((128, 256), E4M3, 0), _weight_t(256, 256, E4M3, 1)
+    ex = {"a": a, "b": b, "sa": torch.tensor(0.5), "sb": torch.tensor(2.0)}
+    promoted = evtc.compile(scaled, ex, cache_dir=tmp_path)
+    fast = evtc.compile(scaled, ex, config={"fast_accum": True}, cache_dir=tmp_path)
+    assert promoted.config.promotes and not fast.config.promotes
+    # The scratch accumulator's registers: tiles of at most 64 accumulator registers per thread.
+    assert all(c.acc_regs <= 64 for c in promoted._family)
+    assert (promoted.config.schedule, promoted.config.tile_n) == ("cooperative", 128)
+    assert any(c.acc_regs == 128 for c in fast._family)
+    # The promoting mainloop waits for every K tile's wgmma; the fast one keeps one batch in flight.
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", promoted.ptx)
+    assert waits and set(waits) == {"0"}
+    assert "1" in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", fast.ptx)
+    with pytest.raises(ConfigError, match="scratch accumulator"):
+        GemmConfig(ab_dtype="float8_e4m3fn", b_major="k", schedule="pingpong", tile_n=128).validate()
+    # 16-bit inputs never promote: their wgmma accumulates in float32.
+    assert not GemmConfig(ab_dtype="bfloat16").promotes
