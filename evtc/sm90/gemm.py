@@ -287,6 +287,17 @@ class Sm90GemmKernel:
             )
 
     @cute.jit
+    def _release_ring_at(self, load_pipeline, is_store_warp, tiles_done: Int32, k: Int32, release_k: Int32):
+        """D staged in the load buffers: the store warp hands the previous tile's load stages back
+        at K tile ``release_k`` (at least 1) of this tile's mainloop; see ``ring_release_k``."""
+        if cutlass.const_expr(self.d_in_load_buffers):
+            if is_store_warp:
+                if tiles_done > 0:
+                    if k > 0:
+                        if k == release_k:
+                            self._release_load_ring(load_pipeline)
+
+    @cute.jit
     def _skip_tile(self, k_tiles: Int32, read_state, release_state):
         """Pingpong: step this warpgroup's A/B pipeline states over the other warpgroup's tile (its
         ``k_tiles`` stages).  Safe with parity waits only because of the order barriers: a
@@ -783,12 +794,7 @@ class Sm90GemmKernel:
                             cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.d_in_load_buffers):
-                            if is_store_warp:
-                                if tiles_done > 0:
-                                    if _k > 0:
-                                        if _k == ring_release_k:
-                                            self._release_load_ring(load_pipeline)
+                        self._release_ring_at(load_pipeline, is_store_warp, tiles_done, _k, ring_release_k)
                         warpgroup.wait_group(0)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
@@ -815,11 +821,7 @@ class Sm90GemmKernel:
                             coord = (None, None, kb, read_state.index)
                             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.d_in_load_buffers):
-                            if is_store_warp:
-                                if tiles_done > 0:
-                                    if _k == ring_release_k:
-                                        self._release_load_ring(load_pipeline)
+                        self._release_ring_at(load_pipeline, is_store_warp, tiles_done, _k, ring_release_k)
                         # The batch issued one iteration ago is done: its stage can be refilled.
                         warpgroup.wait_group(1)
                         ab_pipeline.consumer_release(release_state)
