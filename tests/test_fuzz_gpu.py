@@ -71,7 +71,9 @@ def test_generated_cases_cover_every_axis():
     assert {op.dtype for op in operands if op.kind == "tile"} == {"float16", "bfloat16", "float32"}
     assert any(op.major == "m" for op in operands) and any(op.half for op in operands)
     assert {c.gated for c in cases} == {True, False} and {c.batches for c in cases} == {None, 2, 3, 4}
-    assert {c.ab_dtype for c in cases} == {"float16", "bfloat16"}
+    assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+    # float8 a and b are compiled K-major (tests/test_fp8.py: other examples are refused).
+    assert all((c.a_major, c.b_major) == ("k", "k") for c in cases if c.ab_dtype.startswith("float8"))
     assert {(c.a_major, c.b_major) for c in cases} == {("k", "n"), ("k", "k"), ("m", "n"), ("m", "k")}
     assert {dt for c in cases for _, dt in c.out_dtypes} == set(OUT_DTYPES)
     for text in REDUCTIONS.values():
