@@ -70,12 +70,9 @@ def shapes(ms: list[int]) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
-
-
 def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast: bool) -> tuple:
     """One row: the three ratios, evtc's tensorwise time (us) and both errors."""
+    from shapes import rel_max_error
     dev = "cuda"
     a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
     w = (torch.randn(n, k, device=dev) * 2).to(E4M3)
@@ -113,8 +110,8 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast
     err_evtc = err_lt = math.nan
     if m * n * k <= 2**37:  # a float64 reference in reasonable time and memory
         ref = a.double() @ b.double() * 0.125
-        err_evtc = rel_error(k32(a, b, sa=sa_t, sb=sb_t), ref)
-        err_lt = rel_error(torch._scaled_mm(a, b, scale_a=sa_t, scale_b=sb_t, out_dtype=torch.float32,
+        err_evtc = rel_max_error(k32(a, b, sa=sa_t, sb=sb_t), ref)
+        err_lt = rel_max_error(torch._scaled_mm(a, b, scale_a=sa_t, scale_b=sb_t, out_dtype=torch.float32,
                                             use_fast_accum=fast), ref)
         del ref
     row = (name, m, n, k, times["lt_t"] / times["evtc_t"], times["lt_r"] / times["evtc_r"],

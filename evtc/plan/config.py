@@ -399,7 +399,6 @@ class GemmConfig:
         if self.tile_m != TILE_M and self.schedule != "pingpong":
             bad(f"tile_m={self.tile_m} needs schedule='pingpong' (the cooperative schedule stacks its "
                 f"two consumer warpgroups along M, 64 rows each: 128 rows)")
-        acc_regs = self.tile_m * self.tile_n // 128
         if self.promotes and self.acc_regs > PROMOTING_ACC_REGS:
             bad(f"promoting float8 partial sums keeps a scratch accumulator beside the tile's: a "
                 f"{self.schedule} {self.tile_m} x {self.tile_n} tile needs {self.acc_regs} registers per "
@@ -407,6 +406,7 @@ class GemmConfig:
                 "128 x 64 or 64 x 128, or fast_accum=True")
         if self.fast_accum not in (True, False):
             bad(f"fast_accum must be True or False, got {self.fast_accum!r}")
+        acc_regs = self.acc_regs
         if self.schedule == "pingpong" and acc_regs > PINGPONG_ACC_REGS:
             bad(f"schedule='pingpong' computes a {self.tile_m} x tile_n tile per consumer warpgroup: "
                 f"tile_n={self.tile_n} needs {acc_regs} accumulator registers per thread, too many with "

@@ -98,7 +98,7 @@ def _flat_groups(flats: Sequence[tuple[int, torch.dtype]]):
     takes them aligned as TMA needs), with padding pieces between them."""
     groups = []
     for dtype in dict.fromkeys(dt for _, dt in flats):
-        per_16 = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+        per_16 = max(1, 16 // dtype.itemsize)
         sizes: list[int] = []
         pieces = []
         for i, (numel, dt) in enumerate(flats):
