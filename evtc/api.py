@@ -12,6 +12,7 @@ from .frontend.epilogue import unwrap
 from .frontend.inputs import RESERVED, read_signature
 from .frontend.source import definition_location
 from .frontend.tracer import trace_raw
+from .ir.block_scales import scale_problem, split_inputs
 from .ir.dtypes import CAST_DTYPES, short_name
 from .ir.graph import Graph, rewrite
 from .ir.interpreter import accumulator
@@ -33,7 +34,8 @@ def trace(
         fn: the epilogue, `fn(acc, *operands)`, plain or decorated with `@evtc.epilogue`.
         example_inputs: `a` and `b` (the GEMM inputs, shape (L,) M, K and (L,) K, N) and one entry per
             epilogue parameter after acc: tensors (only their dtype and shape are used; `meta`
-            tensors are fine) and Python scalars (runtime arguments).
+            tensors are fine) and Python scalars (runtime arguments). Block-scaled float8 `a` and
+            `b` come as `(tensor, scales)` pairs (docs/fp8.md); the scales do not change the graph.
         out_dtypes: overrides output dtypes: one dtype for every output, a sequence in output order,
             or a dict by output name (`D` for a single output, `D0`, `D1`, ... for a tuple, the keys
             for a dict).
@@ -43,6 +45,7 @@ def trace(
         EpilogueError: a subclass naming the problem and the line of the epilogue.
     """
     user_fn = unwrap(fn)
+    example_inputs, _ = split_inputs(example_inputs)
     try:
         graph = trace_raw(user_fn, example_inputs)
         if out_dtypes is not None:
@@ -101,6 +104,12 @@ def reference(
     missing = [k for k in (*RESERVED, *sig.params) if k not in inputs and k not in sig.defaults]
     if missing:
         raise InputError(f"missing input(s): {', '.join(map(repr, missing))}", definition_location(user_fn))
+    plain, scales = split_inputs(inputs)
+    if scales is not None:
+        # Block-scaled float8 (docs/fp8.md): acc is the product of the dequantized a and b.
+        problem, _ = scale_problem(plain["a"], plain["b"], scales)
+        if problem is not None:
+            raise InputError(problem, definition_location(user_fn))
     acc = accumulator(inputs["a"], inputs["b"], dtype)
     kwargs: dict[str, Any] = {}
     for name in sig.params:

@@ -204,6 +204,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     from evtc.codegen.emit import emit
     from evtc.frontend.epilogue import unwrap
     from evtc.frontend.source import definition_location
+    from evtc.ir.block_scales import scale_problem, split_inputs
     from evtc.ir.dtypes import KERNEL_INPUT_DTYPES
     from evtc.ir.passes.gated import kernel_graph
     from evtc.plan.config import DEFAULT_SCHEDULE, FLOAT8_DTYPES, ConfigError
@@ -214,8 +215,19 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     graph = kernel_graph(trace(fn, example_inputs, out_dtypes=out_dtypes))
     log.debug("traced %r: %d nodes, operands %s", graph.name, len(graph.nodes), list(graph.operands))
     loc = definition_location(user_fn)
+    example_inputs, scales = split_inputs(example_inputs)
     emitted = emit(graph)
     signature = KernelSignature(graph, emitted, example_inputs)
+    scale_rows = 0  # rows of a per block scale
+    if scales is not None:
+        problem, scale_rows = scale_problem(example_inputs["a"], example_inputs["b"], scales)
+        if problem is not None:
+            raise CompileError(f"block scales: {problem} (docs/fp8.md, 'Block scales')", loc)
+        if graph.gated:
+            raise CompileError("block scales with a gated (SwiGLU) epilogue are not supported: the gate "
+                               "and up halves of b would each need their own; use per-row or "
+                               "tensorwise scales as epilogue operands", loc)
+        signature.set_block_scales(scale_rows)
     if signature.tile_majors:
         emitted = emit(graph, tile_majors=signature.tile_majors)
     interface = _call_interface(user_fn, example_inputs, graph, emitted, strict)
@@ -258,6 +270,11 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     signature.set_output_major(d_major)
     if signature.b.dtype != signature.a.dtype:
         knobs["b_dtype"] = signature.b.dtype  # float8 of the other format
+    if knobs.get("block_scales"):
+        raise CompileError("configuration: block_scales is not a compile knob: give a and b as (tensor, "
+                           "scales) pairs (docs/fp8.md, 'Block scales')", loc)
+    if scale_rows:
+        knobs["block_scales"] = scale_rows
     knobs.update(ab_dtype=signature.a.dtype, d_dtype=d_dtype, a_major=signature.a_major,
                  b_major=signature.b_major, d_major=d_major, gated=graph.gated,
                  store_d=bool(emitted.outputs))

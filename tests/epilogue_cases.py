@@ -73,6 +73,9 @@ class Case:
     #: At call time, a and b in other majors than compiled (the staged path must handle that).
     call_majors: tuple[str, str] | None = None
     seed: int = 0
+    #: float8 only: a and b as (tensor, block scales) pairs, a's scales per this many rows (1 or
+    #: 128) and 128 elements of K, b's per 128 x 128 block (docs/fp8.md); 0: plain a and b.
+    block_scales: int = 0
 
     def function(self):
         scope: dict[str, Any] = {"torch": torch, "F": F}
@@ -86,7 +89,8 @@ class Case:
     def describe(self) -> str:
         lines = [f"case {self.name}: a/b {self.ab_dtype} a {self.a_major}-major b {self.b_major}-major, "
                  f"L={self.batches}, gated={self.gated}, shapes {list(self.shapes)}, "
-                 f"out_dtypes {dict(self.out_dtypes)}, call majors {self.call_majors}"]
+                 f"out_dtypes {dict(self.out_dtypes)}, call majors {self.call_majors}"
+                 + (f", block scales {self.block_scales} x 128" if self.block_scales else "")]
         lines += [f"  {op.describe()}" for op in self.operands]
         lines += ["  " + line for line in self.source.splitlines()]
         return "\n".join(lines)
@@ -116,6 +120,15 @@ def make_inputs(case: Case, m: int, n: int, k: int, device="cpu", seed: int = 0,
         "a": _matrix(m, k, lead, a_major == "k", dt, device, g, scale=k ** -0.5),
         "b": _matrix(k, n, lead, b_major == "n", dt, device, g),
     }
+    if case.block_scales:
+        # Positive scales around 1, so that acc stays O(1); a's M-major as torch's blockwise GEMM
+        # takes them (any strides are accepted).
+        blocks = lambda x: -(-x // 128)  # noqa: E731
+        a_rows = m if case.block_scales == 1 else blocks(m)
+        a_scales = (0.5 + torch.rand(*lead, blocks(k), a_rows, generator=g)).transpose(-1, -2)
+        b_scales = 0.5 + torch.rand(*lead, blocks(k), blocks(n), generator=g)
+        inputs["a"] = (inputs["a"], a_scales.to(device))
+        inputs["b"] = (inputs["b"], b_scales.to(device))
     for op in case.operands:
         width = n // 2 if op.half else n
         per = (case.batches,) if op.batched else ()
@@ -200,6 +213,9 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
         majors = case.call_majors if index % 2 else None  # every other shape: other layouts
         inputs = make_inputs(case, m, n, k, "cuda", seed + index, majors)
         before = {name: t.clone() for name, t in inputs.items() if isinstance(t, torch.Tensor)}
+        for name in ("a", "b"):  # block-scaled: (tensor, scales) pairs
+            if isinstance(inputs[name], tuple):
+                before.update({f"{name}[{i}]": t.clone() for i, t in enumerate(inputs[name])})
         reference = evtc.reference(fn, inputs)
         out = _poisoned(kernel, reference)
         where = f"{m}x{n}x{k} L={case.batches}{' ' + str(majors) if majors else ''}"
@@ -228,7 +244,8 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
                 failures.append(f"{where} output {key} ({g.dtype}, path {kernel.last_path}): relative "
                                 f"error {rel:.3g} > {tol}")
         for name, t in before.items():
-            if not torch.equal(inputs[name], t):
+            now = inputs[name[0]][int(name[2])] if name.endswith("]") else inputs[name]
+            if not torch.equal(now, t):
                 failures.append(f"{where}: input {name} was modified")
     return failures
 
@@ -328,11 +345,15 @@ def random_case(seed: int, index: int) -> Case:
     # are staged). Drawn from a stream of their own, so that every other draw of a case is the
     # same as before float8 joined.
     ab_rng = random.Random(f"evtc-fuzz-ab:{seed}:{index}")
+    block_scales = 0
     if ab_rng.random() < 0.2:
         ab_dtype = ab_rng.choice(["float8_e4m3fn", "float8_e5m2"])
         a_major, b_major = "k", "k"
+        # Half of them block-scaled (not gated: its halves of b would need scales of their own).
+        if not gated and ab_rng.random() < 0.5:
+            block_scales = ab_rng.choice([1, 128])
     return Case(f"fuzz-{seed}-{index}", source, operands, ab_dtype, a_major, b_major, batches, gated, shapes,
-                out_dtypes, call_majors=call_majors, seed=index)
+                out_dtypes, call_majors=call_majors, seed=index, block_scales=block_scales)
 
 
 def _random_shape(rng: random.Random, gated: bool, fp8: bool) -> tuple[int, int, int]:

@@ -74,6 +74,9 @@ def test_generated_cases_cover_every_axis():
     assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
     # float8 a and b are compiled K-major (tests/test_fp8.py: other examples are refused).
     assert all((c.a_major, c.b_major) == ("k", "k") for c in cases if c.ab_dtype.startswith("float8"))
+    # Block scales (docs/fp8.md) on float8 cases that are not gated, at both granularities.
+    assert {c.block_scales for c in cases} == {0, 1, 128}
+    assert all(c.ab_dtype.startswith("float8") and not c.gated for c in cases if c.block_scales)
     assert {(c.a_major, c.b_major) for c in cases} == {("k", "n"), ("k", "k"), ("m", "n"), ("m", "k")}
     assert {dt for c in cases for _, dt in c.out_dtypes} == set(OUT_DTYPES)
     for text in REDUCTIONS.values():

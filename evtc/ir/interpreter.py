@@ -12,14 +12,26 @@ from typing import Any
 import sympy
 import torch
 
+from .block_scales import dequantized, is_pair, scale_problem, split_inputs
 from .dtypes import COMPUTE_DTYPE, round_to
 from .graph import Graph, Node
 from .ops import ELEMENTWISE, REDUCE_FUNCS
 from .shapes import L, M, N, evaluate_shape
 
 
-def accumulator(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """acc = a @ b computed in `dtype` (float32 as on the tensor cores, or float64 for checks)."""
+def accumulator(a: Any, b: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """acc = a @ b computed in `dtype` (float32 as on the tensor cores, or float64 for checks).
+
+    Block-scaled float8 `a` and `b` come as `(tensor, scales)` pairs (:mod:`evtc.ir.block_scales`):
+    acc is then the product of the dequantized tensors, computed in float64 and rounded to `dtype`."""
+    if is_pair(a) or is_pair(b):
+        plain, scales = split_inputs({"a": a, "b": b})
+        a, b = plain["a"], plain["b"]
+        problem, rows = scale_problem(a, b, scales)
+        if problem is not None:
+            raise ValueError(problem)
+        a, b = dequantized(a, b, scales, rows, torch.float64)
+        return torch.matmul(a, b).to(dtype)
     return torch.matmul(a.to(dtype), b.to(dtype))
 
 

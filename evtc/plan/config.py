@@ -14,6 +14,9 @@ from dataclasses import dataclass
 AB_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# Block-scaled float8: elements of K (and columns of B) per scale; rows of A per scale.
+SCALE_BLOCK = 128
+BLOCK_SCALE_ROWS = (1, 128)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "int32": 4}  # int32: the counters of a kernel that finishes its own reductions
 
@@ -28,8 +31,10 @@ TILE_MS = (64, 128)
 # that leaves room for the epilogue: tile_n up to 128 at tile_m = 128, up to 256 at tile_m = 64.
 PINGPONG_ACC_REGS = 128
 # A mainloop that promotes float8 partial sums (GemmConfig.fast_accum) keeps a scratch accumulator
-# beside the tile's: two of at most 64 registers per thread.
-PROMOTING_ACC_REGS = 64
+# beside the tile's: two of at most 96 registers per thread (cooperative 128 x 192, its default:
+# the 8-bit wgmma reads its operands from shared memory fast enough that 128 x 128 tiles are
+# bound by shared-memory bandwidth; 0.65x cuBLASLt against 0.99x at 8192 x 8192 x 28672).
+PROMOTING_ACC_REGS = 96
 PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
 # The default: ping-pong, 128x128 per warpgroup, clusters of 1x2 CTAs (A multicast to both).  On the
@@ -139,6 +144,13 @@ class GemmConfig:
     each K tile's wgmma before its add. True keeps every product in the wgmma's own
     accumulator: faster, less precise (torch._scaled_mm's ``use_fast_accum=True``). 16-bit
     wgmma accumulates in full float32 either way.
+
+    ``block_scales`` (float8 A and B only; set from the example inputs, not a knob): 0 for none;
+    otherwise the rows of A that share one float32 scale per 128 elements of K (1: DeepSeek-V3's
+    1 x 128 activation blocks; 128: 128 x 128 blocks), B being scaled per 128 x 128 block. Each K
+    tile's products are multiplied by their blocks' scales as the promoting mainloop adds them into
+    the accumulator, so it needs ``fast_accum=False``, tiles of a multiple of 64 columns (each
+    64-column chunk of a tile in one B block) and no gated B.
     """
 
     ab_dtype: str = "float16"
@@ -164,6 +176,7 @@ class GemmConfig:
     a_rows: int | None = None
     pdl: bool = False
     fast_accum: bool = False
+    block_scales: int = 0
 
     def __post_init__(self) -> None:
         if self.tile_n is None:
@@ -402,10 +415,12 @@ class GemmConfig:
         if self.promotes and self.acc_regs > PROMOTING_ACC_REGS:
             bad(f"promoting float8 partial sums keeps a scratch accumulator beside the tile's: a "
                 f"{self.schedule} {self.tile_m} x {self.tile_n} tile needs {self.acc_regs} registers per "
-                f"thread for each, more than {PROMOTING_ACC_REGS}; use cooperative 128 x 128, ping-pong "
-                "128 x 64 or 64 x 128, or fast_accum=True")
+                f"thread for each, more than {PROMOTING_ACC_REGS}; use cooperative 128 x 192 or 128 x 128, "
+                "ping-pong 128 x 64 or 64 x 128, or fast_accum=True")
         if self.fast_accum not in (True, False):
             bad(f"fast_accum must be True or False, got {self.fast_accum!r}")
+        if self.block_scales:
+            self._check_block_scales(bad)
         acc_regs = self.acc_regs
         if self.schedule == "pingpong" and acc_regs > PINGPONG_ACC_REGS:
             bad(f"schedule='pingpong' computes a {self.tile_m} x tile_n tile per consumer warpgroup: "
@@ -413,6 +428,22 @@ class GemmConfig:
                 f"the epilogue's (at most {PINGPONG_ACC_REGS}: tile_n <= "
                 f"{PINGPONG_ACC_REGS * 128 // self.tile_m})")
         return self
+
+    def _check_block_scales(self, bad) -> None:
+        if self.block_scales not in BLOCK_SCALE_ROWS:
+            bad(f"block_scales must be 0 or one of {BLOCK_SCALE_ROWS} (rows of A per scale), got "
+                f"{self.block_scales!r}")
+        if self.ab_dtype not in FLOAT8_DTYPES:
+            bad(f"block scales scale float8 a and b, not {self.ab_dtype}")
+        if self.fast_accum:
+            bad("block scales are applied as each K tile's products are promoted into the float32 "
+                "accumulator: fast_accum=True (no promotion) cannot apply them")
+        if self.gated:
+            bad("block scales with a gated (SwiGLU) epilogue are not supported: B's two halves would "
+                "need scales of their own")
+        if self.tile_n % 64:
+            bad(f"block scales need tiles of a multiple of 64 columns (each 64-column chunk of a tile in "
+                f"one 128-column block of B), got tile_n={self.tile_n}")
 
     def replace(self, **changes) -> GemmConfig:
         return dataclasses.replace(self, **changes).validate()
@@ -434,4 +465,5 @@ class GemmConfig:
         name = name + " split-k" if self.split_k else name
         name = name + f" a{self.a_rows}" if self.a_rows is not None else name
         name = name + " pdl" if self.pdl else name
+        name = name + f" blockscaled{self.block_scales}x128" if self.block_scales else name
         return name + " pingpong" if self.schedule == "pingpong" else name

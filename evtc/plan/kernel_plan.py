@@ -170,8 +170,19 @@ class KernelPlan:
     #: The reductions the kernel finishes itself: per axis (``row``, ``col``, ``batch``, ``all``), the
     #: host outputs it stores, in the order of its arguments. Empty when the host finishes them (``finish``).
     kernel_finish: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: Block-scaled float8 (evtc.ir.block_scales): the float32 scales of a (dims M or MB, KB)
+    #: and of b (KB, NB), any strides; None without block scales.
+    a_scales: TensorSpec | None = None
+    b_scales: TensorSpec | None = None
 
     # ---- derived -----------------------------------------------------------------------------
+    @property
+    def a_scale_rows(self) -> int:
+        """Rows of a per block scale: 1 (1 x 128 blocks) or 128; 0 without block scales."""
+        if self.a_scales is None:
+            return 0
+        return 1 if "M" in self.a_scales.dims else 128
+
     @property
     def output_order(self) -> tuple[str, ...]:
         """Output names in kernel order: the full-tile outputs, then the host outputs."""
@@ -267,6 +278,7 @@ def _decode_plan(d: dict) -> KernelPlan:
                                 _tuple(interface["constants"]), interface["strict"], interface["torch_only"]),
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
         kernel_finish=_tuple(d["kernel_finish"]),
+        a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),
     )
 
 
@@ -330,6 +342,7 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
         structure=OutputStructure(tree.kind, tuple(tree.names), tuple(tree.keys) if tree.keys else None),
         interface=interface, broadcast_batch=signature.broadcast_batch, class_name=emitted.class_name,
         kernel_finish=tuple((f.axis, tuple(f.outputs)) for f in emitted.finishes),
+        a_scales=signature.a_scales, b_scales=signature.b_scales,
     )
 
 

@@ -89,6 +89,9 @@ class KernelSignature:
         # Their own dtypes: float8 a and b may mix formats.
         self.a = TensorSpec("a", dtype_name(a.dtype), a_dims, contiguous_dim(a_dims, a, ("M", "K")))
         self.b = TensorSpec("b", dtype_name(b.dtype), b_dims, contiguous_dim(b_dims, b, ("K", "N")))
+        #: Block-scaled float8 (see :meth:`set_block_scales`): the scales' specs, or None.
+        self.a_scales: TensorSpec | None = None
+        self.b_scales: TensorSpec | None = None
         self.a_major = "k" if a_dims[self.a.contiguous] == "K" else "m"
         self.b_major = "n" if b_dims[self.b.contiguous] == "N" else "k"
         out_dims = ("L", "M", "N") if graph.batched else ("M", "N")
@@ -122,6 +125,15 @@ class KernelSignature:
             self.inputs.append(spec)
             self.views.append(kind.view_modes[0 if operand.batched else 1])
 
+    def set_block_scales(self, a_rows: int) -> None:
+        """a and b come with float32 block scales (evtc.ir.block_scales): ``a_rows`` rows of a
+        per scale (1 or 128), b per 128 x 128 block. Any strides (the kernel reads them per K tile
+        with ordinary loads, not TMA)."""
+        batch = ("L",) if len(self.a.dims) == 3 else ()
+        rows = "M" if a_rows == 1 else "MB"
+        self.a_scales = TensorSpec("a's block scales", "float32", (*batch, rows, "KB"), None)
+        self.b_scales = TensorSpec("b's block scales", "float32", (*batch, "KB", "NB"), None)
+
     def set_output_major(self, d_major: str) -> None:
         """Outputs column-major (``"m"``: M contiguous) or row-major (``"n"``, the default)."""
         self.d_major = d_major
@@ -131,6 +143,7 @@ class KernelSignature:
     def describe(self) -> dict:
         return {
             "a": self.a.describe(), "b": self.b.describe(),
+            **({"scales": [self.a_scales.describe(), self.b_scales.describe()]} if self.a_scales else {}),
             "outputs": [s.describe() for s in self.outputs],
             "inputs": [s.describe() if s is not None else "scalar" for s in self.inputs],
             "views": [list(v) if isinstance(v, tuple) else v for v in self.views],

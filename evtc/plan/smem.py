@@ -130,9 +130,10 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
     if "schedule" not in knobs and "tile_n" not in knobs and "cluster" not in knobs:
         attempts.append({"schedule": "cooperative", **attempts[-1]})
         if knobs.get("ab_dtype") in FLOAT8_DTYPES and not knobs.get("fast_accum"):
-            # Promoting float8 partial sums keeps two accumulators: at most 64 registers each.
-            attempts += [{"schedule": "cooperative", "tile_n": 128},
-                         {"schedule": "cooperative", "tile_n": 128, "epi_tile_n": 16}]
+            # Promoting float8 partial sums keeps two accumulators (at most PROMOTING_ACC_REGS each):
+            # cooperative 128 x 192 tiles, or 128 x 128 where those do not fit.
+            attempts += [{"schedule": "cooperative", "tile_n": n, **sub}
+                         for n in (192, 128) for sub in ({}, {"epi_tile_n": 16})]
     first_error = None
     for extra in attempts:
         try:
@@ -156,7 +157,8 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
 def _describe_attempt(extra: dict[str, Any]) -> str:
     parts = []
     if "schedule" in extra:
-        parts.append(f"the cooperative schedule{' with 128 x 128 tiles' if 'tile_n' in extra else ''}")
+        tiles = f" with 128 x {extra['tile_n']} tiles" if "tile_n" in extra else ""
+        parts.append(f"the cooperative schedule{tiles}")
     if "epi_tile_n" in extra:
         parts.append("128x16 subtiles")
     return " and ".join(parts)

@@ -140,10 +140,12 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
         visitor = _import_visitor(source_path, key, plan.class_name)
         kernel = Sm90GemmKernel(config, visitor)
         in_specs = [i.spec for i in plan.inputs]
-        launcher = entry_point(config.gated, config.split_k)(
+        scaled = bool(config.block_scales)
+        launcher = entry_point(config.gated, config.split_k, scaled)(
             kernel, plan.a, plan.b, plan.outputs + plan.workspaces + plan.finish_args, in_specs,
             [i.view for i in plan.inputs], plan.batched, workspaces=len(plan.workspaces),
-            finished=tuple(len(names) for _, names in plan.kernel_finish))
+            finished=tuple(len(names) for _, names in plan.kernel_finish),
+            scale_specs=(plan.a_scales, plan.b_scales) if scaled else ())
         symbols = Symbols()
         fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces + plan.finish_args)
         fake_ins = tuple(cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in in_specs)
@@ -152,12 +154,18 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
             options += f" --gpu-arch {arch}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+            # The block-scaled promotion unrolls one multiply-add per accumulator value on purpose.
+            warnings.filterwarnings("ignore", message="This static loop has")
+            fake_a = fake_tensor(plan.a, symbols)
             fake_b = fake_tensor(plan.b, symbols)
             if config.gated:
                 fake_b = (fake_b, fake_tensor(plan.b, symbols))  # the gate and up halves
+            if scaled:  # (tensor, block scales) pairs
+                fake_a = (fake_a, fake_tensor(plan.a_scales, symbols))
+                fake_b = (fake_b, fake_tensor(plan.b_scales, symbols))
             split = fake_split_args() if config.split_k else ()
             compiled = cute.compile(
-                launcher, fake_tensor(plan.a, symbols), fake_b, fake_outs,
+                launcher, fake_a, fake_b, fake_outs,
                 fake_ins, cutlass.Int32(1), *split, make_fake_stream(use_tvm_ffi_env_stream=True),
                 options=options,
             )

@@ -128,6 +128,8 @@ def _is_library(value: Any) -> bool:
 def _example(value: Any, seen: set[int]) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", str(value.dtype), tuple(value.shape), tuple(value.stride()), value.device.type)
+    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return ("tensors", tuple(_example(v, seen) for v in value))  # a block-scaled (tensor, scales)
     return _value(value, seen)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from evtc.errors import CallError, EpilogueError
+from evtc.ir.block_scales import dequantized, is_pair, scale_problem
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
@@ -78,8 +79,11 @@ def _built_config(config: GemmConfig, splits: int) -> GemmConfig:
     return config.replace(split_k=True) if splits > 1 and not config.split_k else config
 
 
-def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device) -> None:
-    """Launch a compiled function; ``split``: split-K's (splits, partials, counters) or None."""
+def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device, scales=None) -> None:
+    """Launch a compiled function; ``split``: split-K's (splits, partials, counters) or None;
+    ``scales``: block-scaled float8's (a's, b's) scales, handed over with a and b as pairs."""
+    if scales is not None:
+        a, b = (a, scales[0]), (b, scales[1])
     if split is None:
         fn(a, b, outs, ins, clusters)
     else:
@@ -559,6 +563,17 @@ class Kernel:
                               default=1)
         self._finisher = (ReductionFinish(plan, self.config.tile_m, self.config.out_tile_n)
                           if plan.reductions and self.config is not None else None)
+        # Block-scaled float8: rows of a per scale (1 or 128); 0: a and b are plain tensors.
+        self._scale_rows = plan.a_scale_rows
+
+    def _unpair(self, a, b):
+        """A block-scaled kernel's a and b as (a, b, (a's scales, b's scales))."""
+        for name, value in (("a", a), ("b", b)):
+            if not is_pair(value):
+                raise CallError(f"{name} must be a (tensor, block scales) pair: {self.plan.name!r} was "
+                                f"compiled for block-scaled float8 a and b, got {type(value).__name__} "
+                                "(docs/fp8.md, 'Block scales')")
+        return a[0], b[0], (a[1], b[1])
 
     def __call__(self, a, b, *, out=None, **operands):
         """``D = k(a, b, C=C, alpha=0.7, ...)``: the epilogue of ``a @ b``, launched on the current CUDA
@@ -566,7 +581,8 @@ class Kernel:
 
         Under ``torch.compile`` the call is the kernel's custom operator (:attr:`op`), which the
         compiler sees as one opaque op with a shape function: no graph break."""
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(a, b, operands)):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(a, b, operands)
+                                             and not self._scale_rows):
             # The operator has an autograd formula (evtc.runtime.op_autograd).
             return self._call_op(a, b, out, operands)
         try:
@@ -622,7 +638,10 @@ class Kernel:
         missing = [name for name in self._names if name not in operands]
         if missing:
             raise CallError(f"missing argument(s) {missing}; the epilogue takes {self._names}")
-        result = self.op(a, b, *[operands[name] for name in self._names])
+        scales = ()
+        if self._scale_rows:
+            a, b, scales = self._unpair(a, b)
+        result = self.op(a, b, *scales, *[operands[name] for name in self._names])
         outs = [result] if len(self._kernel_order) == 1 else list(result)
         if out is not None:
             # The operator returns new tensors (a functional op is what the compiler can reorder);
@@ -644,46 +663,49 @@ class Kernel:
         which names a wrong argument or takes the staged or the torch path."""
         if self._accepts_more and not operands.keys() <= self._name_set:
             operands = self._without_unused(operands)
+        scales = None
+        if self._scale_rows:
+            a, b, scales = self._unpair(a, b)
         if self._kernel_runs is None:
             self._kernel_runs = self.interface.torch_only is None and _gpu_ok() is None
         if self._kernel_runs:
             try:
-                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False)
+                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
                 pass  # the slow path finds out what it was
             else:
                 self.last_path = "kernel"
                 return outs + self._finish(out, workspaces, *problem, operands)
-        return self._launch_slow(a, b, out, operands)
+        return self._launch_slow(a, b, out, operands, scales)
 
-    def _launch_slow(self, a, b, out, operands) -> list[torch.Tensor]:
+    def _launch_slow(self, a, b, out, operands, scales=None) -> list[torch.Tensor]:
         """A call the fast path did not take: a CallError for wrong arguments; the torch path where
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         reason = self._torch_reason(a, operands) if isinstance(a, torch.Tensor) else None
         if reason is None and self.interface.strict:
-            self._validate(a, b, out, operands)  # a wrong argument is named before any layout rule
+            self._validate(a, b, out, operands, scales)  # a wrong argument is named before any layout rule
         if reason is None:
             try:
-                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True)
+                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True, scales=scales)
             except CallError:
                 raise
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError) as exc:
                 # Staging copies whatever it is given: the compiled function then rejects a wrong
                 # argument, and the checks below name it.
-                self._validate(a, b, out, operands)
+                self._validate(a, b, out, operands, scales)
                 raise CallError(f"the kernel rejected arguments that evtc checked and staged: {exc} (an "
                                 "evtc bug: please report it with the shapes and strides of the call)"
                                 ) from None
             return outs + self._finish(out, workspaces, *problem, operands)
-        self._validate(a, b, out, operands)
+        self._validate(a, b, out, operands, scales)
         if reason is not None:
             if self.interface.strict:
                 raise CallError(f"cannot run {self.plan.name!r} as a kernel: {reason}. strict=True "
                                 "refuses the torch path (torch.matmul, then the epilogue evaluated by "
                                 "torch) that would compute it instead")
             self._note_path("torch", reason)
-        return self._run_torch(a, b, out, operands)
+        return self._run_torch(a, b, out, operands, scales)
 
     def _torch_reason(self, a, operands) -> str | None:
         """Why this call cannot run the SM90 kernel (it then takes the torch path), or None."""
@@ -718,7 +740,7 @@ class Kernel:
         log.warning("%r %s: %s. strict=True makes this an error; docs/compile.md ('Call paths') says "
                     "which layouts take which path", self.plan.name, what, why)
 
-    def _run_kernel(self, a, b, out, operands, *, stage: bool):
+    def _run_kernel(self, a, b, out, operands, *, stage: bool, scales=None):
         """Split, gather and launch. With ``stage``, tensors whose layout the kernel cannot take go
         through aligned copies (see :mod:`evtc.runtime.staging`). Returns the outputs in kernel order (the
         host outputs not yet), the reductions' workspaces and (M, N, L).
@@ -731,6 +753,8 @@ class Kernel:
         batches = a.shape[0] if a.dim() == 3 else 1
         if a.shape[-1] == 0:
             raise ValueError("K = 0 takes the torch path")
+        if scales is not None and scale_problem(a, b, scales, self._scale_rows)[0] is not None:
+            raise ValueError("block scales of the wrong shape")  # _validate names the problem
         if len(kernel_operands) != self._kernel_name_count:
             raise KeyError("unknown arguments")
         ins = [kernel_operands[what] if kind == 0 else float(kernel_operands[what]) if kind == 1
@@ -750,7 +774,7 @@ class Kernel:
             if chosen is None:
                 capturing = self._autotune and torch.cuda.is_current_stream_capturing()
                 if self._autotune and not capturing:
-                    chosen = self._tuned_launch(a, b, ins, outs, m, n, k, batches)
+                    chosen = self._tuned_launch(a, b, ins, outs, m, n, k, batches, scales)
                 else:
                     chosen = self._launch_choice(m, n, k, batches)
                 if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
@@ -764,7 +788,7 @@ class Kernel:
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
         if empty:
             return targets, workspaces, (m, n, batches, finisher)
-        _invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device)
+        _invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales)
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
                 if written is not target:
@@ -794,7 +818,7 @@ class Kernel:
         numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
         return kernel._fn, clusters, (splits, *numels), kernel._finisher
 
-    def _tuned_launch(self, a, b, ins, outs, m: int, n: int, k: int, batches: int):
+    def _tuned_launch(self, a, b, ins, outs, m: int, n: int, k: int, batches: int, scales=None):
         """The launch of an autotuning kernel: the tuned one of the problem's size bucket (from
         this process, the disk cache, or timed now on the call's inputs into scratch outputs laid
         out like ``outs``, the buffers the call launches into)."""
@@ -814,7 +838,7 @@ class Kernel:
                     if launch is not None and not self._tunable(launch):
                         launch = None  # a record this kernel may not run: tuned again
                     if launch is None:
-                        launch = self._time_candidates(a, b, ins, outs, m, n, k, batches, size)
+                        launch = self._time_candidates(a, b, ins, outs, m, n, k, batches, size, scales)
                     self._tuned[size] = launch
         return self._resolve(*launch, m, n, batches)
 
@@ -828,7 +852,8 @@ class Kernel:
                    for c in self._family) and (
             self._variant_factory is not None or config.cluster == self.config.cluster)
 
-    def _time_candidates(self, a, b, ins, outs, m, n, k, batches, size: str) -> tuple[GemmConfig, int]:
+    def _time_candidates(self, a, b, ins, outs, m, n, k, batches, size: str,
+                         scales=None) -> tuple[GemmConfig, int]:
         from evtc.runtime import autotune
 
         default = self.launch_for(m, n, k, batches)
@@ -850,7 +875,7 @@ class Kernel:
                                        else []))
 
             def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
-                _invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device)
+                _invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device, scales)
             try:
                 us = autotune.time_us(run)
             except (RuntimeError, ValueError, TypeError) as exc:
@@ -898,9 +923,12 @@ class Kernel:
         b = tuple(staged(half) for half in b) if self.plan.gated else staged(b)
         return staged(a), b, [staged(t) for t in ins], outs
 
-    def _run_torch(self, a, b, out, operands) -> list[torch.Tensor]:
+    def _run_torch(self, a, b, out, operands, scales=None) -> list[torch.Tensor]:
         """The torch path (:mod:`evtc.runtime.fallback`): outputs in kernel order, into ``out`` if given."""
         from evtc.runtime.fallback import run
+
+        if scales is not None:  # block-scaled float8: the product of the dequantized a and b
+            a, b = dequantized(a, b, scales, self._scale_rows)
 
         results = run(self.graph, a, b, operands)
         values = [results[name].contiguous() for name in self._kernel_order]
@@ -1002,12 +1030,15 @@ class Kernel:
                 raise CallError(f"{name} must be a tensor whose last dim is N = {n} (as wide as the GEMM: "
                                 f"it is split into gate and up halves like acc), got {shape}")
 
-    def _validate(self, a, b, out, operands) -> None:
+    def _validate(self, a, b, out, operands, scales=None) -> None:
         """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
 
         Layouts are not checked here: a layout the kernel cannot take is staged (:meth:`_stage`)."""
         sig = self.plan
         for name, t in (("a", a), ("b", b)):
+            if is_pair(t):
+                raise CallError(f"{name} is a (tensor, scales) pair, but {sig.name!r} was compiled without "
+                                "block scales: compile with pairs as example inputs (docs/fp8.md)")
             if not isinstance(t, torch.Tensor):
                 raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if a.dim() != len(sig.a.dims) or b.dim() != len(sig.b.dims):
@@ -1057,6 +1088,10 @@ class Kernel:
                          layout=False)
         outs = self._outputs(a, out, sizes["M"], sizes["N"], sizes["L"], layout=False) \
             if out is not None else []
+        if self._scale_rows:
+            problem, _ = scale_problem(a, b, scales, self._scale_rows)
+            if problem is not None:
+                raise CallError(f"{problem} (docs/fp8.md, 'Block scales')")
         tensors = [("a", a), ("b", b)] + [(p.label, operands[p.name])
                                           for p in self.plan.inputs if p.kind not in ("arg", "literal")]
         tensors += [(f"out[{i}]", t) for i, t in enumerate(outs)]

@@ -38,6 +38,8 @@ def op_name(kernel: Kernel) -> str:
 def schema(kernel: Kernel, name: str) -> str:
     plan = kernel.plan
     args = ["Tensor a", "Tensor b"]
+    if plan.a_scales is not None:  # block-scaled float8: the scales of a and b follow them
+        args += ["Tensor a_scales", "Tensor b_scales"]
     for operand in plan.operand_names:
         args.append(f"float {operand}" if plan.kind_of(operand) == "arg" else f"Tensor {operand}")
     n_out = len(plan.output_order)
@@ -55,8 +57,12 @@ def register(kernel: Kernel):
         plan = kernel.plan
         names = plan.operand_names
         single = len(plan.output_order) == 1
+        scaled = plan.a_scales is not None
 
         def run(a, b, *operands):
+            if scaled:
+                (a_scales, b_scales, *operands) = operands
+                a, b = (a, a_scales), (b, b_scales)
             outs = kernel.run(a, b, dict(zip(names, operands, strict=True)))
             return outs[0] if single else tuple(outs)
 
@@ -73,6 +79,10 @@ def register(kernel: Kernel):
         # CPU tensors reach the same checks, which name the tensor that is not on the GPU.
         _LIBRARY.impl(name, run, "CPU")
         torch.library.register_fake(f"evtc::{name}", fake, lib=_LIBRARY)
+        if scaled:  # no derivative through block-scaled float8 inputs (docs/fp8.md, limits)
+            op = getattr(torch.ops.evtc, name).default
+            _OPS[name] = op
+            return op
 
         def setup_context(ctx, inputs, output):
             a, b, *operands = inputs

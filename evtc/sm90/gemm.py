@@ -23,6 +23,8 @@ Tensors seen by the kernel are in the CuTe GEMM convention: A (M, K, L), B (N, K
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -80,6 +82,8 @@ class Sm90GemmKernel:
         self.tile_shape_mnk = cfg.tile_shape_mnk
         self.tile_k = cfg.tile_k
         self.promotes = cfg.promotes
+        # Block scales (float8): rows of A per scale (1 or 128; B's blocks are 128 x 128), 0 for none.
+        self.block_scales = cfg.block_scales
         self.tile_m = cfg.tile_m
         self.pingpong = cfg.schedule == "pingpong"
         # Gated (SwiGLU): B comes as two halves; tile n of the output loads block n of each into
@@ -141,11 +145,14 @@ class Sm90GemmKernel:
         max_clusters: Int32,
         stream,
         split: tuple = (),
+        scales: tuple = (),
     ):
         """Launch on ``stream``.  mA (M,K,L), mB (N,K,L), mD (M,N,L); ``epi_args`` is the visitor's
         runtime tuple; ``max_clusters`` caps the persistent grid (clusters resident at once).
         Gated: ``mB`` is the pair (gate half, up half) of B, each (N,K,L) with N the output's width.
-        Split-K: ``split`` is (splits, partials, counters), see :meth:`_split_k_combine`."""
+        Split-K: ``split`` is (splits, partials, counters), see :meth:`_split_k_combine`.
+        Block scales: ``scales`` is (A's (M or M/128, K/128, L), B's (N/128, K/128, L)) float32
+        tensors, see :meth:`_block_factors`."""
         b_halves = mB if cutlass.const_expr(self.gated) else (mB,)
         if cutlass.const_expr(mA.element_type != self.ab_dtype
                               or any(h.element_type != self.b_dtype for h in b_halves)):
@@ -239,6 +246,7 @@ class Sm90GemmKernel:
             d_smem_staged,
             epi_params,
             split,
+            scales,
         ).launch(
             grid=(self.cluster[0], self.cluster[1], num_clusters),
             block=[NUM_THREADS, 1, 1],
@@ -460,6 +468,58 @@ class Sm90GemmKernel:
                     mine = flat[(None, None, j)]
                     mine.store(mine.load() + chunk.load())
 
+    def _scale_slots(self, tiled_mma, threads: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+        """Block scales: where a consumer thread's accumulator values lie, as (the distinct row
+        offsets from its first value's row, the number of column chunks, the factor slot of each
+        value: row slot x chunks + chunk).
+
+        A chunk is ``gcd(tile_n, 128)`` columns: tiles start on multiples of it, so each chunk lies
+        in one 128-column block of B (a 128 x 192 tile spans three 64-column chunks, in two B blocks).
+        Plain Python on static thread indices: the wgmma layout gives every thread the same offsets
+        and the same chunk per value (checked on a sample of threads here, at compile time), so each
+        K tile loads one A scale per row slot and one B scale per chunk."""
+        tile_n = self.tile_shape_mnk[1]
+        chunk = math.gcd(tile_n, 128)
+        identity = cute.make_identity_tensor(self.tile_shape_mnk[:2])
+
+        def layout_of(thread: int) -> tuple[list[int], list[int]]:
+            coords = tiled_mma.get_slice(thread).partition_C(identity)
+            values = [coords[i] for i in range(cute.size(coords))]
+            rows = [int(m) for m, _ in values]
+            return [r - rows[0] for r in rows], [int(n) // chunk for _, n in values]
+
+        offsets, chunks = layout_of(0)
+        for t in (1, 2, 3, 4, 5, 8, 31, 32, 33, 64, 100, threads - 1):
+            if layout_of(t) != (offsets, chunks):
+                raise AssertionError(f"accumulator of thread {t} is not laid out like thread 0's")
+        distinct = tuple(sorted(set(offsets)))
+        n_chunks = tile_n // chunk
+        return distinct, n_chunks, tuple(distinct.index(o) * n_chunks + c for o, c in zip(offsets, chunks,
+                                                                                         strict=True))
+
+    @cute.jit
+    def _load_block_factors(self, factors: cute.Tensor, scales: tuple, tile_coord, kb: Int32,
+                            first_row: Int32, row_offsets: tuple, n_chunks: int):
+        """Block scales: into ``factors``, the factor of each slot (:meth:`_scale_slots`) for K block
+        ``kb`` of the tile at ``tile_coord``: A's scale of the row (1 x 128 blocks) or of the tile's
+        128-row block, times B's scale of the chunk's 128 x 128 block. Rows past M read row M - 1:
+        their values are never stored."""
+        m_scales, n_scales = scales
+        m, n, batch = tile_coord
+        tile_n = self.tile_shape_mnk[1]
+        chunk = math.gcd(tile_n, 128)
+        if cutlass.const_expr(self.block_scales == 128):
+            a_scale = m_scales[((m * self.tile_m) // 128, kb, batch)]
+            for c in cutlass.range_constexpr(n_chunks):
+                factors[c] = a_scale * n_scales[((n * tile_n + c * chunk) // 128, kb, batch)]
+        else:
+            last_row = m_scales.shape[0] - 1
+            for c in cutlass.range_constexpr(n_chunks):
+                b_scale = n_scales[((n * tile_n + c * chunk) // 128, kb, batch)]
+                for r in cutlass.range_constexpr(len(row_offsets)):
+                    row = cutlass.min(m * self.tile_m + first_row + row_offsets[r], last_row)
+                    factors[r * n_chunks + c] = m_scales[(row, kb, batch)] * b_scale
+
     @cute.kernel
     def kernel(
         self,
@@ -475,6 +535,7 @@ class Sm90GemmKernel:
         d_smem_staged: cute.ComposedLayout,
         epi_params: tuple,
         split: tuple,
+        scales: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -700,6 +761,15 @@ class Sm90GemmKernel:
             acc_k = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if cutlass.const_expr(self.promotes) \
                 else None
             k_blocks = cute.size(tCrA, mode=[2])
+            if cutlass.const_expr(self.block_scales):
+                # Each K tile's products are scaled per row slot before they join the accumulator.
+                row_offsets, n_chunks, factor_slot = self._scale_slots(tiled_mma, self.shape.num_threads)
+                if cutlass.const_expr(self.block_scales == 128):
+                    row_offsets = (0,)  # one A scale per tile and K tile: its 128-row block's
+                    factor_slot = tuple(slot % n_chunks for slot in factor_slot)
+                first_row = tiled_mma.get_slice(epi_tidx).partition_C(
+                    cute.make_identity_tensor(self.tile_shape_mnk[:2]))[0][0]
+                factors = cute.make_rmem_tensor((len(row_offsets) * n_chunks,), self.acc_dtype)
 
             # ---- epilogue plumbing (built once, reused for every tile) --------------------------
             tiled_copy_c_atom = cute.make_tiled_copy_C_atom(
@@ -771,7 +841,7 @@ class Sm90GemmKernel:
                     read_state, release_state = self._skip_tile(first_count, read_state, release_state)
             while work < num_work:
                 tile_coord = sched.cta_tile(work, cta_in_cluster)
-                _, k_count = self._k_range(sched, work, k_tiles)
+                k_first, k_count = self._k_range(sched, work, k_tiles)
 
                 if cutlass.const_expr(self.pingpong):
                     # Our mainloop turn: after the other warpgroup has issued the previous tile's.
@@ -794,12 +864,22 @@ class Sm90GemmKernel:
                             cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
+                        if cutlass.const_expr(self.block_scales):
+                            # Loaded while the wgmma runs: issued before it, the loads would hold up
+                            # the wgmma fence until they land (1.5x the tensorwise kernel's time;
+                            # loading them a K tile ahead measured slower again, docs/fp8.md).
+                            self._load_block_factors(factors, scales, tile_coord, k_first + _k, first_row,
+                                                     row_offsets, n_chunks)
                         self._release_ring_at(load_pipeline, is_store_warp, tiles_done, _k, ring_release_k)
                         warpgroup.wait_group(0)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
                         read_state.advance()
-                        acc.store(acc.load() + acc_k.load())
+                        if cutlass.const_expr(self.block_scales):
+                            for i in cutlass.range_constexpr(cute.size(acc)):
+                                acc[i] = acc[i] + acc_k[i] * factors[factor_slot[i]]
+                        else:
+                            acc.store(acc.load() + acc_k.load())
                     if cutlass.const_expr(self.pingpong):
                         if work + work_stride < num_work:
                             cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,

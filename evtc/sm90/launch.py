@@ -32,7 +32,9 @@ class Symbols:
         # W and V: the lengths of the reductions' flat workspaces, per row (M x n tiles x L) and per
         # column (N x m tiles x L); R and S: of the outputs a kernel finishes itself, per row (L x M)
         # and per column (L x N); Q: of its counters.
-        self.sizes = {d: cute.sym_int32(symbol=d) for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q")}
+        # KB, MB and NB: block scales' counts of 128-element blocks along K, M and N.
+        self.sizes = {d: cute.sym_int32(symbol=d)
+                      for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q", "KB", "MB", "NB")}
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -104,7 +106,8 @@ class Launcher:
     tensor, its spec and the view the kernel or its operand wants."""
 
     def __init__(self, kernel, a_spec: TensorSpec, b_spec: TensorSpec, out_specs, in_specs, in_views,
-                 batched: bool, workspaces: int = 0, finished: tuple[int, ...] = ()):
+                 batched: bool, workspaces: int = 0, finished: tuple[int, ...] = (),
+                 scale_specs: tuple = ()):
         self.kernel = kernel
         # After the full-tile outputs: ``workspaces`` reduction workspaces; then, for a kernel that
         # finishes its reductions, the outputs of each finish (``finished``: how many per axis) and
@@ -117,6 +120,8 @@ class Launcher:
         self.in_specs = tuple(in_specs)  # None for Python scalars
         self.in_views = tuple(in_views)  # modes per input ("scalar", "arg" or a tuple of modes)
         self.batched = batched
+        # Block-scaled float8: the specs of a's and b's scales (ScaledLauncher).
+        self.scale_specs = tuple(scale_specs)
 
     def _input_view(self, t, spec, modes):
         if modes == "arg":
@@ -131,9 +136,16 @@ class Launcher:
         self._launch(a, view(b, self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
                      max_clusters, stream)
 
-    def _launch(self, a, mB, outputs, inputs, max_clusters, stream, split=()):
+    def _scale_views(self, a_scales, b_scales):
+        """Block scales as the kernel reads them: a's (M or M/128, K/128, L), b's (N/128, K/128, L)."""
+        a_spec, b_spec = self.scale_specs
+        rows = "M" if "M" in a_spec.dims else "MB"
+        return (view(a_scales, a_spec, (rows, "KB", "L"), pad_batch=True),
+                view(b_scales, b_spec, ("NB", "KB", "L"), pad_batch=True))
+
+    def _launch(self, a, mB, outputs, inputs, max_clusters, stream, split=(), scales=()):
         """The body of the entry point, traced inline (``mB``: the kernel's view of B; ``split``:
-        split-K's (splits, partials, counters), or nothing)."""
+        split-K's (splits, partials, counters), or nothing; ``scales``: block scales' views)."""
         mA = view(a, self.a_spec, ("M", "K", "L"), pad_batch=True)
         finish_args = sum(self.finished) + (1 if self.finished else 0)
         n_tiles = len(outputs) - self.workspaces - finish_args
@@ -162,7 +174,7 @@ class Launcher:
                 epi_args = epi_args + ((counters, tuple(outputs[first:first + count]), m, n, tiles_m,
                                         tiles_n, batches),)
                 first += count
-        self.kernel(mA, mB, mD, epi_args, max_clusters, stream, split)
+        self.kernel(mA, mB, mD, epi_args, max_clusters, stream, split, scales)
 
 
     def _placeholder_d(self, mA, mB, workspace):
@@ -210,8 +222,30 @@ class GatedSplitLauncher(Launcher):
         self._launch(a, halves, outputs, inputs, max_clusters, stream, (splits, partials, counters))
 
 
-def entry_point(gated: bool, split_k: bool) -> type[Launcher]:
-    """The entry point class of a kernel."""
+class ScaledLauncher(Launcher):
+    """The entry point of a block-scaled float8 kernel: ``a`` and ``b`` are (tensor, scales) pairs
+    (:mod:`evtc.ir.block_scales`)."""
+
+    @cute.jit
+    def __call__(self, a: tuple, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32, stream):
+        self._launch(a[0], view(b[0], self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
+                     max_clusters, stream, scales=self._scale_views(a[1], b[1]))
+
+
+class ScaledSplitLauncher(Launcher):
+    """:class:`ScaledLauncher` with split-K (as :class:`SplitLauncher`)."""
+
+    @cute.jit
+    def __call__(self, a: tuple, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
+                 splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
+        self._launch(a[0], view(b[0], self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
+                     max_clusters, stream, (splits, partials, counters), self._scale_views(a[1], b[1]))
+
+
+def entry_point(gated: bool, split_k: bool, scaled: bool = False) -> type[Launcher]:
+    """The entry point class of a kernel (block-scaled ones are never gated)."""
+    if scaled:
+        return ScaledSplitLauncher if split_k else ScaledLauncher
     return {(False, False): Launcher, (True, False): GatedLauncher,
             (False, True): SplitLauncher, (True, True): GatedSplitLauncher}[(gated, split_k)]
 
@@ -225,5 +259,6 @@ def fake_split_args():
     return Int32(1), partials, counters
 
 
-__all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "SplitLauncher", "Symbols", "entry_point",
+__all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "ScaledLauncher", "ScaledSplitLauncher",
+           "SplitLauncher", "Symbols", "entry_point",
            "fake_split_args", "fake_tensor", "view"]

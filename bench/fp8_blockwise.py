@@ -1,0 +1,155 @@
+"""Block-scaled float8 GEMMs (DeepSeek-V3's recipe: 1 x 128 activation blocks, 128 x 128 weight
+blocks) against torch's blockwise ``scaled_mm`` (cuBLASLt) and against a bf16 GEMM, over the LLM
+layers of bench/fp8.py. One process, shuffled order per sample, medians.
+
+    bash .devkit/gpu.sh python3 bench/fp8_blockwise.py [--ms 128,2048,8192] [--samples 11]
+
+Per (layer, M), e4m3 a (M, K) with float32 scales (M, K/128) and a weight w (N, K) with scales
+(N/128, K/128), passed to evtc as ``(a, sa)`` and ``(w.t(), sw.t())``:
+
+* ``torch``: torch's time over evtc's for the identity epilogue, bf16 results (above 1: evtc
+  faster), torch's ``F.scaled_mm(..., BlockWise1x128, ..., BlockWise128x128)``;
+* ``bf16``: ``torch.matmul`` of bf16 a and w.t() over evtc's blockwise time (the speedup of going
+  to float8);
+* ``fused``: ``y = gelu(acc + bias)``, ``(y * s).to(e4m3)`` and ``amax(|y|)`` in one evtc kernel,
+  against torch's blockwise GEMM followed by the same epilogue in eager PyTorch.
+
+Rows small enough also print both relative errors against the float64 product of the dequantized
+inputs (float32 results). Geomeans, per M, and the worst row at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import evtc  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+def identity(acc):
+    return acc
+
+
+def to_float32(acc):
+    return acc.float()
+
+
+def fused(acc, bias, s):
+    y = F.gelu(acc + bias)
+    return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
+
+
+def torch_blockwise(a, sa, b, sb, dtype=torch.bfloat16):
+    """torch's blockwise GEMM: sa (M, K/128) and sb (K/128, N/128), both outer-dim-major."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    return scaled_mm(a, b, sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+                     output_dtype=dtype)
+
+
+def eager_fused(a, sa, b, sb, bias, s):
+    y = F.gelu(torch_blockwise(a, sa, b, sb) + bias)
+    return (y * s).to(E4M3), y.abs().amax()
+
+
+def blocks(x: int) -> int:
+    return -(-x // 128)
+
+
+def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
+    from shapes import rel_max_error
+
+    dev = "cuda"
+    a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
+    w = (torch.randn(n, k, device=dev) * 2).to(E4M3)
+    b = w.t()
+    # The layouts torch's blockwise GEMM takes: a's scales M-major, b's (K/128, N/128) K-major.
+    sa = (torch.rand(blocks(k), m, device=dev) + 0.5).t()
+    sb = (torch.rand(blocks(n), blocks(k), device=dev) + 0.5).t()
+    bias = torch.randn(n, device=dev).to(torch.bfloat16)
+    s = torch.tensor(0.25, device=dev)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if "identity" not in kernels:
+        kernels["identity"] = evtc.compile(identity, {"a": (a, sa), "b": (b, sb)})
+        kernels["float32"] = evtc.compile(to_float32, {"a": (a, sa), "b": (b, sb)})
+        kernels["fused"] = evtc.compile(fused, {"a": (a, sa), "b": (b, sb), "bias": bias, "s": s})
+    ki, k32, kf = kernels["identity"], kernels["float32"], kernels["fused"]
+    calls = {
+        "evtc": lambda: ki((a, sa), (b, sb)),
+        "torch": lambda: torch_blockwise(a, sa, b, sb),
+        "bf16": lambda: torch.matmul(a16, b16),
+        "evtc_f": lambda: kf((a, sa), (b, sb), bias=bias, s=s),
+        "eager_f": lambda: eager_fused(a, sa, b, sb, bias, s),
+    }
+    for f in calls.values():  # builds the variants this size launches before timing
+        f()
+    torch.cuda.synchronize()
+    times = dict(zip(calls, time_paired(list(calls.values()), warmup=3, samples=samples, reps=5),
+                     strict=True))
+    err_evtc = err_torch = math.nan
+    if m * n * k <= 2**36:
+        ref = evtc.reference(to_float32, {"a": (a, sa), "b": (b, sb)}, dtype=torch.float64).double()
+        err_evtc = rel_max_error(k32((a, sa), (b, sb)), ref)
+        err_torch = rel_max_error(torch_blockwise(a, sa, b, sb, torch.float32), ref)
+        del ref
+    return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
+            times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
+
+
+def main() -> None:
+    from fp8 import shapes
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default="128,2048,8192")
+    p.add_argument("--samples", type=int, default=11)
+    p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
+    args = p.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    keep = [s for s in args.layers.split(",") if s]
+    torch.manual_seed(0)
+    kernels: dict[str, evtc.Kernel] = {}
+    rows = []
+    print(f"{'layer':>34} {'M':>6} {'N':>6} {'K':>6} | {'torch':>6} {'bf16':>6} {'fused':>6} | "
+          f"{'evtc us':>8} {'err evtc':>9} {'err torch':>9}")
+    for name, m, n, k in shapes(ms):
+        if keep and not any(name.endswith(s) for s in keep):
+            continue
+        if m * k + n * k > 3 * 2**30:
+            continue
+        row = measure(name, m, n, k, kernels, args.samples)
+        rows.append(row)
+        print(f"{name:>34} {m:6d} {n:6d} {k:6d} | {row[4]:6.3f} {row[5]:6.3f} {row[6]:6.3f} | "
+              f"{row[7]:8.1f} {row[8]:9.2e} {row[9]:9.2e}", flush=True)
+
+    def geomean(xs):
+        return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+    for i, what in ((4, "vs torch blockwise"), (5, "vs bf16 GEMM"),
+                    (6, "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager")):
+        worst = min(rows, key=lambda r: r[i])
+        print(f"{what}: geomean {geomean([r[i] for r in rows]):.3f} over {len(rows)} rows, worst "
+              f"{worst[i]:.3f} ({worst[0]} M={worst[1]})")
+        for m in ms:
+            sel = [r[i] for r in rows if r[1] == m]
+            if sel:
+                print(f"    M={m}: {geomean(sel):.3f}")
+    checked = [r for r in rows if not math.isnan(r[8])]
+    if checked:
+        print(f"largest relative error vs float64 ({len(checked)} rows): evtc "
+              f"{max(r[8] for r in checked):.2e}, torch {max(r[9] for r in checked):.2e}")
+
+
+if __name__ == "__main__":
+    main()

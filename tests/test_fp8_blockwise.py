@@ -1,0 +1,190 @@
+"""Block-scaled float8 (issue "FP8 inputs": DeepSeek-V3's 1 x 128 and 128 x 128 blocks) on the CPU: the
+PTX, the reference and the torch path against float64 written out block by block, and every refusal
+with its message. The kernels' results on the GPU: tests/test_fp8_blockwise_gpu.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import evtc
+from evtc.errors import CallError, CompileError, InputError
+from evtc.plan.config import ConfigError, GemmConfig
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def identity(acc):
+    return acc
+
+
+def bias_relu(acc, bias):
+    return torch.relu(acc + bias)
+
+
+def gated(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _blocks(x: int) -> int:
+    return -(-x // 128)
+
+
+def _pairs(m, n, k, rows, seed=0, batches=None, a_dtype=E4M3, b_dtype=E4M3):
+    """(a, a's scales) and (b = w.t(), b's scales) with scales of a wide range."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (batches,) if batches else ()
+    a = (torch.randn(*lead, m, k, generator=g) * 2).to(a_dtype)
+    w = (torch.randn(*lead, n, k, generator=g) * 2).to(b_dtype)
+    a_rows = m if rows == 1 else _blocks(m)
+    sa = torch.exp2(torch.randint(-6, 7, (*lead, a_rows, _blocks(k)), generator=g).float())
+    sw = torch.rand(*lead, _blocks(n), _blocks(k), generator=g) + 0.1
+    return (a, sa), (w.transpose(-1, -2), sw.transpose(-1, -2))
+
+
+def _product_by_blocks(a_pair, b_pair, rows):
+    """a @ b in float64, block by block: sum over K blocks of sa * sb * (a block @ b block)."""
+    (a, sa), (b, sb) = a_pair, b_pair
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    out = torch.zeros(*a.shape[:-2], m, n, dtype=torch.float64)
+    for kb in range(_blocks(k)):
+        ks = slice(kb * 128, (kb + 1) * 128)
+        for i in range(_blocks(m) if rows == 128 else m):
+            r = slice(i * rows, (i + 1) * rows)
+            for j in range(_blocks(n)):
+                c = slice(j * 128, (j + 1) * 128)
+                part = a[..., r, ks].double() @ b[..., ks, c].double()
+                out[..., r, c] += part * (sa[..., i, kb] * sb[..., kb, j]).double()[..., None, None]
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+def test_block_scales_compile_to_the_8_bit_wgmma_with_scaled_promotion(tmp_path, rows):
+    a, b = _pairs(256, 384, 512, rows)
+    k = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
+    assert k.config.block_scales == rows and k.config.promotes
+    assert (k.config.schedule, k.config.tile_n) == ("cooperative", 192)
+    ptx = k.ptx
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.([\w.]+)", ptx)) == {"f32.e4m3.e4m3"}
+    # Each K tile: the scales loaded from global memory, then one multiply-add per accumulator
+    # value (96 per thread) into the float32 accumulator after the wgmma's wait.
+    loop = ptx[ptx.index("wgmma.mma_async"):]
+    loop = loop[:loop.index("wgmma.fence", 1)] if "wgmma.fence" in loop[1:] else loop
+    assert re.search(r"ld\.global(\.\w+)*\.[bf]32", loop)
+    assert len(re.findall(r"fma\.rn\.f32", loop)) >= 96
+
+
+def test_block_scales_take_mixed_formats_and_batches(tmp_path):
+    a, b = _pairs(200, 256, 640, 1, batches=3, a_dtype=E4M3, b_dtype=E5M2)
+    k = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
+    assert "f32.e4m3.e5m2" in k.ptx and k.plan.a_scales.dims == ("L", "M", "KB")
+    got = k(a, b)  # CPU: the torch path
+    assert k.last_path == "torch"
+    ref = _product_by_blocks(a, b, 1)
+    assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 output
+
+
+@pytest.mark.parametrize(("rows", "shape"), [(1, (130, 200, 300)), (128, (300, 129, 257)), (1, (1, 64, 128))],
+                         ids=["1x128", "128x128", "one-row"])
+def test_reference_and_torch_path_match_the_product_block_by_block(tmp_path, rows, shape):
+    m, n, k = shape
+    a, b = _pairs(m, n, k, rows, seed=3)
+    bias = torch.randn(n)
+    ref = torch.relu(_product_by_blocks(a, b, rows) + bias.double())
+    mine = evtc.reference(bias_relu, {"a": a, "b": b, "bias": bias}, dtype=torch.float64)
+    assert (mine - ref).abs().max() <= 1e-12 * ref.abs().max()
+    kernel = evtc.compile(bias_relu, {"a": a, "b": b, "bias": bias}, cache_dir=tmp_path)
+    got = kernel(a, b, bias=bias)
+    assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # Nothing the caller passed is modified.
+    again = _pairs(m, n, k, rows, seed=3)
+    for (t, s), (t0, s0) in zip((a, b), again, strict=True):
+        assert torch.equal(t.float(), t0.float()) and torch.equal(s, s0)
+
+
+def test_block_scales_under_torch_compile_are_one_op(tmp_path):
+    a, b = _pairs(128, 256, 256, 1, seed=4)
+    kernel = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
+    assert "Tensor a_scales, Tensor b_scales" in str(kernel.op._schema)
+
+    def f(x, sx, w, sw):
+        return kernel((x, sx), (w, sw)) + 1
+
+    got = torch.compile(f, backend="eager", fullgraph=True)(a[0], a[1], b[0], b[1])
+    ref = _product_by_blocks(a, b, 1) + 1
+    assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def _compile_error(tmp_path, fn, inputs, match, **kw):
+    with pytest.raises(CompileError, match=match) as info:
+        evtc.compile(fn, inputs, cache_dir=tmp_path, **kw)
+    assert "test_fp8_blockwise.py" in str(info.value)  # the user's file and line
+    return info.value
+
+
+def test_compile_refusals_name_the_problem(tmp_path):
+    (a, sa), (b, sb) = _pairs(256, 256, 512, 1)
+    _compile_error(tmp_path, identity, {"a": (a, sa), "b": b}, "b has no block scales")
+    _compile_error(tmp_path, identity, {"a": (a.half(), sa), "b": (b.half(), sb)}, "scale float8 a and b")
+    _compile_error(tmp_path, identity, {"a": (a, sa[:, :2]), "b": (b, sb)},
+                   r"a's block scales have shape \(256, 2\); .* \(256, 4\) .* \(2, 4\)")
+    _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb.t().contiguous()[:, :2])},
+                   r"b's block scales have shape .* takes \(4, 2\)")
+    _compile_error(tmp_path, identity, {"a": (a, sa.half()), "b": (b, sb)}, "must be float32")
+    _compile_error(tmp_path, gated, {"a": (a, sa), "b": (b, sb)}, "gated")
+    _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb)}, "fast_accum=True",
+                   config={"fast_accum": True})
+    _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb)}, "not a compile knob",
+                   config={"block_scales": 1})
+    _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb)}, "multiple of 64 columns",
+                   config={"schedule": "cooperative", "tile_n": 160})
+    with pytest.raises(ConfigError, match="scale float8"):
+        GemmConfig(ab_dtype="bfloat16", block_scales=1).validate()
+
+
+def test_call_refusals_name_the_problem(tmp_path):
+    (a, sa), (b, sb) = _pairs(256, 256, 512, 1)
+    scaled = evtc.compile(identity, {"a": (a, sa), "b": (b, sb)}, cache_dir=tmp_path)
+    with pytest.raises(CallError, match=r"a must be a \(tensor, block scales\) pair"):
+        scaled(a, (b, sb))
+    with pytest.raises(CallError, match=r"a's block scales have shape \(256, 3\)"):
+        scaled((a, sa[:, :3]), (b, sb))
+    # The compiled granularity: 128 x 128 blocks of a are not 1 x 128 ones.
+    with pytest.raises(CallError, match=r"\(256, 4\) \(1 x 128 blocks"):
+        scaled((a, sa[:2]), (b, sb))
+    plain = evtc.compile(lambda acc, s: acc * s, {"a": a, "b": b, "s": torch.tensor(2.0)},
+                         cache_dir=tmp_path)
+    with pytest.raises(CallError, match="compiled without block scales"):
+        plain((a, sa), b, s=torch.tensor(2.0))
+    # A one-row call on a 1 x 128 kernel: (1, K/128) scales.
+    (a1, sa1), _ = _pairs(1, 256, 512, 1, seed=5)
+    got = scaled((a1, sa1), (b, sb))
+    ref = _product_by_blocks((a1, sa1), (b, sb), 1)
+    assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_reference_names_wrong_scales():
+    (a, sa), (b, sb) = _pairs(64, 128, 256, 1)
+    with pytest.raises(InputError, match="b's block scales have shape"):
+        evtc.reference(identity, {"a": (a, sa), "b": (b, sb.t())})
+
+
+def test_the_kernel_and_the_ir_agree_on_the_block_size():
+    from evtc.ir.block_scales import SCALE_BLOCK as IR_BLOCK
+    from evtc.plan.config import SCALE_BLOCK
+
+    assert IR_BLOCK == SCALE_BLOCK == 128
+
+
+def test_the_granularity_is_part_of_the_kernel(tmp_path):
+    rows_1 = _pairs(256, 256, 512, 1)
+    rows_128 = _pairs(256, 256, 512, 128)
+    k1 = evtc.compile(identity, {"a": rows_1[0], "b": rows_1[1]}, cache_dir=tmp_path)
+    k128 = evtc.compile(identity, {"a": rows_128[0], "b": rows_128[1]}, cache_dir=tmp_path)
+    assert (k1.config.block_scales, k128.config.block_scales) == (1, 128)
+    assert k1.key != k128.key
+    assert evtc.compile(identity, {"a": rows_1[0], "b": rows_1[1]}, cache_dir=tmp_path) is k1

@@ -1,0 +1,164 @@
+"""GPU: block-scaled float8 (DeepSeek-V3's 1 x 128 activation and 128 x 128 weight blocks) through the
+SM90 kernel, against the dequantized product in float64 and against torch's blockwise
+``scaled_mm`` (cuBLASLt) where it takes the inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evtc
+
+pytestmark = pytest.mark.gpu
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Edges of every kind: partial M, N and K blocks, N below a block, one row, tiles that start
+# mid-grid in N (N = 200: a second 128-column tile in B's second block).
+SHAPES = [(128, 128, 128), (300, 384, 1000), (1, 512, 7168), (2048, 1536, 2048), (129, 200, 300),
+          (64, 4096, 4096)]
+
+
+def scaled_out(acc):
+    return acc.float()
+
+
+def bias_gelu_fp8_amax(acc, bias, s_out):
+    y = F.gelu(acc + bias)
+    return (y * s_out).to(torch.float8_e4m3fn), y.abs().amax()
+
+
+def _blocks(x: int) -> int:
+    return -(-x // 128)
+
+
+def _inputs(m, n, k, rows, a_dtype=E4M3, b_dtype=E4M3, seed=0, batches=None):
+    """Float8 a (M, K) and b = w.t() (K, N) with float32 scales of a wide range (so that a wrong
+    block shows), a's M-major as torch's blockwise GEMM takes them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lead = (batches,) if batches else ()
+    a = torch.randn(*lead, m, k, device="cuda", generator=g).to(a_dtype)
+    w = torch.randn(*lead, n, k, device="cuda", generator=g).to(b_dtype)
+    a_rows = m if rows == 1 else _blocks(m)
+    sa = torch.exp2(torch.randint(-4, 5, (*lead, _blocks(k), a_rows), device="cuda", generator=g).float())
+    sa = sa * (1 + torch.rand(sa.shape, device="cuda", generator=g))
+    sw = torch.rand(*lead, _blocks(n), _blocks(k), device="cuda", generator=g) * 4 + 0.25
+    return (a, sa.transpose(-1, -2)), (w.transpose(-1, -2), sw.transpose(-1, -2))
+
+
+def _dequantized_product(a_pair, b_pair, rows):
+    """a @ b in float64 from the blocks: every element times the scale its block index selects."""
+    (a, sa), (b, sb) = a_pair, b_pair
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    dev = a.device
+    a_rows = torch.arange(m, device=dev) // rows
+    ks = torch.arange(k, device=dev) // 128
+    b_cols = torch.arange(n, device=dev) // 128
+    ad = a.double() * sa.double()[..., a_rows[:, None], ks[None, :]]
+    bd = b.double() * sb.double()[..., ks[:, None], b_cols[None, :]]
+    return ad @ bd
+
+
+def _rel(got, ref):
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _torch_blockwise(a_pair, b_pair):
+    """torch's blockwise float8 GEMM (1 x 128 by 128 x 128, cuBLASLt), or None where it refuses."""
+    (a, sa), (b, sb) = a_pair, b_pair
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm
+        return scaled_mm(a, b, sa.t().contiguous().t(), ScalingType.BlockWise1x128,
+                         sb.t().contiguous().t(), ScalingType.BlockWise128x128, output_dtype=torch.float32)
+    except (ImportError, RuntimeError, ValueError, TypeError):
+        return None
+
+
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_block_scales_against_float64(tmp_path, shape, rows):
+    m, n, k = shape
+    a, b = _inputs(m, n, k, rows)
+    kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path)
+    got = kernel(a, b)
+    # float8 rows of K bytes not a multiple of 16 are staged (TMA's rule), as without block scales.
+    assert kernel.last_path == ("kernel" if k % 16 == 0 else "staged") and got.dtype == torch.float32
+    ref = _dequantized_product(a, b, rows)
+    err = _rel(got, ref)
+    assert err < 1e-3, err
+    # evtc's own reference agrees (to the float32 rounding of the epilogue's explicit .float()).
+    assert _rel(evtc.reference(scaled_out, {"a": a, "b": b}, dtype=torch.float64), ref) < 1e-7
+    if rows == 1:
+        theirs = _torch_blockwise(a, b)
+        if theirs is not None:
+            assert err <= 1.5 * _rel(theirs, ref) + 1e-5, (err, _rel(theirs, ref))
+
+
+def test_block_scales_with_fused_epilogue(tmp_path):
+    """fp8 in with block scales -> GELU(acc + bias) -> fp8 out and its amax: one kernel."""
+    m, n, k = 1000, 1536, 2048
+    a, b = _inputs(m, n, k, 1, seed=3)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = F.gelu(_dequantized_product(a, b, 1) + bias.double())
+    s_out = torch.tensor(400.0 / y.abs().max().item(), device="cuda")  # the largest value maps below 448
+    kernel = evtc.compile(bias_gelu_fp8_amax, {"a": a, "b": b, "bias": bias, "s_out": s_out},
+                          cache_dir=tmp_path)
+    q, amax = kernel(a, b, bias=bias, s_out=s_out)
+    assert kernel.last_path == "kernel" and q.dtype == E4M3
+    assert abs(amax.item() - y.abs().max().item()) <= 2e-3 * y.abs().max().item()
+    # Within one e4m3 step (3 mantissa bits) of the float64 result, plus the accumulation's error
+    # (1e-3 of the largest value, as in the test above).
+    want = y * s_out.double()
+    excess = (q.double() - want).abs() - want.abs() * 2 ** -3 - 1e-3 * want.abs().max()
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+@pytest.mark.parametrize("config", [{"split_k": True}, {"schedule": "pingpong", "tile_m": 64, "tile_n": 128},
+                                    {"schedule": "pingpong", "tile_m": 128, "tile_n": 64},
+                                    {"schedule": "cooperative", "tile_n": 128}],
+                         ids=["split-k", "pingpong64x128", "pingpong128x64", "cooperative128x128"])
+def test_block_scales_configs(tmp_path, config):
+    m, n, k = 384, 640, 3008
+    a, b = _inputs(m, n, k, 1, seed=4)
+    kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path, config=config)
+    if config.get("split_k"):
+        kernel.pin_splits(3)
+    got = kernel(a, b)
+    assert kernel.last_path == "kernel"
+    assert _rel(got, _dequantized_product(a, b, 1)) < 1e-3
+
+
+def test_block_scales_batched_and_mixed_formats(tmp_path):
+    a, b = _inputs(200, 256, 640, 128, a_dtype=E4M3, b_dtype=E5M2, seed=5, batches=3)
+    kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path)
+    got = kernel(a, b)
+    assert kernel.last_path == "kernel" and got.shape == (3, 200, 256)
+    assert _rel(got, _dequantized_product(a, b, 128)) < 1e-3
+
+
+def test_block_scales_staged_and_strided_scales(tmp_path):
+    """An M-major a at the call is staged (a K-major copy); scales of any strides are read as they
+    are (a row-major a-scale tensor here, a sliced b-scale one)."""
+    m, n, k = 256, 384, 512
+    (a, sa), (b, sb) = _inputs(m, n, k, 1, seed=7)
+    kernel = evtc.compile(scaled_out, {"a": (a, sa), "b": (b, sb)}, cache_dir=tmp_path)
+    a_m_major = a.t().contiguous().t()
+    sa_rows = sa.contiguous()
+    wide = torch.rand(sb.shape[0], 2 * sb.shape[1], device="cuda") + 0.5
+    sb_sliced = wide[:, ::2]
+    got = kernel((a_m_major, sa_rows), (b, sb_sliced))
+    assert kernel.last_path == "staged"
+    assert _rel(got, _dequantized_product((a, sa_rows), (b, sb_sliced), 1)) < 1e-3
+
+
+def test_block_scales_under_torch_compile(tmp_path):
+    m, n, k = 256, 256, 1024
+    a, b = _inputs(m, n, k, 1, seed=8)
+    kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path)
+
+    def step(x, sx, w, sw):
+        return kernel((x, sx), (w, sw)) * 2
+
+    got = torch.compile(step, fullgraph=True)(a[0], a[1], b[0], b[1])
+    assert _rel(got, 2 * _dequantized_product(a, b, 1)) < 1e-3
