@@ -427,6 +427,37 @@ def matrix_cases() -> list[Case]:
                                       batches, gated, _shapes(gated, out == "float8_e4m3fn"),
                                       (("D", out),), call_majors=(rot.take("a"), rot.take("b"))))
     cases += _combinations(rot)
+    cases += _float8_cases(rot)
+    return cases
+
+
+def _float8_cases(rot: _Rotation) -> list[Case]:
+    """Every operand kind with float8 a and b (e4m3 and e5m2 in turn), compiled K-major; a third of
+    the full-width ones plain, a third with 1 x 128 and a third with 128 x 128 block scales, one in
+    four gated (plain). The second shape breaks TMA's 16-byte rule and passes a and b in the other
+    layouts: staged."""
+    cases = []
+    index = 0
+    for kind, dtype, form, major in KIND_VARIANTS:
+        for batches in (None, 3):
+            gated = index % 4 == 3
+            scales = 0 if gated else (0, 1, 128)[index % 3]
+            ab = ("float8_e4m3fn", "float8_e5m2")[index % 2]
+            op = OperandSpec("x", kind, dtype, batches is not None and kind != "arg", form, major,
+                             half=gated and kind in ("tile", "row"))  # as wide as the output
+            if gated:
+                body = ["gate, up = acc.chunk(2, dim=-1)", "return F.silu(gate) * up * x + x"]
+            else:
+                body = ["return acc * x + x"]
+            source = "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
+            out = rot.take("out")
+            n = 400 if gated else 272
+            shapes = ((257, n, 272), (130, 2 * 501 if gated else 1001, 1001))
+            name = f"float8-{kind}-{dtype}-{form or major}-L{batches}-{ab[7:].rstrip('fn')}-" \
+                   f"{'gated' if gated else f'scales{scales}'}-out-{out}"
+            cases.append(Case(name, source, (op,), ab, "k", "k", batches, gated, shapes, (("D", out),),
+                              call_majors=("m", "n"), block_scales=scales))
+            index += 1
     return cases
 
 

@@ -1,9 +1,10 @@
 """The generated GPU matrix: every operand kind (tile, row vector, column vector, device scalar,
 runtime scalar) in each of its shapes, shared or per batch, full width or on gated halves, with
-a and b in float16 and bfloat16 and both majors, tiles of both majors, several outputs of every
-output dtype and reductions (tests/epilogue_cases.py builds the cases). Each case runs at an aligned
-odd-M shape (the kernel path) and at widths that break TMA's 16-byte rule with a and b in other
-layouts (the staged path), into NaN-poisoned outputs, against the function itself in float32.
+a and b in float16 and bfloat16 and both majors (and float8, K-major, plain, block-scaled or
+gated), tiles of both majors, several outputs of every output dtype and reductions
+(tests/epilogue_cases.py builds the cases). Each case runs at an aligned odd-M shape (the kernel
+path) and at widths that break TMA's 16-byte rule with a and b in other layouts (the staged
+path), into NaN-poisoned outputs, against the function itself in float32.
 
 Kernels are compiled up front by a process pool into one disk cache.
 """
