@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -109,7 +108,7 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
 
 
 def main() -> None:
-    from fp8 import shapes
+    from fp8 import print_summary, run_rows
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="128,2048,8192")
@@ -117,38 +116,14 @@ def main() -> None:
     p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
     args = p.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
-    keep = [s for s in args.layers.split(",") if s]
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
-    rows = []
-    print(f"{'layer':>34} {'M':>6} {'N':>6} {'K':>6} | {'torch':>6} {'bf16':>6} {'fused':>6} | "
-          f"{'evtc us':>8} {'err evtc':>9} {'err torch':>9}")
-    for name, m, n, k in shapes(ms):
-        if keep and not any(name.endswith(s) for s in keep):
-            continue
-        if m * k + n * k > 3 * 2**30:
-            continue
-        row = measure(name, m, n, k, kernels, args.samples)
-        rows.append(row)
-        print(f"{name:>34} {m:6d} {n:6d} {k:6d} | {row[4]:6.3f} {row[5]:6.3f} {row[6]:6.3f} | "
-              f"{row[7]:8.1f} {row[8]:9.2e} {row[9]:9.2e}", flush=True)
-
-    def geomean(xs):
-        return math.exp(statistics.fmean(math.log(x) for x in xs))
-
-    for i, what in ((4, "vs torch blockwise"), (5, "vs bf16 GEMM"),
-                    (6, "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager")):
-        worst = min(rows, key=lambda r: r[i])
-        print(f"{what}: geomean {geomean([r[i] for r in rows]):.3f} over {len(rows)} rows, worst "
-              f"{worst[i]:.3f} ({worst[0]} M={worst[1]})")
-        for m in ms:
-            sel = [r[i] for r in rows if r[1] == m]
-            if sel:
-                print(f"    M={m}: {geomean(sel):.3f}")
-    checked = [r for r in rows if not math.isnan(r[8])]
-    if checked:
-        print(f"largest relative error vs float64 ({len(checked)} rows): evtc "
-              f"{max(r[8] for r in checked):.2e}, torch {max(r[9] for r in checked):.2e}")
+    rows = run_rows(ms, [s for s in args.layers.split(",") if s],
+                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples),
+                    f"{'torch':>6} {'bf16':>6} {'fused':>6}", "{:6.3f} {:6.3f} {:6.3f}")
+    print_summary(rows, ms, ("vs torch blockwise", "vs bf16 GEMM",
+                             "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager"),
+                  "float32 results; baseline: torch blockwise")
 
 
 if __name__ == "__main__":
