@@ -70,6 +70,16 @@ def shapes(ms: list[int]) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def time_calls(calls: dict, samples: int) -> dict:
+    """Median milliseconds of each call, timed in shuffled order per sample (after one call of each,
+    which builds the kernel variants this size launches)."""
+    for f in calls.values():
+        f()
+    torch.cuda.synchronize()
+    times = time_paired(list(calls.values()), warmup=3, samples=samples, reps=5)
+    return dict(zip(calls, times, strict=True))
+
+
 def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast: bool) -> tuple:
     """One row: the three ratios, evtc's tensorwise time (us) and both errors."""
     from shapes import rel_max_error
@@ -102,11 +112,7 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast
         "evtc_f": lambda: kf(a, b, sa=sa_r, sb=sb_r, bias=bias, s=one),
         "eager_f": lambda: eager_fused(a, b, sa_r, sb_row, bias, one, fast),
     }
-    for f in calls.values():  # builds the variants this size launches before timing
-        f()
-    torch.cuda.synchronize()
-    times = dict(zip(calls, time_paired(list(calls.values()), warmup=3, samples=samples, reps=5),
-                     strict=True))
+    times = time_calls(calls, samples)
     err_evtc = err_lt = math.nan
     if m * n * k <= 2**37:  # a float64 reference in reasonable time and memory
         ref = a.double() @ b.double() * 0.125

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from fp8 import print_summary, run_rows, time_calls  # noqa: E402
 
 import evtc  # noqa: E402
-from evtc.timing import time_paired  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -92,11 +92,7 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
         "evtc_f": lambda: kf((a, sa), (b, sb), bias=bias, s=s),
         "eager_f": lambda: eager_fused(a, sa, b, sb, bias, s),
     }
-    for f in calls.values():  # builds the variants this size launches before timing
-        f()
-    torch.cuda.synchronize()
-    times = dict(zip(calls, time_paired(list(calls.values()), warmup=3, samples=samples, reps=5),
-                     strict=True))
+    times = time_calls(calls, samples)
     err_evtc = err_torch = math.nan
     if m * n * k <= 2**36:
         ref = evtc.reference(to_float32, {"a": (a, sa), "b": (b, sb)}, dtype=torch.float64).double()
@@ -108,8 +104,6 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
 
 
 def main() -> None:
-    from fp8 import print_summary, run_rows
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="128,2048,8192")
     p.add_argument("--samples", type=int, default=11)
