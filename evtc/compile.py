@@ -227,6 +227,9 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
             raise CompileError("block scales with a gated (SwiGLU) epilogue are not supported: the gate "
                                "and up halves of b would each need their own; use per-row or "
                                "tensorwise scales as epilogue operands", loc)
+        if example_inputs["a"].shape[-2] == 1:
+            log.warning("%r: a has one row, so its block scales read as 1 x 128 blocks (a row each); "
+                        "compile with an example of more rows for 128 x 128 blocks", graph.name)
         signature.set_block_scales(scale_rows)
     if signature.tile_majors:
         emitted = emit(graph, tile_majors=signature.tile_majors)

@@ -36,10 +36,11 @@ def main() -> int:
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--compile", action="store_true", help="compile every case, then stop")
     p.add_argument("--limit", type=int, default=None, help="run the first N cases only")
+    p.add_argument("--only", default="", help="run the cases whose name starts with this only")
     args = p.parse_args()
     from epilogue_cases import check_case, compile_by_name, compile_case, matrix_cases
 
-    cases = matrix_cases()[:args.limit]
+    cases = [c for c in matrix_cases() if c.name.startswith(args.only)][:args.limit]
     if args.compile:
         ctx = multiprocessing.get_context("spawn")
         names = [c.name for c in cases]

@@ -188,3 +188,32 @@ def test_the_granularity_is_part_of_the_kernel(tmp_path):
     assert (k1.config.block_scales, k128.config.block_scales) == (1, 128)
     assert k1.key != k128.key
     assert evtc.compile(identity, {"a": rows_1[0], "b": rows_1[1]}, cache_dir=tmp_path) is k1
+
+
+def test_a_call_that_needs_gradients_is_refused(tmp_path):
+    (a, sa), (b, sb) = _pairs(128, 256, 256, 1, seed=6)
+    bias = torch.randn(256)
+    kernel = evtc.compile(bias_relu, {"a": (a, sa), "b": (b, sb), "bias": bias}, cache_dir=tmp_path)
+    with pytest.raises(CallError, match="no autograd formula"):
+        kernel((a, sa), (b, sb), bias=bias.clone().requires_grad_())
+    with pytest.raises(CallError, match="no autograd formula"):
+        kernel((a, sa.clone().requires_grad_()), (b, sb), bias=bias)
+    with torch.no_grad():
+        kernel((a, sa), (b, sb), bias=bias.clone().requires_grad_())
+
+
+def test_the_torch_path_computes_the_dequantized_product_in_float64(tmp_path):
+    a, b = _pairs(100, 200, 384, 128, seed=7)
+    kernel = evtc.compile(lambda acc: acc.float(), {"a": a, "b": b}, cache_dir=tmp_path)
+    got = kernel(a, b)
+    ref = _product_by_blocks(a, b, 128)
+    assert got.dtype == torch.float32
+    assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+def test_a_one_row_example_compiles_1x128_blocks_and_says_so(tmp_path, caplog):
+    a, b = _pairs(1, 256, 256, 1, seed=8)
+    with caplog.at_level("WARNING", logger="evtc"):
+        kernel = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
+    assert kernel.config.block_scales == 1
+    assert "a has one row" in caplog.text

@@ -441,6 +441,9 @@ class GemmConfig:
         if self.gated:
             bad("block scales with a gated (SwiGLU) epilogue are not supported: B's two halves would "
                 "need scales of their own")
+        if self.tile_k != SCALE_BLOCK:
+            bad(f"block scales apply one scale per {SCALE_BLOCK} elements of K, one K tile of the "
+                f"mainloop: tile_k is {self.tile_k}")
         if self.tile_n % 64:
             bad(f"block scales need tiles of a multiple of 64 columns (each 64-column chunk of a tile in "
                 f"one 128-column block of B), got tile_n={self.tile_n}")

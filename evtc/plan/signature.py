@@ -129,10 +129,11 @@ class KernelSignature:
         """a and b come with float32 block scales (evtc.ir.block_scales): ``a_rows`` rows of a
         per scale (1 or 128), b per 128 x 128 block. Any strides (the kernel reads them per K tile
         with ordinary loads, not TMA)."""
-        batch = ("L",) if len(self.a.dims) == 3 else ()
         rows = "M" if a_rows == 1 else "MB"
-        self.a_scales = TensorSpec("a's block scales", "float32", (*batch, rows, "KB"), None)
-        self.b_scales = TensorSpec("b's block scales", "float32", (*batch, "KB", "NB"), None)
+        a_batch = ("L",) if len(self.a.dims) == 3 else ()
+        b_batch = ("L",) if len(self.b.dims) == 3 else ()
+        self.a_scales = TensorSpec("a's block scales", "float32", (*a_batch, rows, "KB"), None)
+        self.b_scales = TensorSpec("b's block scales", "float32", (*b_batch, "KB", "NB"), None)
 
     def set_output_major(self, d_major: str) -> None:
         """Outputs column-major (``"m"``: M contiguous) or row-major (``"n"``, the default)."""

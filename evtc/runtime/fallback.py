@@ -28,9 +28,11 @@ def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float())
 
 
-def run(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The outputs of ``graph`` for ``a @ b`` and ``operands``, by output name, in their dtypes."""
-    values = {graph.acc_name: accumulate(a, b), **operands}
+def run(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any],
+        acc: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The outputs of ``graph`` for ``a @ b`` (or the accumulator ``acc`` given) and ``operands``,
+    by output name, in their dtypes."""
+    values = {graph.acc_name: accumulate(a, b) if acc is None else acc, **operands}
     result = evaluate(graph, values)
     names = graph.outputs.names
     if graph.outputs.kind == "single":

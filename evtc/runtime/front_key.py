@@ -128,9 +128,18 @@ def _is_library(value: Any) -> bool:
 def _example(value: Any, seen: set[int]) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", str(value.dtype), tuple(value.shape), tuple(value.stride()), value.device.type)
-    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return ("tensors", tuple(_example(v, seen) for v in value))  # a block-scaled (tensor, scales)
     return _value(value, seen)
+
+
+def _operand_example(name: str, value: Any, seen: set[int]) -> Any:
+    """An example input in the key: block-scaled ``a`` and ``b`` are (tensor, scales) pairs, whose
+    scales' strides do not change the kernel (it reads them with any strides)."""
+    if name in ("a", "b") and isinstance(value, tuple | list) and len(value) == 2 \
+            and all(isinstance(v, torch.Tensor) for v in value):
+        tensor, scales = value
+        scale_spec = (str(scales.dtype), tuple(scales.shape), scales.device.type)
+        return ("scaled", _example(tensor, seen), scale_spec)
+    return _example(value, seen)
 
 
 def front_key(fn: Callable[..., Any], example_inputs: Mapping[str, Any], out_dtypes: Any, config: Any,
@@ -145,7 +154,8 @@ def front_key(fn: Callable[..., Any], example_inputs: Mapping[str, Any], out_dty
     try:
         parts = (
             _function(user_fn, seen),
-            tuple((name, _example(example_inputs[name], seen)) for name in sorted(example_inputs)),
+            tuple((name, _operand_example(name, example_inputs[name], seen))
+                  for name in sorted(example_inputs)),
             _value(out_dtypes, seen),
             repr(config) if config is not None and not isinstance(config, Mapping) else _value(config, seen),
             arch or "device",

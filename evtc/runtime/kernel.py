@@ -581,8 +581,9 @@ class Kernel:
 
         Under ``torch.compile`` the call is the kernel's custom operator (:attr:`op`), which the
         compiler sees as one opaque op with a shape function: no graph break."""
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(a, b, operands)
-                                             and not self._scale_rows):
+        if self._scale_rows and torch.is_grad_enabled():
+            self._refuse_grad(a, b, operands)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(a, b, operands)):
             # The operator has an autograd formula (evtc.runtime.op_autograd).
             return self._call_op(a, b, out, operands)
         try:
@@ -596,9 +597,10 @@ class Kernel:
     @property
     def op(self):
         """This kernel as a PyTorch custom operator, ``torch.ops.evtc.<name>``: ``op(a, b, *operands)``
-        with the operands in :attr:`operand_names` order, returning a tensor or a tuple of tensors
-        in the kernel's output order. It has a fake (meta) implementation, so ``torch.compile``
-        traces through it and CUDA graphs capture it."""
+        with the operands in :attr:`operand_names` order (a block-scaled kernel's takes ``a, b,
+        a_scales, b_scales, *operands``, and has no autograd formula), returning a tensor or a
+        tuple of tensors in the kernel's output order. It has a fake (meta) implementation, so
+        ``torch.compile`` traces through it and CUDA graphs capture it."""
         if self._op is None:
             from evtc.runtime.torch_op import register
 
@@ -632,7 +634,19 @@ class Kernel:
         sizes may be symbolic, for fake tensors)."""
         return self._output_meta(m, n, batches)
 
+    def _refuse_grad(self, a, b, operands) -> None:
+        """A block-scaled kernel has no derivative: a call whose inputs need one is an error, not a
+        result without gradients."""
+        tensors = [*(a if is_pair(a) else (a,)), *(b if is_pair(b) else (b,)), *operands.values()]
+        if any(getattr(t, "requires_grad", False) for t in tensors):
+            raise CallError(f"{self.plan.name!r} takes block-scaled float8 a and b, which have no autograd "
+                            "formula, and an input requires grad; call it under torch.no_grad() or detach "
+                            "the inputs (docs/fp8.md, 'Block scales')")
+
     def _call_op(self, a, b, out, operands):
+        if not self._scale_rows and (is_pair(a) or is_pair(b)):
+            raise CallError(f"a or b is a (tensor, scales) pair, but {self.plan.name!r} was compiled without "
+                            "block scales: compile with pairs as example inputs (docs/fp8.md)")
         if self._accepts_more:
             operands = self._without_unused(operands)
         missing = [name for name in self._names if name not in operands]
@@ -927,10 +941,14 @@ class Kernel:
         """The torch path (:mod:`evtc.runtime.fallback`): outputs in kernel order, into ``out`` if given."""
         from evtc.runtime.fallback import run
 
-        if scales is not None:  # block-scaled float8: the product of the dequantized a and b
-            a, b = dequantized(a, b, scales, self._scale_rows)
+        acc = None
+        if scales is not None:
+            # Block-scaled float8: the product of the dequantized a and b, in float64 (a float32
+            # product would follow torch's TF32 setting and lose bits).
+            a64, b64 = dequantized(a, b, scales, self._scale_rows, torch.float64)
+            acc = torch.matmul(a64, b64).float()
 
-        results = run(self.graph, a, b, operands)
+        results = run(self.graph, a, b, operands, acc=acc)
         values = [results[name].contiguous() for name in self._kernel_order]
         if self.plan.d_major == "m":  # the layout the kernel would give
             from evtc.runtime.staging import empty_in_layout

@@ -39,6 +39,7 @@ from evtc.plan.config import (
     CONSUMER_REGS,
     NUM_THREADS,
     PRODUCER_REGS,
+    SCALE_BLOCK,
     GemmConfig,
 )
 from evtc.sm90.dtypes import cutlass_dtype
@@ -152,7 +153,7 @@ class Sm90GemmKernel:
         Gated: ``mB`` is the pair (gate half, up half) of B, each (N,K,L) with N the output's width.
         Split-K: ``split`` is (splits, partials, counters), see :meth:`_split_k_combine`.
         Block scales: ``scales`` is (A's (M or M/128, K/128, L), B's (N/128, K/128, L)) float32
-        tensors, see :meth:`_block_factors`."""
+        tensors, see :meth:`_load_block_factors`."""
         b_halves = mB if cutlass.const_expr(self.gated) else (mB,)
         if cutlass.const_expr(mA.element_type != self.ab_dtype
                               or any(h.element_type != self.b_dtype for h in b_halves)):
@@ -479,7 +480,7 @@ class Sm90GemmKernel:
         and the same chunk per value (checked on a sample of threads here, at compile time), so each
         K tile loads one A scale per row slot and one B scale per chunk."""
         tile_n = self.tile_shape_mnk[1]
-        chunk = math.gcd(tile_n, 128)
+        chunk = math.gcd(tile_n, SCALE_BLOCK)
         identity = cute.make_identity_tensor(self.tile_shape_mnk[:2])
 
         def layout_of(thread: int) -> tuple[list[int], list[int]]:
@@ -502,23 +503,31 @@ class Sm90GemmKernel:
                             first_row: Int32, row_offsets: tuple, n_chunks: int):
         """Block scales: into ``factors``, the factor of each slot (:meth:`_scale_slots`) for K block
         ``kb`` of the tile at ``tile_coord``: A's scale of the row (1 x 128 blocks) or of the tile's
-        128-row block, times B's scale of the chunk's 128 x 128 block. Rows past M read row M - 1:
-        their values are never stored."""
+        128-row block, times B's scale of the chunk's 128 x 128 block.
+
+        Every index is clamped to the last scale: a tile's rows past M, a chunk past N (the last
+        128 x 192 tile of N = 4096 reaches column 4224) and whole tiles past the problem (the last
+        cluster of a ragged grid) read a scale that exists; their values are never stored."""
         m_scales, n_scales = scales
         m, n, batch = tile_coord
         tile_n = self.tile_shape_mnk[1]
-        chunk = math.gcd(tile_n, 128)
-        if cutlass.const_expr(self.block_scales == 128):
-            a_scale = m_scales[((m * self.tile_m) // 128, kb, batch)]
+        chunk = math.gcd(tile_n, SCALE_BLOCK)
+        last_b = n_scales.shape[0] - 1
+        last_a = m_scales.shape[0] - 1
+        b_scales = []
+        for c in cutlass.range_constexpr(n_chunks):
+            block = cutlass.min((n * tile_n + c * chunk) // SCALE_BLOCK, last_b)
+            b_scales.append(n_scales[(block, kb, batch)])
+        if cutlass.const_expr(self.block_scales == SCALE_BLOCK):
+            a_scale = m_scales[(cutlass.min((m * self.tile_m) // SCALE_BLOCK, last_a), kb, batch)]
             for c in cutlass.range_constexpr(n_chunks):
-                factors[c] = a_scale * n_scales[((n * tile_n + c * chunk) // 128, kb, batch)]
+                factors[c] = a_scale * b_scales[c]
         else:
-            last_row = m_scales.shape[0] - 1
-            for c in cutlass.range_constexpr(n_chunks):
-                b_scale = n_scales[((n * tile_n + c * chunk) // 128, kb, batch)]
-                for r in cutlass.range_constexpr(len(row_offsets)):
-                    row = cutlass.min(m * self.tile_m + first_row + row_offsets[r], last_row)
-                    factors[r * n_chunks + c] = m_scales[(row, kb, batch)] * b_scale
+            for r in cutlass.range_constexpr(len(row_offsets)):
+                row = cutlass.min(m * self.tile_m + first_row + row_offsets[r], last_a)
+                a_scale = m_scales[(row, kb, batch)]
+                for c in cutlass.range_constexpr(n_chunks):
+                    factors[r * n_chunks + c] = a_scale * b_scales[c]
 
     @cute.kernel
     def kernel(
@@ -764,7 +773,7 @@ class Sm90GemmKernel:
             if cutlass.const_expr(self.block_scales):
                 # Each K tile's products are scaled per row slot before they join the accumulator.
                 row_offsets, n_chunks, factor_slot = self._scale_slots(tiled_mma, self.shape.num_threads)
-                if cutlass.const_expr(self.block_scales == 128):
+                if cutlass.const_expr(self.block_scales == SCALE_BLOCK):
                     row_offsets = (0,)  # one A scale per tile and K tile: its 128-row block's
                     factor_slot = tuple(slot % n_chunks for slot in factor_slot)
                 first_row = tiled_mma.get_slice(epi_tidx).partition_C(
