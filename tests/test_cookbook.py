@@ -38,12 +38,14 @@ def test_recipes_compile(namespace):
     built = namespace["built"]
     assert all(isinstance(k, evtc.Kernel) for k in built)
     assert [k.graph.name for k in built] == ["bias_act", "gelu_residual", "scaled", "relu_fp8",
-                                             "fp8_with_amax", "gelu_row_stats", "fp8_layer", "column_stats",
-                                             "geglu_bias"]
+                                             "fp8_with_amax", "gelu_row_stats", "fp8_layer",
+                                             "fp8_block_layer", "column_stats", "geglu_bias"]
     fp8 = built[6]  # float8 inputs: K-major a and b, the 8-bit wgmma, a float8 output and its amax
     assert fp8.plan.a.dtype == fp8.plan.b.dtype == "float8_e4m3fn" and fp8.config.promotes
     assert "e4m3.e4m3" in fp8.ptx and fp8.config.d_dtype == "float8_e4m3fn"
     assert namespace["lin"].kernel.config.b_major == "k"
+    blocks = built[7]  # block scales: 1 x 128 for a, 128 x 128 for b, applied in the mainloop
+    assert blocks.config.block_scales == 1 and blocks.plan.a_scales.dims == ("M", "KB")
     amax_kernel = built[4]
     assert amax_kernel.config.d_dtype == "float8_e4m3fn" and len(amax_kernel.plan.reductions) == 1
 
