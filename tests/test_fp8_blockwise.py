@@ -217,3 +217,20 @@ def test_a_one_row_example_compiles_1x128_blocks_and_says_so(tmp_path, caplog):
         kernel = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
     assert kernel.config.block_scales == 1
     assert "a has one row" in caplog.text
+
+
+def test_the_per_call_check_agrees_with_the_named_one(tmp_path):
+    """The call path checks scale shapes without building messages (Kernel._scales_fit); it must
+    accept exactly what evtc.ir.block_scales.scale_problem accepts for the compiled granularity."""
+    from evtc.ir.block_scales import scale_problem
+
+    for rows in (1, 128):
+        (a, sa), (b, sb) = _pairs(130, 200, 300, rows, seed=9)
+        kernel = evtc.compile(identity, {"a": (a, sa), "b": (b, sb)}, cache_dir=tmp_path)
+        (a3, sa3), (b3, sb3) = _pairs(130, 200, 300, rows, seed=9, batches=2)
+        variants = [(a, b, sa, sb), (a, b, sa[:, :2], sb), (a, b, sa, sb[:2]), (a, b, sa.double(), sb),
+                    (a, b, sa, sb.half()), (a, b, sa[:1], sb), (a, b, sa.t(), sb), (a, b, sa, sb.t()),
+                    (a[:1], b, sa[:1], sb), (a3, b3, sa3, sb3), (a3, b3, sa3[0], sb3), (a3, b3, sa3, sb3[:1])]
+        for x, y, sx, sy in variants:
+            named = scale_problem(x, y, (sx, sy), rows)[0] is None
+            assert kernel._scales_fit(x, y, (sx, sy)) == named, (rows, sx.shape, sy.shape, sx.dtype)

@@ -634,6 +634,20 @@ class Kernel:
         sizes may be symbolic, for fake tensors)."""
         return self._output_meta(m, n, batches)
 
+    def _scales_fit(self, a, b, scales) -> bool:
+        """Whether block scales have the compiled granularity's shapes, float32, on a's device: the
+        per-call check (what :func:`evtc.ir.block_scales.scale_problem` checks, without building a
+        message; the slow path names what is wrong)."""
+        a_scales, b_scales = scales
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        blocks_k = (k + 127) // 128
+        rows = m if self._scale_rows == 1 else (m + 127) // 128
+        return (a_scales.dtype == torch.float32 and b_scales.dtype == torch.float32
+                and a_scales.shape[:-2] == a.shape[:-2] and b_scales.shape[:-2] == b.shape[:-2]
+                and a_scales.shape[-2:] == (rows, blocks_k)
+                and b_scales.shape[-2:] == (blocks_k, (n + 127) // 128)
+                and a_scales.device == a.device and b_scales.device == a.device)
+
     def _refuse_grad(self, a, b, operands) -> None:
         """A block-scaled kernel has no derivative: a call whose inputs need one is an error, not a
         result without gradients."""
@@ -767,7 +781,7 @@ class Kernel:
         batches = a.shape[0] if a.dim() == 3 else 1
         if a.shape[-1] == 0:
             raise ValueError("K = 0 takes the torch path")
-        if scales is not None and scale_problem(a, b, scales, self._scale_rows)[0] is not None:
+        if scales is not None and not self._scales_fit(a, b, scales):
             raise ValueError("block scales of the wrong shape")  # _validate names the problem
         if len(kernel_operands) != self._kernel_name_count:
             raise KeyError("unknown arguments")
