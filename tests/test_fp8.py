@@ -114,3 +114,6 @@ def test_float8_promotes_partial_sums_by_default_and_fast_accum_opts_out(tmp_pat
         GemmConfig(ab_dtype="float8_e4m3fn", b_major="k", schedule="pingpong", tile_n=128).validate()
     # 16-bit inputs never promote: their wgmma accumulates in float32.
     assert not GemmConfig(ab_dtype="bfloat16").promotes
+    # The promoting tile keeps the subtile the user asked for.
+    wide = evtc.compile(scaled, ex, config={"epi_tile_n": 64}, cache_dir=tmp_path)
+    assert (wide.config.tile_n, wide.config.epi_tile_n) == (192, 64)

@@ -132,8 +132,9 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
         if knobs.get("ab_dtype") in FLOAT8_DTYPES and not knobs.get("fast_accum"):
             # Promoting float8 partial sums keeps two accumulators (at most PROMOTING_ACC_REGS each):
             # cooperative 128 x 192 tiles, or 128 x 128 where those do not fit.
+            subtiles = ({},) if "epi_tile_n" in knobs else ({}, {"epi_tile_n": 16})
             attempts += [{"schedule": "cooperative", "tile_n": n, **sub}
-                         for n in (192, 128) for sub in ({}, {"epi_tile_n": 16})]
+                         for n in (192, 128) for sub in subtiles]
     first_error = None
     for extra in attempts:
         try:
@@ -144,8 +145,10 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
             first_error = first_error or exc
             continue
         if extra:
-            log.info("%r: the epilogue's buffers do not fit with the default tiles; using %s",
-                     emitted.class_name, extra)
+            why = ("a promoting float8 mainloop keeps two accumulators, too many registers for the "
+                   "default tiles" if cfg.promotes and "tile_n" in extra else
+                   "the epilogue's buffers do not fit with the default tiles")
+            log.info("%r: %s; using %s", emitted.class_name, why, extra)
         return cfg
     assert first_error is not None
     if len(attempts) > 1:
