@@ -12,27 +12,29 @@ from typing import Any
 
 import torch
 
+from evtc.ir.block_scales import is_pair
 from evtc.ir.graph import Graph
-from evtc.ir.interpreter import evaluate
+from evtc.ir.interpreter import accumulator, evaluate
 
 
-def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def accumulate(a: Any, b: Any) -> torch.Tensor:
     """``a @ b`` in float32, as the kernel's accumulator holds it.
 
     16-bit inputs are widened first (a float32 product of float16 values is exact, so only the
     summation order differs from the tensor cores'). float32 inputs go to ``torch.matmul`` as they
     are, so ``torch.backends.cuda.matmul.allow_tf32`` decides their precision, as it does for
-    torch's own matmul."""
+    torch's own matmul. Block-scaled ``(tensor, scales)`` pairs: the interpreter's product of the
+    dequantized tensors (in float64, whatever the TF32 setting)."""
+    if is_pair(a) or is_pair(b):
+        return accumulator(a, b, torch.float32)
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.matmul(a, b)
     return torch.matmul(a.float(), b.float())
 
 
-def run(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any],
-        acc: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The outputs of ``graph`` for ``a @ b`` (or the accumulator ``acc`` given) and ``operands``,
-    by output name, in their dtypes."""
-    values = {graph.acc_name: accumulate(a, b) if acc is None else acc, **operands}
+def run(graph: Graph, a: Any, b: Any, operands: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The outputs of ``graph`` for ``a @ b`` and ``operands``, by output name, in their dtypes."""
+    values = {graph.acc_name: accumulate(a, b), **operands}
     result = evaluate(graph, values)
     names = graph.outputs.names
     if graph.outputs.kind == "single":

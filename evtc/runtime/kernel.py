@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from evtc.errors import CallError, EpilogueError
-from evtc.ir.block_scales import dequantized, is_pair, scale_problem
+from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
@@ -640,12 +640,12 @@ class Kernel:
         message; the slow path names what is wrong)."""
         a_scales, b_scales = scales
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        blocks_k = (k + 127) // 128
-        rows = m if self._scale_rows == 1 else (m + 127) // 128
+        blocks_k = -(-k // SCALE_BLOCK)
+        rows = m if self._scale_rows == 1 else -(-m // SCALE_BLOCK)
         return (a_scales.dtype == torch.float32 and b_scales.dtype == torch.float32
                 and a_scales.shape[:-2] == a.shape[:-2] and b_scales.shape[:-2] == b.shape[:-2]
                 and a_scales.shape[-2:] == (rows, blocks_k)
-                and b_scales.shape[-2:] == (blocks_k, (n + 127) // 128)
+                and b_scales.shape[-2:] == (blocks_k, -(-n // SCALE_BLOCK))
                 and a_scales.device == a.device and b_scales.device == a.device)
 
     def _refuse_grad(self, a, b, operands) -> None:
@@ -955,14 +955,9 @@ class Kernel:
         """The torch path (:mod:`evtc.runtime.fallback`): outputs in kernel order, into ``out`` if given."""
         from evtc.runtime.fallback import run
 
-        acc = None
-        if scales is not None:
-            # Block-scaled float8: the product of the dequantized a and b, in float64 (a float32
-            # product would follow torch's TF32 setting and lose bits).
-            a64, b64 = dequantized(a, b, scales, self._scale_rows, torch.float64)
-            acc = torch.matmul(a64, b64).float()
-
-        results = run(self.graph, a, b, operands, acc=acc)
+        if scales is not None:  # block-scaled float8: the pairs, as the interpreter takes them
+            a, b = (a, scales[0]), (b, scales[1])
+        results = run(self.graph, a, b, operands)
         values = [results[name].contiguous() for name in self._kernel_order]
         if self.plan.d_major == "m":  # the layout the kernel would give
             from evtc.runtime.staging import empty_in_layout
