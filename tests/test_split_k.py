@@ -129,6 +129,31 @@ def test_pin_splits_rejects_bad_values(tmp_path):
     assert fixed.splits_for(64, 4096, 14336) == 1
 
 
+def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):
+    """Every unit of a launch has a K tile (the mainloop's first K tile overwrites the accumulator,
+    with no zero-fill): a pinned count, or a tuned one from a longer K of the same size bucket, is
+    cut to K's tiles before it reaches the kernel."""
+    from evtc.plan.split_k import splits_within_k
+
+    assert [splits_within_k(s, 200, 64) for s in (1, 3, 4, 5, 7)] == [1, 3, 4, 4, 4]
+    assert splits_within_k(7, 1, 64) == 1
+
+    def identity(acc):
+        return acc
+
+    ex = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    k = evtc.compile(identity, ex, config={"split_k": True}, arch="sm_90a", cache_dir=tmp_path)
+    k.pin_splits(7)
+    tile_k = k.config.tile_k
+    assert k.splits_for(64, 256, 3 * tile_k - 5) == 3
+    assert k.splits_for(64, 256, 100 * tile_k) == 7
+    # The launch tuple itself (what _invoke hands the kernel), from a launch with too many splits.
+    monkeypatch.setattr(k, "_variant", lambda config: k)
+    _, _, split, _ = k._resolve(k.config, 7, 64, 256, 2 * tile_k, 1)
+    assert split[0] == 2
+
+
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
 def test_ptx_of_split_k(tmp_path, schedule):
     """The partials move as 128-bit vectors, each tile's count is a release atomic at GPU scope, the

@@ -62,7 +62,7 @@ def _close(out, ref, tol=2e-2):
 
 SCHEDULES = ["pingpong", "cooperative"]
 # (M, N, K): ragged M and N, K not a multiple of the 64-wide K tile, and K with fewer tiles than
-# splits (some splits then have no K at all).
+# the pinned splits (the launch then takes one split per K tile).
 SHAPES = [(64, 512, 4096), (100, 1000, 1000), (1, 256, 8192), (200, 384, 96)]
 SPLITS = [1, 2, 3, 7]
 

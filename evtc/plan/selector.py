@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
 from evtc.plan.config import A_ROWS, GemmConfig
-from evtc.plan.split_k import choose_splits, choose_tail_splits, cta_tile_grid
+from evtc.plan.split_k import choose_splits, choose_tail_splits, cta_tile_grid, splits_within_k
 
 # A tile shape is chosen if its tiles fill at least this share of the SMs (fitted: 0.7 picks the
 # measured best or one within 3% on 30 of 36 decode and prefill shapes).
@@ -265,7 +265,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     if len(family) > 1:
         config = with_a_rows_for(config, m)
     if pinned_splits is not None:
-        splits = pinned_splits
+        splits = splits_within_k(pinned_splits, k, config.tile_k)
     else:
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
         splits = choose_splits(k, tiles, slots, config.tile_k)

@@ -104,6 +104,13 @@ def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int, tile_k: int = 
     return splits
 
 
+def splits_within_k(splits: int, k: int, tile_k: int) -> int:
+    """``splits`` limited to K's tiles, so that every split has at least one K tile: the kernel's
+    mainloop starts each unit by overwriting its accumulator with the first K tile's product
+    (no zero-fill), which is only right for a unit that has one."""
+    return max(1, min(splits, ceil_div(k, tile_k)))
+
+
 def choose_splits(k: int, tiles: int, slots: int, tile_k: int = TILE_K) -> int:
     """Splits of K for a problem of ``tiles`` CTA tiles on a GPU that runs ``slots`` CTAs at once:
     as many as fit in one wave with at least MIN_K_TILES_PER_SPLIT K tiles each, at most
@@ -116,4 +123,4 @@ def choose_splits(k: int, tiles: int, slots: int, tile_k: int = TILE_K) -> int:
 
 __all__ = ["MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT", "MIN_K_TILES_PER_TAIL_SPLIT",
            "MIN_TAIL_GAIN", "TAIL_FILL", "choose_splits", "choose_tail_splits", "cta_tile_grid",
-           "tail_split_limit", "whole_cluster_tiles", "workspace_numels"]
+           "splits_within_k", "tail_split_limit", "whole_cluster_tiles", "workspace_numels"]

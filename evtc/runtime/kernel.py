@@ -311,7 +311,7 @@ class Kernel:
     def pin_splits(self, splits: int | None) -> None:
         """Run every call with ``splits`` splits of K (1: none), or (None) choose per problem again.
         For kernels that choose their launch shape or were compiled with ``split_k=True``; a
-        split count above K's tiles leaves some splits empty (still correct). A problem with more
+        split count above K's tiles runs with one split per K tile. A problem with more
         tiles than fit at once splits only the tiles past its last whole round."""
         if splits is not None and not (isinstance(splits, int) and 1 <= splits <= 4096):
             raise ValueError(f"pin_splits: splits must be an int in [1, 4096] or None, got {splits!r}")
@@ -827,12 +827,14 @@ class Kernel:
         """(compiled function, clusters that fit at once, split-K's (splits, partials, counters) or
         None, the reductions' host finish for its tile shape) for an (L, M, N, K) problem on the
         current GPU."""
-        return self._resolve(*self.launch_for(m, n, k, batches), m, n, batches)
+        return self._resolve(*self.launch_for(m, n, k, batches), m, n, k, batches)
 
-    def _resolve(self, config: GemmConfig, splits: int, m: int, n: int, batches: int):
-        """The launch tuple of :meth:`_launch_choice` for a chosen configuration and split count."""
-        from evtc.plan.split_k import workspace_numels
+    def _resolve(self, config: GemmConfig, splits: int, m: int, n: int, k: int, batches: int):
+        """The launch tuple of :meth:`_launch_choice` for a chosen configuration and split count
+        (at most K's tiles: a tuned launch may come from a longer K of the same size bucket)."""
+        from evtc.plan.split_k import splits_within_k, workspace_numels
 
+        splits = splits_within_k(splits, k, config.tile_k)
         config = _built_config(config, splits)
         if not config.runs_rows(m):
             # Loads trimmed to fewer rows than the problem has (a launch tuned or chosen for a
@@ -868,7 +870,7 @@ class Kernel:
                     if launch is None:
                         launch = self._time_candidates(a, b, ins, outs, m, n, k, batches, size, scales)
                     self._tuned[size] = launch
-        return self._resolve(*launch, m, n, batches)
+        return self._resolve(*launch, m, n, k, batches)
 
     def _tunable(self, launch: tuple[GemmConfig, int]) -> bool:
         config, splits = launch
@@ -894,7 +896,7 @@ class Kernel:
         timed = []
         for launch in launches:
             try:
-                fn, clusters, split, finisher = self._resolve(*launch, m, n, batches)
+                fn, clusters, split, finisher = self._resolve(*launch, m, n, k, batches)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is skipped
                 log.warning("%r: autotuning skips %s: %s", self.plan.name, autotune.describe(launch), exc)
                 continue

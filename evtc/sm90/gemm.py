@@ -858,8 +858,8 @@ class Sm90GemmKernel:
                         cute.arch.barrier(barrier_id=ORDER_BARRIER_ID + wg,
                                           number_of_threads=2 * WARPGROUP_THREADS)
 
-                acc.fill(0.0)
                 if cutlass.const_expr(self.promotes):
+                    acc.fill(0.0)
                     # ---- float8 mainloop: the wgmma sums each K tile's products in acc_k (with
                     # fewer mantissa bits than float32), which is then added into acc in float32
                     # (GemmConfig.fast_accum). The wait for each K tile's wgmma before the add is
@@ -895,17 +895,21 @@ class Sm90GemmKernel:
                                                      number_of_threads=2 * WARPGROUP_THREADS)
                 else:
                     # ---- mainloop: keep one wgmma batch in flight, release stages one behind -----
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    # The first K tile overwrites acc instead of adding to zeros: zeroing acc with
+                    # register moves made ptxas wait for wgmmas at each tile's start.  Every unit
+                    # has a K tile (the host clamps split counts to K's tiles; K = 0 takes torch).
+                    ab_pipeline.consumer_wait(read_state)
                     warpgroup.fence()
-                    if k_count > 0:
-                        ab_pipeline.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            coord = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        warpgroup.commit_group()
-                        read_state.advance()
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    read_state.advance()
                     for _k in cutlass.range(1, k_count, unroll=1):
                         ab_pipeline.consumer_wait(read_state)
+                        warpgroup.fence()
                         for kb in cutlass.range_constexpr(k_blocks):
                             coord = (None, None, kb, read_state.index)
                             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -923,9 +927,8 @@ class Sm90GemmKernel:
                             cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
                                                      number_of_threads=2 * WARPGROUP_THREADS)
                     warpgroup.wait_group(0)
-                    if k_count > 0:
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
                 if cutlass.const_expr(self.d_in_load_buffers):
                     if is_store_warp:
                         if tiles_done > 0:
