@@ -13,6 +13,8 @@ import evtc
 from evtc.plan.clusters import FOUR_CTA_CLUSTERS_HELD_BACK, planned_clusters
 from evtc.plan.config import ConfigError, GemmConfig
 from evtc.plan.selector import (
+    BIG_WEIGHT_ELEMENTS,
+    BIG_WEIGHT_K,
     FILL,
     HEAVY_EPILOGUE_TILES,
     LONG_K,
@@ -143,6 +145,29 @@ def test_large_problems_keep_the_compiled_tile_or_go_wide_for_long_k_or_many_wav
     # Without the wide tile in the family (it did not fit the epilogue), the compiled one.
     narrow = tuple(c for c in FAMILY if c.schedule == "pingpong")
     assert _launch(16384, 8192, LONG_K * 2, family=narrow)[0] == BASE
+
+
+def test_large_weights_with_long_k_go_wide():
+    """B of at least BIG_WEIGHT_ELEMENTS with K >= BIG_WEIGHT_K (Llama-3 70B's gate/up weight) runs
+    the cooperative 128 x 256 tile from M = 512 up; half that weight, by N or by K, does not."""
+    for m in (512, 2048, 3072):
+        wide, splits = _launch(m, 57344, BIG_WEIGHT_K)
+        assert (wide.schedule, wide.tile_n, splits) == ("cooperative", 256, 1), m
+    assert 57344 * BIG_WEIGHT_K >= BIG_WEIGHT_ELEMENTS > 28672 * BIG_WEIGHT_K
+    for m, n, k in [(2048, 28672, 8192), (2048, 57344, 4096), (8192, 10240, 8192), (16384, 8192, 8192)]:
+        assert _launch(m, n, k)[0].tile_n == 128, (m, n, k)
+    # A gated weight counts both halves: the SwiGLU output of 28672 columns reads a 57344-row B.
+    gated_base = BASE.replace(gated=True)
+    def fit_gated(knobs):
+        try:
+            return gated_base.replace(**knobs).validate()
+        except ConfigError:
+            return None
+
+    gated = tile_family(gated_base, fit_gated)
+    wide, _ = choose_launch(2048, 28672, 8192, 1, gated, _slots, choose_cluster=True)
+    assert (wide.schedule, wide.tile_n, wide.out_tile_n) == ("cooperative", 256, 128)
+    assert choose_launch(2048, 14336, 8192, 1, gated, _slots, choose_cluster=True)[0].tile_n == 128
 
 
 def test_a_fixed_family_keeps_its_tile_and_cluster():
