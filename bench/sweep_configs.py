@@ -195,7 +195,7 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twi
     for config in ([] if args.auto_only else candidates):
         tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
         for s in split_list:
-            if s > 1 and tiles * s > sms:
+            if s > 1 and tiles * s > sms and not args.multi_wave_splits:
                 continue
             # One split: the plain kernel, as the selector launches it (a split-K build run with
             # one split reads up to 10% slower); more: the split-K build.
@@ -267,6 +267,8 @@ def main() -> None:
     p.add_argument("--candidates", default="", choices=["", *CANDIDATE_SETS],
                    help="candidate set (default: small for M <= 1024, large beyond)")
     p.add_argument("--splits", default="1,2,3,4,6", help="split counts tried where they fit in a wave")
+    p.add_argument("--multi-wave-splits", action="store_true",
+                   help="also try split counts whose units take more than one wave")
     p.add_argument("--samples", type=int, default=9)
     p.add_argument("--sample-ms", type=float, default=1.0)
     p.add_argument("--rotate-mb", type=int, default=256, help="weight copies cycled per graph, in MB")
