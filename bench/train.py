@@ -14,6 +14,8 @@ The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T
 * evtc: the RMS scaling in torch, then ``evtc.nn.MLP`` (SwiGLU in the gate/up GEMM's epilogue, the
   residual in the down GEMM's; its backward computes the SwiGLU's dZ in the epilogue of the GEMM
   that makes its incoming gradient);
+* evtc+compile: the evtc block under torch.compile (the RMS scaling fused by it, the evtc kernels
+  called as custom ops);
 * evtc layers: the same with two separate ``evtc.nn.FusedLinear`` layers (each backward on its own:
   the incoming gradient of the first goes through memory and torch's elementwise kernels).
 
@@ -119,21 +121,29 @@ def main() -> None:
     variants = {"evtc": ours, "evtc layers": layers, "eager": eager}
     if not args.no_compile:
         variants["torch.compile"] = torch.compile(eager)
+        # How a user deploys evtc inside a compiled model: torch.compile fuses the RMS scaling and
+        # the residual's elementwise work, the evtc kernels run as custom ops.
+        variants["evtc+compile"] = torch.compile(ours)
 
     def step(model):
         def run():
             model(x).backward(dy)
         return run
 
-    # Gradients against eager's (one step each from zeroed gradients).
-    for model in {id(m): m for m in variants.values()}.values():
+    # Gradients against eager's (one step each from zeroed gradients; "evtc+compile" shares evtc's
+    # parameters, so each is checked right after its own step).
+    eager.zero_grad(set_to_none=True)
+    step(eager)()
+    for name in ("evtc", "evtc layers", "evtc+compile"):
+        if name not in variants:
+            continue
+        model = variants[name]
         model.zero_grad(set_to_none=True)
         step(model)()
-    x.grad = None
-    for name, model in (("evtc", ours), ("evtc layers", layers)):
         err = gradient_error(model, eager)
         print(f"gradients of {name} against eager: relative error {err:.2e} by norm "
               "(largest over parameters)")
+    x.grad = None
     names = list(variants)
     ms = time_paired([step(variants[n]) for n in names], 3, args.samples, 1)
     # Forward: gate/up 2 M H (2 I) and down 2 M I H flops; the backward twice that (dX and dW).

@@ -87,3 +87,34 @@ def test_trained_bias_takes_the_unfused_backward():
     block = evtc.nn.MLP(128, 96, bias_gelu, residual_bias, bias=True, device="cuda", dtype=torch.bfloat16)
     _run(block, bias_gelu, residual_bias, (150,), 128)
     assert not block._dz  # never asked for: the first layer's bias needs its own gradient
+
+
+def test_block_under_torch_compile_matches_autograd():
+    """A Llama-style block (RMS scaling in torch, then evtc.nn.MLP with a residual) compiled by
+    torch.compile, as bench/train.py's "evtc+compile" runs it: the torch ops are compiled around the
+    evtc kernels, and the output and every gradient match float32 autograd of the same block."""
+    torch.manual_seed(0)
+    hidden, inter = 128, 96
+    block = evtc.nn.MLP(hidden, inter, swiglu, add_residual, device="cuda", dtype=torch.bfloat16)
+    norm = torch.nn.Parameter(torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5)
+
+    def layer(x):
+        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
+        return block((x.float() * rstd).to(x.dtype) * norm, residual=x)
+
+    compiled = torch.compile(layer)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(200, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(200, hidden, device="cuda", generator=g).bfloat16()
+    params = [x, norm, block.up.weight, block.down.weight]
+    for _ in range(2):  # the second call runs the compiled graph without recompiling
+        y = compiled(x)
+        mine = torch.autograd.grad(y, params, dy)
+    ref = [p.detach().float().requires_grad_() for p in params]
+    xr, nr, w1, w2 = ref
+    h = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * nr
+    want = swiglu(h @ w1.t()) @ w2.t() + xr
+    assert _norm_error(y, want) < 2e-2
+    theirs = torch.autograd.grad(want, ref, dy.float())
+    for name, a, b in zip(["x", "norm", "up.weight", "down.weight"], mine, theirs, strict=True):
+        assert _norm_error(a, b) < 2e-2, f"{name}: {_norm_error(a, b):.3g}"

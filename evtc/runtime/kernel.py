@@ -1093,7 +1093,7 @@ class Kernel:
             (gate, up), operands = self._kernel_arguments(b, operands)
             b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
         sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
-                 "L": max(batches, default=1)}
+                 "L": max(batches) if batches else 1}
         device = a.device
         # a and b each with its own batch size (they may broadcast, on the torch path).
         check_tensor("a", a, sig.a, torch_dtype(sig.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)
