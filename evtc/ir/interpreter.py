@@ -96,11 +96,14 @@ def _evaluate_node(
         else:
             value = inputs[node.attrs["name"]]
         return value.to(device=acc.device, dtype=compute_dtype)
+    # Scalars are made on the device by a fill (torch.full), not copied from the host as
+    # torch.tensor would: a copy cannot be captured in a CUDA graph (the backward of evtc.linear
+    # evaluates its graph here, inside captured training steps).
     if op == "arg":
-        return torch.tensor(float(inputs[node.attrs["name"]]), dtype=compute_dtype, device=acc.device)
+        return torch.full((), float(inputs[node.attrs["name"]]), dtype=compute_dtype, device=acc.device)
     if op == "literal":
         value = float(sympy.sympify(node.attrs["value"]).subs(sizes))
-        return torch.tensor(value, dtype=compute_dtype, device=acc.device)
+        return torch.full((), value, dtype=compute_dtype, device=acc.device)
     if op == "cast":
         return _cast(args[0], node.dtype, compute_dtype)
     if op == "store":

@@ -260,7 +260,7 @@ class ReductionFinish:
                 definition = ELEMENTWISE[op]
                 args = [values[i] for i in step.inputs]
                 if not any(isinstance(a, torch.Tensor) for a in args):
-                    args[0] = torch.tensor(args[0], dtype=torch.float32, device=device)
+                    args[0] = torch.full((), args[0], dtype=torch.float32, device=device)  # capturable
                 result = definition.evaluate(*args, **dict(step.params))
                 values[step.node] = result if definition.boolean else _cast(result, torch_dtype(step.dtype))
         return [outputs[name] for name in self.host_names]
