@@ -14,8 +14,8 @@ The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T
 * evtc: the RMS scaling in torch, then ``evtc.nn.MLP`` (SwiGLU in the gate/up GEMM's epilogue, the
   residual in the down GEMM's; its backward computes the SwiGLU's dZ in the epilogue of the GEMM
   that makes its incoming gradient);
-* evtc+compile: the evtc block under torch.compile (the RMS scaling fused by it, the evtc kernels
-  called as custom ops);
+* evtc+compile: the evtc block under torch.compile (the RMS scaling fused by it; dynamo breaks its
+  graph at the evtc block, which runs as it does eagerly);
 * evtc layers: the same with two separate ``evtc.nn.FusedLinear`` layers (each backward on its own:
   the incoming gradient of the first goes through memory and torch's elementwise kernels).
 
@@ -122,7 +122,7 @@ def main() -> None:
     if not args.no_compile:
         variants["torch.compile"] = torch.compile(eager)
         # How a user deploys evtc inside a compiled model: torch.compile fuses the RMS scaling and
-        # the residual's elementwise work, the evtc kernels run as custom ops.
+        # the residual's elementwise work around the evtc block (a graph break, run eagerly).
         variants["evtc+compile"] = torch.compile(ours)
 
     def step(model):

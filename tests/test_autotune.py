@@ -94,12 +94,13 @@ def test_compile_turns_it_on(tmp_path, monkeypatch):
 def test_records_outside_the_family_are_not_used(tmp_path):
     tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
     member = tuned._family[-1]
-    assert tuned._tunable((member, 1)) and tuned._tunable((member.replace(cluster=(1, 1)), 2))
-    assert not tuned._tunable((member.replace(epi_tile_n=16), 1))
+    assert tuned._tunable((member, 1), 4096) and tuned._tunable((member.replace(cluster=(1, 1)), 2), 4096)
+    assert not tuned._tunable((member.replace(epi_tile_n=16), 1), 4096)
     fixed = evtc.compile(_identity, EX, config={"cluster": (1, 2)}, arch="sm_90a", cache_dir=tmp_path,
                          autotune=True)
-    assert fixed._tunable((fixed.config, 1)) and not fixed._tunable((fixed.config, 2))  # no split-K
-    assert not fixed._tunable((fixed.config.replace(cluster=(2, 1)), 1))
+    # No split-K in a kernel with a pinned cluster:
+    assert fixed._tunable((fixed.config, 1), 4096) and not fixed._tunable((fixed.config, 2), 4096)
+    assert not fixed._tunable((fixed.config.replace(cluster=(2, 1)), 1), 4096)
 
 
 def test_store_rejects_split_counts_out_of_range(tmp_path):

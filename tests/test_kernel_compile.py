@@ -144,6 +144,41 @@ def test_no_spills_and_no_serialized_wgmma(compiled, tmp_path):
     assert "C7517" not in report and "C7519" not in report, report
 
 
+def _swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _identity(acc):
+    return acc
+
+
+# The mainloops the matrix above does not build: split-K, 64-row tiles, gated B, float8 A/B
+# (promoted and fast), each through evtc.compile as a user gets it.
+_BF16 = {"a": torch.empty(256, 512, dtype=torch.bfloat16, device="meta"),
+         "b": torch.empty(384, 512, dtype=torch.bfloat16, device="meta").t()}
+_E4M3 = {"a": torch.empty(256, 512, dtype=torch.float8_e4m3fn, device="meta"),
+         "b": torch.empty(384, 512, dtype=torch.float8_e4m3fn, device="meta").t()}
+OTHER_MAINLOOPS = [
+    ("split-K ping-pong", _identity, _BF16, {"split_k": True}),
+    ("split-K cooperative 128x192", _identity, _BF16, {"split_k": True, "schedule": "cooperative",
+                                                        "tile_n": 192}),
+    ("64x128", _identity, _BF16, {"tile_m": 64, "tile_n": 128}),
+    ("gated", _swiglu, _BF16, None),
+    ("e4m3 promoted", _identity, _E4M3, None),
+    ("e4m3 fast", _identity, _E4M3, {"fast_accum": True}),
+]
+
+
+@pytest.mark.parametrize("what, fn, example, config", OTHER_MAINLOOPS, ids=[c[0] for c in OTHER_MAINLOOPS])
+def test_other_mainloops_have_no_serialized_wgmma(what, fn, example, config, tmp_path):
+    kernel = evtc.compile(fn, example, config=config, arch="sm_90a", cache_dir=tmp_path / "cache")
+    report = _ptxas_report(kernel.ptx, tmp_path)
+    if report is None:
+        pytest.skip("ptxas not on PATH")
+    assert "C7517" not in report and "C7519" not in report, report
+
+
 def test_stage_plan_fits(compiled):
     cfg = compiled.config
     stages, smem = compiled.stages, compiled.smem

@@ -98,6 +98,13 @@ def _add_residual(acc, residual):
     return acc + residual
 
 
+def _assert_kernels_ran(*layers):
+    """Every evtc.Linear of ``layers`` last ran its SM90 kernel, not the torch path."""
+    linears = [lin for layer in layers for lin in layer._compiled.values()]
+    assert linears and all(lin.kernel.last_path == "kernel" for lin in linears), \
+        [lin.kernel.last_path for lin in linears]
+
+
 def _step_grads(model, x, dy):
     model.zero_grad(set_to_none=True)
     x.grad = None
@@ -120,6 +127,7 @@ def test_training_step_captured_in_a_cuda_graph():
         for _ in range(3):
             _step_grads(model, static_x, static_dy)
     torch.cuda.current_stream().wait_stream(side)
+    _assert_kernels_ran(model.first, model.mlp.up, model.mlp.down)
     graph = torch.cuda.CUDAGraph()
     model.zero_grad(set_to_none=True)
     static_x.grad = None
@@ -150,6 +158,7 @@ def test_make_graphed_callables_on_a_fused_block():
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(64, 128, device="cuda", generator=g).bfloat16().requires_grad_()
     graphed = torch.cuda.make_graphed_callables(model, (x,))
+    _assert_kernels_ran(model.first, model.mlp.up, model.mlp.down)
     for seed in (6, 7):
         g = torch.Generator(device="cuda").manual_seed(seed)
         xi = torch.randn(64, 128, device="cuda", generator=g).bfloat16().requires_grad_()

@@ -107,9 +107,12 @@ def test_block_under_torch_compile_matches_autograd():
     x = torch.randn(200, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
     dy = torch.randn(200, hidden, device="cuda", generator=g).bfloat16()
     params = [x, norm, block.up.weight, block.down.weight]
-    for _ in range(2):  # the second call runs the compiled graph without recompiling
+    for _ in range(2):  # the first call builds the kernels, the second runs them as built
         y = compiled(x)
         mine = torch.autograd.grad(y, params, dy)
+    linears = [lin for layer in (block.up, block.down) for lin in layer._compiled.values()]
+    assert linears and all(lin.kernel.last_path == "kernel" for lin in linears)
+    assert _fused_kernels(block), "the fused backward kernel was not used"
     ref = [p.detach().float().requires_grad_() for p in params]
     xr, nr, w1, w2 = ref
     h = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * nr

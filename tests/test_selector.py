@@ -15,6 +15,7 @@ from evtc.plan.config import ConfigError, GemmConfig
 from evtc.plan.selector import (
     BIG_WEIGHT_ELEMENTS,
     BIG_WEIGHT_K,
+    BIG_WEIGHT_MIN_M,
     FILL,
     HEAVY_EPILOGUE_TILES,
     LONG_K,
@@ -148,11 +149,13 @@ def test_large_problems_keep_the_compiled_tile_or_go_wide_for_long_k_or_many_wav
 
 
 def test_large_weights_with_long_k_go_wide():
-    """B of at least BIG_WEIGHT_ELEMENTS with K >= BIG_WEIGHT_K (Llama-3 70B's gate/up weight) runs
-    the cooperative 128 x 256 tile from M = 512 up; half that weight, by N or by K, does not."""
-    for m in (512, 2048, 3072):
+    """A 16-bit B of at least BIG_WEIGHT_ELEMENTS with K >= BIG_WEIGHT_K (Llama-3 70B's gate/up
+    weight) runs the cooperative 128 x 256 tile from M = BIG_WEIGHT_MIN_M up (the range measured);
+    half that weight, by N or by K, does not, nor does a shorter M."""
+    for m in (BIG_WEIGHT_MIN_M, 2048, 3072):
         wide, splits = _launch(m, 57344, BIG_WEIGHT_K)
         assert (wide.schedule, wide.tile_n, splits) == ("cooperative", 256, 1), m
+    assert _launch(BIG_WEIGHT_MIN_M - 128, 57344, BIG_WEIGHT_K)[0].tile_n == 128
     assert 57344 * BIG_WEIGHT_K >= BIG_WEIGHT_ELEMENTS > 28672 * BIG_WEIGHT_K
     for m, n, k in [(2048, 28672, 8192), (2048, 57344, 4096), (8192, 10240, 8192), (16384, 8192, 8192)]:
         assert _launch(m, n, k)[0].tile_n == 128, (m, n, k)

@@ -131,8 +131,8 @@ def test_pin_splits_rejects_bad_values(tmp_path):
 
 def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):
     """Every unit of a launch has a K tile (the mainloop's first K tile overwrites the accumulator,
-    with no zero-fill): a pinned count, or a tuned one from a longer K of the same size bucket, is
-    cut to K's tiles before it reaches the kernel."""
+    with no zero-fill): a pinned count above K's tiles is cut to them, and Kernel._resolve, which
+    every launch passes, caps whatever count it is given."""
     from evtc.plan.split_k import splits_within_k
 
     assert [splits_within_k(s, 200, 64) for s in (1, 3, 4, 5, 7)] == [1, 3, 4, 4, 4]
@@ -152,6 +152,8 @@ def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):
     monkeypatch.setattr(k, "_variant", lambda config: k)
     _, _, split, _ = k._resolve(k.config, 7, 64, 256, 2 * tile_k, 1)
     assert split[0] == 2
+    # The tuner still times launches under such a pin (their capped count matches it).
+    assert k._tunable((k.config, 2), 2 * tile_k) and not k._tunable((k.config, 3), 2 * tile_k)
 
 
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])

@@ -10,8 +10,9 @@ docs/performance.md, "A launch per problem size"):
   128 x 256 cooperative where K is long (at least :data:`LONG_K`): there the epilogue's overlap is
   worth little and the wider tile halves the A traffic per FLOP (16384 x 8192 x 28672: 1.03x
   cuBLAS against 0.90x); or where there are at least :data:`MANY_WAVES` waves of 128 x 128 tiles
-  (LM heads: 4096 x 128256 x 4096, 1.01x against 0.90x); or for large weights with K of 8192 or
-  more (:data:`BIG_WEIGHT_ELEMENTS`: 2048 x 57344 x 8192, 0.99x against 0.92x).
+  (LM heads: 4096 x 128256 x 4096, 1.01x against 0.90x); or for large 16-bit weights with K of
+  8192 or more at M >= 512 (:data:`BIG_WEIGHT_ELEMENTS`: 2048 x 57344 x 8192, 0.95-1.00x against
+  0.92-0.96x).
 * **One wave or just over** (128 x 128 tiles at most one per SM, or a few more): cooperative 128 x
   128, whose two consumer warpgroups share the CTA's one tile (a ping-pong CTA would leave one
   idle: 256 x 8192 x 8192, 0.96x cuBLAS against 0.89x), or cooperative 128 x 192 where its tiles
@@ -51,16 +52,18 @@ LONG_K = 16384
 # against 1.01x). We read it as power: the wider tile moves a quarter fewer bytes from L2 per
 # FLOP, and at the H100's power limit a long run at lower power keeps higher clocks.
 MANY_WAVES = 90
-# Large weights with long K loops: where K is at least BIG_WEIGHT_K and B holds at least
-# BIG_WEIGHT_ELEMENTS (N x K, the GEMM's N: both halves of a gated weight), the cooperative
-# 128 x 256 tile runs whatever the waves. Fitted on the H100 (docs/performance.md, "Wide tiles for
-# large weights"), cuBLAS / evtc, two sweeps: Llama-3 70B's gate/up weight (57344 x 8192) at
-# M = 2048 ran 0.99-1.00x in 128 x 256 tiles against 0.92-0.95x in ping-pong 128 x 128, at M = 3072
-# 1.00-1.04x against 0.92-0.94x, at M = 512 and 1024 within 1% either way; half that weight,
-# whether N (28672 x 8192) or K (57344 x 4096) is halved, ran as fast or faster in 128 x 128
-# (2048 x 57344 x 4096: 1.02-1.03x against 0.99x), as did 8192 x 10240 x 8192 (1.04x against 1.00-1.02x).
+# Large 16-bit weights with long K loops: where K is at least BIG_WEIGHT_K, B holds at least
+# BIG_WEIGHT_ELEMENTS (N x K, the GEMM's N: both halves of a gated weight) and M is at least
+# BIG_WEIGHT_MIN_M (the range measured), the cooperative 128 x 256 tile runs whatever the waves.
+# Fitted on the H100 (docs/performance.md, "Wide tiles for large weights"), cuBLAS / evtc, four
+# runs: Llama-3 70B's gate/up weight (57344 x 8192) at M = 2048 ran 0.95-1.00x in 128 x 256 tiles
+# against 0.92-0.96x in ping-pong 128 x 128, at M = 3072 1.00-1.04x against 0.92-0.93x, at M = 512
+# and 1024 within 1-2% either way; half that weight, whether N (28672 x 8192) or K (57344 x 4096)
+# is halved, ran as fast or faster in 128 x 128 (2048 x 57344 x 4096: 1.02-1.03x against 0.99x), as
+# did 8192 x 10240 x 8192 (1.04x against 1.00-1.02x).
 BIG_WEIGHT_K = 8192
 BIG_WEIGHT_ELEMENTS = 1 << 28
+BIG_WEIGHT_MIN_M = 512
 # Tiles an epilogue moves besides D (tile operands it reads, extra full-tile outputs it writes)
 # from which it runs on the cooperative 128 x 256 tile whenever that still fills the GPU. Measured
 # on the H100 (docs/performance.md, bench/heavy_epilogue.py): with 3 such tiles (two tile operands
@@ -177,7 +180,8 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         # Enough tiles: the configured one (whatever its schedule), or the cooperative 128 x 256 one
         # for long K loops, for very many tiles and for large weights.
         gemm_n = n * base.tile_n // base.out_tile_n  # a gated B has both halves
-        big_weight = k >= BIG_WEIGHT_K and gemm_n * k >= BIG_WEIGHT_ELEMENTS
+        big_weight = (k >= BIG_WEIGHT_K and gemm_n * k >= BIG_WEIGHT_ELEMENTS and m >= BIG_WEIGHT_MIN_M
+                      and base.ab_dtype in ("float16", "bfloat16"))
         if ((k >= LONG_K or tiles >= MANY_WAVES * slots or big_weight) and wide is not None
                 and _tiles(m, n, batches, wide) >= slots):
             return wide
@@ -287,7 +291,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K",
+__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M",
            "FAMILY", "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES",
            "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile", "family_digest",
            "tile_family", "with_a_rows_for", "with_cluster_for"]

@@ -830,8 +830,10 @@ class Kernel:
         return self._resolve(*self.launch_for(m, n, k, batches), m, n, k, batches)
 
     def _resolve(self, config: GemmConfig, splits: int, m: int, n: int, k: int, batches: int):
-        """The launch tuple of :meth:`_launch_choice` for a chosen configuration and split count
-        (at most K's tiles: a tuned launch may come from a longer K of the same size bucket)."""
+        """The launch tuple of :meth:`_launch_choice` for a chosen configuration and split count,
+        capped at K's tiles: every unit must have a K tile (the mainloop overwrites the accumulator
+        with its first one). The rules and the tuner never exceed it; this is the one guard every
+        launch passes."""
         from evtc.plan.split_k import splits_within_k, workspace_numels
 
         splits = splits_within_k(splits, k, config.tile_k)
@@ -865,18 +867,22 @@ class Kernel:
                                                           torch.cuda.get_device_name(a.device),
                                                           self.key + self.interface.tag() + self.launch_tag)
                     launch = self._tune_store.get(size)
-                    if launch is not None and not self._tunable(launch):
+                    if launch is not None and not self._tunable(launch, k):
                         launch = None  # a record this kernel may not run: tuned again
                     if launch is None:
                         launch = self._time_candidates(a, b, ins, outs, m, n, k, batches, size, scales)
                     self._tuned[size] = launch
         return self._resolve(*launch, m, n, k, batches)
 
-    def _tunable(self, launch: tuple[GemmConfig, int]) -> bool:
+    def _tunable(self, launch: tuple[GemmConfig, int], k: int) -> bool:
+        from evtc.plan.split_k import splits_within_k
+
         config, splits = launch
         if splits > 1 and not self._can_split:
             return False
-        if self._pinned_splits is not None and splits != self._pinned_splits:
+        # A pinned count above K's tiles runs as one split per K tile (see launch_for).
+        if (self._pinned_splits is not None
+                and splits != splits_within_k(self._pinned_splits, k, config.tile_k)):
             return False
         return any(config.replace(cluster=c.cluster, split_k=c.split_k, a_rows=c.a_rows) == c
                    for c in self._family) and (
@@ -889,7 +895,7 @@ class Kernel:
         default = self.launch_for(m, n, k, batches)
         launches = [c for c in autotune.candidates(m, n, k, batches, self._family, self._slots,
                                                    self._variant_factory is not None, default)
-                    if self._tunable(c)]
+                    if self._tunable(c, k)]
         # Scratch outputs with the strides of the real ones (staged calls pad their rows).
         scratch = [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device) for o in outs]
         times: dict[str, float] = {}
