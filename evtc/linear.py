@@ -85,6 +85,7 @@ class Linear:
                 try:
                     self._saving = _compile_kernel(_with_accumulator(self._fn, self.kernel.plan.gated),
                                                    self._example, **self._compile_options)
+                    self._saving.saved_accumulators = 2 if self.kernel.plan.gated else 1
                 except Exception as exc:  # noqa: BLE001 - recomputing gives the same gradients
                     # One more output may not fit a pinned configuration's shared memory: the
                     # backward then recomputes the accumulator.
@@ -113,6 +114,8 @@ class Linear:
         """The epilogue's outputs. Differentiable in ``x``, ``weight`` and the tensor operands when
         any of them requires grad (see :mod:`evtc.linear_autograd`); ``out=`` is then refused."""
         try:
+            if torch.compiler.is_compiling():
+                return self._compiled_call(x, weight, out, operands)
             if torch.is_grad_enabled() and _requires_grad(x, weight, operands):
                 if out is not None:
                     raise CallError("evtc.linear: out= is not differentiable; leave it out when an "
@@ -121,6 +124,20 @@ class Linear:
             return self._call(x, weight, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
+
+    def _compiled_call(self, x, weight, out, operands):
+        """The call under torch.compile: through the custom operator of a kernel, which the compiler
+        sees as one op with its autograd (LinearFunction runs evtc's Python call path, which it
+        cannot trace). Where an eager differentiable call built the saving twin, that twin's operator
+        runs and its backward reads the stored accumulator, as LinearFunction's does; otherwise the
+        plain kernel's, whose backward recomputes it. Kernels are not built here: call the layer
+        once eagerly (with an input that requires grad) before ``torch.compile(fullgraph=True)``."""
+        saving = self._saving if isinstance(self._saving, Kernel) else None
+        if saving is None or out is not None:
+            return self._call(x, weight, out, operands)
+        leaves = self._call_kernel(saving, x, weight, operands)
+        count = len(self.output_names)
+        return self.kernel.plan.structure.build(dict(zip(self.output_names, leaves[:count], strict=True)))
 
     def _differentiable(self, x, weight, operands):
         from evtc.linear_autograd import LinearFunction

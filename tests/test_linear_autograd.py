@@ -194,3 +194,38 @@ def test_a_twin_that_does_not_compile_falls_back_to_recomputing(monkeypatch, cap
     want = torch.autograd.grad(bias_gelu(x @ w.t(), bias), [x, w, bias], dy)
     for name, a, b in zip(["x", "weight", "bias"], mine, want, strict=True):
         _close(a, b, name)
+
+
+def test_layers_under_torch_compile_fullgraph(monkeypatch):
+    """FusedLinear layers in one torch.compile(fullgraph=True) graph, after an eager call has built
+    their kernels: each runs as its kernel's custom operator (the twin that also stores the
+    accumulator, or its gate and up halves), the gradients match torch.autograd, and no backward
+    recomputes an accumulator. (evtc.nn.MLP breaks the graph instead: see docs/training.md.)"""
+    import evtc.ir.interpreter as interpreter
+
+    torch.manual_seed(0)
+    first = evtc.nn.FusedLinear(64, 96, bias_gelu)
+    gated = evtc.nn.FusedLinear(96, 160, swiglu, bias=False)
+    x = torch.randn(3, 20, 64, requires_grad=True)
+
+    def block(x):
+        return gated(first(x))
+
+    block(x).square().mean().backward()  # builds the kernels and the twins
+    twins = [lin._saving for part in (first, gated) for lin in part._compiled.values()]
+    assert len(twins) == 2 and all(isinstance(t, evtc.Kernel) for t in twins)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the accumulator was recomputed")
+
+    monkeypatch.setattr(interpreter, "accumulator", refuse)
+    for t in twins:
+        t.last_path = ""
+    compiled = torch.compile(lambda x: block(x).square().mean(), backend="aot_eager", fullgraph=True)
+    params = [x, first.weight, first.bias, gated.weight]
+    mine = torch.autograd.grad(compiled(x), params)
+    assert all(t.last_path for t in twins)  # the twins' operators ran
+    want = swiglu(F.gelu(x @ first.weight.t() + first.bias) @ gated.weight.t()).square().mean()
+    for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
+                          torch.autograd.grad(want, params), strict=True):
+        _close(a, b, name)

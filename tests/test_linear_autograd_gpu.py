@@ -171,3 +171,32 @@ def test_make_graphed_callables_on_a_fused_block():
         want = _step_grads(model, xi.detach().clone().requires_grad_(), dy)
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             _norm_close(a, b, f"gradient {i}", tol=1e-3)
+
+
+def test_fused_linears_in_one_fullgraph_compile():
+    """Two FusedLinear layers (bias + GELU, then SwiGLU) in torch.compile(fullgraph=True) after an
+    eager step built their kernels: each runs its twin's custom operator (the kernel that also stores
+    the accumulator for the backward), and the gradients match float32 autograd."""
+    torch.manual_seed(0)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    first = evtc.nn.FusedLinear(128, 192, bias_gelu, **kw)
+    gated = evtc.nn.FusedLinear(192, 256, swiglu, bias=False, **kw)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(300, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(300, 128, device="cuda", generator=g).bfloat16()
+    params = [x, first.weight, first.bias, gated.weight]
+    torch.autograd.grad(gated(first(x)), params, dy)  # eager: builds the kernels and the twins
+    twins = [lin._saving for part in (first, gated) for lin in part._compiled.values()]
+    assert len(twins) == 2 and all(isinstance(t, evtc.Kernel) for t in twins)
+    for t in twins:
+        t.last_path = ""
+    compiled = torch.compile(lambda x: gated(first(x)), fullgraph=True)
+    y = compiled(x)
+    mine = torch.autograd.grad(y, params, dy)
+    assert all(t.last_path == "kernel" for t in twins)
+    ref = [p.detach().float().requires_grad_() for p in params]
+    want = swiglu(F.gelu(ref[0] @ ref[1].t() + ref[2]) @ ref[3].t())
+    _norm_close(y, want, "forward")
+    for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
+                          torch.autograd.grad(want, ref, dy.float()), strict=True):
+        _norm_close(a, b, name)

@@ -96,6 +96,11 @@ class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
     ``k(a, b, **operands, out=None)`` returns what the epilogue returns."""
 
+    #: How many of the last outputs are the accumulator (its gate and up halves: 2), stored for a
+    #: backward to read (evtc.Linear's saving twin sets it); 0 for every other kernel. The custom
+    #: operator's autograd then reads them instead of recomputing ``a @ b``.
+    saved_accumulators: int = 0
+
     def __init__(self, plan: KernelPlan, config: GemmConfig | None, key: str, cache: DiskCache,
                  built: Built | None = None, *, source: str | None = None, graph=None,
                  retrace: Callable[[], Any] | None = None):

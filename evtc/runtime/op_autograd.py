@@ -24,11 +24,11 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequence[Any],
-                grads: Sequence[torch.Tensor | None]) -> tuple:
+                grads: Sequence[torch.Tensor | None], acc: torch.Tensor | None = None) -> tuple:
     """Gradients of (a, b, *operands) (None for Python-number operands) from the gradients of the
-    kernel's outputs in its output order."""
+    kernel's outputs in its output order; ``acc``: the accumulator the forward stored, if it did."""
     return gemm_epilogue_backward(kernel.backward_graph(), a, b, kernel.operand_names, operands,
-                                  dict(zip(kernel.plan.output_order, grads, strict=True)))
+                                  dict(zip(kernel.plan.output_order, grads, strict=True)), acc)
 
 
 def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, names: Sequence[str],

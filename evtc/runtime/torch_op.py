@@ -85,18 +85,30 @@ def register(kernel: Kernel):
             return op
 
         def setup_context(ctx, inputs, output):
+            # A kernel whose last outputs are its accumulator (evtc.Linear's saving twin, which
+            # sets saved_accumulators after compiling, so it is read here): the backward reads them
+            # instead of recomputing a @ b.
+            acc_count = kernel.saved_accumulators
             a, b, *operands = inputs
             tensors = [t for t in (a, b, *operands) if isinstance(t, torch.Tensor)]
-            ctx.save_for_backward(*tensors)
+            outs = output if isinstance(output, tuple | list) else (output,)
+            saved_acc = tuple(outs[len(outs) - acc_count:]) if acc_count else ()
+            ctx.acc_count = len(saved_acc)
+            ctx.save_for_backward(*tensors, *saved_acc)
             ctx.scalars = [None if isinstance(v, torch.Tensor) else v for v in operands]
 
         def backward(ctx, *grads):
             from evtc.runtime.op_autograd import op_backward
 
-            a, b, *tensors = ctx.saved_tensors
+            saved = ctx.saved_tensors
+            inputs, saved_acc = saved[:len(saved) - ctx.acc_count], saved[len(saved) - ctx.acc_count:]
+            a, b, *tensors = inputs
             rest = iter(tensors)
             operands = [next(rest) if v is None else v for v in ctx.scalars]
-            return op_backward(kernel, a, b, operands, grads)
+            acc = None
+            if saved_acc:  # the gate and up halves side by side, as the accumulator
+                acc = torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]
+            return op_backward(kernel, a, b, operands, grads, acc=acc)
 
         torch.library.register_autograd(f"evtc::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
         op = getattr(torch.ops.evtc, name).default
