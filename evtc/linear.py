@@ -51,6 +51,21 @@ class Linear:
         # epilogue that also stores the accumulator (see :meth:`_saving_kernel`); False where none.
         self._saving: Kernel | bool | None = None
         self._compile_options = dict(compile_options or {})  # config, arch, cache_dir of the twin
+        # x.dim() values whose flattening into M gives fn's own results (see _check_leading_dims).
+        self._exact_dims: set[int] = {2}
+
+    def _check_leading_dims(self, x_dims: int, n: int, operands: Mapping[str, Any]) -> None:
+        """Refuse x with ``x_dims`` dims where flattening its leading dims into M would change what
+        the epilogue returns (a reduction over rows, a dim read by position); checked once per
+        ``x_dims``."""
+        if x_dims in self._exact_dims or self._fn is None:
+            return
+        why = _flattening_is_exact(self.kernel, self._fn, x_dims, n, operands)
+        if why is not None:
+            raise CallError(f"evtc.linear: {why}. Pass x as (rows, in_features) (x.reshape(-1, "
+                            "x.shape[-1])) for a reduction over all rows, or compile the epilogue with "
+                            "evtc.compile on a batched a for one per leading index")
+        self._exact_dims.add(x_dims)
 
     @property
     def output_names(self) -> list[str]:
@@ -160,6 +175,8 @@ class Linear:
         if x.shape[-1] != weight.shape[1]:
             raise CallError(f"evtc.linear: x has {x.shape[-1]} input features, weight {weight.shape[1]} "
                             f"(weight is (out_features, in_features) = {tuple(weight.shape)})")
+        if x.dim() not in self._exact_dims:
+            self._check_leading_dims(x.dim(), weight.shape[0], operands)
         lead = tuple(x.shape[:-1])
         flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
         if out is not None:
@@ -168,7 +185,7 @@ class Linear:
             except (TypeError, ValueError, KeyError, IndexError, AttributeError):
                 pass  # not the epilogue's structure: the kernel's own check says what is wrong
         result = kernel(x.reshape(-1, x.shape[-1]), weight.t(), out=out, **flat)
-        return self._per_output(kernel, result, lambda t: t.view(*lead, *t.shape[1:]))
+        return self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
 
     @staticmethod
     def _per_output(kernel: Kernel, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -195,6 +212,69 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
             and tuple(value.shape[:-1]) == lead:
         return value.reshape(-1, value.shape[-1])
     return value
+
+
+# Sizes of the probe that stands in for x's leading dims (distinct primes: a dim that fn reads by
+# position then shows in the output shapes).
+_PROBE_SIZES = (3, 5, 7, 11, 13, 17, 19, 23)
+
+
+def _flattening_is_exact(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: int,
+                         operands: Mapping[str, Any]) -> str | None:
+    """Why flattening x's leading dims into M changes ``fn``'s results (None where it does not):
+    ``fn`` runs on meta tensors with a probe of ``x_dims - 1`` leading dims (distinct sizes, also
+    distinct from ``n``, the GEMM's N), and every output's shape must be the one the flattened kernel
+    gives back.
+    A reduction over rows (``y.sum(0)``, ``y.amax(-2)``) or a dim read by position differs: torch
+    reduces over one leading dim, the kernel over all of M. Operands with x's leading dims take the
+    probe's. None also where ``fn`` does not run on meta tensors and no output reduces over rows."""
+    from evtc.frontend.epilogue import unwrap
+
+    if x_dims == 2:
+        return None
+    plan = kernel.plan
+    probe = tuple(size for size in _PROBE_SIZES if size != n)[:x_dims - 1]
+    rows = 1
+    for size in probe:
+        rows *= size
+    dims = {s.name: s.dims for s in plan.outputs} | {h.name: h.dims for h in plan.host_outputs}
+    ours = {name: (*probe, *shape[1:]) if dims[name][:1] == ("M",) else tuple(shape)
+            for name, (shape, _) in zip(plan.output_order, kernel.output_meta(rows, n, 1), strict=True)}
+    structure = plan.structure
+
+    def label(name: str) -> str:
+        if structure.kind == "single":
+            return "the epilogue's output"
+        if structure.kind == "dict":
+            return f"the epilogue's output {(structure.keys or ())[structure.names.index(name)]!r}"
+        return f"the epilogue's output {structure.names.index(name)} (counting from 0)"
+
+    def meta(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape = tuple(value.shape)
+        if len(shape) == x_dims and x_dims > 1:  # (*lead, N) or (*lead, 1): x's leading dims
+            shape = (*probe, shape[-1])
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    acc = torch.empty((*probe, n), dtype=torch.float32, device="meta")
+    try:
+        result = unwrap(fn)(acc, **{name: meta(v) for name, v in operands.items()})
+    except NotImplementedError:  # an op without a meta kernel: judge by the plan alone
+        across = [name for name in plan.output_order if "M" not in dims[name] and dims[name]]
+        return (f"{label(across[0])} reduces over rows, which flattening x's {x_dims - 1} leading dims "
+                "into M changes" if across else None)
+    except Exception as exc:  # noqa: BLE001 - the function itself fails on x of this rank
+        return f"the epilogue fails in PyTorch on x with {x_dims - 1} leading dims ({exc})"
+    leaves = structure.flatten(result, lambda t: isinstance(t, torch.Tensor))
+    if leaves is None:
+        return None  # the kernel's own checks say what is wrong with the structure
+    for name, value in leaves.items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != ours[name]:
+            return (f"on x with leading dims {probe}, {label(name)} has shape {tuple(value.shape)} "
+                    f"in PyTorch, but evtc.linear flattens the leading dims into M and would return "
+                    f"{ours[name]}")
+    return None
 
 
 def linear(
@@ -224,14 +304,17 @@ def linear(
                             "(out_features, in_features)")
         x, weight = example.pop("x"), example.pop("weight")
         lead = tuple(x.shape[:-1])
+        operands = example
         example = {name: _flatten_like(v, lead) for name, v in example.items()}
         flat_example = {"a": x.reshape(-1, x.shape[-1]), "b": weight.t(), **example}
         kernel = _compile_kernel(fn, flat_example, out_dtypes=out_dtypes, config=config, arch=arch,
                                  cache_dir=cache_dir)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
-    return Linear(kernel, fn, flat_example, out_dtypes,
-                  {"config": config, "arch": arch, "cache_dir": cache_dir})
+    lin = Linear(kernel, fn, flat_example, out_dtypes,
+                 {"config": config, "arch": arch, "cache_dir": cache_dir})
+    lin._check_leading_dims(x.dim(), weight.shape[0], operands)
+    return lin
 
 
 def _with_accumulator(fn: Callable[..., Any], gated: bool) -> Callable[..., Any]:

@@ -229,3 +229,66 @@ def test_layers_under_torch_compile_fullgraph(monkeypatch):
     for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
                           torch.autograd.grad(want, params), strict=True):
         _close(a, b, name)
+
+
+def _rows_max(acc, bias):
+    y = torch.tanh(acc + bias)
+    return y, y.amax(0)
+
+
+def _positional_sum(acc):
+    return acc, acc.sum(1)
+
+
+def _all_rows(acc, bias):
+    y = acc + bias
+    return y, y.sum(-1), y.sum(dim=tuple(range(y.dim() - 1))), y.amax()
+
+
+@pytest.mark.parametrize("fn, what", [(_rows_max, "output 1"), (_positional_sum, "output 1")])
+def test_leading_dims_that_flattening_would_change_are_refused(fn, what):
+    """x with leading dims is flattened into M. Where that changes what the function returns in
+    PyTorch (a reduction over one leading dim, a dim read by position), evtc.linear refuses with
+    the shapes both would give, at compile time and at a call with another number of dims."""
+    x3 = torch.randn(2, 6, 16)
+    w = torch.randn(24, 16)
+    ops = {"bias": torch.randn(24)} if fn is _rows_max else {}
+    with pytest.raises(evtc.CallError, match=rf"{what} .* has shape .* in PyTorch, but evtc.linear flattens"):
+        evtc.linear(fn, {"x": x3, "weight": w, **ops})
+    lin = evtc.linear(fn, {"x": x3.reshape(12, 16), "weight": w, **ops})  # 2-d x: exact
+    got = lin(x3.reshape(12, 16), w, **ops)
+    for a, b in zip(got, fn(x3.reshape(12, 16) @ w.t(), **ops), strict=True):
+        _close(a, b, "2-d x")
+    with pytest.raises(evtc.CallError, match="flattens the leading dims into M"):
+        lin(x3, w, **ops)
+    # 1-d x: PyTorch reduces the one row's N values (amax(0)) or fails (sum(1)).
+    with pytest.raises(evtc.CallError, match="flattens the leading dims into M|fails in PyTorch"):
+        lin(torch.randn(16), w, **ops)
+
+
+def test_one_dimensional_x_gets_pytorch_shapes():
+    """A 1-d x is one row: outputs come back without the row dim, as PyTorch returns them."""
+    def per_row(acc, bias):
+        y = F.gelu(acc + bias)
+        return y, y.square().sum(-1)
+
+    w, bias, x = torch.randn(24, 16), torch.randn(24), torch.randn(16)
+    lin = evtc.linear(per_row, {"x": x, "weight": w, "bias": bias})
+    for a, b in zip(lin(x, w, bias=bias), per_row(x @ w.t(), bias), strict=True):
+        assert a.shape == b.shape
+        _close(a, b, "1-d x")
+
+
+def test_leading_dims_that_flatten_exactly_are_accepted():
+    """Per-row reductions, reductions over all leading dims and over everything give the same
+    results flattened: accepted, with PyTorch's shapes and values, for 2-, 3- and 4-d x."""
+    w = torch.randn(24, 16)
+    bias = torch.randn(24)
+    lin = evtc.linear(_all_rows, {"x": torch.randn(2, 6, 16), "weight": w, "bias": bias})
+    for shape in [(2, 6, 16), (3, 2, 4, 16), (5, 16)]:
+        x = torch.randn(*shape)
+        got = lin(x, w, bias=bias)
+        want = _all_rows(x @ w.t(), bias)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape, (shape, a.shape, b.shape)
+            _close(a, b, str(shape))

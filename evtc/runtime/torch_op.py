@@ -85,14 +85,18 @@ def register(kernel: Kernel):
             return op
 
         def setup_context(ctx, inputs, output):
-            # A kernel whose last outputs are its accumulator (evtc.Linear's saving twin, which
-            # sets saved_accumulators after compiling, so it is read here): the backward reads them
-            # instead of recomputing a @ b.
+            # A kernel whose epilogue returns its accumulator last (evtc.Linear's saving twin, which
+            # sets saved_accumulators after compiling, so it is read here): the backward reads it
+            # instead of recomputing a @ b. The operator returns outputs in the kernel's output
+            # order (tiles before reductions), so they are found by name.
             acc_count = kernel.saved_accumulators
             a, b, *operands = inputs
             tensors = [t for t in (a, b, *operands) if isinstance(t, torch.Tensor)]
             outs = output if isinstance(output, tuple | list) else (output,)
-            saved_acc = tuple(outs[len(outs) - acc_count:]) if acc_count else ()
+            saved_acc = ()
+            if acc_count:
+                acc_names = plan.structure.names[len(plan.structure.names) - acc_count:]
+                saved_acc = tuple(outs[plan.output_order.index(name)] for name in acc_names)
             ctx.acc_count = len(saved_acc)
             ctx.save_for_backward(*tensors, *saved_acc)
             ctx.scalars = [None if isinstance(v, torch.Tensor) else v for v in operands]
