@@ -60,7 +60,7 @@ class Linear:
         ``x_dims``."""
         if x_dims in self._exact_dims or self._fn is None:
             return
-        why = _flattening_is_exact(self.kernel, self._fn, x_dims, n, operands)
+        why = _flattening_changes(self.kernel, self._fn, x_dims, n, operands)
         if why is not None:
             raise CallError(f"evtc.linear: {why}. Pass x as (rows, in_features) (x.reshape(-1, "
                             "x.shape[-1])) for a reduction over all rows, or compile the epilogue with "
@@ -219,9 +219,10 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
 _PROBE_SIZES = (3, 5, 7, 11, 13, 17, 19, 23)
 
 
-def _flattening_is_exact(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: int,
+def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: int,
                          operands: Mapping[str, Any]) -> str | None:
-    """Why flattening x's leading dims into M changes ``fn``'s results (None where it does not):
+    """Why flattening x's leading dims into M changes ``fn``'s results (None where it does not;
+    2-d x, nothing to flatten, is never asked about: ``Linear._exact_dims``):
     ``fn`` runs on meta tensors with a probe of ``x_dims - 1`` leading dims (distinct sizes, also
     distinct from ``n``, the GEMM's N), and every output's shape must be the one the flattened kernel
     gives back.
@@ -230,8 +231,6 @@ def _flattening_is_exact(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n:
     probe's. None also where ``fn`` does not run on meta tensors and no output reduces over rows."""
     from evtc.frontend.epilogue import unwrap
 
-    if x_dims == 2:
-        return None
     plan = kernel.plan
     probe = tuple(size for size in _PROBE_SIZES if size != n)[:x_dims - 1]
     rows = 1
@@ -253,7 +252,7 @@ def _flattening_is_exact(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n:
         if not isinstance(value, torch.Tensor):
             return value
         shape = tuple(value.shape)
-        if len(shape) == x_dims and x_dims > 1:  # (*lead, N) or (*lead, 1): x's leading dims
+        if len(shape) == x_dims:  # (*lead, N) or (*lead, 1): x's leading dims
             shape = (*probe, shape[-1])
         return torch.empty(shape, dtype=value.dtype, device="meta")
 
