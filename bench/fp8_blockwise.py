@@ -14,6 +14,11 @@ Per (layer, M), e4m3 a (M, K) with float32 scales (M, K/128) and a weight w (N, 
 * ``fused``: ``y = gelu(acc + bias)``, ``(y * s).to(e4m3)`` and ``amax(|y|)`` in one evtc kernel,
   against torch's blockwise GEMM followed by the same epilogue in eager PyTorch.
 
+``--swiglu`` times the gate/up layers (N: both halves) with a gated epilogue instead, each ratio
+torch's time over evtc's: ``silu(gate) * up`` in bf16 against torch's blockwise GEMM then the eager
+SwiGLU; the same against a bf16 ``torch.matmul`` then the eager SwiGLU; and the SwiGLU with an e4m3
+output and its amax against torch's blockwise GEMM then that epilogue in eager PyTorch.
+
 Rows small enough also print both relative errors against the float64 product of the dequantized
 inputs (float32 results). Geomeans, per M, and the worst row at the end.
 """
@@ -47,6 +52,20 @@ def to_float32(acc):
 
 def fused(acc, bias, s):
     y = F.gelu(acc + bias)
+    return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_float32(acc):
+    return swiglu(acc).float()
+
+
+def swiglu_fp8(acc, s):
+    y = swiglu(acc)
     return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
 
 
@@ -103,17 +122,61 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
             times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
 
 
+def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
+    """A gate/up layer (N: both halves) with the SwiGLU in the epilogue (see ``--swiglu``)."""
+    from shapes import rel_max_error
+
+    dev = "cuda"
+    a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
+    w = (torch.randn(n, k, device=dev) * 2).to(E4M3)
+    b = w.t()
+    sa = (torch.rand(blocks(k), m, device=dev) + 0.5).t()
+    sb = (torch.rand(blocks(n), blocks(k), device=dev) + 0.5).t()
+    s = torch.tensor(0.25, device=dev)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if "swiglu" not in kernels:
+        kernels["swiglu"] = evtc.compile(swiglu, {"a": (a, sa), "b": (b, sb)})
+        kernels["swiglu32"] = evtc.compile(swiglu_float32, {"a": (a, sa), "b": (b, sb)})
+        kernels["swiglu8"] = evtc.compile(swiglu_fp8, {"a": (a, sa), "b": (b, sb), "s": s})
+    kg, k32, k8 = kernels["swiglu"], kernels["swiglu32"], kernels["swiglu8"]
+    calls = {
+        "evtc": lambda: kg((a, sa), (b, sb)),
+        "torch": lambda: swiglu(torch_blockwise(a, sa, b, sb)),
+        "bf16": lambda: swiglu(torch.matmul(a16, b16)),
+        "evtc_f": lambda: k8((a, sa), (b, sb), s=s),
+        "eager_f": lambda: swiglu_fp8(torch_blockwise(a, sa, b, sb), s),  # the epilogue is PyTorch
+    }
+    times = time_calls(calls, samples)
+    err_evtc = err_torch = math.nan
+    if m * n * k <= 2**36:
+        ref = evtc.reference(swiglu_float32, {"a": (a, sa), "b": (b, sb)}, dtype=torch.float64).double()
+        err_evtc = rel_max_error(k32((a, sa), (b, sb)), ref)
+        err_torch = rel_max_error(swiglu(torch_blockwise(a, sa, b, sb, torch.float32)), ref)
+        del ref
+    return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
+            times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="128,2048,8192")
     p.add_argument("--samples", type=int, default=11)
     p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
+    p.add_argument("--swiglu", action="store_true", help="the gate/up layers with a SwiGLU epilogue")
     args = p.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
-    rows = run_rows(ms, [s for s in args.layers.split(",") if s],
-                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples),
+    keep = [s for s in args.layers.split(",") if s]
+    if args.swiglu:
+        rows = run_rows(ms, keep or ["gate_up"],
+                        lambda name, m, n, k: measure_swiglu(name, m, n, k, kernels, args.samples),
+                        f"{'torch':>6} {'bf16':>6} {'fused':>6}", "{:6.3f} {:6.3f} {:6.3f}")
+        print_summary(rows, ms, ("SwiGLU vs torch blockwise + eager SwiGLU", "vs bf16 GEMM + eager SwiGLU",
+                                 "SwiGLU, e4m3 out, amax vs torch blockwise + eager"),
+                      "float32 results; baseline: torch blockwise + SwiGLU")
+        return
+    rows = run_rows(ms, keep, lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples),
                     f"{'torch':>6} {'bf16':>6} {'fused':>6}", "{:6.3f} {:6.3f} {:6.3f}")
     print_summary(rows, ms, ("vs torch blockwise", "vs bf16 GEMM",
                              "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager"),

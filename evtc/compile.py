@@ -223,10 +223,6 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
         problem, scale_rows = scale_problem(example_inputs["a"], example_inputs["b"], scales)
         if problem is not None:
             raise CompileError(f"block scales: {problem} (docs/fp8.md, 'Block scales')", loc)
-        if graph.gated:
-            raise CompileError("block scales with a gated (SwiGLU) epilogue are not supported: the gate "
-                               "and up halves of b would each need their own; use per-row or "
-                               "tensorwise scales as epilogue operands", loc)
         if example_inputs["a"].shape[-2] == 1:
             log.warning("%r: a has one row, so its block scales read as 1 x 128 blocks (a row each); "
                         "compile with an example of more rows for 128 x 128 blocks", graph.name)

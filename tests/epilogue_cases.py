@@ -349,8 +349,9 @@ def random_case(seed: int, index: int) -> Case:
     if ab_rng.random() < 0.2:
         ab_dtype = ab_rng.choice(["float8_e4m3fn", "float8_e5m2"])
         a_major, b_major = "k", "k"
-        # Half of them block-scaled (not gated: its halves of b would need scales of their own).
-        if not gated and ab_rng.random() < 0.5:
+        # Half of them block-scaled (gated ones too: halves of a multiple of 32 columns run the
+        # kernel, others the torch path).
+        if ab_rng.random() < 0.5:
             block_scales = ab_rng.choice([1, 128])
     return Case(f"fuzz-{seed}-{index}", source, operands, ab_dtype, a_major, b_major, batches, gated, shapes,
                 out_dtypes, call_majors=call_majors, seed=index, block_scales=block_scales)
@@ -433,15 +434,15 @@ def matrix_cases() -> list[Case]:
 
 def _float8_cases(rot: _Rotation) -> list[Case]:
     """Every operand kind with float8 a and b (e4m3 and e5m2 in turn), compiled K-major; a third of
-    the full-width ones plain, a third with 1 x 128 and a third with 128 x 128 block scales, one in
-    four gated (plain). The second shape breaks TMA's 16-byte rule and passes a and b in the other
-    layouts: staged."""
+    them plain, a third with 1 x 128 and a third with 128 x 128 block scales, one in four gated
+    (block-scaled gated ones with halves of 192 columns: the kernel reads B's scales per 32). The
+    second shape breaks TMA's 16-byte rule and passes a and b in the other layouts: staged."""
     cases = []
     index = 0
     for kind, dtype, form, major in KIND_VARIANTS:
         for batches in (None, 3):
             gated = index % 4 == 3
-            scales = 0 if gated else (0, 1, 128)[index % 3]
+            scales = (0, 1, 128)[index % 3]
             ab = ("float8_e4m3fn", "float8_e5m2")[index % 2]
             op = OperandSpec("x", kind, dtype, batches is not None and kind != "arg", form, major,
                              half=gated and kind in ("tile", "row"))  # as wide as the output
@@ -451,10 +452,11 @@ def _float8_cases(rot: _Rotation) -> list[Case]:
                 body = ["return acc * x + x"]
             source = "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
             out = rot.take("out")
-            n = 400 if gated else 272
+            n = (384 if scales else 400) if gated else 272
             shapes = ((257, n, 272), (130, 2 * 501 if gated else 1001, 1001))
-            name = f"float8-{kind}-{dtype}-{form or major}-L{batches}-{ab[7:].rstrip('fn')}-" \
-                   f"{'gated' if gated else f'scales{scales}'}-out-{out}"
+            tag = "-".join((["gated"] if gated else [])
+                           + ([f"scales{scales}"] if scales or not gated else []))
+            name = f"float8-{kind}-{dtype}-{form or major}-L{batches}-{ab[7:].rstrip('fn')}-{tag}-out-{out}"
             cases.append(Case(name, source, (op,), ab, "k", "k", batches, gated, shapes, (("D", out),),
                               call_majors=("m", "n"), block_scales=scales))
             index += 1

@@ -106,6 +106,40 @@ def test_reference_and_torch_path_match_the_product_block_by_block(tmp_path, row
         assert torch.equal(t.float(), t0.float()) and torch.equal(s, s0)
 
 
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+def test_gated_block_scales_read_each_half_of_b_by_its_own_columns(tmp_path, rows):
+    """SwiGLU over block-scaled float8: the gate half's and the up half's 32-column chunks each read
+    B's scale of their own 128-column block (the up half's start N/2 columns into B)."""
+    a, b = _pairs(256, 2 * 96, 512, rows)
+    k = evtc.compile(gated, {"a": a, "b": b}, cache_dir=tmp_path)
+    assert k.config.gated and k.config.block_scales == rows and k.config.scale_chunk == 32
+    assert (k.config.schedule, k.config.tile_n) == ("cooperative", 192)
+    assert "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3" in k.ptx
+    loop = k.ptx[k.ptx.index("wgmma.mma_async"):]
+    loop = loop[:loop.index("wgmma.fence", 1)] if "wgmma.fence" in loop[1:] else loop
+    # Six chunks of B (three per half) and one or two row slots of A: scales from global memory.
+    assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", loop)) >= 6 + 1
+
+
+@pytest.mark.parametrize(("rows", "shape"), [(1, (130, 2 * 160, 300)), (128, (300, 2 * 100, 257))],
+                         ids=["1x128-aligned-halves", "128x128-odd-halves"])
+def test_gated_block_scales_on_the_torch_path_match_the_blocks(tmp_path, rows, shape):
+    """The reference and the torch path of a gated block-scaled epilogue: the dequantized product
+    (block by block) split into gate and up halves, whatever N / 2 is (100 is not a multiple of 32:
+    on a GPU that call takes the torch path too)."""
+    m, n, k = shape
+    a, b = _pairs(m, n, k, rows, seed=5)
+    whole = _product_by_blocks(a, b, rows)
+    gate, up = whole.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    mine = evtc.reference(gated, {"a": a, "b": b}, dtype=torch.float64)
+    assert (mine - ref).abs().max() <= 1e-12 * ref.abs().max()
+    kernel = evtc.compile(gated, {"a": a, "b": b}, cache_dir=tmp_path)
+    got = kernel(a, b)
+    assert kernel.last_path == "torch" and got.shape == (m, n // 2)
+    assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
 def test_block_scales_under_torch_compile_are_one_op(tmp_path):
     a, b = _pairs(128, 256, 256, 1, seed=4)
     kernel = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
@@ -117,6 +151,16 @@ def test_block_scales_under_torch_compile_are_one_op(tmp_path):
     got = torch.compile(f, backend="eager", fullgraph=True)(a[0], a[1], b[0], b[1])
     ref = _product_by_blocks(a, b, 1) + 1
     assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+    swiglu = evtc.compile(gated, {"a": a, "b": b}, cache_dir=tmp_path)
+
+    def g(x, sx, w, sw):
+        return swiglu((x, sx), (w, sw)) * 2
+
+    got = torch.compile(g, backend="eager", fullgraph=True)(a[0], a[1], b[0], b[1])
+    gate, up = _product_by_blocks(a, b, 1).chunk(2, dim=-1)
+    ref = 2 * torch.nn.functional.silu(gate) * up
+    assert got.shape == (128, 128) and (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
 def _compile_error(tmp_path, fn, inputs, match, **kw):
@@ -135,7 +179,8 @@ def test_compile_refusals_name_the_problem(tmp_path):
     _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb.t().contiguous()[:, :2])},
                    r"b's block scales have shape .* takes \(4, 2\)")
     _compile_error(tmp_path, identity, {"a": (a, sa.half()), "b": (b, sb)}, "must be float32")
-    _compile_error(tmp_path, gated, {"a": (a, sa), "b": (b, sb)}, "gated")
+    _compile_error(tmp_path, gated, {"a": (a, sa), "b": (b, sb)}, "halves of a multiple of 32 columns",
+                   config={"schedule": "cooperative", "tile_n": 160, "epi_tile_n": 16})
     _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb)}, "fast_accum=True",
                    config={"fast_accum": True})
     _compile_error(tmp_path, identity, {"a": (a, sa), "b": (b, sb)}, "not a compile knob",

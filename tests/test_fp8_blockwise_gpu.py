@@ -162,3 +162,92 @@ def test_block_scales_under_torch_compile(tmp_path):
 
     got = torch.compile(step, fullgraph=True)(a[0], a[1], b[0], b[1])
     assert _rel(got, 2 * _dequantized_product(a, b, 1)) < 1e-3
+
+
+def swiglu_scaled(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return (F.silu(gate) * up).float()
+
+
+def swiglu_bias_fp8_amax(acc, bias, s_out):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    y = F.silu(gate) * up
+    return (y * s_out).to(torch.float8_e4m3fn), y.abs().amax()
+
+
+def _swiglu(whole):
+    gate, up = whole.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# Gated: N is the weight's rows (both halves). Halves of 1024 columns (the up half starts on a
+# block), 288 (it starts 32 columns into a block: its first chunk reads a block the gate half
+# shares), 96 (under one block: both halves' scales in B's first block), ragged M and K, one row.
+GATED_SHAPES = [(256, 2 * 1024, 1024), (300, 2 * 288, 1000), (129, 2 * 96, 300), (1, 2 * 512, 7168),
+                (2048, 2 * 1536, 2048)]
+
+
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gated_block_scales_against_float64(tmp_path, shape, rows):
+    m, n, k = shape
+    a, b = _inputs(m, n, k, rows, seed=11)
+    kernel = evtc.compile(swiglu_scaled, {"a": a, "b": b}, cache_dir=tmp_path)
+    # A one-row example compiles 1 x 128 blocks (a row each: the same scales), and says so.
+    assert kernel.config.gated and kernel.config.block_scales == (1 if m == 1 else rows)
+    got = kernel(a, b)
+    assert kernel.last_path == ("kernel" if k % 16 == 0 else "staged") and got.shape == (m, n // 2)
+    ref = _swiglu(_dequantized_product(a, b, rows))
+    assert _rel(got, ref) < 1e-3, _rel(got, ref)
+
+
+@pytest.mark.parametrize("config", [{"split_k": True}, {"schedule": "cooperative", "tile_n": 128},
+                                    {"schedule": "pingpong", "tile_m": 64, "tile_n": 128}],
+                         ids=["split-k", "cooperative128x128", "pingpong64x128"])
+def test_gated_block_scales_configs(tmp_path, config):
+    m, n, k = 384, 2 * 320, 3008
+    a, b = _inputs(m, n, k, 1, seed=12)
+    kernel = evtc.compile(swiglu_scaled, {"a": a, "b": b}, cache_dir=tmp_path, config=config)
+    if config.get("split_k"):
+        kernel.pin_splits(3)
+    got = kernel(a, b)
+    assert kernel.last_path == "kernel"
+    assert _rel(got, _swiglu(_dequantized_product(a, b, 1))) < 1e-3
+
+
+def test_gated_block_scales_fused_layer_and_batches(tmp_path):
+    """DeepSeek-V3's expert gate/up: block-scaled float8 in -> SwiGLU(acc + bias) -> float8 out and
+    its amax, one kernel; then batched experts with mixed formats."""
+    m, n, k = 1000, 2 * 768, 2048
+    a, b = _inputs(m, n, k, 1, seed=13)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = _swiglu(_dequantized_product(a, b, 1) + bias.double())
+    s_out = torch.tensor(400.0 / y.abs().max().item(), device="cuda")
+    kernel = evtc.compile(swiglu_bias_fp8_amax, {"a": a, "b": b, "bias": bias, "s_out": s_out},
+                          cache_dir=tmp_path)
+    q, amax = kernel(a, b, bias=bias, s_out=s_out)
+    assert kernel.last_path == "kernel" and q.dtype == E4M3 and q.shape == (m, n // 2)
+    assert abs(amax.item() - y.abs().max().item()) <= 2e-3 * y.abs().max().item()
+    want = y * s_out.double()
+    excess = (q.double() - want).abs() - want.abs() * 2 ** -3 - 1e-3 * want.abs().max()
+    assert excess.max().item() <= 0, excess.max().item()
+
+    a3, b3 = _inputs(200, 2 * 320, 640, 128, a_dtype=E4M3, b_dtype=E5M2, seed=14, batches=3)
+    batched = evtc.compile(swiglu_scaled, {"a": a3, "b": b3}, cache_dir=tmp_path)
+    got = batched(a3, b3)
+    assert batched.last_path == "kernel" and got.shape == (3, 200, 320)
+    assert _rel(got, _swiglu(_dequantized_product(a3, b3, 128))) < 1e-3
+
+
+def test_gated_block_scales_halves_off_the_chunk_take_torch(tmp_path):
+    """Halves of 100 columns (not a multiple of the 32-column chunk the kernel reads B's scales
+    by): the torch path, with the same result; strict=True refuses it by name."""
+    a, b = _inputs(256, 2 * 128, 512, 1, seed=15)
+    kernel = evtc.compile(swiglu_scaled, {"a": a, "b": b}, cache_dir=tmp_path)
+    a2, b2 = _inputs(256, 2 * 100, 512, 1, seed=16)
+    got = kernel(a2, b2)
+    assert kernel.last_path == "torch"
+    assert _rel(got, _swiglu(_dequantized_product(a2, b2, 1))) < 1e-5
+    strict = evtc.compile(swiglu_scaled, {"a": a, "b": b}, cache_dir=tmp_path, strict=True)
+    with pytest.raises(evtc.CallError, match="multiple of 32"):
+        strict(a2, b2)

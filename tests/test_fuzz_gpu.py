@@ -74,9 +74,10 @@ def test_generated_cases_cover_every_axis():
     assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
     # float8 a and b are compiled K-major (tests/test_fp8.py: other examples are refused).
     assert all((c.a_major, c.b_major) == ("k", "k") for c in cases if c.ab_dtype.startswith("float8"))
-    # Block scales (docs/fp8.md) on float8 cases that are not gated, at both granularities.
+    # Block scales (docs/fp8.md) on float8 cases, gated ones too, at both granularities.
     assert {c.block_scales for c in cases} == {0, 1, 128}
-    assert all(c.ab_dtype.startswith("float8") and not c.gated for c in cases if c.block_scales)
+    assert all(c.ab_dtype.startswith("float8") for c in cases if c.block_scales)
+    assert any(c.gated for c in cases if c.block_scales)
     assert {(c.a_major, c.b_major) for c in cases} == {("k", "n"), ("k", "k"), ("m", "n"), ("m", "k")}
     assert {dt for c in cases for _, dt in c.out_dtypes} == set(OUT_DTYPES)
     for text in REDUCTIONS.values():
@@ -99,6 +100,7 @@ def test_matrix_covers_every_kind_form_and_batching():
     float8 = [c for c in cases if c.ab_dtype.startswith("float8")]
     assert {op.kind for c in float8 for op in c.operands} == {"tile", "row", "col", "scalar", "arg"}
     assert {c.block_scales for c in float8} == {0, 1, 128} and any(c.gated for c in float8)
+    assert {c.block_scales for c in float8 if c.gated} == {0, 1, 128}
     assert all((c.a_major, c.b_major) == ("k", "k") for c in float8)
     assert {c.a_major for c in cases} == {"k", "m"} and {c.b_major for c in cases} == {"n", "k"}
     assert {dt for c in cases for _, dt in c.out_dtypes} == set(OUT_DTYPES)

@@ -7,6 +7,7 @@ pointers, strides, epilogue scalars) is a runtime argument.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 # Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
@@ -17,6 +18,10 @@ FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # Block-scaled float8: elements of K (and columns of B) per scale; rows of A per scale.
 SCALE_BLOCK = 128
 BLOCK_SCALE_ROWS = (1, 128)
+# Block scales with a gated B: columns of a half that share one scale of B (GemmConfig.scale_chunk).
+# 32 keeps the factors few (6 per row slot in a 128 x 192 tile) and takes every N/2 that is a multiple
+# of 32; N/2 of other sizes take the torch path.
+GATED_SCALE_CHUNK = 32
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "int32": 4}  # int32: the counters of a kernel that finishes its own reductions
 
@@ -149,8 +154,9 @@ class GemmConfig:
     otherwise the rows of A that share one float32 scale per 128 elements of K (1: DeepSeek-V3's
     1 x 128 activation blocks; 128: 128 x 128 blocks), B being scaled per 128 x 128 block. Each K
     tile's products are multiplied by their blocks' scales as the promoting mainloop adds them into
-    the accumulator, so it needs ``fast_accum=False``, tiles of a multiple of 64 columns (each
-    64-column chunk of a tile in one B block) and no gated B.
+    the accumulator, so it needs ``fast_accum=False`` and tiles of a multiple of 64 columns (each
+    64-column chunk of a tile in one B block); gated, output tiles of a multiple of
+    :data:`GATED_SCALE_CHUNK` columns (see :attr:`scale_chunk`).
     """
 
     ab_dtype: str = "float16"
@@ -438,15 +444,24 @@ class GemmConfig:
         if self.fast_accum:
             bad("block scales are applied as each K tile's products are promoted into the float32 "
                 "accumulator: fast_accum=True (no promotion) cannot apply them")
-        if self.gated:
-            bad("block scales with a gated (SwiGLU) epilogue are not supported: B's two halves would "
-                "need scales of their own")
         if self.tile_k != SCALE_BLOCK:
             bad(f"block scales apply one scale per {SCALE_BLOCK} elements of K, one K tile of the "
                 f"mainloop: tile_k is {self.tile_k}")
-        if self.tile_n % 64:
+        if self.gated and self.out_tile_n % GATED_SCALE_CHUNK:
+            bad(f"block scales with a gated B need halves of a multiple of {GATED_SCALE_CHUNK} columns (each "
+                f"{GATED_SCALE_CHUNK}-column chunk of a half in one 128-row block of the weight), got "
+                f"tile_n={self.tile_n}")
+        if not self.gated and self.tile_n % 64:
             bad(f"block scales need tiles of a multiple of 64 columns (each 64-column chunk of a tile in "
                 f"one 128-column block of B), got tile_n={self.tile_n}")
+
+    @property
+    def scale_chunk(self) -> int:
+        """Block scales: columns of a tile that share B's scale (each lies in one 128-column block
+        of B). A plain tile starts on a multiple of gcd(tile_n, 128), so chunks of that size do. A
+        gated tile's up half starts N/2 columns into B, which need not be a multiple of 128: its
+        chunks are :data:`GATED_SCALE_CHUNK` columns, and calls need N/2 to be a multiple of that."""
+        return GATED_SCALE_CHUNK if self.gated else math.gcd(self.tile_n, SCALE_BLOCK)
 
     def replace(self, **changes) -> GemmConfig:
         return dataclasses.replace(self, **changes).validate()

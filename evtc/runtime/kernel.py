@@ -18,7 +18,7 @@ from evtc.errors import CallError, EpilogueError
 from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.clusters import planned_clusters
-from evtc.plan.config import GemmConfig
+from evtc.plan.config import GATED_SCALE_CHUNK, GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.plan.operand_kinds import KINDS
 from evtc.runtime import reductions, stream_buffers
@@ -642,9 +642,11 @@ class Kernel:
     def _scales_fit(self, a, b, scales) -> bool:
         """Whether block scales have the compiled granularity's shapes, float32, on a's device: the
         per-call check (what :func:`evtc.ir.block_scales.scale_problem` checks, without building a
-        message; the slow path names what is wrong)."""
+        message; the slow path names what is wrong). ``b``: the user's, whole when gated."""
         a_scales, b_scales = scales
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        if self._gated and n // 2 % GATED_SCALE_CHUNK:
+            return False  # see _torch_reason
         blocks_k = -(-k // SCALE_BLOCK)
         rows = m if self._scale_rows == 1 else -(-m // SCALE_BLOCK)
         return (a_scales.dtype == torch.float32 and b_scales.dtype == torch.float32
@@ -715,7 +717,7 @@ class Kernel:
         """A call the fast path did not take: a CallError for wrong arguments; the torch path where
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
-        reason = self._torch_reason(a, operands) if isinstance(a, torch.Tensor) else None
+        reason = self._torch_reason(a, operands, b) if isinstance(a, torch.Tensor) else None
         if reason is None and self.interface.strict:
             self._validate(a, b, out, operands, scales)  # a wrong argument is named before any layout rule
         if reason is None:
@@ -740,7 +742,7 @@ class Kernel:
             self._note_path("torch", reason)
         return self._run_torch(a, b, out, operands, scales)
 
-    def _torch_reason(self, a, operands) -> str | None:
+    def _torch_reason(self, a, operands, b=None) -> str | None:
         """Why this call cannot run the SM90 kernel (it then takes the torch path), or None."""
         if self.interface.torch_only is not None:
             return self.interface.torch_only
@@ -751,6 +753,10 @@ class Kernel:
             return f"the tensors are on {a.device}"
         if a.shape[-1] == 0:
             return "K = 0 (the accumulator is all zeros)"
+        if (self._scale_rows and self._gated and isinstance(b, torch.Tensor)
+                and b.shape[-1] // 2 % GATED_SCALE_CHUNK):
+            return (f"b's halves have {b.shape[-1] // 2} columns, not a multiple of {GATED_SCALE_CHUNK}: "
+                    "the kernel reads a gated B's block scales per 32 columns of each half")
         # An operand of another float dtype than compiled: the kernel loads the compiled one, but
         # the function widens every operand to float32 first, so the graph gives the same result
         # (output dtypes follow a and b and explicit casts, never an operand's dtype).
@@ -780,14 +786,14 @@ class Kernel:
 
         This is the per-call path: everything it needs was prepared from the plan in
         :meth:`_call_setup`, and the cluster choice is memoised per problem size."""
+        if scales is not None and not self._scales_fit(a, b, scales):
+            raise ValueError("block scales of the wrong shape")  # _validate names the problem
         b, kernel_operands = self._split(b, operands) if self._gated else (b, operands)
         m = a.shape[-2]
         n = (b[0] if self._gated else b).shape[-1]  # the output's width
         batches = a.shape[0] if a.dim() == 3 else 1
         if a.shape[-1] == 0:
             raise ValueError("K = 0 takes the torch path")
-        if scales is not None and not self._scales_fit(a, b, scales):
-            raise ValueError("block scales of the wrong shape")  # _validate names the problem
         if len(kernel_operands) != self._kernel_name_count:
             raise KeyError("unknown arguments")
         ins = [kernel_operands[what] if kind == 0 else float(kernel_operands[what]) if kind == 1

@@ -23,8 +23,6 @@ Tensors seen by the kernel are in the CuTe GEMM convention: A (M, K, L), B (N, K
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -153,8 +151,11 @@ class Sm90GemmKernel:
         Gated: ``mB`` is the pair (gate half, up half) of B, each (N,K,L) with N the output's width.
         Split-K: ``split`` is (splits, partials, counters), see :meth:`_split_k_combine`.
         Block scales: ``scales`` is (A's (M or M/128, K/128, L), B's (N/128, K/128, L)) float32
-        tensors, see :meth:`_load_block_factors`."""
+        tensors, see :meth:`_load_block_factors`; gated, B's scales cover both halves (N the GEMM's)
+        and the columns of a half follow."""
         b_halves = mB if cutlass.const_expr(self.gated) else (mB,)
+        if cutlass.const_expr(self.block_scales and self.gated):
+            scales = (*scales, b_halves[0].shape[0])  # where the up half's columns start in B
         if cutlass.const_expr(mA.element_type != self.ab_dtype
                               or any(h.element_type != self.b_dtype for h in b_halves)):
             raise TypeError(f"A must be {self.ab_dtype} and B {self.b_dtype}")
@@ -474,13 +475,14 @@ class Sm90GemmKernel:
         offsets from its first value's row, the number of column chunks, the factor slot of each
         value: row slot x chunks + chunk).
 
-        A chunk is ``gcd(tile_n, 128)`` columns: tiles start on multiples of it, so each chunk lies
-        in one 128-column block of B (a 128 x 192 tile spans three 64-column chunks, in two B blocks).
+        A chunk is ``GemmConfig.scale_chunk`` columns, each in one 128-column block of B: a plain
+        128 x 192 tile spans three 64-column chunks, in two B blocks; a gated one's gate half is its
+        first 96 columns and its up half the next 96, three 32-column chunks each.
         Plain Python on static thread indices: the wgmma layout gives every thread the same offsets
         and the same chunk per value (checked on a sample of threads here, at compile time), so each
         K tile loads one A scale per row slot and one B scale per chunk."""
         tile_n = self.tile_shape_mnk[1]
-        chunk = math.gcd(tile_n, SCALE_BLOCK)
+        chunk = self.config.scale_chunk
         identity = cute.make_identity_tensor(self.tile_shape_mnk[:2])
 
         def layout_of(thread: int) -> tuple[list[int], list[int]]:
@@ -503,20 +505,26 @@ class Sm90GemmKernel:
                             first_row: Int32, row_offsets: tuple, n_chunks: int):
         """Block scales: into ``factors``, the factor of each slot (:meth:`_scale_slots`) for K block
         ``kb`` of the tile at ``tile_coord``: A's scale of the row (1 x 128 blocks) or of the tile's
-        128-row block, times B's scale of the chunk's 128 x 128 block.
+        128-row block, times B's scale of the chunk's 128 x 128 block. A gated tile's chunks are
+        its gate half's columns of B, then its up half's, ``n_half`` (B's columns per half)
+        further along B.
 
         Every index is clamped to the last scale: a tile's rows past M, a chunk past N (the last
         128 x 192 tile of N = 4096 reaches column 4224) and whole tiles past the problem (the last
         cluster of a ragged grid) read a scale that exists; their values are never stored."""
-        m_scales, n_scales = scales
+        m_scales, n_scales = scales[0], scales[1]
         m, n, batch = tile_coord
-        tile_n = self.tile_shape_mnk[1]
-        chunk = math.gcd(tile_n, SCALE_BLOCK)
+        out_tile_n = self.shape.tile[1]
+        chunk = self.config.scale_chunk
         last_b = n_scales.shape[0] - 1
         last_a = m_scales.shape[0] - 1
         b_scales = []
         for c in cutlass.range_constexpr(n_chunks):
-            block = cutlass.min((n * tile_n + c * chunk) // SCALE_BLOCK, last_b)
+            if cutlass.const_expr(self.gated and c * chunk >= out_tile_n):
+                column = scales[2] + n * out_tile_n + c * chunk - out_tile_n
+            else:
+                column = n * out_tile_n + c * chunk
+            block = cutlass.min(column // SCALE_BLOCK, last_b)
             b_scales.append(n_scales[(block, kb, batch)])
         if cutlass.const_expr(self.block_scales == SCALE_BLOCK):
             a_scale = m_scales[(cutlass.min((m * self.tile_m) // SCALE_BLOCK, last_a), kb, batch)]

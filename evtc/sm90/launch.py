@@ -242,10 +242,33 @@ class ScaledSplitLauncher(Launcher):
                      max_clusters, stream, (splits, partials, counters), self._scale_views(a[1], b[1]))
 
 
+class ScaledGatedLauncher(Launcher):
+    """:class:`ScaledLauncher` of a gated kernel: ``b`` is ((gate half, up half), scales), the scales
+    covering the whole weight."""
+
+    @cute.jit
+    def __call__(self, a: tuple, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32, stream):
+        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b[0])
+        self._launch(a[0], halves, outputs, inputs, max_clusters, stream,
+                     scales=self._scale_views(a[1], b[1]))
+
+
+class ScaledGatedSplitLauncher(Launcher):
+    """:class:`ScaledGatedLauncher` with split-K (as :class:`SplitLauncher`)."""
+
+    @cute.jit
+    def __call__(self, a: tuple, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
+                 splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
+        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b[0])
+        self._launch(a[0], halves, outputs, inputs, max_clusters, stream, (splits, partials, counters),
+                     self._scale_views(a[1], b[1]))
+
+
 def entry_point(gated: bool, split_k: bool, scaled: bool = False) -> type[Launcher]:
-    """The entry point class of a kernel (block-scaled ones are never gated)."""
+    """The entry point class of a kernel."""
     if scaled:
-        return ScaledSplitLauncher if split_k else ScaledLauncher
+        return {(False, False): ScaledLauncher, (True, False): ScaledGatedLauncher,
+                (False, True): ScaledSplitLauncher, (True, True): ScaledGatedSplitLauncher}[(gated, split_k)]
     return {(False, False): Launcher, (True, False): GatedLauncher,
             (False, True): SplitLauncher, (True, True): GatedSplitLauncher}[(gated, split_k)]
 
@@ -259,6 +282,7 @@ def fake_split_args():
     return Int32(1), partials, counters
 
 
-__all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "ScaledLauncher", "ScaledSplitLauncher",
+__all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "ScaledGatedLauncher",
+           "ScaledGatedSplitLauncher", "ScaledLauncher", "ScaledSplitLauncher",
            "SplitLauncher", "Symbols", "entry_point",
            "fake_split_args", "fake_tensor", "view"]
