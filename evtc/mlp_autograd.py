@@ -40,7 +40,8 @@ class MLPFunction(torch.autograd.Function):
 
     ``pair`` (an :class:`evtc.nn.MLP`) provides ``first_linear(x, ops1)`` and
     ``second_linear(h, ops2)``, the two :class:`evtc.Linear`, and ``dz_kernel(first, dz2, w2, x2, w1,
-    ops1)``, the fused kernel of step 3 and its epilogue, or None.
+    ops1)``, the fused kernel of step 3 and its epilogue, or None. Under ``torch.compile`` the same
+    forward and backward run as custom operators instead (:mod:`evtc.mlp_op`).
     """
 
     @staticmethod
@@ -48,11 +49,10 @@ class MLPFunction(torch.autograd.Function):
                 names1: tuple[str, ...], names2: tuple[str, ...], *values: Any) -> tuple[torch.Tensor, ...]:
         ops1 = dict(zip(names1, values[:len(names1)], strict=True))
         ops2 = dict(zip(names2, values[len(names1):], strict=True))
-        first = pair.first_linear(x, ops1)
-        (h,), saved1 = _run_saving(first, x, w1, ops1)
-        second = pair.second_linear(h, ops2)
-        outputs, saved2 = _run_saving(second, h, w2, ops2)
-        ctx.pair, ctx.first, ctx.second = pair, first, second
+        outputs, h, saved1, saved2 = mlp_forward(pair, x, w1, w2, ops1, ops2)
+        # What torch.compile runs instead (evtc.mlp_op), registered by the first eager call.
+        pair.note_eager_forward(x, names1, names2, values, outputs, h, saved1, saved2)
+        ctx.pair = pair
         ctx.names1, ctx.names2 = names1, names2
         ctx.counts = (len(saved1), len(saved2))
         ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -72,44 +72,64 @@ class MLPFunction(torch.autograd.Function):
         names1, names2 = ctx.names1, ctx.names2
         ops1 = dict(zip(names1, values[:len(names1)], strict=True))
         ops2 = dict(zip(names2, values[len(names1):], strict=True))
-        first, second = ctx.first, ctx.second
         needs = ctx.needs_input_grad
-        needs1 = needs[6:6 + len(names1)]
-        needs2 = needs[6 + len(names1):]
+        dx, dw1, dw2, grads_ops1, grads_ops2 = mlp_backward(
+            ctx.pair, x, w1, w2, h, tuple(saved1), tuple(saved2), ops1, ops2, grad_outputs,
+            needs[1:4], needs[6:6 + len(names1)], needs[6 + len(names1):])
+        return (None, dx, dw1, dw2, None, None, *grads_ops1, *grads_ops2)
 
-        lead = tuple(x.shape[:-1])
-        x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
-        # 1. The second layer's dZ and operand gradients.
-        flat2 = [_flat(ops2[n], lead) for n in names2]
-        grads2 = dict(zip(second.output_names, grad_outputs, strict=True))
-        dz2, d_ops2 = epilogue_gradients(second.backward_graph(), h2, w2.t(), names2, flat2, grads2,
-                                         acc=_joined(saved2))
-        # 2. Its weight's gradient (and dZ2 @ W2 below, fused or not).
-        dw2 = weight_gradient(dz2, h2, w2) if needs[3] else None
-        # 3. The first layer's dZ.
-        flat1 = [_flat(ops1[n], lead) for n in names1]
-        low = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w1.dtype == w2.dtype
-        fused = None
-        if low and not any(needs1):
-            fused = ctx.pair.dz_kernel(first, dz2, w2, x2, w1, dict(zip(names1, flat1, strict=True)))
-        d_ops1: list[torch.Tensor | None] = [None] * len(names1)
-        if fused is not None:
-            kernel, epilogue = fused
-            dz1 = _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, dict(zip(names1, flat1, strict=True)))
-        else:
-            dh, _ = input_gradients(dz2, h2, w2.t(), need_a=True, need_b=False)
-            (out_name,) = first.output_names
-            dz1, d_ops1 = epilogue_gradients(first.backward_graph(), x2, w1.t(), names1, flat1,
-                                             {out_name: dh}, acc=_joined(saved1))
-        # 4. The input's and the first weight's gradients.
-        dx, _ = input_gradients(dz1, x2, w1.t(), need_a=needs[1], need_b=False)
-        dw1 = weight_gradient(dz1, x2, w1) if needs[2] else None
-        grads_ops1 = [_shaped(d, ops1[n]) if need else None
-                      for d, n, need in zip(d_ops1, names1, needs1, strict=True)]
-        grads_ops2 = [_shaped(d, ops2[n]) if need else None
-                      for d, n, need in zip(d_ops2, names2, needs2, strict=True)]
-        return (None, None if dx is None else dx.reshape(x.shape), dw1, dw2, None, None,
-                *grads_ops1, *grads_ops2)
+
+def mlp_forward(pair, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ops1: dict[str, Any],
+                ops2: dict[str, Any]):
+    """(the second layer's outputs in its output order, the first layer's output ``h``, what each
+    layer's backward reads: its accumulator or nothing)."""
+    first = pair.first_linear(x, ops1)
+    (h,), saved1 = _run_saving(first, x, w1, ops1)
+    second = pair.second_linear(h, ops2)
+    outputs, saved2 = _run_saving(second, h, w2, ops2)
+    return outputs, h, saved1, saved2
+
+
+def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2: dict[str, Any],
+                 grad_outputs, need_weights: tuple[bool, bool, bool], needs1, needs2):
+    """(dx, dw1, dw2, [gradients of ops1], [gradients of ops2]) from the second layer's outputs'
+    gradients (steps 1 to 4 of the module's docstring); ``need_weights``: whether x, w1 and w2 need
+    theirs, ``needs1`` and ``needs2`` the same per operand (None where not needed)."""
+    names1, names2 = tuple(ops1), tuple(ops2)
+    first, second = pair.first_linear(x, ops1), pair.second_linear(h, ops2)
+    need_x, need_w1, need_w2 = need_weights
+    lead = tuple(x.shape[:-1])
+    x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
+    # 1. The second layer's dZ and operand gradients.
+    flat2 = [_flat(ops2[n], lead) for n in names2]
+    grads2 = dict(zip(second.output_names, grad_outputs, strict=True))
+    dz2, d_ops2 = epilogue_gradients(second.backward_graph(), h2, w2.t(), names2, flat2, grads2,
+                                     acc=_joined(saved2))
+    # 2. Its weight's gradient (and dZ2 @ W2 below, fused or not).
+    dw2 = weight_gradient(dz2, h2, w2) if need_w2 else None
+    # 3. The first layer's dZ.
+    flat1 = [_flat(ops1[n], lead) for n in names1]
+    low = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w1.dtype == w2.dtype
+    fused = None
+    if low and not any(needs1):
+        fused = pair.dz_kernel(first, dz2, w2, x2, w1, dict(zip(names1, flat1, strict=True)))
+    d_ops1: list[torch.Tensor | None] = [None] * len(names1)
+    if fused is not None:
+        kernel, epilogue = fused
+        dz1 = _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, dict(zip(names1, flat1, strict=True)))
+    else:
+        dh, _ = input_gradients(dz2, h2, w2.t(), need_a=True, need_b=False)
+        (out_name,) = first.output_names
+        dz1, d_ops1 = epilogue_gradients(first.backward_graph(), x2, w1.t(), names1, flat1,
+                                         {out_name: dh}, acc=_joined(saved1))
+    # 4. The input's and the first weight's gradients.
+    dx, _ = input_gradients(dz1, x2, w1.t(), need_a=need_x, need_b=False)
+    dw1 = weight_gradient(dz1, x2, w1) if need_w1 else None
+    grads_ops1 = [_shaped(d, ops1[n]) if need else None
+                  for d, n, need in zip(d_ops1, names1, needs1, strict=True)]
+    grads_ops2 = [_shaped(d, ops2[n]) if need else None
+                  for d, n, need in zip(d_ops2, names2, needs2, strict=True)]
+    return None if dx is None else dx.reshape(x.shape), dw1, dw2, grads_ops1, grads_ops2
 
 
 def _run_saving(lin: Linear, x, weight, operands):
@@ -169,4 +189,4 @@ def _shaped(grad: torch.Tensor | None, value: Any) -> torch.Tensor | None:
     return None if grad is None else grad.reshape(value.shape)
 
 
-__all__ = ["MLPFunction"]
+__all__ = ["MLPFunction", "mlp_backward", "mlp_forward"]

@@ -141,6 +141,8 @@ class MLP(nn.Module):
         self._options = options
         self._dz: dict[tuple, Any] = {}
         self._second = None
+        # Custom operators for torch.compile, by call signature (evtc.mlp_op).
+        self._operators: dict[tuple, Any] = {}
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
         ops1 = {"bias": self.up.bias} if self.up.bias is not None else {}
@@ -150,13 +152,38 @@ class MLP(nn.Module):
                                                 for t in tensors)):
             h = self.up(x)
             return self.down(h, **operands)
-        from evtc.mlp_autograd import MLPFunction
-
         names1, names2 = tuple(ops1), tuple(ops2)
-        outputs = MLPFunction.apply(self, x, self.up.weight, self.down.weight, names1, names2,
-                                    *ops1.values(), *ops2.values())
-        second = self._second  # the one MLPFunction.forward just ran
+        values = (*ops1.values(), *ops2.values())
+        if torch.compiler.is_compiling():
+            # One custom operator for the forward and one for the backward (evtc.mlp_op), which the
+            # first eager call of this signature registered: dynamo cannot trace MLPFunction's
+            # kernel launches, and the operators keep its fused backward.
+            from evtc.mlp_op import signature, unregistered
+
+            operator = self._operators.get(signature(x, ops1, ops2))
+            if operator is None:
+                raise unregistered("evtc.nn.MLP")
+            outputs = operator(x, self.up.weight, self.down.weight, values)
+            second = operator.second
+        else:
+            from evtc.mlp_autograd import MLPFunction
+
+            outputs = MLPFunction.apply(self, x, self.up.weight, self.down.weight, names1, names2, *values)
+            second = self._second  # the one MLPFunction.forward just ran
         return second.kernel.plan.structure.build(dict(zip(second.output_names, outputs, strict=True)))
+
+    def note_eager_forward(self, x: torch.Tensor, names1: tuple[str, ...], names2: tuple[str, ...],
+                           values: tuple, outputs: tuple, h: torch.Tensor, saved1: tuple,
+                           saved2: tuple) -> None:
+        """Register the custom operators that run this call's signature under torch.compile
+        (:mod:`evtc.mlp_op`), from what its eager forward returned; once per signature."""
+        from evtc.mlp_op import MLPOperator, signature
+
+        ops1 = dict(zip(names1, values[:len(names1)], strict=True))
+        ops2 = dict(zip(names2, values[len(names1):], strict=True))
+        key = signature(x, ops1, ops2)
+        if key not in self._operators:
+            self._operators[key] = MLPOperator(self, names1, names2, values, x, outputs, h, saved1, saved2)
 
     # -- what MLPFunction asks of the block -------------------------------------------------------
     def first_linear(self, x: torch.Tensor, operands: dict[str, Any]):

@@ -200,7 +200,7 @@ def test_layers_under_torch_compile_fullgraph(monkeypatch):
     """FusedLinear layers in one torch.compile(fullgraph=True) graph, after an eager call has built
     their kernels: each runs as its kernel's custom operator (the twin that also stores the
     accumulator, or its gate and up halves), the gradients match torch.autograd, and no backward
-    recomputes an accumulator. (evtc.nn.MLP breaks the graph instead: see docs/training.md.)"""
+    recomputes an accumulator. (evtc.nn.MLP: the next test.)"""
     import evtc.ir.interpreter as interpreter
 
     torch.manual_seed(0)
@@ -229,6 +229,44 @@ def test_layers_under_torch_compile_fullgraph(monkeypatch):
     for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
                           torch.autograd.grad(want, params), strict=True):
         _close(a, b, name)
+
+
+def _residual_scaled(acc, residual, alpha: float):
+    return acc * alpha + residual, acc.sum(-1)
+
+
+def test_mlp_block_under_torch_compile_fullgraph():
+    """evtc.nn.MLP in one torch.compile(fullgraph=True) graph after an eager call: its forward and
+    backward run as the block's two custom operators (evtc.mlp_op), and the outputs (a tile and a
+    per-row sum, with x's leading dims) and every gradient match torch.autograd. A signature no eager
+    call registered is a clear error, not a graph break."""
+    torch.manual_seed(0)
+    block = evtc.nn.MLP(32, 24, swiglu, _residual_scaled)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    residual = torch.randn(2, 7, 32, requires_grad=True)
+
+    def loss(x, residual):
+        y, rows = block(x, residual=residual, alpha=0.5)
+        return y.square().mean() + rows.mean(), y.shape, rows.shape
+
+    loss(x, residual)[0].backward()  # eager: builds the kernels and registers the operators
+    assert len(block._operators) == 1
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    value, y_shape, rows_shape = compiled(x, residual)
+    assert (y_shape, rows_shape) == ((2, 7, 32), (2, 7))
+    params = [x, residual, block.up.weight, block.down.weight]
+    mine = torch.autograd.grad(value, params)
+    xr, rr, w1, w2 = (p.detach().double().requires_grad_() for p in params)
+    h = swiglu(xr @ w1.t())
+    acc = h @ w2.t()
+    want = (acc * 0.5 + rr).square().mean() + acc.sum(-1).mean()
+    for name, a, b in zip(["x", "residual", "up.weight", "down.weight"], mine,
+                          torch.autograd.grad(want, [xr, rr, w1, w2]), strict=True):
+        _close(a, b, name)
+    assert abs(value.item() - want.item()) <= 1e-4 * abs(want.item())
+
+    with pytest.raises(Exception, match="call the block once eagerly"):  # noqa: B017 - dynamo's error
+        torch.compile(loss, backend="aot_eager", fullgraph=True)(x[0], residual[0])
 
 
 def _rows_max(acc, bias):

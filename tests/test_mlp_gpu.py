@@ -124,3 +124,50 @@ def test_block_under_torch_compile_matches_autograd():
     theirs = torch.autograd.grad(want, ref, dy.float())
     for name, a, b in zip(["x", "norm", "up.weight", "down.weight"], mine, theirs, strict=True):
         assert _norm_error(a, b) < 2e-2, f"{name}: {_norm_error(a, b):.3g}"
+
+
+def test_block_in_one_fullgraph_compile_keeps_the_fused_backward():
+    """After an eager call, a Llama-style block compiles with fullgraph=True: evtc.nn.MLP runs as its
+    forward and backward operators (evtc.mlp_op), no graph break, and its backward still computes
+    the first layer's dZ in the epilogue of dZ2 @ W2 (counted: the fused kernel runs on every
+    compiled step). Outputs and gradients match float32 autograd."""
+    torch.manual_seed(0)
+    hidden, inter = 128, 96
+    block = evtc.nn.MLP(hidden, inter, swiglu, add_residual, device="cuda", dtype=torch.bfloat16)
+    norm = torch.nn.Parameter(torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5)
+
+    def layer(x):
+        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
+        return block((x.float() * rstd).to(x.dtype) * norm, residual=x)
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(4, 50, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(4, 50, hidden, device="cuda", generator=g).bfloat16()
+    params = [x, norm, block.up.weight, block.down.weight]
+    torch.autograd.grad(layer(x), params, dy)  # eager: kernels built, operators registered
+    (fused,) = _fused_kernels(block)
+    runs = []
+    original = fused[0].__class__.__call__
+
+    def counting(self, *args, **kwargs):
+        if self is fused[0]:
+            runs.append(1)
+        return original(self, *args, **kwargs)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    try:
+        fused[0].__class__.__call__ = counting
+        for _ in range(2):
+            y = compiled(x)
+            mine = torch.autograd.grad(y, params, dy)
+    finally:
+        fused[0].__class__.__call__ = original
+    assert len(runs) == 2, runs
+    ref = [p.detach().float().requires_grad_() for p in params]
+    xr, nr, w1, w2 = ref
+    h = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * nr
+    want = swiglu(h @ w1.t()) @ w2.t() + xr
+    assert y.shape == (4, 50, hidden) and _norm_error(y, want) < 2e-2
+    theirs = torch.autograd.grad(want, ref, dy.float())
+    for name, a, b in zip(["x", "norm", "up.weight", "down.weight"], mine, theirs, strict=True):
+        assert _norm_error(a, b) < 2e-2, f"{name}: {_norm_error(a, b):.3g}"

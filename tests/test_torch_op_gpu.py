@@ -108,3 +108,30 @@ def test_linear_matches_functional_linear(tmp_path):
     flat = lin(x[0], weight, bias=bias, residual=residual[0])
     torch.cuda.synchronize()
     assert rel_err(flat, ref[0]) <= TOL
+
+
+def stats(acc, C):
+    y = acc + C
+    return y, y.sum(-1), y.amax(-1), y.abs().amax(), C
+
+
+def test_operator_outputs_never_share_storage(tmp_path):
+    """Reductions the kernel finishes come from one allocation, and the torch path may hand back an
+    operand as it is; as a custom operator's outputs they are fresh tensors (the compiler may reuse
+    or update one buffer while another view of it lives), and inductor's graph gets every value."""
+    x = inputs(300, 256, 64, seed=3)
+    k = evtc.compile(stats, {"a": x["a"], "b": x["b"], "C": x["C"]}, cache_dir=tmp_path)
+    outs = k.op(x["a"], x["b"], x["C"])
+    ptrs = [t.untyped_storage().data_ptr() for t in outs]
+    assert len(set(ptrs)) == len(ptrs) and x["C"].untyped_storage().data_ptr() not in ptrs
+    ref = evtc.reference(stats, {"a": x["a"], "b": x["b"], "C": x["C"]})
+
+    @torch.compile(fullgraph=True)
+    def f(a, b, C):
+        y, rows, peak, top, c = k(a, b, C=C)
+        return y * 2, rows + 1, peak - 1, top * 3, c + 1
+
+    got = f(x["a"], x["b"], x["C"])
+    want = (ref[0] * 2, ref[1] + 1, ref[2] - 1, ref[3] * 3, ref[4] + 1)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < TOL

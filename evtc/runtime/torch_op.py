@@ -25,6 +25,26 @@ _OPS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
+def distinct_outputs(outs, inputs=()) -> list:
+    """``outs`` with each tensor that shares storage with one of ``inputs`` or an earlier output
+    replaced by a copy (None passes). An operator's outputs must be fresh tensors: the compiler may
+    reuse or update the buffer of one in place while another view of it lives. Reductions the
+    kernel finished come from one allocation; the torch path may return an operand as it is; a
+    residual's gradient is the incoming gradient itself."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()}
+    fresh = []
+    for t in outs:
+        if isinstance(t, torch.Tensor) and t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+        fresh.append(t)
+    return fresh
+
+
 def op_name(kernel: Kernel) -> str:
     """``<epilogue>_<key prefix>``, with suffixes for kernels that choose their cluster per call, that
     autotune, and for call interfaces (strict, unused parameters): kernels that share compiled code
@@ -63,7 +83,8 @@ def register(kernel: Kernel):
             if scaled:
                 (a_scales, b_scales, *operands) = operands
                 a, b = (a, a_scales), (b, b_scales)
-            outs = kernel.run(a, b, dict(zip(names, operands, strict=True)))
+            outs = distinct_outputs(kernel.run(a, b, dict(zip(names, operands, strict=True))),
+                                    (a, b, *operands))
             return outs[0] if single else tuple(outs)
 
         def fake(a, b, *operands):
