@@ -106,3 +106,59 @@ def test_gated_operator_is_differentiable(fn):
     want = torch.autograd.grad(fn(a @ b, **ops), inputs, dy)
     for name, got, ref in zip(["a", "b", *ops], mine, want, strict=True):
         _close(got, ref, name)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_transposed_weight_gets_a_contiguous_gradient(batched):
+    """b passed as w.t() (an nn.Linear weight, K-major): the operator's backward makes b's gradient
+    in that layout, so w's gradient is contiguous as it comes out of the backward (no copy into
+    .grad per step) and equal to autograd's."""
+    g = torch.Generator().manual_seed(1)
+    lead = (3,) if batched else ()
+    x = torch.randn(*lead, 10, 16, generator=g).requires_grad_()
+    w = torch.randn(*lead, 24, 16, generator=g).requires_grad_()
+    bias = torch.randn(24, generator=g)
+    k = evtc.compile(bias_gelu, {"a": x, "b": w.transpose(-1, -2), "bias": bias})
+    for run in (lambda x, w: k(x, w.transpose(-1, -2), bias=bias),
+                torch.compile(lambda x, w: k(x, w.transpose(-1, -2), bias=bias), backend="aot_eager",
+                              fullgraph=True)):
+        dx, dw = torch.autograd.grad(run(x, w).square().sum(), [x, w])
+        assert dw.is_contiguous() and dx.is_contiguous()
+        xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        F.gelu(xr @ wr.transpose(-1, -2) + bias.double()).square().sum().backward()
+        _close(dw.double(), wr.grad, "w")
+        _close(dx.double(), xr.grad, "x")
+
+
+def gelu_row_mean_scaled(acc, bias):
+    y = F.gelu(acc + bias) * (4.0 / acc.shape[-1])
+    return y, y.mean(-1)
+
+
+@pytest.mark.parametrize("fn", [gelu_row_mean_scaled, swiglu_bias_scaled])
+def test_backward_under_dynamic_shapes(fn):
+    """torch.compile with dynamic shapes (dynamic=True, or what it switches to when sizes change)
+    traces the backward at symbolic sizes: shapes such as N/2 (gated) and literals such as the
+    1/N of a mean are computed from SymInts, not by sympy. Gradients at two sizes against
+    torch.autograd."""
+    g = torch.Generator().manual_seed(4)
+    b = torch.randn(16, 32, generator=g, requires_grad=True)
+    bias = torch.randn(32, generator=g).requires_grad_()
+    extra = {} if fn is gelu_row_mean_scaled else {"scale": None}
+    k = evtc.compile(fn, {"a": torch.randn(8, 16), "b": b, "bias": bias,
+                          **({"scale": torch.rand(8, 1) + 0.5} if extra else {})})
+    compiled = torch.compile(lambda a, b, ops: k(a, b, **ops), backend="aot_eager", fullgraph=True,
+                             dynamic=True)
+    for m in (8, 13):
+        a = torch.randn(m, 16, generator=g, requires_grad=True)
+        ops = {"bias": bias, **({"scale": (torch.rand(m, 1, generator=g) + 0.5).requires_grad_()}
+                                if extra else {})}
+        inputs = [a, b, *ops.values()]
+        ys = compiled(a, b, ops)
+        ys = ys if isinstance(ys, tuple) else (ys,)
+        dys = [torch.randn(y.shape, generator=g) for y in ys]
+        mine = torch.autograd.grad(ys, inputs, dys)
+        theirs = fn(a @ b, **ops)
+        want = torch.autograd.grad(theirs if isinstance(theirs, tuple) else (theirs,), inputs, dys)
+        for name, got, ref in zip(["a", "b", *ops], mine, want, strict=True):
+            _close(got, ref, f"{name} at M={m}")

@@ -16,7 +16,7 @@ from .block_scales import dequantized, is_pair, scale_problem, split_inputs
 from .dtypes import COMPUTE_DTYPE, round_to
 from .graph import Graph, Node
 from .ops import ELEMENTWISE, REDUCE_FUNCS
-from .shapes import L, M, N, evaluate_shape
+from .shapes import L, M, N, evaluate_shape, evaluate_value
 
 
 def accumulator(a: Any, b: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -102,7 +102,7 @@ def _evaluate_node(
     if op == "arg":
         return torch.full((), float(inputs[node.attrs["name"]]), dtype=compute_dtype, device=acc.device)
     if op == "literal":
-        value = float(sympy.sympify(node.attrs["value"]).subs(sizes))
+        value = evaluate_value(node.attrs["value"], sizes)
         return torch.full((), value, dtype=compute_dtype, device=acc.device)
     if op == "cast":
         return _cast(args[0], node.dtype, compute_dtype)

@@ -8,6 +8,7 @@ rejected even when the example happens to have M == N (torch would silently broa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sympy
 
@@ -53,5 +54,46 @@ def format_shape(shape: Shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def evaluate_shape(shape: Shape, sizes: dict[sympy.Symbol, int]) -> tuple[int, ...]:
-    return tuple(int(sympy.sympify(d).subs(sizes)) for d in shape)
+def evaluate_shape(shape: Shape, sizes: dict[sympy.Symbol, Any]) -> tuple[Any, ...]:
+    """``shape`` at ``sizes``: ints, or torch SymInts where the sizes are symbolic (a backward
+    traced by torch.compile with dynamic shapes), which sympy cannot substitute: their dims are
+    then computed with Python arithmetic (exact: a dim such as N/2 by floor division)."""
+    if all(type(v) is int for v in sizes.values()):
+        return tuple(int(sympy.sympify(d).subs(sizes)) for d in shape)
+    dims = []
+    for d in shape:
+        numerator, denominator = sympy.fraction(sympy.together(sympy.sympify(d)))
+        value = _arithmetic(numerator, sizes)
+        dims.append(value if denominator == 1 else value // int(denominator))
+    return tuple(dims)
+
+
+def evaluate_value(expr: Any, sizes: dict[sympy.Symbol, Any]) -> Any:
+    """A literal of the sizes (``1/N`` of a mean) at ``sizes``: a float, or a torch SymFloat where
+    the sizes are symbolic (see :func:`evaluate_shape`)."""
+    expr = sympy.sympify(expr)
+    if all(type(v) is int for v in sizes.values()):
+        return float(expr.subs(sizes))
+    return _arithmetic(expr, sizes)
+
+
+def _arithmetic(expr: sympy.Expr, sizes: dict[sympy.Symbol, Any]) -> Any:
+    """``expr`` (sums, products and integer powers of the size symbols) with Python arithmetic."""
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Rational:
+        return int(expr.p) / int(expr.q)
+    if expr.is_Float:
+        return float(expr)
+    if expr.is_Symbol:
+        return sizes[expr]
+    if expr.is_Add or expr.is_Mul:
+        parts = [_arithmetic(a, sizes) for a in expr.args]
+        value = parts[0]
+        for part in parts[1:]:
+            value = value + part if expr.is_Add else value * part
+        return value
+    if expr.is_Pow and expr.exp.is_Integer:
+        base, power = _arithmetic(expr.base, sizes), int(expr.exp)
+        return base ** power if power >= 0 else 1 / base ** -power
+    raise ValueError(f"cannot evaluate {expr} at symbolic sizes")

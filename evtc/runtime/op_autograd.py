@@ -46,18 +46,24 @@ def input_gradients(d_acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, ne
                     need_b: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(d_acc @ b^T, a^T @ d_acc)``, the gradients of ``a`` and ``b`` in ``acc = a @ b`` (None
     where not needed): 16-bit GEMMs for 16-bit inputs on the GPU (``d_acc`` in their dtype, from
-    :func:`epilogue_gradients`), float32 ones otherwise; summed over batches ``a`` or ``b`` shares."""
+    :func:`epilogue_gradients`), float32 ones otherwise; summed over batches ``a`` or ``b`` shares.
+
+    A K-major ``b`` (an ``nn.Linear`` weight passed as ``w.t()``) gets its gradient in its own
+    layout, ``(d_acc^T @ a)^T``: the transpose's backward then hands the weight a contiguous
+    gradient, where ``a^T @ d_acc`` would reach it strided and cost a copy (or a strided add into
+    ``.grad``) on every step, as :func:`weight_gradient` explains."""
     da = db = None
-    if _low_precision(a, b):
-        if need_a:
-            da = d_acc @ b.transpose(-1, -2)
-        if need_b:
-            db = a.transpose(-1, -2) @ d_acc
-    else:
-        if need_a:
-            da = (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
-        if need_b:
-            db = (a.to(torch.float32).transpose(-1, -2) @ d_acc).to(b.dtype)
+    low = _low_precision(a, b)
+    if need_a:
+        da = d_acc @ b.transpose(-1, -2) if low else \
+            (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
+    if need_b:
+        wide_a = a if low else a.to(torch.float32)
+        if b.dim() >= 2 and b.stride(-2) == 1 and b.stride(-1) != 1:
+            db = (d_acc.transpose(-1, -2) @ wide_a).transpose(-1, -2)
+        else:
+            db = wide_a.transpose(-1, -2) @ d_acc
+        db = db if low else db.to(b.dtype)
     if da is not None and da.shape != a.shape:  # a shared by all batches
         da = da.sum_to_size(a.shape)
     if db is not None and db.shape != b.shape:
