@@ -200,3 +200,29 @@ def test_fused_linears_in_one_fullgraph_compile():
     for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
                           torch.autograd.grad(want, ref, dy.float()), strict=True):
         _norm_close(a, b, name)
+
+
+def test_fused_linears_under_dynamic_shapes():
+    """The same layers compiled with dynamic=True (what torch.compile turns on when the token count
+    changes between calls): forward and backward traced at a symbolic M run the twins' operators at
+    three token counts, with gradients that match float32 autograd at each."""
+    torch.manual_seed(0)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    first = evtc.nn.FusedLinear(128, 192, bias_gelu, **kw)
+    gated = evtc.nn.FusedLinear(192, 256, swiglu, bias=False, **kw)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    params = [first.weight, first.bias, gated.weight]
+    warm = torch.randn(64, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+    gated(first(warm)).sum().backward()  # eager: builds the kernels and the twins
+    compiled = torch.compile(lambda x: gated(first(x)), fullgraph=True, dynamic=True)
+    for m in (300, 77, 1024):
+        x = torch.randn(m, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+        dy = torch.randn(m, 128, device="cuda", generator=g).bfloat16()
+        y = compiled(x)
+        mine = torch.autograd.grad(y, [x, *params], dy)
+        ref = [p.detach().float().requires_grad_() for p in (x, *params)]
+        want = swiglu(F.gelu(ref[0] @ ref[1].t() + ref[2]) @ ref[3].t())
+        _norm_close(y, want, f"forward at M={m}")
+        for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
+                              torch.autograd.grad(want, ref, dy.float()), strict=True):
+            _norm_close(a, b, f"{name} at M={m}")
