@@ -38,8 +38,8 @@ class MLPFunction(torch.autograd.Function):
     """``MLPFunction.apply(pair, x, w1, w2, names1, names2, *values)``: the second layer's outputs
     (a tuple in its output order) of ``second(first(x, w1, **operands1), w2, **operands2)``.
 
-    ``pair`` (an :class:`evtc.nn.MLP`) provides ``first_linear(x, ops1)`` and
-    ``second_linear(h, ops2)``, the two :class:`evtc.Linear`, and ``dz_kernel(first, dz2, w2, x2, w1,
+    ``pair`` (an :class:`evtc.nn.MLP`) provides ``first_linear(x, ops1, w1)`` and
+    ``second_linear(h, ops2, w2)``, the two :class:`evtc.Linear`, and ``dz_kernel(first, dz2, w2, x2, w1,
     ops1)``, the fused kernel of step 3 and its epilogue, or None. Under ``torch.compile`` the same
     forward and backward run as custom operators instead (:mod:`evtc.mlp_op`).
     """
@@ -83,9 +83,9 @@ def mlp_forward(pair, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ops1:
                 ops2: dict[str, Any]):
     """(the second layer's outputs in its output order, the first layer's output ``h``, what each
     layer's backward reads: its accumulator or nothing)."""
-    first = pair.first_linear(x, ops1)
+    first = pair.first_linear(x, ops1, w1)
     (h,), saved1 = _run_saving(first, x, w1, ops1)
-    second = pair.second_linear(h, ops2)
+    second = pair.second_linear(h, ops2, w2)
     outputs, saved2 = _run_saving(second, h, w2, ops2)
     return outputs, h, saved1, saved2
 
@@ -96,7 +96,7 @@ def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2:
     gradients (steps 1 to 4 of the module's docstring); ``need_weights``: whether x, w1 and w2 need
     theirs, ``needs1`` and ``needs2`` the same per operand (None where not needed)."""
     names1, names2 = tuple(ops1), tuple(ops2)
-    first, second = pair.first_linear(x, ops1), pair.second_linear(h, ops2)
+    first, second = pair.first_linear(x, ops1, w1), pair.second_linear(h, ops2, w2)
     need_x, need_w1, need_w2 = need_weights
     lead = tuple(x.shape[:-1])
     x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])

@@ -28,6 +28,19 @@ from evtc.frontend.epilogue import unwrap
 log = logging.getLogger("evtc")
 
 
+def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
+    """``x`` and ``tensors`` as ``nn.Linear`` takes them under ``torch.autocast``: float32 ones in
+    the autocast dtype of ``x``'s device (the cast is differentiable, so float32 parameters get
+    float32 gradients); unchanged where autocast is off. The epilogue's other operands are not
+    cast, as ``nn.Linear`` never sees them."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+                 for t in (x, *tensors))
+
+
 class FusedLinear(nn.Module):
     """``y = epilogue(x @ weight.t(), bias=bias, **operands)`` in one fused kernel.
 
@@ -71,20 +84,23 @@ class FusedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
-        if self.bias is not None:
-            operands = {"bias": self.bias, **operands}
-        lin = self._linear_for(x, operands)
-        return lin(x, self.weight, **operands)
+        x, weight, bias = _autocast(x, self.weight, self.bias)
+        if bias is not None:
+            operands = {"bias": bias, **operands}
+        lin = self._linear_for(x, operands, weight)
+        return lin(x, weight, **operands)
 
-    def _linear_for(self, x: torch.Tensor, operands: dict[str, Any]):
+    def _linear_for(self, x: torch.Tensor, operands: dict[str, Any], weight: torch.Tensor | None = None):
+        """The Linear for ``x``, ``operands`` and ``weight`` (the parameter, or its autocast copy)."""
         from evtc.linear import linear
 
-        key = (x.dtype, x.device, x.dim(), self.weight.dtype,
+        weight = self.weight if weight is None else weight
+        key = (x.dtype, x.device, x.dim(), weight.dtype,
                tuple((name, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (name, type(v))
                      for name, v in operands.items()))
         lin = self._compiled.get(key)
         if lin is None:
-            example = {"x": x.detach(), "weight": self.weight.detach(),
+            example = {"x": x.detach(), "weight": weight.detach(),
                        **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}}
             lin = self._compiled[key] = linear(self.epilogue, example, **self._options)
         return lin
@@ -145,9 +161,10 @@ class MLP(nn.Module):
         self._operators: dict[tuple, Any] = {}
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
-        ops1 = {"bias": self.up.bias} if self.up.bias is not None else {}
-        ops2 = {"bias": self.down.bias, **operands} if self.down.bias is not None else dict(operands)
-        tensors = (x, self.up.weight, self.down.weight, *ops1.values(), *ops2.values())
+        x, w1, w2, b1, b2 = _autocast(x, self.up.weight, self.down.weight, self.up.bias, self.down.bias)
+        ops1 = {"bias": b1} if b1 is not None else {}
+        ops2 = {"bias": b2, **operands} if b2 is not None else dict(operands)
+        tensors = (x, w1, w2, *ops1.values(), *ops2.values())
         if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                 for t in tensors)):
             h = self.up(x)
@@ -163,12 +180,12 @@ class MLP(nn.Module):
             operator = self._operators.get(signature(x, ops1, ops2))
             if operator is None:
                 raise unregistered("evtc.nn.MLP")
-            outputs = operator(x, self.up.weight, self.down.weight, values)
+            outputs = operator(x, w1, w2, values)
             second = operator.second
         else:
             from evtc.mlp_autograd import MLPFunction
 
-            outputs = MLPFunction.apply(self, x, self.up.weight, self.down.weight, names1, names2, *values)
+            outputs = MLPFunction.apply(self, x, w1, w2, names1, names2, *values)
             second = self._second  # the one MLPFunction.forward just ran
         return second.kernel.plan.structure.build(dict(zip(second.output_names, outputs, strict=True)))
 
@@ -186,17 +203,17 @@ class MLP(nn.Module):
             self._operators[key] = MLPOperator(self, names1, names2, values, x, outputs, h, saved1, saved2)
 
     # -- what MLPFunction asks of the block -------------------------------------------------------
-    def first_linear(self, x: torch.Tensor, operands: dict[str, Any]):
+    def first_linear(self, x: torch.Tensor, operands: dict[str, Any], weight: torch.Tensor | None = None):
         """The first layer's :class:`evtc.Linear` for ``x`` and ``operands``; it must have one output."""
-        lin = self.up._linear_for(x, operands)
+        lin = self.up._linear_for(x, operands, weight)
         if len(lin.output_names) != 1:
             raise CallError(f"evtc.nn.MLP: the activation must return one tensor, the second layer's input; "
                             f"it returns {len(lin.output_names)} ({', '.join(lin.output_names)})")
         return lin
 
-    def second_linear(self, h: torch.Tensor, operands: dict[str, Any]):
+    def second_linear(self, h: torch.Tensor, operands: dict[str, Any], weight: torch.Tensor | None = None):
         """The second layer's :class:`evtc.Linear` for its input ``h``."""
-        lin = self._second = self.down._linear_for(h, operands)
+        lin = self._second = self.down._linear_for(h, operands, weight)
         return lin
 
     def dz_kernel(self, first, dz2: torch.Tensor, w2: torch.Tensor, x2: torch.Tensor, w1: torch.Tensor,

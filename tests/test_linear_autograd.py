@@ -330,3 +330,40 @@ def test_leading_dims_that_flatten_exactly_are_accepted():
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape, (shape, a.shape, b.shape)
             _close(a, b, str(shape))
+
+
+def test_modules_follow_autocast():
+    """Under torch.autocast, FusedLinear and MLP take float32 parameters and inputs as nn.Linear
+    does: in the autocast dtype (bfloat16 here), through differentiable casts, so the outputs are
+    bfloat16 and the parameters get float32 gradients, equal to nn.Linear's under the same
+    autocast up to rounding. Outside autocast they stay float32."""
+    torch.manual_seed(0)
+    layer = evtc.nn.FusedLinear(32, 48, bias_gelu)
+    reference = torch.nn.Linear(32, 48)
+    with torch.no_grad():
+        reference.weight.copy_(layer.weight)
+        reference.bias.copy_(layer.bias)
+    x = torch.randn(5, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        want = F.gelu(reference(x))
+    assert y.dtype == want.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32  # the parameters are not converted
+    dy = torch.randn(y.shape)
+    mine = torch.autograd.grad(y, [x, layer.weight, layer.bias], dy.bfloat16())
+    theirs = torch.autograd.grad(want, [x, reference.weight, reference.bias], dy.bfloat16())
+    for name, a, b in zip(["x", "weight", "bias"], mine, theirs, strict=True):
+        assert a.dtype == torch.float32, name
+        assert ((a - b).norm() / b.norm()).item() < 2e-2, name
+    assert layer(x).dtype == torch.float32  # autocast off again
+
+    block = evtc.nn.MLP(32, 24, swiglu, _residual_scaled)
+    residual = torch.randn(5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, rows = block(x, residual=residual, alpha=0.5)
+    assert out.dtype == torch.bfloat16 and block.up.weight.dtype == torch.float32
+    (out.float().square().mean() + rows.float().mean()).backward()
+    assert block.up.weight.grad.dtype == torch.float32 and block.down.weight.grad is not None
+    h = swiglu(x.detach().bfloat16().float() @ block.up.weight.detach().bfloat16().float().t())
+    acc = h.bfloat16().float() @ block.down.weight.detach().bfloat16().float().t()
+    assert ((out.float() - (acc * 0.5 + residual)).norm() / (acc * 0.5 + residual).norm()).item() < 2e-2

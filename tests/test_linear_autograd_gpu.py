@@ -226,3 +226,39 @@ def test_fused_linears_under_dynamic_shapes():
         for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,
                               torch.autograd.grad(want, ref, dy.float()), strict=True):
             _norm_close(a, b, f"{name} at M={m}")
+
+
+def test_float32_modules_under_autocast_run_the_bf16_kernels():
+    """Mixed-precision training: float32 FusedLinear and MLP parameters under
+    torch.autocast("cuda", bfloat16) run evtc's bf16 kernels (not the float32 torch path), and
+    their float32 gradients match nn.Linear's under the same autocast."""
+    torch.manual_seed(0)
+    layer = evtc.nn.FusedLinear(128, 192, bias_gelu, device="cuda")
+    reference = torch.nn.Linear(128, 192, device="cuda")
+    with torch.no_grad():
+        reference.weight.copy_(layer.weight)
+        reference.bias.copy_(layer.bias)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    x = torch.randn(300, 128, device="cuda", generator=g, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+        want = F.gelu(reference(x))
+    (lin,) = layer._compiled.values()
+    assert y.dtype == torch.bfloat16 and lin.kernel.last_path == "kernel"
+    dy = torch.randn(y.shape, device="cuda", generator=g).bfloat16()
+    mine = torch.autograd.grad(y, [x, layer.weight, layer.bias], dy)
+    theirs = torch.autograd.grad(want, [x, reference.weight, reference.bias], dy)
+    for name, a, b in zip(["x", "weight", "bias"], mine, theirs, strict=True):
+        assert a.dtype == torch.float32
+        _norm_close(a, b, name)
+
+    block = evtc.nn.MLP(128, 96, swiglu, _add_residual, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = block(x, residual=x)
+    assert out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    assert block.up.weight.grad.dtype == torch.float32
+    kernels = [k for part in (block.up, block.down) for lin in part._compiled.values()
+               for k in (lin.kernel, lin._saving) if isinstance(k, evtc.Kernel)]
+    assert kernels and all(k.last_path in ("kernel", "") for k in kernels)
+    assert any(k.last_path == "kernel" for k in kernels)
