@@ -193,7 +193,7 @@ def test_fused_linears_in_one_fullgraph_compile():
     compiled = torch.compile(lambda x: gated(first(x)), fullgraph=True)
     y = compiled(x)
     mine = torch.autograd.grad(y, params, dy)
-    assert all(t.last_path == "kernel" for t in twins)
+    assert all(t.last_path == "kernel" for t in twins), [t.last_path for t in twins]
     ref = [p.detach().float().requires_grad_() for p in params]
     want = swiglu(F.gelu(ref[0] @ ref[1].t() + ref[2]) @ ref[3].t())
     _norm_close(y, want, "forward")
@@ -244,7 +244,8 @@ def test_float32_modules_under_autocast_run_the_bf16_kernels():
         y = layer(x)
         want = F.gelu(reference(x))
     (lin,) = layer._compiled.values()
-    assert y.dtype == torch.bfloat16 and lin.kernel.last_path == "kernel"
+    assert lin.kernel.plan.a.dtype == "bfloat16" and isinstance(lin._saving, evtc.Kernel)
+    assert y.dtype == torch.bfloat16 and lin._saving.last_path == "kernel"  # the differentiable call's
     dy = torch.randn(y.shape, device="cuda", generator=g).bfloat16()
     mine = torch.autograd.grad(y, [x, layer.weight, layer.bias], dy)
     theirs = torch.autograd.grad(want, [x, reference.weight, reference.bias], dy)

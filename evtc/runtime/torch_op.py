@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 _LIBRARY = torch.library.Library("evtc", "FRAGMENT")
 _OPS: dict[str, Any] = {}
+# The Kernel object each operator runs (see register).
+_BOUND: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -68,9 +70,15 @@ def schema(kernel: Kernel, name: str) -> str:
 
 
 def register(kernel: Kernel):
-    """Define (once per process) the operator of ``kernel`` and return its OpOverload."""
+    """Define (once per process) the operator of ``kernel`` and return its OpOverload.
+
+    Kernel objects of one name (the same key and call interface: the same compiled code) may be
+    several in a process (an ``evtc.Linear``'s twin is compiled from a new wrapper function each
+    time); the operator runs the one that asked for it last, so that its ``last_path`` and
+    ``saved_accumulators`` are the ones its caller reads."""
     name = op_name(kernel)
     with _LOCK:
+        _BOUND[name] = kernel
         op = _OPS.get(name)
         if op is not None:
             return op
@@ -83,7 +91,7 @@ def register(kernel: Kernel):
             if scaled:
                 (a_scales, b_scales, *operands) = operands
                 a, b = (a, a_scales), (b, b_scales)
-            outs = distinct_outputs(kernel.run(a, b, dict(zip(names, operands, strict=True))),
+            outs = distinct_outputs(_BOUND[name].run(a, b, dict(zip(names, operands, strict=True))),
                                     (a, b, *operands))
             return outs[0] if single else tuple(outs)
 
@@ -110,7 +118,7 @@ def register(kernel: Kernel):
             # sets saved_accumulators after compiling, so it is read here): the backward reads it
             # instead of recomputing a @ b. The operator returns outputs in the kernel's output
             # order (tiles before reductions), so they are found by name.
-            acc_count = kernel.saved_accumulators
+            acc_count = _BOUND[name].saved_accumulators
             a, b, *operands = inputs
             tensors = [t for t in (a, b, *operands) if isinstance(t, torch.Tensor)]
             outs = output if isinstance(output, tuple | list) else (output,)
@@ -133,7 +141,7 @@ def register(kernel: Kernel):
             acc = None
             if saved_acc:  # the gate and up halves side by side, as the accumulator
                 acc = torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]
-            return op_backward(kernel, a, b, operands, grads, acc=acc)
+            return op_backward(_BOUND[name], a, b, operands, grads, acc=acc)
 
         torch.library.register_autograd(f"evtc::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
         op = getattr(torch.ops.evtc, name).default
