@@ -275,8 +275,13 @@ def _placeholders(device, dtypes: list) -> list[torch.Tensor]:
     key = (str(device), tuple(dtypes))
     cached = _PLACEHOLDERS.get(key)
     if cached is None:
-        cached = _PLACEHOLDERS[key] = ([torch.empty(1, dtype=dt, device=device) for dt in dtypes]
-                                       + [torch.zeros(1, dtype=torch.int32, device=device)])
+        def make():
+            return ([torch.empty(1, dtype=dt, device=device) for dt in dtypes]
+                    + [torch.zeros(1, dtype=torch.int32, device=device)])
+        if device.type == "cuda" and stream_buffers.stream_key(device) is None:
+            return make()  # under stream capture: nothing is kept
+        with stream_buffers.kept(device):
+            cached = _PLACEHOLDERS[key] = make()
     return cached
 
 

@@ -6,14 +6,37 @@ of rows or columns, :class:`evtc.sm90.operands.KernelFinish`) resets its own cou
 allocated (zeroed) once per device, stream and pool and reused by every launch on that stream
 (launches on one stream never overlap; launches on two streams get two buffers; split-K and the
 finishes of one launch use two pools). Under CUDA graph capture a fresh zeroed buffer is allocated
-instead, so each replay starts from zero through the captured memset.
+instead, so each replay starts from zero through the captured memset. Kept buffers come from
+evtc's own memory pool (:func:`kept`), never from a pool another component routes allocations to.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 _COUNTERS: dict[tuple[int, int, str], torch.Tensor] = {}
+_POOLS: dict[int, object] = {}
+
+
+@contextlib.contextmanager
+def kept(device: torch.device) -> Iterator[None]:
+    """Allocate buffers that outlive the call (kept here and in evtc.runtime.reductions) from evtc's
+    own memory pool on ``device``. Calls made while another pool takes the thread's allocations
+    (torch.compile's CUDA graph trees warm a graph up so, ``mode="reduce-overhead"``) would
+    otherwise keep a tensor alive in that pool, which the trees refuse ("tensors in the cudagraph
+    pool not tracked as outputs"). Not used under stream capture, where nothing is kept."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "MemPool"):
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _POOLS.get(index)
+    if pool is None:
+        pool = _POOLS[index] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, index):
+        yield
 
 
 def stream_key(device: torch.device) -> tuple[int, int] | None:
@@ -48,7 +71,8 @@ def counters(device: torch.device, numel: int, pool: str = "split_k", stream=_UN
     buffer = _COUNTERS.get(key)
     if buffer is None or buffer.numel() < numel:
         grown = numel if buffer is None else max(numel, 2 * buffer.numel())
-        buffer = _COUNTERS[key] = torch.zeros(grown, dtype=torch.int32, device=device)
+        with kept(device):
+            buffer = _COUNTERS[key] = torch.zeros(grown, dtype=torch.int32, device=device)
     return buffer
 
 
@@ -68,7 +92,8 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
         grown = numel if buffer is None else max(numel, 2 * buffer.numel())
-        buffer = _SCRATCH[key] = torch.empty(grown, dtype=torch.float32, device=device)
+        with kept(device):
+            buffer = _SCRATCH[key] = torch.empty(grown, dtype=torch.float32, device=device)
     return buffer
 
 
@@ -99,4 +124,4 @@ def partials(device: torch.device, numel: int) -> torch.Tensor:
     return torch.empty(max(numel, 4), dtype=torch.float32, device=device)
 
 
-__all__ = ["counters", "partials", "scratch", "scratch_workspaces", "stream_key"]
+__all__ = ["counters", "kept", "partials", "scratch", "scratch_workspaces", "stream_key"]
