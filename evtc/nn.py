@@ -105,6 +105,13 @@ class FusedLinear(nn.Module):
             lin = self._compiled[key] = linear(self.epilogue, example, **self._options)
         return lin
 
+    def __getstate__(self) -> dict[str, Any]:
+        """``copy.deepcopy`` and pickling (``torch.save(model)``) keep the parameters and the
+        options, not the compiled kernels, which hold locks and library handles: a copy compiles
+        on its first call again (a disk-cache hit, milliseconds)."""
+        state = super().__getstate__()
+        return {**state, "_compiled": {}}
+
     def extra_repr(self) -> str:
         name = getattr(unwrap(self.epilogue), "__name__", "fn")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -226,6 +233,12 @@ class MLP(nn.Module):
         if key not in self._dz:
             self._dz[key] = _compile_dz(first, dz2, w2, x2, ops1, self._options)
         return self._dz[key]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As :meth:`FusedLinear.__getstate__`: the fused backward kernels and the torch.compile
+        operators are not copied (a copy registers its own on its first eager call)."""
+        state = super().__getstate__()
+        return {**state, "_dz": {}, "_second": None, "_operators": {}}
 
     def extra_repr(self) -> str:
         return f"gated={self.gated}"

@@ -367,3 +367,34 @@ def test_modules_follow_autocast():
     h = swiglu(x.detach().bfloat16().float() @ block.up.weight.detach().bfloat16().float().t())
     acc = h.bfloat16().float() @ block.down.weight.detach().bfloat16().float().t()
     assert ((out.float() - (acc * 0.5 + residual)).norm() / (acc * 0.5 + residual).norm()).item() < 2e-2
+
+
+def test_used_modules_deepcopy_and_pickle():
+    """copy.deepcopy (an EMA model, say) and torch.save of whole modules after they have compiled
+    kernels: the copies keep the parameters, compile again on their first call, give the same
+    results and train on their own."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    layer = evtc.nn.FusedLinear(32, 48, bias_gelu)
+    block = evtc.nn.MLP(32, 24, swiglu, _residual_scaled)
+    x = torch.randn(4, 32, requires_grad=True)
+    layer(x).sum().backward()
+    block(x, residual=x, alpha=0.5)[0].sum().backward()
+    buffer = io.BytesIO()
+    torch.save(block, buffer)
+    buffer.seek(0)
+    copies = [(layer, copy.deepcopy(layer)), (block, copy.deepcopy(block)),
+              (block, torch.load(buffer, weights_only=False))]
+    for original, twin in copies:
+        assert twin is not original
+        for p, q in zip(original.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+        args = {} if original is layer else {"residual": x, "alpha": 0.5}
+        mine, theirs = twin(x, **args), original(x, **args)
+        mine, theirs = (mine, theirs) if original is layer else (mine[0], theirs[0])
+        assert torch.allclose(mine, theirs)
+        twin.zero_grad(set_to_none=True)
+        mine.sum().backward()
+        assert all(q.grad is not None for q in twin.parameters())
