@@ -194,3 +194,26 @@ def test_block_under_dynamic_shapes():
         theirs = torch.autograd.grad(want, ref, dy.float())
         for name, a, b in zip(["x", "up.weight", "down.weight"], mine, theirs, strict=True):
             assert _norm_error(a, b) < 2e-2, f"{name} at M={m}: {_norm_error(a, b):.3g}"
+
+
+def test_an_expert_with_no_tokens():
+    """An MoE expert that receives no tokens: FusedLinear and MLP forward and backward on 0 rows
+    (and the next call with rows) give empty outputs and zero weight gradients, as nn.Linear does."""
+    torch.manual_seed(0)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    block = evtc.nn.MLP(128, 96, swiglu, add_residual, **kw)
+    layer = evtc.nn.FusedLinear(128, 64, swiglu, bias=False, **kw)
+    for m in (0, 37, 0):
+        x = torch.randn(m, 128, **kw).requires_grad_()
+        y = block(x, residual=x)
+        z = layer(x)
+        assert y.shape == (m, 128) and z.shape == (m, 32)
+        block.zero_grad(set_to_none=True)
+        layer.zero_grad(set_to_none=True)
+        (y.float().sum() + z.float().sum()).backward()
+        grads = [block.up.weight.grad, block.down.weight.grad, layer.weight.grad, x.grad]
+        assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
+        if m == 0:
+            assert all(g.abs().sum().item() == 0 for g in grads[:3])
+        else:
+            assert all(g.abs().sum().item() > 0 for g in grads[:3])
