@@ -86,19 +86,33 @@ def blocks(x: int) -> int:
     return -(-x // 128)
 
 
-def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
-    from shapes import rel_max_error
-
+def block_scaled(m: int, n: int, k: int) -> tuple:
+    """e4m3 a (M, K) and b = w.t() with float32 scales, in the layouts torch's blockwise GEMM takes:
+    a's (M, K/128) M-major, b's (K/128, N/128) K-major; and bf16 copies of a and b."""
     dev = "cuda"
     a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
-    w = (torch.randn(n, k, device=dev) * 2).to(E4M3)
-    b = w.t()
-    # The layouts torch's blockwise GEMM takes: a's scales M-major, b's (K/128, N/128) K-major.
+    b = (torch.randn(n, k, device=dev) * 2).to(E4M3).t()
     sa = (torch.rand(blocks(k), m, device=dev) + 0.5).t()
     sb = (torch.rand(blocks(n), blocks(k), device=dev) + 0.5).t()
+    return a, sa, b, sb, a.to(torch.bfloat16), b.to(torch.bfloat16)
+
+
+def errors(m: int, n: int, k: int, fn32, kernel32, theirs, a, sa, b, sb) -> tuple[float, float]:
+    """Relative errors of ``kernel32`` (``fn32`` compiled) and of ``theirs()`` against the float64
+    reference, on rows small enough for one (NaN otherwise)."""
+    from shapes import rel_max_error
+
+    if m * n * k > 2**36:
+        return math.nan, math.nan
+    ref = evtc.reference(fn32, {"a": (a, sa), "b": (b, sb)}, dtype=torch.float64).double()
+    return rel_max_error(kernel32((a, sa), (b, sb)), ref), rel_max_error(theirs(), ref)
+
+
+def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
+    dev = "cuda"
+    a, sa, b, sb, a16, b16 = block_scaled(m, n, k)
     bias = torch.randn(n, device=dev).to(torch.bfloat16)
     s = torch.tensor(0.25, device=dev)
-    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
     if "identity" not in kernels:
         kernels["identity"] = evtc.compile(identity, {"a": (a, sa), "b": (b, sb)})
         kernels["float32"] = evtc.compile(to_float32, {"a": (a, sa), "b": (b, sb)})
@@ -112,28 +126,16 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
         "eager_f": lambda: eager_fused(a, sa, b, sb, bias, s),
     }
     times = time_calls(calls, samples)
-    err_evtc = err_torch = math.nan
-    if m * n * k <= 2**36:
-        ref = evtc.reference(to_float32, {"a": (a, sa), "b": (b, sb)}, dtype=torch.float64).double()
-        err_evtc = rel_max_error(k32((a, sa), (b, sb)), ref)
-        err_torch = rel_max_error(torch_blockwise(a, sa, b, sb, torch.float32), ref)
-        del ref
+    err_evtc, err_torch = errors(m, n, k, to_float32, k32,
+                                 lambda: torch_blockwise(a, sa, b, sb, torch.float32), a, sa, b, sb)
     return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
             times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
 
 
 def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
     """A gate/up layer (N: both halves) with the SwiGLU in the epilogue (see ``--swiglu``)."""
-    from shapes import rel_max_error
-
-    dev = "cuda"
-    a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
-    w = (torch.randn(n, k, device=dev) * 2).to(E4M3)
-    b = w.t()
-    sa = (torch.rand(blocks(k), m, device=dev) + 0.5).t()
-    sb = (torch.rand(blocks(n), blocks(k), device=dev) + 0.5).t()
-    s = torch.tensor(0.25, device=dev)
-    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    a, sa, b, sb, a16, b16 = block_scaled(m, n, k)
+    s = torch.tensor(0.25, device="cuda")
     if "swiglu" not in kernels:
         kernels["swiglu"] = evtc.compile(swiglu, {"a": (a, sa), "b": (b, sb)})
         kernels["swiglu32"] = evtc.compile(swiglu_float32, {"a": (a, sa), "b": (b, sb)})
@@ -147,12 +149,8 @@ def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: in
         "eager_f": lambda: swiglu_fp8(torch_blockwise(a, sa, b, sb), s),  # the epilogue is PyTorch
     }
     times = time_calls(calls, samples)
-    err_evtc = err_torch = math.nan
-    if m * n * k <= 2**36:
-        ref = evtc.reference(swiglu_float32, {"a": (a, sa), "b": (b, sb)}, dtype=torch.float64).double()
-        err_evtc = rel_max_error(k32((a, sa), (b, sb)), ref)
-        err_torch = rel_max_error(swiglu(torch_blockwise(a, sa, b, sb, torch.float32)), ref)
-        del ref
+    err_evtc, err_torch = errors(m, n, k, swiglu_float32, k32,
+                                 lambda: swiglu(torch_blockwise(a, sa, b, sb, torch.float32)), a, sa, b, sb)
     return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
             times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
 

@@ -114,19 +114,28 @@ def test_block_scales_with_fused_epilogue(tmp_path):
     assert excess.max().item() <= 0, excess.max().item()
 
 
-@pytest.mark.parametrize("config", [{"split_k": True}, {"schedule": "pingpong", "tile_m": 64, "tile_n": 128},
-                                    {"schedule": "pingpong", "tile_m": 128, "tile_n": 64},
-                                    {"schedule": "cooperative", "tile_n": 128}],
-                         ids=["split-k", "pingpong64x128", "pingpong128x64", "cooperative128x128"])
-def test_block_scales_configs(tmp_path, config):
-    m, n, k = 384, 640, 3008
-    a, b = _inputs(m, n, k, 1, seed=4)
-    kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path, config=config)
+CONFIGS = {"split-k": {"split_k": True},
+           "pingpong64x128": {"schedule": "pingpong", "tile_m": 64, "tile_n": 128},
+           "pingpong128x64": {"schedule": "pingpong", "tile_m": 128, "tile_n": 64},
+           "cooperative128x128": {"schedule": "cooperative", "tile_n": 128}}
+
+
+def _config_case(tmp_path, fn, n, seed, config):
+    """``fn`` compiled with ``config`` at 384 x ``n`` x 3008 (split-K pinned to 3 splits): its
+    result and the dequantized product in float64."""
+    a, b = _inputs(384, n, 3008, 1, seed=seed)
+    kernel = evtc.compile(fn, {"a": a, "b": b}, cache_dir=tmp_path, config=config)
     if config.get("split_k"):
         kernel.pin_splits(3)
     got = kernel(a, b)
     assert kernel.last_path == "kernel"
-    assert _rel(got, _dequantized_product(a, b, 1)) < 1e-3
+    return got, _dequantized_product(a, b, 1)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_block_scales_configs(tmp_path, name):
+    got, product = _config_case(tmp_path, scaled_out, 640, 4, CONFIGS[name])
+    assert _rel(got, product) < 1e-3
 
 
 def test_block_scales_batched_and_mixed_formats(tmp_path):
@@ -201,18 +210,10 @@ def test_gated_block_scales_against_float64(tmp_path, shape, rows):
     assert _rel(got, ref) < 1e-3, _rel(got, ref)
 
 
-@pytest.mark.parametrize("config", [{"split_k": True}, {"schedule": "cooperative", "tile_n": 128},
-                                    {"schedule": "pingpong", "tile_m": 64, "tile_n": 128}],
-                         ids=["split-k", "cooperative128x128", "pingpong64x128"])
-def test_gated_block_scales_configs(tmp_path, config):
-    m, n, k = 384, 2 * 320, 3008
-    a, b = _inputs(m, n, k, 1, seed=12)
-    kernel = evtc.compile(swiglu_scaled, {"a": a, "b": b}, cache_dir=tmp_path, config=config)
-    if config.get("split_k"):
-        kernel.pin_splits(3)
-    got = kernel(a, b)
-    assert kernel.last_path == "kernel"
-    assert _rel(got, _swiglu(_dequantized_product(a, b, 1))) < 1e-3
+@pytest.mark.parametrize("name", ["split-k", "cooperative128x128", "pingpong64x128"])
+def test_gated_block_scales_configs(tmp_path, name):
+    got, product = _config_case(tmp_path, swiglu_scaled, 2 * 320, 12, CONFIGS[name])
+    assert _rel(got, _swiglu(product)) < 1e-3
 
 
 def test_gated_block_scales_fused_layer_and_batches(tmp_path):

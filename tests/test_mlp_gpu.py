@@ -89,19 +89,36 @@ def test_trained_bias_takes_the_unfused_backward():
     assert not block._dz  # never asked for: the first layer's bias needs its own gradient
 
 
-def test_block_under_torch_compile_matches_autograd():
-    """A Llama-style block (RMS scaling in torch, then evtc.nn.MLP with a residual) compiled by
-    torch.compile, as bench/train.py's "evtc+compile" runs it: the torch ops are compiled around the
-    evtc kernels, and the output and every gradient match float32 autograd of the same block."""
+def _llama_block(hidden: int = 128, inter: int = 96):
+    """(block, norm, layer): evtc.nn.MLP with a residual after an RMS scaling in torch."""
     torch.manual_seed(0)
-    hidden, inter = 128, 96
     block = evtc.nn.MLP(hidden, inter, swiglu, add_residual, device="cuda", dtype=torch.bfloat16)
     norm = torch.nn.Parameter(torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5)
 
     def layer(x):
         rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
         return block((x.float() * rstd).to(x.dtype) * norm, residual=x)
+    return block, norm, layer
 
+
+def _check_llama_block(y, mine, params, dy) -> None:
+    """``y`` and the gradients ``mine`` of (x, norm, up.weight, down.weight) against float32 autograd."""
+    ref = [p.detach().float().requires_grad_() for p in params]
+    xr, nr, w1, w2 = ref
+    h = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * nr
+    want = swiglu(h @ w1.t()) @ w2.t() + xr
+    assert y.shape == xr.shape and _norm_error(y, want) < 2e-2
+    theirs = torch.autograd.grad(want, ref, dy.float())
+    for name, a, b in zip(["x", "norm", "up.weight", "down.weight"], mine, theirs, strict=True):
+        assert _norm_error(a, b) < 2e-2, f"{name}: {_norm_error(a, b):.3g}"
+
+
+def test_block_under_torch_compile_matches_autograd():
+    """A Llama-style block (RMS scaling in torch, then evtc.nn.MLP with a residual) compiled by
+    torch.compile, as bench/train.py's "evtc+compile" runs it: the torch ops are compiled around the
+    evtc kernels, and the output and every gradient match float32 autograd of the same block."""
+    hidden = 128
+    block, norm, layer = _llama_block(hidden)
     compiled = torch.compile(layer)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(200, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -116,14 +133,7 @@ def test_block_under_torch_compile_matches_autograd():
              for name, part in (("up", block.up), ("down", block.down))}
     assert all("kernel" in p and "torch" not in p for p in paths.values()), paths
     assert _fused_kernels(block), "the fused backward kernel was not used"
-    ref = [p.detach().float().requires_grad_() for p in params]
-    xr, nr, w1, w2 = ref
-    h = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * nr
-    want = swiglu(h @ w1.t()) @ w2.t() + xr
-    assert _norm_error(y, want) < 2e-2
-    theirs = torch.autograd.grad(want, ref, dy.float())
-    for name, a, b in zip(["x", "norm", "up.weight", "down.weight"], mine, theirs, strict=True):
-        assert _norm_error(a, b) < 2e-2, f"{name}: {_norm_error(a, b):.3g}"
+    _check_llama_block(y, mine, params, dy)
 
 
 def test_block_in_one_fullgraph_compile_keeps_the_fused_backward():
@@ -131,15 +141,8 @@ def test_block_in_one_fullgraph_compile_keeps_the_fused_backward():
     forward and backward operators (evtc.mlp_op), no graph break, and its backward still computes
     the first layer's dZ in the epilogue of dZ2 @ W2 (counted: the fused kernel runs on every
     compiled step). Outputs and gradients match float32 autograd."""
-    torch.manual_seed(0)
-    hidden, inter = 128, 96
-    block = evtc.nn.MLP(hidden, inter, swiglu, add_residual, device="cuda", dtype=torch.bfloat16)
-    norm = torch.nn.Parameter(torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5)
-
-    def layer(x):
-        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
-        return block((x.float() * rstd).to(x.dtype) * norm, residual=x)
-
+    hidden = 128
+    block, norm, layer = _llama_block(hidden)
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(4, 50, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
     dy = torch.randn(4, 50, hidden, device="cuda", generator=g).bfloat16()
@@ -163,14 +166,7 @@ def test_block_in_one_fullgraph_compile_keeps_the_fused_backward():
     finally:
         fused[0].__class__.__call__ = original
     assert len(runs) == 2, runs
-    ref = [p.detach().float().requires_grad_() for p in params]
-    xr, nr, w1, w2 = ref
-    h = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * nr
-    want = swiglu(h @ w1.t()) @ w2.t() + xr
-    assert y.shape == (4, 50, hidden) and _norm_error(y, want) < 2e-2
-    theirs = torch.autograd.grad(want, ref, dy.float())
-    for name, a, b in zip(["x", "norm", "up.weight", "down.weight"], mine, theirs, strict=True):
-        assert _norm_error(a, b) < 2e-2, f"{name}: {_norm_error(a, b):.3g}"
+    _check_llama_block(y, mine, params, dy)
 
 
 def test_block_under_dynamic_shapes():
