@@ -213,3 +213,23 @@ def test_unused_parameters_on_the_gpu(cache):
     lin = evtc.linear(uses_bias_only, dict(x=a, weight=b.t().contiguous(), C=C, bias=bias), cache_dir=cache)
     w = b.t().contiguous()
     _check(lin(a, w, C=C, bias=bias), _ref(uses_bias_only, a, b, C=C, bias=bias), "linear, unused C")
+
+
+def test_out_overlapping_an_input_is_not_a_race(cache):
+    """out= over a GEMM input (a of a square problem, b), or over part of an operand: other CTAs
+    still read those while a tile is stored, so the kernel writes a new tensor that is then copied
+    into out. Each result equals the function on the inputs as they were; out=C exactly (the same
+    view) stays in place."""
+    m = n = k = 512
+    kernel = _compile(residual, randn(64, 64), randn(64, 64), cache, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    bias = randn(n, dtype=torch.float32)
+    for trial in ("out=a", "out=b", "shifted C", "same C"):
+        a, b = randn(m, k) * 0.1, randn(k, n) * 0.1
+        big = randn(m + 1, n)
+        C = big[:m] if trial == "shifted C" else randn(m, n)
+        want = _ref(residual, a, b, C=C, bias=bias, alpha=2.0)
+        out = {"out=a": a, "out=b": b, "shifted C": big[1:], "same C": C}[trial]
+        got = kernel(a, b, C=C, bias=bias, alpha=2.0, out=out)
+        assert got is out and kernel.last_path == "kernel", (trial, kernel.last_path)
+        assert _rel(out, want) <= TOL, trial

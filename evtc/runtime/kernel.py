@@ -79,6 +79,39 @@ def _built_config(config: GemmConfig, splits: int) -> GemmConfig:
     return config.replace(split_k=True) if splits > 1 and not config.split_k else config
 
 
+def _memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of ``t``'s elements (non-negative strides, as torch's)."""
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _unaliased(targets: list, gemm_inputs, operands) -> list:
+    """``targets`` (the out= tensors of full-tile outputs), each replaced by a new tensor where its
+    memory overlaps ``a``'s or ``b``'s (``gemm_inputs``), or an operand's other than as the very
+    same view: other CTAs may still read those (a's rows, b's columns, a shifted operand) while a
+    tile's outputs are stored, a silent race. A tile output written over exactly the operand it is
+    computed from is safe (each element is read before it is written, by the same CTA) and stays
+    in place. The caller copies the new tensors into ``targets`` after the launch."""
+    spans = [(t, _memory_span(t), gemm) for group, gemm in ((gemm_inputs, True), (operands, False))
+             for t in group if isinstance(t, torch.Tensor) and t.numel()]
+    outs = []
+    for target in targets:
+        fresh = target
+        if target.numel():
+            lo, hi = _memory_span(target)
+            for t, (t_lo, t_hi), gemm in spans:
+                if t.device != target.device or not (t_lo < hi and lo < t_hi):
+                    continue
+                same_view = (t.data_ptr() == target.data_ptr() and t.shape == target.shape
+                             and t.stride() == target.stride() and t.dtype == target.dtype)
+                if gemm or not same_view:
+                    fresh = torch.empty_like(target)
+                    break
+        outs.append(fresh)
+    return outs
+
+
 def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device, scales=None) -> None:
     """Launch a compiled function; ``split``: split-K's (splits, partials, counters) or None;
     ``scales``: block-scaled float8's (a's, b's) scales, handed over with a and b as pairs."""
@@ -803,8 +836,10 @@ class Kernel:
         device = a.device
         targets = self._outputs(a, out, m, n, batches, layout=not stage)
         outs = targets
+        if out is not None:
+            outs = _unaliased(targets, (a, *(b if self._gated else (b,))), ins)
         if stage:
-            a, b, ins, outs = self._stage(a, b, ins, targets)
+            a, b, ins, outs = self._stage(a, b, ins, outs)
         empty = m == 0 or n == 0 or batches == 0
         if not empty:
             k = a.shape[-1]
