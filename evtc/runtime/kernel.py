@@ -93,8 +93,13 @@ def _unaliased(targets: list, gemm_inputs, operands) -> list:
     tile's outputs are stored, a silent race. A tile output written over exactly the operand it is
     computed from is safe (each element is read before it is written, by the same CTA) and stays
     in place. The caller copies the new tensors into ``targets`` after the launch."""
-    spans = [(t, _memory_span(t), gemm) for group, gemm in ((gemm_inputs, True), (operands, False))
-             for t in group if isinstance(t, torch.Tensor) and t.numel()]
+    # Tensors of other storages cannot overlap (the common case: one cheap comparison each).
+    storages = {target.untyped_storage().data_ptr() for target in targets}
+    shared = [(t, gemm) for group, gemm in ((gemm_inputs, True), (operands, False))
+              for t in group if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages]
+    if not shared:
+        return targets
+    spans = [(t, _memory_span(t), gemm) for t, gemm in shared if t.numel()]
     outs = []
     for target in targets:
         fresh = target
