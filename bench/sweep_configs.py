@@ -85,7 +85,6 @@ DEPTH_CANDIDATES = [
     for s in (8, 10, 13)
 ] + [
     {"tile_m": 64, "tile_n": 64, "cluster": (1, 4), "schedule": "pingpong", "ab_stages": 13},
-    {"tile_m": 64, "tile_n": 64, "cluster": (2, 2), "schedule": "pingpong", "ab_stages": 13},
     {"tile_m": 64, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "ab_stages": 6},
     {"tile_m": 64, "tile_n": 128, "cluster": (1, 2), "schedule": "pingpong", "ab_stages": 8, "epi_stages": 2},
     {"tile_m": 128, "tile_n": 64, "cluster": (1, 1), "schedule": "cooperative", "ab_stages": 6},
@@ -106,12 +105,6 @@ WIDE_CANDIDATES = [
 DECODE4_CANDIDATES = [
     {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
     for tn, cl in ((64, (1, 4)), (128, (1, 4)), (64, (2, 1)), (64, (1, 2)))
-]
-
-# 32-column decode tiles (twice the CTAs of 64-column ones on N = 3584-4608) against 64 x 64.
-DECODE32_CANDIDATES = [
-    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
-    for tn, cl in ((32, (1, 4)), (32, (1, 2)), (32, (2, 1)), (64, (1, 4)))
 ]
 
 # Cooperative 128-row tiles of every width the kernel takes, for fitting one wave of tiles
@@ -155,7 +148,7 @@ def family_candidates() -> list[dict]:
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
                   "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
-                  "decode4": DECODE4_CANDIDATES, "decode32": DECODE32_CANDIDATES,
+                  "decode4": DECODE4_CANDIDATES,
                   "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "family": family_candidates()}
 
 
