@@ -1,5 +1,4 @@
-"""bench/sweep_configs.py without a GPU: every candidate configuration of every set is one the kernel
-takes (a sweep stops at the first that does not validate). Nothing here compiles or times."""
+"""bench/sweep_configs.py without a GPU: its candidate sets and the names its tables print."""
 
 from __future__ import annotations
 
@@ -8,23 +7,43 @@ from pathlib import Path
 
 import pytest
 
-from evtc.plan.config import GemmConfig
+from evtc.plan.config import CLUSTERS, GemmConfig
+from evtc.plan.selector import FAMILY
 
-ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(BENCH))  # sweep_configs imports bench/shapes.py as `shapes`
     try:
         import sweep_configs
+        yield sweep_configs
     finally:
-        sys.path.pop(0)
-    return sweep_configs
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("sweep_configs", None)
 
 
-def test_every_candidate_validates(sweep):
-    # The sweep compiles every candidate for a bf16 identity with an nn.Linear weight (K-major b).
+def test_the_family_set_is_every_launch_the_selector_can_choose(sweep):
+    family = sweep.CANDIDATE_SETS["family"]
+    assert {(c["schedule"], c["tile_m"], c["tile_n"]) for c in family} == set(FAMILY)
+    for c in family:
+        GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k", **c).validate()
+    # Each tile shape in every cluster shape that validates (ping-pong 128-row tiles in all three).
+    pp128 = [c for c in family if (c["schedule"], c["tile_m"], c["tile_n"]) == ("pingpong", 128, 128)]
+    assert len(pp128) == len(CLUSTERS)
+
+
+def test_names_show_what_differs(sweep):
+    base = {"tile_m": 64, "tile_n": 64, "cluster": (1, 2), "schedule": "pingpong"}
+    assert sweep.name_of(base, 1) == "pp 64x64 1x2 S1"
+    assert sweep.name_of({**base, "a_rows": 16}, 1) == "pp 64x64 1x2 a16 S1"
+    assert sweep.name_of({**base, "raster": "n", "swizzle": 4}, 2) == "pp 64x64 1x2 rn4 S2"
+
+
+def test_every_candidate_of_every_set_validates(sweep):
+    # The sweep compiles every candidate for a bf16 identity with an nn.Linear weight (K-major b):
+    # a set naming a configuration the kernel no longer takes stops the sweep at it.
     for name, candidates in sweep.CANDIDATE_SETS.items():
         assert candidates, name
         for knobs in candidates:
