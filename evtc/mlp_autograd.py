@@ -51,7 +51,7 @@ class MLPFunction(torch.autograd.Function):
         ops2 = dict(zip(names2, values[len(names1):], strict=True))
         outputs, h, saved1, saved2 = mlp_forward(pair, x, w1, w2, ops1, ops2)
         # What torch.compile runs instead (evtc.mlp_op), registered by the first eager call.
-        pair.note_eager_forward(x, names1, names2, values, outputs, h, saved1, saved2)
+        pair.note_eager_forward(x, ops1, ops2, outputs, h, saved1, saved2)
         ctx.pair = pair
         ctx.names1, ctx.names2 = names1, names2
         ctx.counts = (len(saved1), len(saved2))

@@ -60,12 +60,14 @@ class _Shape:
 class MLPOperator:
     """The forward and backward operators of one :class:`evtc.nn.MLP` for one call signature."""
 
-    def __init__(self, pair, names1: tuple[str, ...], names2: tuple[str, ...], values: tuple,
-                 x: torch.Tensor, outputs: tuple, h: torch.Tensor, saved1: tuple, saved2: tuple):
-        """From the eager call with ``x`` and ``values`` (the operands of both layers) whose
+    def __init__(self, pair, ops1: dict[str, Any], ops2: dict[str, Any], x: torch.Tensor,
+                 outputs: tuple, h: torch.Tensor, saved1: tuple, saved2: tuple):
+        """From the eager call with ``x`` and each layer's operands whose
         :func:`~evtc.mlp_autograd.mlp_forward` returned ``outputs, h, saved1, saved2``: the forward
-        operator returns them flattened in that order."""
-        self.names1, self.names2 = names1, names2
+        operator returns them flattened in that order, and takes the operands as ``values``
+        (the first layer's, then the second's)."""
+        self.names1, self.names2 = tuple(ops1), tuple(ops2)
+        values = (*ops1.values(), *ops2.values())
         self.scalar_slots = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
         self.counts = (len(saved1), len(saved2))
         lead = tuple(x.shape[:-1])

@@ -196,18 +196,15 @@ class MLP(nn.Module):
             second = self._second  # the one MLPFunction.forward just ran
         return second.kernel.plan.structure.build(dict(zip(second.output_names, outputs, strict=True)))
 
-    def note_eager_forward(self, x: torch.Tensor, names1: tuple[str, ...], names2: tuple[str, ...],
-                           values: tuple, outputs: tuple, h: torch.Tensor, saved1: tuple,
-                           saved2: tuple) -> None:
+    def note_eager_forward(self, x: torch.Tensor, ops1: dict[str, Any], ops2: dict[str, Any],
+                           outputs: tuple, h: torch.Tensor, saved1: tuple, saved2: tuple) -> None:
         """Register the custom operators that run this call's signature under torch.compile
         (:mod:`evtc.mlp_op`), from what its eager forward returned; once per signature."""
         from evtc.mlp_op import MLPOperator, signature
 
-        ops1 = dict(zip(names1, values[:len(names1)], strict=True))
-        ops2 = dict(zip(names2, values[len(names1):], strict=True))
         key = signature(x, ops1, ops2)
         if key not in self._operators:
-            self._operators[key] = MLPOperator(self, names1, names2, values, x, outputs, h, saved1, saved2)
+            self._operators[key] = MLPOperator(self, ops1, ops2, x, outputs, h, saved1, saved2)
 
     # -- what MLPFunction asks of the block -------------------------------------------------------
     def first_linear(self, x: torch.Tensor, operands: dict[str, Any], weight: torch.Tensor | None = None):

@@ -121,6 +121,17 @@ def test_gated_block_scales_read_each_half_of_b_by_its_own_columns(tmp_path, row
     assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", loop)) >= 6 + 1
 
 
+def test_gated_kernels_take_halves_of_whole_scale_chunks(tmp_path):
+    """The per-call rule that sends a gated block-scaled call to the torch path: halves of B that
+    are not whole 32-column chunks (plain block-scaled kernels take any width)."""
+    a, b = _pairs(256, 2 * 96, 512, 1)
+    swiglu = evtc.compile(gated, {"a": a, "b": b}, cache_dir=tmp_path)
+    plain = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
+    assert not swiglu._halves_off_scale_chunk(2 * 96) and not swiglu._halves_off_scale_chunk(2 * 1024)
+    assert swiglu._halves_off_scale_chunk(2 * 100) and swiglu._halves_off_scale_chunk(2 * 48 + 2)
+    assert not plain._halves_off_scale_chunk(200)
+
+
 @pytest.mark.parametrize(("rows", "shape"), [(1, (130, 2 * 160, 300)), (128, (300, 2 * 100, 257))],
                          ids=["1x128-aligned-halves", "128x128-odd-halves"])
 def test_gated_block_scales_on_the_torch_path_match_the_blocks(tmp_path, rows, shape):

@@ -683,7 +683,7 @@ class Kernel:
         message; the slow path names what is wrong). ``b``: the user's, whole when gated."""
         a_scales, b_scales = scales
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        if self._gated and n // 2 % GATED_SCALE_CHUNK:
+        if self._halves_off_scale_chunk(n):
             return False  # see _torch_reason
         blocks_k = -(-k // SCALE_BLOCK)
         rows = m if self._scale_rows == 1 else -(-m // SCALE_BLOCK)
@@ -692,6 +692,11 @@ class Kernel:
                 and a_scales.shape[-2:] == (rows, blocks_k)
                 and b_scales.shape[-2:] == (blocks_k, -(-n // SCALE_BLOCK))
                 and a_scales.device == a.device and b_scales.device == a.device)
+
+    def _halves_off_scale_chunk(self, n: int) -> bool:
+        """Whether a block-scaled gated kernel cannot take a B of ``n`` columns: its halves must
+        be whole chunks of GemmConfig.scale_chunk columns (the torch path computes the others)."""
+        return bool(self._scale_rows and self._gated and n // 2 % GATED_SCALE_CHUNK)
 
     def _refuse_grad(self, a, b, operands) -> None:
         """A block-scaled kernel has no derivative: a call whose inputs need one is an error, not a
@@ -791,8 +796,7 @@ class Kernel:
             return f"the tensors are on {a.device}"
         if a.shape[-1] == 0:
             return "K = 0 (the accumulator is all zeros)"
-        if (self._scale_rows and self._gated and isinstance(b, torch.Tensor)
-                and b.shape[-1] // 2 % GATED_SCALE_CHUNK):
+        if isinstance(b, torch.Tensor) and self._halves_off_scale_chunk(b.shape[-1]):
             return (f"b's halves have {b.shape[-1] // 2} columns, not a multiple of {GATED_SCALE_CHUNK}: "
                     "the kernel reads a gated B's block scales per 32 columns of each half")
         # An operand of another float dtype than compiled: the kernel loads the compiled one, but
