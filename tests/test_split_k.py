@@ -191,3 +191,24 @@ def test_a_launch_passes_split_k_buffers_after_the_cluster_count(monkeypatch):
     assert kernel_module._built_config(config, 1) == config
     assert kernel_module._built_config(config, 2) == config.replace(split_k=True)
     assert kernel_module._built_config(config.replace(split_k=True), 1).split_k
+
+
+def test_captured_launches_take_counters_of_their_own_from_the_arena(monkeypatch):
+    """Under CUDA graph capture each launch gets a fresh, 16-byte aligned slice of the zeroed arena
+    (no captured memset), never handed out twice; with no arena, or too little left, None (the
+    caller then allocates zeroed counters inside the capture)."""
+    from evtc.runtime import stream_buffers
+
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(stream_buffers, "_ARENAS", {})
+    assert stream_buffers.capture_counters(device, 5) is None
+    arena = torch.zeros(20, dtype=torch.int32)
+    stream_buffers._ARENAS[0] = [arena, 0]
+    first = stream_buffers.capture_counters(device, 5)
+    second = stream_buffers.capture_counters(device, 7)
+    assert first.numel() == 5 and second.numel() == 7
+    assert first.data_ptr() == arena.data_ptr()
+    assert second.data_ptr() == arena.data_ptr() + 8 * 4  # after 5, rounded up to 8 counters
+    assert stream_buffers.capture_counters(device, 5) is None  # the next slice starts at 16: 16 + 5 > 20
+    assert stream_buffers.capture_counters(device, 4) is not None  # 16 + 4 = 20 still fits
+    assert stream_buffers.capture_counters(device, 1) is None

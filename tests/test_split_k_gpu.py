@@ -147,6 +147,50 @@ def test_cuda_graph_replay(cache):
         _close(out, x.double() @ w.double().t())
 
 
+def test_captured_launches_use_arena_counters_and_replay_without_a_memset(cache):
+    """A captured split launch takes its counters from the arena zeroed before the capture, so the
+    graph holds no memset: replays of two graphs of the same kernel, interleaved with eager calls,
+    are each right, and every slice is back at zero after them. With the arena used up, a capture
+    falls back to counters zeroed inside the graph, and is right too."""
+    from evtc.runtime import stream_buffers
+
+    x, w, _, _ = _inputs(64, 1024, 4096, seed=8)
+    k = evtc.compile(identity, {"a": x, "b": w.t()}, config={"split_k": True}, cache_dir=cache, strict=True)
+    k.pin_splits(4)
+    k(x, w.t())  # warm-up outside the capture makes the arena
+    arena = stream_buffers._ARENAS[torch.cuda.current_device()]
+    graphs, outs = [], []
+    for _ in range(2):
+        before = arena[1]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(k(x, w.t()))
+        assert arena[1] > before, "the captured launch did not take counters from the arena"
+        graphs.append(graph)
+    for seed in range(3):
+        x.copy_(_inputs(64, 1024, 4096, seed=200 + seed)[0])
+        ref = x.double() @ w.double().t()
+        for graph, out in zip(graphs, outs, strict=True):
+            out.fill_(float("nan"))
+            graph.replay()
+            _close(k(x, w.t()), ref)
+            torch.cuda.synchronize()
+            _close(out, ref)
+    assert not arena[0][:arena[1]].any(), "a replay left a counter nonzero"
+
+    used, arena[1] = arena[1], arena[0].numel()  # used up
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = k(x, w.t())
+    finally:
+        arena[1] = used
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out, x.double() @ w.double().t())
+
+
 def test_two_streams(cache):
     """Launches on two streams at once use two counter buffers."""
     k = evtc.compile(identity, {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
@@ -167,12 +211,12 @@ def test_two_streams(cache):
 
 
 def test_chosen_for_small_m(cache):
-    """Without knobs, a decode-sized problem with a long K runs split (and matches float64); a large
-    one does not split."""
-    x, w, C, bias = _inputs(64, 2048, 8192, seed=7)
+    """Without knobs, a decode-sized problem with few tiles and a long K runs split (and matches
+    float64); a large one does not split."""
+    x, w, C, bias = _inputs(64, 1024, 8192, seed=7)
     examples = {"a": x, "b": w.t(), "C": C, "bias": bias}
     k = evtc.compile(residual_relu, examples, cache_dir=cache, strict=True)
-    assert k.splits_for(64, 2048, 8192) > 1
+    assert k.splits_for(64, 1024, 8192) > 1
     assert k.splits_for(8192, 8192, 8192) == 1
     _close(k(x, w.t(), C=C, bias=bias),
            torch.relu(x.double() @ w.double().t() + C.double() + bias.double()))
