@@ -25,7 +25,15 @@ from evtc.plan.selector import (
     tile_family,
     with_a_rows_for,
 )
-from evtc.plan.split_k import MAX_SPLITS, MIN_K_TILES_PER_SPLIT, choose_splits, cta_tile_grid
+from evtc.plan.split_k import (
+    MAX_SPLITS,
+    MIN_K_TILES_PER_SPLIT,
+    MIN_SPLIT_GAIN,
+    choose_splits,
+    cta_tile_grid,
+    modelled_splits,
+    modelled_time_us,
+)
 
 BASE = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
 SLOTS = 132
@@ -195,6 +203,36 @@ def test_split_rule():
             s = choose_splits(k, tiles, SLOTS)
             assert 1 <= s <= MAX_SPLITS and (s == 1 or (tiles * s <= SLOTS
                                                         and -(-k // 64) // s >= MIN_K_TILES_PER_SPLIT))
+
+
+def test_split_model_splits_only_where_a_unit_outlasts_hbm():
+    """Measured on the H100 (docs/performance.md, "Split-K where the weight streams"), 64 x 64 tiles
+    in the chosen clusters: few tiles with a long K split (32 tiles at K = 14336: 0.80x cuBLAS whole,
+    0.93x in 3 splits; 24 at K = 7168, M = 16: 0.75x against 0.92x); where the tiles draw most of
+    HBM already they run whole (48 tiles at K = 7168: 1.03x whole, 0.98x in 2 splits; 40 at K =
+    8192: 0.98x against 0.97x)."""
+    for m, n, k in [(64, 1024, 8192), (64, 512, 14336), (64, 768, 16384), (16, 2048, 14336),
+                    (16, 1536, 7168), (64, 2048, 7168)]:
+        config, splits = _launch(m, n, k)
+        assert splits >= 2, (m, n, k, config.short_name(), splits)
+    for m, n, k in [(64, 2560, 8192), (16, 3072, 7168), (64, 3072, 7168), (64, 4096, 14336)]:
+        config, splits = _launch(m, n, k)
+        assert splits == 1, (m, n, k, config.short_name(), splits)
+
+
+def test_split_model_never_exceeds_the_bounds_and_needs_a_gain():
+    config = BASE.replace(tile_m=64, tile_n=64, schedule="pingpong", cluster=(1, 1))
+    for most in (1, 2, 5, MAX_SPLITS):
+        for n, k in [(256, 65536), (1024, 8192), (4096, 4096)]:
+            s = modelled_splits(most, 64, n, k, 1, config)
+            assert 1 <= s <= most
+            if s > 1:
+                assert (modelled_time_us(64, n, k, 1, config, s)
+                        <= (1 - MIN_SPLIT_GAIN) * modelled_time_us(64, n, k, 1, config, 1))
+    # The model's parts: HBM grows with N, a unit's loop shrinks with the splits, each split costs.
+    assert modelled_time_us(64, 8192, 8192, 1, config, 1) > modelled_time_us(64, 1024, 8192, 1, config, 1)
+    assert modelled_time_us(64, 256, 65536, 1, config, 4) < modelled_time_us(64, 256, 65536, 1, config, 1)
+    assert modelled_time_us(64, 256, 64, 1, config, 2) > modelled_time_us(64, 256, 64, 1, config, 1)
 
 
 def test_pdl_is_the_users_choice_for_every_launch():

@@ -25,9 +25,10 @@ docs/performance.md, "A launch per problem size"):
   best split count. A tile whose count spills a thin second round gives way to a larger one that
   fits one round (:func:`_without_a_thin_last_round`).
 * **Then split K** while the units fit in one wave and every split keeps enough K tiles
-  (:func:`evtc.plan.split_k.choose_splits`): each split costs a round trip of the accumulator
-  through memory, which only a long K loop repays. Past one wave, only a thin last round is split
-  (:func:`evtc.plan.split_k.choose_tail_splits`).
+  (:func:`evtc.plan.split_k.choose_splits`), and only where a model of the launch says it pays
+  (:func:`evtc.plan.split_k.modelled_splits`): each split costs a round trip of the accumulator
+  through memory, which only a K loop far longer than HBM needs for the whole problem repays.
+  Past one wave, only a thin last round is split (:func:`evtc.plan.split_k.choose_tail_splits`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
 from evtc.plan.config import A_ROWS, GemmConfig
-from evtc.plan.split_k import choose_splits, choose_tail_splits, cta_tile_grid, splits_within_k
+from evtc.plan.split_k import (
+    choose_splits,
+    choose_tail_splits,
+    cta_tile_grid,
+    modelled_splits,
+    splits_within_k,
+)
 
 # A tile shape is chosen if its tiles fill at least this share of the SMs (fitted: 0.7 picks the
 # measured best or one within 3% on 30 of 36 decode and prefill shapes).
@@ -285,7 +292,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         splits = splits_within_k(pinned_splits, k, config.tile_k)
     else:
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
-        splits = choose_splits(k, tiles, slots, config.tile_k)
+        splits = modelled_splits(choose_splits(k, tiles, slots, config.tile_k), m, n, k, batches, config)
         if splits == 1:
             splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1], config.tile_k)
     return config, splits

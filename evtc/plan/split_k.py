@@ -20,7 +20,7 @@ chosen per problem size by :func:`choose_splits`, after the tile shape (:mod:`ev
 from __future__ import annotations
 
 from evtc.plan.clusters import ceil_div
-from evtc.plan.config import TILE_K, GemmConfig
+from evtc.plan.config import DTYPE_BYTES, TILE_K, GemmConfig
 
 # At most this many splits: beyond it the last split's reads of the partials (S - 1 tile slots)
 # cost more than the shorter K loop saves.
@@ -104,6 +104,62 @@ def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int, tile_k: int = 
     return splits
 
 
+# A model of a one-wave launch, for whether splitting K pays (:func:`modelled_splits`), fitted on the
+# H100 (bench/sweep_configs.py and a paired A/B of split counts, 64 x 64 tiles at M <= 128 in CUDA
+# graphs, docs/performance.md, "Split-K where the weight streams"): a CTA's K tile takes at least
+# about 0.12 us however few bytes it loads (the default 1 x 4 clusters, with A's first 32 rows or all
+# 64: the same time per K tile; 0.10 us in 1 x 1 clusters), one SM takes in at most about 160 GB/s
+# of A and B tiles, HBM gives about 2.9 TB/s (a device copy: 2.99), and a split launch costs about
+# 3 us more than a plain one (the accumulator's round trip and the last split's wait, besides the
+# partials it reads back). A 128 x 128 x 64 wgmma step takes about 0.3 us on one SM. Where HBM and
+# the K loop are close to each other's limit the launch is slower than either alone: the two
+# combine as a cubic soft maximum (64 x 2048 x 14336 in 1 x 1 clusters ran 27.4 us past the launch
+# floor, against 22.9 us of K loop and 20.2 us of HBM; the cube root of their cubes' sum is 27.2).
+K_TILE_FLOOR_US = 0.12
+SM_BYTES_PER_US = 160e3
+HBM_BYTES_PER_US = 2.9e6
+SPLIT_COST_US = 3.0
+MMA_US_PER_128X128_K_TILE = 0.3
+# A split count must beat one split by this share of the modelled time.
+MIN_SPLIT_GAIN = 0.05
+
+
+def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, splits: int) -> float:
+    """Modelled microseconds of a launch whose units all run at once (one wave), K cut in
+    ``splits``: HBM streaming A and B once against one unit's K loop (each K tile bound by
+    :data:`K_TILE_FLOOR_US`, the SM's intake of its A and B tiles or its MMA), combined as a cubic
+    soft maximum, plus, split, :data:`SPLIT_COST_US` and the last split's reads of the others'
+    float32 partials. The launch's fixed floor (about 3 us) is left out: it is the same for every
+    split count."""
+    elem = DTYPE_BYTES[config.ab_dtype]
+    k_tiles = ceil_div(k, config.tile_k)
+    per_k_tile = max(K_TILE_FLOOR_US,
+                     (config.a_box_rows + config.tile_n) * config.tile_k * elem / SM_BYTES_PER_US,
+                     MMA_US_PER_128X128_K_TILE * config.tile_m * config.tile_n / (128 * 128))
+    unit = ceil_div(k_tiles, splits) * per_k_tile
+    hbm = batches * (m + n) * k * elem / HBM_BYTES_PER_US
+    streaming = (hbm ** 3 + unit ** 3) ** (1 / 3)
+    if splits == 1:
+        return streaming
+    partials = (splits - 1) * config.tile_m * config.tile_n * 4 / SM_BYTES_PER_US
+    return streaming + SPLIT_COST_US + partials
+
+
+def modelled_splits(most: int, m: int, n: int, k: int, batches: int, config: GemmConfig) -> int:
+    """The split count, at most ``most`` (the bounds of :func:`choose_splits`), that
+    :func:`modelled_time_us` finds fastest, if it beats one split by :data:`MIN_SPLIT_GAIN`; else 1.
+
+    Splitting pays where one unit's K loop is far longer than HBM needs to stream the whole
+    problem: few tiles, each with a long K (64 x 1024 x 8192, 16 tiles of 64 x 64: 0.71x cuBLAS
+    whole, 0.84x in 4 splits). Where the tiles already draw most of HBM's bandwidth, a split only
+    adds its cost (64 x 3072 x 7168, 48 tiles: 1.03x whole, 0.98x in 2 splits)."""
+    if most <= 1:
+        return 1
+    times = {s: modelled_time_us(m, n, k, batches, config, s) for s in range(1, most + 1)}
+    best = min(times, key=times.get)
+    return best if times[best] <= (1 - MIN_SPLIT_GAIN) * times[1] else 1
+
+
 def splits_within_k(splits: int, k: int, tile_k: int) -> int:
     """``splits`` limited to K's tiles, so that every split has at least one K tile: the kernel's
     mainloop starts each unit by overwriting its accumulator with the first K tile's product
@@ -121,6 +177,8 @@ def choose_splits(k: int, tiles: int, slots: int, tile_k: int = TILE_K) -> int:
     return max(1, min(MAX_SPLITS, slots // tiles, ceil_div(k, tile_k) // MIN_K_TILES_PER_SPLIT))
 
 
-__all__ = ["MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT", "MIN_K_TILES_PER_TAIL_SPLIT",
-           "MIN_TAIL_GAIN", "TAIL_FILL", "choose_splits", "choose_tail_splits", "cta_tile_grid",
+__all__ = ["HBM_BYTES_PER_US", "K_TILE_FLOOR_US", "MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT",
+           "MIN_K_TILES_PER_TAIL_SPLIT", "MIN_SPLIT_GAIN", "MIN_TAIL_GAIN", "MMA_US_PER_128X128_K_TILE",
+           "SM_BYTES_PER_US", "SPLIT_COST_US", "TAIL_FILL", "choose_splits", "modelled_splits",
+           "modelled_time_us", "choose_tail_splits", "cta_tile_grid",
            "splits_within_k", "tail_split_limit", "whole_cluster_tiles", "workspace_numels"]
