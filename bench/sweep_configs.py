@@ -107,6 +107,14 @@ DECODE4_CANDIDATES = [
     for tn, cl in ((64, (1, 4)), (128, (1, 4)), (64, (2, 1)), (64, (1, 2)))
 ]
 
+# The decode tiles in every cluster shape, one split: for fitting the cluster choice where the
+# weight streams (M = 33 to 128; below that the selector loads only A's first rows, which pinned
+# candidates do not).
+CLUSTERS_CANDIDATES = [
+    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong"}
+    for tn, cls in ((64, ((1, 1), (1, 2), (1, 4), (2, 1))), (128, ((1, 1), (1, 2), (1, 4))))
+    for cl in cls
+]
 # Cooperative 128-row tiles of every width the kernel takes, for fitting one wave of tiles
 # (cuBLAS runs 112- and 144-wide tiles at M = 512).
 WAVES_CANDIDATES = [
@@ -148,7 +156,7 @@ def family_candidates() -> list[dict]:
 CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narrow": NARROW_CANDIDATES,
                   "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
-                  "decode4": DECODE4_CANDIDATES,
+                  "decode4": DECODE4_CANDIDATES, "clusters": CLUSTERS_CANDIDATES,
                   "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "family": family_candidates()}
 
 

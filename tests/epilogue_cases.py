@@ -28,6 +28,11 @@ REDUCTION_TOL = 1e-3
 #: float8 outputs: each element within one float8 spacing of the float32 result (either neighbour).
 FLOAT8_SPACINGS = 1.0
 FLOAT8_TOL = 2e-2  # norm-wise, against the float32 result rounded to float8: a few elements flipped
+# Reductions of a program that compares acc with a threshold (torch.where), on float8 a and b: the
+# tensor cores sum float8 products in fewer bits than float32 (about 1e-4 of acc, as cuBLAS does), so
+# an acc within that of the threshold lands on the other branch. Seen: 3 of 18232 elements 1e-4 from
+# the threshold, each moving its column's sum by 0.55, 1.3e-3 of the sums' norm. The tile tolerance.
+FLOAT8_BRANCH_REDUCTION_TOL = TILE_TOL
 #: Example sizes for compiling (only layouts and kinds matter): M, the GEMM's N and K all differ.
 EXAMPLE = (96, 128, 64)
 
@@ -239,7 +244,9 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
                     rel = tol
             else:
                 tile = g.dim() >= 2 and g.shape[-1] == (n // 2 if case.gated else n) and g.shape[-2] == m
-                rel, tol = relative_error(g, r), TILE_TOL if tile else REDUCTION_TOL
+                branchy = is_float8(DTYPES[case.ab_dtype]) and "torch.where(" in case.source
+                rel = relative_error(g, r)
+                tol = TILE_TOL if tile else FLOAT8_BRANCH_REDUCTION_TOL if branchy else REDUCTION_TOL
             if not rel <= tol:
                 failures.append(f"{where} output {key} ({g.dtype}, path {kernel.last_path}): relative "
                                 f"error {rel:.3g} > {tol}")
