@@ -20,6 +20,7 @@ to.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -71,13 +72,17 @@ _UNKNOWN = object()
 # a captured memset.
 CAPTURE_ARENA_COUNTERS = 1 << 18
 _ARENAS: dict[int, list] = {}  # device index -> [int32 buffer, counters handed out]
+# Two threads may capture graphs at once: a slice is handed out under this lock, so never twice.
+_ARENA_LOCK = threading.Lock()
 
 
 def _ensure_arena(device: torch.device, index: int) -> None:
     """Make ``device``'s capture arena (outside any capture: zeroing it is an eager memset)."""
     if index not in _ARENAS:
         with kept(device):
-            _ARENAS[index] = [torch.zeros(CAPTURE_ARENA_COUNTERS, dtype=torch.int32, device=device), 0]
+            arena = [torch.zeros(CAPTURE_ARENA_COUNTERS, dtype=torch.int32, device=device), 0]
+        with _ARENA_LOCK:
+            _ARENAS.setdefault(index, arena)
 
 
 def capture_counters(device: torch.device, numel: int) -> torch.Tensor | None:
@@ -87,11 +92,12 @@ def capture_counters(device: torch.device, numel: int) -> torch.Tensor | None:
     arena = _ARENAS.get(index)
     if arena is None:
         return None
-    buffer, used = arena
-    start = -(-used // 4) * 4  # 16-byte aligned slices
-    if start + numel > buffer.numel():
-        return None
-    arena[1] = start + numel
+    with _ARENA_LOCK:
+        buffer, used = arena
+        start = -(-used // 4) * 4  # 16-byte aligned slices
+        if start + numel > buffer.numel():
+            return None
+        arena[1] = start + numel
     return buffer[start:start + numel]
 
 
