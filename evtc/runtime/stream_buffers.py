@@ -81,6 +81,9 @@ def _ensure_arena(device: torch.device, index: int) -> None:
     if index not in _ARENAS:
         with kept(device):
             arena = [torch.zeros(CAPTURE_ARENA_COUNTERS, dtype=torch.int32, device=device), 0]
+        # Once per device: the zeros must have landed before any graph, replayed on any stream,
+        # reads a slice.
+        torch.cuda.current_stream(device).synchronize()
         with _ARENA_LOCK:
             _ARENAS.setdefault(index, arena)
 
