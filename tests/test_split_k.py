@@ -180,13 +180,17 @@ def test_ptx_of_split_k(tmp_path, schedule):
 def test_a_launch_passes_split_k_buffers_after_the_cluster_count(monkeypatch):
     from evtc.runtime import kernel as kernel_module
 
-    monkeypatch.setattr(kernel_module.stream_buffers, "partials", lambda device, n: ("partials", device, n))
-    monkeypatch.setattr(kernel_module.stream_buffers, "counters", lambda device, n: ("counters", device, n))
+    monkeypatch.setattr(kernel_module.stream_buffers, "stream_key", lambda device: ("stream", device))
+    monkeypatch.setattr(kernel_module.stream_buffers, "partials",
+                        lambda device, n, stream: ("partials", device, n, stream))
+    monkeypatch.setattr(kernel_module.stream_buffers, "counters",
+                        lambda device, n, stream: ("counters", device, n, stream))
     calls = []
     kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, None, "dev")
     kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, (3, 100, 7), "dev")
     assert calls == [("a", "b", ("d",), ("c",), 66),
-                     ("a", "b", ("d",), ("c",), 66, 3, ("partials", "dev", 100), ("counters", "dev", 7))]
+                     ("a", "b", ("d",), ("c",), 66, 3, ("partials", "dev", 100, ("stream", "dev")),
+                      ("counters", "dev", 7, ("stream", "dev")))]
     config = GemmConfig()
     assert kernel_module._built_config(config, 1) == config
     assert kernel_module._built_config(config, 2) == config.replace(split_k=True)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import evtc
 from evtc.plan.split_k import cta_tile_grid, whole_cluster_tiles
-from evtc.runtime import device
+from evtc.runtime import device, stream_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -152,8 +152,6 @@ def test_captured_launches_use_arena_counters_and_replay_without_a_memset(cache)
     graph holds no memset: replays of two graphs of the same kernel, interleaved with eager calls,
     are each right, and every slice is back at zero after them. With the arena used up, a capture
     falls back to counters zeroed inside the graph, and is right too."""
-    from evtc.runtime import stream_buffers
-
     x, w, _, _ = _inputs(64, 1024, 4096, seed=8)
     k = evtc.compile(identity, {"a": x, "b": w.t()}, config={"split_k": True}, cache_dir=cache, strict=True)
     k.pin_splits(4)
@@ -236,7 +234,10 @@ def _meta(m, n, k, **extra):
 
 
 def _poison_partials():
-    """Fill the allocator's free blocks with NaN so a partial read before it is written shows."""
+    """Fill the kept partials buffers and the allocator's free blocks with NaN, so a partial read
+    before it is written shows."""
+    for buffer in stream_buffers._PARTIALS.values():
+        buffer.fill_(float("nan"))
     junk = torch.full((64 << 20,), float("nan"), device="cuda")
     del junk
 

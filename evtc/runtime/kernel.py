@@ -126,8 +126,9 @@ def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device, sca
         fn(a, b, outs, ins, clusters)
     else:
         splits, partials_numel, counters_numel = split
-        fn(a, b, outs, ins, clusters, splits, stream_buffers.partials(device, partials_numel),
-           stream_buffers.counters(device, counters_numel))
+        stream = stream_buffers.stream_key(device)
+        fn(a, b, outs, ins, clusters, splits, stream_buffers.partials(device, partials_numel, stream),
+           stream_buffers.counters(device, counters_numel, stream=stream))
 
 
 class Kernel:
