@@ -66,6 +66,17 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
 
 _UNKNOWN = object()
 
+
+def _grown(store: dict, key, device: torch.device, numel: int, make) -> torch.Tensor:
+    """``store[key]``, replaced by ``make(size)`` (allocated from evtc's pool) where it is missing or
+    holds fewer than ``numel`` elements: at least doubled, so a growing size reallocates rarely."""
+    buffer = store.get(key)
+    if buffer is None or buffer.numel() < numel:
+        size = numel if buffer is None else max(numel, 2 * buffer.numel())
+        with kept(device):
+            buffer = store[key] = make(size)
+    return buffer
+
 # Counters per device handed out to captured launches, each slice for good: 1 MiB of int32. A slice
 # must outlive every replay of its graph and no other launch may share it (two graphs may replay at
 # once on two streams), so slices are never reused; once the arena is used up, captures fall back to
@@ -116,9 +127,8 @@ def counters(device: torch.device, numel: int, pool: str = "split_k", stream=_UN
     key = (*stream, pool)
     buffer = _COUNTERS.get(key)
     if buffer is None or buffer.numel() < numel:
-        grown = numel if buffer is None else max(numel, 2 * buffer.numel())
-        with kept(device):
-            buffer = _COUNTERS[key] = torch.zeros(grown, dtype=torch.int32, device=device)
+        buffer = _grown(_COUNTERS, key, device, numel,
+                        lambda size: torch.zeros(size, dtype=torch.int32, device=device))
         _ensure_arena(device, stream[0])
     return buffer
 
@@ -135,13 +145,8 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     numel = max(numel, 4)
     key = stream_key(device)
     if key is None:
-        return torch.empty(numel, dtype=torch.float32, device=device)
-    buffer = _SCRATCH.get(key)
-    if buffer is None or buffer.numel() < numel:
-        grown = numel if buffer is None else max(numel, 2 * buffer.numel())
-        with kept(device):
-            buffer = _SCRATCH[key] = torch.empty(grown, dtype=torch.float32, device=device)
-    return buffer
+        return _floats(numel, device)
+    return _grown(_SCRATCH, key, device, numel, lambda size: _floats(size, device))
 
 
 _SCRATCH_VIEWS: dict = {}
@@ -180,13 +185,12 @@ def partials(device: torch.device, numel: int, stream=_UNKNOWN) -> torch.Tensor:
     if stream is _UNKNOWN:
         stream = stream_key(device)
     if stream is None:
-        return torch.empty(numel, dtype=torch.float32, device=device)
-    buffer = _PARTIALS.get(stream)
-    if buffer is None or buffer.numel() < numel:
-        grown = numel if buffer is None else max(numel, 2 * buffer.numel())
-        with kept(device):
-            buffer = _PARTIALS[stream] = torch.empty(grown, dtype=torch.float32, device=device)
-    return buffer
+        return _floats(numel, device)
+    return _grown(_PARTIALS, stream, device, numel, lambda size: _floats(size, device))
+
+
+def _floats(numel: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 __all__ = ["CAPTURE_ARENA_COUNTERS", "capture_counters", "counters", "kept", "partials", "scratch",
