@@ -118,6 +118,10 @@ def test_ptx_has_the_sm90_instructions(compiled):
         assert ".multicast::cluster" in ptx
     else:
         assert ".multicast::cluster" not in ptx
+    # B's loads carry an L2 policy chosen in the kernel: EVICT_FIRST (one row of cluster tiles, each
+    # weight tile read once) or the normal one, as createpolicy.fractional encodes them.
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\S*\.L2::cache_hint", ptx)
+    assert re.search(rf"selp\.b64\s+%rd\d+, {0x12F0000000000000}, {0x1000000000000000}, %p\d+;", ptx)
     if compiled.c is not None and compiled.c[0] != "float32":
         assert "ldmatrix" in ptx
     if cfg.schedule == "pingpong":
