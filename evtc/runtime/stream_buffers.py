@@ -77,6 +77,7 @@ def _grown(store: dict, key, device: torch.device, numel: int, make) -> torch.Te
             buffer = store[key] = make(size)
     return buffer
 
+
 # Counters per device handed out to captured launches, each slice for good: 1 MiB of int32. A slice
 # must outlive every replay of its graph and no other launch may share it (two graphs may replay at
 # once on two streams), so slices are never reused; once the arena is used up, captures fall back to

@@ -62,7 +62,8 @@ SPLIT_K_LOAD_VECTORS = 16
 # .fractional with fraction 1.0 encodes them). Where the problem has one row of cluster tiles
 # (decode, small batches) every B tile is read once: EVICT_FIRST lets the streamed weight leave L2
 # before A and the epilogue's data; with more rows the other rows' CTAs read it again, so it keeps
-# the normal policy. On the H100, 0.5-2.5% faster at M <= 512 (docs/performance.md).
+# the normal policy. On the H100, 0-3% faster where it applies (docs/performance.md, "An L2
+# eviction hint on the weight's loads").
 L2_EVICT_FIRST = 0x12F0000000000000
 L2_EVICT_NORMAL = 0x1000000000000000
 
