@@ -31,8 +31,9 @@ FLOAT8_TOL = 2e-2  # norm-wise, against the float32 result rounded to float8: a 
 # Reductions of a program that compares acc with a threshold (torch.where), on float8 a and b: the
 # tensor cores sum float8 products in fewer bits than float32 (about 1e-4 of acc, as cuBLAS does), so
 # an acc within that of the threshold lands on the other branch. Seen: 3 of 18232 elements 1e-4 from
-# the threshold, each moving its column's sum by 0.55, 1.3e-3 of the sums' norm. The tile tolerance.
-FLOAT8_BRANCH_REDUCTION_TOL = TILE_TOL
+# the threshold, each moving its column's sum by 0.55, 1.3e-3 of the sums' norm. Tight enough that
+# a reduction missing a ragged last row or column (1/700 of the sum at the fuzzer's sizes) still fails.
+FLOAT8_BRANCH_REDUCTION_TOL = 3e-3
 #: Example sizes for compiling (only layouts and kinds matter): M, the GEMM's N and K all differ.
 EXAMPLE = (96, 128, 64)
 

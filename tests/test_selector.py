@@ -229,6 +229,10 @@ def test_split_model_never_exceeds_the_bounds_and_needs_a_gain():
             if s > 1:
                 assert (modelled_time_us(64, n, k, 1, config, s)
                         <= (1 - MIN_SPLIT_GAIN) * modelled_time_us(64, n, k, 1, config, 1))
+    # A gated B streams both halves: for the same output width, more HBM time than a plain one.
+    gated = BASE.replace(tile_m=64, tile_n=128, schedule="pingpong", cluster=(1, 1), gated=True)
+    plain = gated.replace(gated=False)
+    assert modelled_time_us(64, 2048, 7168, 1, gated, 1) > modelled_time_us(64, 2048, 7168, 1, plain, 1)
     # The model's parts: HBM grows with N, a unit's loop shrinks with the splits, each split costs.
     assert modelled_time_us(64, 8192, 8192, 1, config, 1) > modelled_time_us(64, 1024, 8192, 1, config, 1)
     assert modelled_time_us(64, 256, 65536, 1, config, 4) < modelled_time_us(64, 256, 65536, 1, config, 1)

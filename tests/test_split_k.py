@@ -216,3 +216,33 @@ def test_captured_launches_take_counters_of_their_own_from_the_arena(monkeypatch
     assert stream_buffers.capture_counters(device, 5) is None  # the next slice starts at 16: 16 + 5 > 20
     assert stream_buffers.capture_counters(device, 4) is not None  # 16 + 4 = 20 still fits
     assert stream_buffers.capture_counters(device, 1) is None
+
+
+def test_a_used_up_capture_arena_is_reported_once(monkeypatch, caplog):
+    from evtc.runtime import stream_buffers
+
+    monkeypatch.setattr(stream_buffers, "_ARENAS", {0: [torch.zeros(8, dtype=torch.int32), 8]})
+    monkeypatch.setattr(stream_buffers, "_ARENA_SPENT", set())
+    with caplog.at_level("WARNING", logger="evtc"):
+        for _ in range(3):
+            assert stream_buffers.capture_counters(torch.device("cuda", 0), 4) is None
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "used up" in caplog.records[0].getMessage()
+
+
+def test_split_partials_are_kept_per_stream_and_grow(monkeypatch):
+    """A split call's partials: the same buffer call after call on one stream (no allocation), a
+    larger one when a launch needs more, another for another stream, and a fresh one under capture
+    (stream None)."""
+    from evtc.runtime import stream_buffers
+
+    monkeypatch.setattr(stream_buffers, "_PARTIALS", {})
+    cpu = torch.device("cpu")  # the bookkeeping is the same; kept() allocates plainly off CUDA
+    first = stream_buffers.partials(cpu, 100, ("dev0", "s1"))
+    assert first.dtype == torch.float32 and first.numel() >= 100
+    assert stream_buffers.partials(cpu, 50, ("dev0", "s1")) is first
+    grown = stream_buffers.partials(cpu, 150, ("dev0", "s1"))
+    assert grown is not first and grown.numel() >= 200  # at least doubled
+    assert stream_buffers.partials(cpu, 100, ("dev0", "s2")) is not grown
+    captured = stream_buffers.partials(cpu, 100, None)
+    assert captured is not grown and stream_buffers.partials(cpu, 100, None) is not captured

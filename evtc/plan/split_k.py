@@ -113,8 +113,9 @@ def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int, tile_k: int = 
 # 3 us more than a plain one (the accumulator's round trip and the last split's wait, besides the
 # partials it reads back). A 128 x 128 x 64 wgmma step takes about 0.3 us on one SM. Where HBM and
 # the K loop are close to each other's limit the launch is slower than either alone: the two
-# combine as a cubic soft maximum (64 x 2048 x 14336 in 1 x 1 clusters ran 27.4 us past the launch
-# floor, against 22.9 us of K loop and 20.2 us of HBM; the cube root of their cubes' sum is 27.2).
+# combine as a cubic soft maximum (fitted in 1 x 1 clusters, where a K tile took 0.10 us: 64 x 2048 x
+# 14336 ran 27.4 us past the launch floor, against 22.9 us of K loop and 20.2 us of HBM at 2.9
+# TB/s; the cube root of their cubes' sum is 27.2).
 K_TILE_FLOOR_US = 0.12
 SM_BYTES_PER_US = 160e3
 HBM_BYTES_PER_US = 2.9e6
@@ -126,7 +127,8 @@ MIN_SPLIT_GAIN = 0.05
 
 def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, splits: int) -> float:
     """Modelled microseconds of a launch whose units all run at once (one wave), K cut in
-    ``splits``: HBM streaming A and B once against one unit's K loop (each K tile bound by
+    ``splits`` (``n``: the output's width; a gated B streams twice as many columns): HBM streaming A
+    and B once against one unit's K loop (each K tile bound by
     :data:`K_TILE_FLOOR_US`, the SM's intake of its A and B tiles or its MMA), combined as a cubic
     soft maximum, plus, split, :data:`SPLIT_COST_US` and the last split's reads of the others'
     float32 partials. The launch's fixed floor (about 3 us) is left out: it is the same for every
@@ -137,7 +139,8 @@ def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, s
                      (config.a_box_rows + config.tile_n) * config.tile_k * elem / SM_BYTES_PER_US,
                      MMA_US_PER_128X128_K_TILE * config.tile_m * config.tile_n / (128 * 128))
     unit = ceil_div(k_tiles, splits) * per_k_tile
-    hbm = batches * (m + n) * k * elem / HBM_BYTES_PER_US
+    b_columns = 2 * n if config.gated else n  # n: the output's width; a gated B holds both halves
+    hbm = batches * (m + b_columns) * k * elem / HBM_BYTES_PER_US
     streaming = (hbm ** 3 + unit ** 3) ** (1 / 3)
     if splits == 1:
         return streaming

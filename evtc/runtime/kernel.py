@@ -856,6 +856,10 @@ class Kernel:
             launch_key = (m, n, k, batches, a.get_device())
             chosen = self._launch_memo.get(launch_key)
             if chosen is None:
+                if stream_buffers.stream_key(device) is not None:
+                    # A size's first eager call (a warm-up) prepares the CUDA graph captures that
+                    # may follow, at sizes that split or finish reductions in the kernel.
+                    stream_buffers.ensure_capture_arena(device)
                 capturing = self._autotune and torch.cuda.is_current_stream_capturing()
                 if self._autotune and not capturing:
                     chosen = self._tuned_launch(a, b, ins, outs, m, n, k, batches, scales)

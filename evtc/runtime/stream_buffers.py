@@ -20,10 +20,13 @@ to.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 
 import torch
+
+log = logging.getLogger("evtc")
 
 _COUNTERS: dict[tuple[int, int, str], torch.Tensor] = {}
 _POOLS: dict[int, object] = {}
@@ -35,7 +38,8 @@ def kept(device: torch.device) -> Iterator[None]:
     own memory pool on ``device``. Calls made while another pool takes the thread's allocations
     (torch.compile's CUDA graph trees warm a graph up so, ``mode="reduce-overhead"``) would
     otherwise keep a tensor alive in that pool, which the trees refuse ("tensors in the cudagraph
-    pool not tracked as outputs"). Not used under stream capture, where nothing is kept."""
+    pool not tracked as outputs"). Under stream capture nothing new is kept: captured launches
+    take slices of the capture arena, which was allocated here before any capture."""
     if device.type != "cuda" or not hasattr(torch.cuda, "MemPool"):
         yield
         return
@@ -86,10 +90,15 @@ CAPTURE_ARENA_COUNTERS = 1 << 18
 _ARENAS: dict[int, list] = {}  # device index -> [int32 buffer, counters handed out]
 # Two threads may capture graphs at once: a slice is handed out under this lock, so never twice.
 _ARENA_LOCK = threading.Lock()
+_ARENA_SPENT: set[int] = set()  # devices whose arena ran out (told once)
 
 
-def _ensure_arena(device: torch.device, index: int) -> None:
-    """Make ``device``'s capture arena (outside any capture: zeroing it is an eager memset)."""
+def ensure_capture_arena(device: torch.device, index: int | None = None) -> None:
+    """Make ``device``'s capture arena if it has none (never inside a capture: zeroing it is an
+    eager memset). Called by the first eager launch of every size (evtc.runtime.kernel), so that a
+    warm-up at any size, split or not, prepares the captures that follow."""
+    if index is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ARENAS:
         with kept(device):
             arena = [torch.zeros(CAPTURE_ARENA_COUNTERS, dtype=torch.int32, device=device), 0]
@@ -111,9 +120,16 @@ def capture_counters(device: torch.device, numel: int) -> torch.Tensor | None:
         buffer, used = arena
         start = -(-used // 4) * 4  # 16-byte aligned slices
         if start + numel > buffer.numel():
-            return None
-        arena[1] = start + numel
-    return buffer[start:start + numel]
+            spent = index not in _ARENA_SPENT
+            _ARENA_SPENT.add(index)
+        else:
+            arena[1] = start + numel
+            return buffer[start:start + numel]
+    if spent:
+        log.warning("evtc: the CUDA graph capture arena of device %d is used up (%d counters); later "
+                    "captured split-K and reduction launches zero their counters inside the graph, "
+                    "about 1 us more per replayed launch", index, buffer.numel())
+    return None
 
 
 def counters(device: torch.device, numel: int, pool: str = "split_k", stream=_UNKNOWN) -> torch.Tensor:
@@ -130,7 +146,7 @@ def counters(device: torch.device, numel: int, pool: str = "split_k", stream=_UN
     if buffer is None or buffer.numel() < numel:
         buffer = _grown(_COUNTERS, key, device, numel,
                         lambda size: torch.zeros(size, dtype=torch.int32, device=device))
-        _ensure_arena(device, stream[0])
+        ensure_capture_arena(device, stream[0])
     return buffer
 
 
@@ -194,5 +210,5 @@ def _floats(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
-__all__ = ["CAPTURE_ARENA_COUNTERS", "capture_counters", "counters", "kept", "partials", "scratch",
-           "scratch_workspaces", "stream_key"]
+__all__ = ["CAPTURE_ARENA_COUNTERS", "capture_counters", "counters", "ensure_capture_arena", "kept",
+           "partials", "scratch", "scratch_workspaces", "stream_key"]
