@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from split_rule_ab import graph_of  # noqa: E402
+from shapes import capture as graph_of  # noqa: E402
 
 import evtc  # noqa: E402
 from evtc.compile import clear_memory_cache  # noqa: E402

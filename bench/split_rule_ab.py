@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from shapes import capture as graph_of  # noqa: E402  (a CUDA graph of calls cycling weights)
 
 import evtc  # noqa: E402
 from evtc.plan import selector  # noqa: E402
@@ -45,22 +47,6 @@ def launch(kernel, m: int, n: int, k: int, previous: bool):
         return kernel.launch_for(m, n, k)
     finally:
         selector.modelled_splits = model
-
-
-def graph_of(fn, weights: list, reps: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``reps`` calls of ``fn(weight)``, cycling through ``weights``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for w in weights[:2]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(weights[i % len(weights)])
-    return graph
 
 
 def main() -> None:
