@@ -11,8 +11,9 @@ Under CUDA graph capture a launch gets counters of its own, which its graph keep
 the graph lives: a slice of a per-device arena zeroed before any capture (:func:`capture_counters`).
 Every replay leaves them at zero again, as every eager launch does, so the graph needs no memset
 (a captured ``torch.zeros`` added a memset node, about 1.2 us per launch on the H100, to every
-replay). Only where no arena was made yet (the first counters of the process requested inside a
-capture) or it is used up does a capture fall back to a fresh ``torch.zeros``. Kept buffers come
+replay). The arena is made by the first eager launch of any size (:func:`ensure_capture_arena`).
+Only where none was made yet (a capture before any eager launch on the device) or it is used up
+does a capture fall back to a fresh ``torch.zeros``. Kept buffers come
 from evtc's own memory pool (:func:`kept`), never from a pool another component routes allocations
 to.
 """
