@@ -856,18 +856,18 @@ class Kernel:
             launch_key = (m, n, k, batches, a.get_device())
             chosen = self._launch_memo.get(launch_key)
             if chosen is None:
-                if stream_buffers.stream_key(device) is not None:
+                capturing = stream_buffers.stream_key(device) is None
+                if not capturing:
                     # A size's first eager call (a warm-up) prepares the CUDA graph captures that
                     # may follow, at sizes that split or finish reductions in the kernel.
                     stream_buffers.ensure_capture_arena(device)
-                capturing = self._autotune and torch.cuda.is_current_stream_capturing()
                 if self._autotune and not capturing:
                     chosen = self._tuned_launch(a, b, ins, outs, m, n, k, batches, scales)
                 else:
                     chosen = self._launch_choice(m, n, k, batches)
                 if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
                     self._launch_memo.clear()
-                if not capturing:  # a tuning kernel tunes this size on its next eager call
+                if not (self._autotune and capturing):  # a tuning kernel tunes this size when eager
                     self._launch_memo[launch_key] = chosen
             fn, clusters, split, finisher = chosen
         else:
