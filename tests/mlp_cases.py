@@ -1,4 +1,5 @@
-"""Activations and output epilogues shared by the evtc.nn.MLP tests (CPU and GPU)."""
+"""Activations and output epilogues shared by the evtc.nn.MLP tests (CPU and GPU), and a training
+step the module tests under torch.compile share."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def add_residual(acc, residual):
 
 def residual_bias(acc, bias, residual):
     return acc + bias + residual
+
+
+def compiled_step(compiled, params, m: int, width: int, generator, device="cuda"):
+    """One training step of ``compiled`` on fresh bfloat16 inputs of ``m`` rows and ``width``
+    columns (the output's width too): (y, the gradients of y . dy with respect to x and ``params``,
+    float32 leaf copies of x and ``params`` for a reference, dy)."""
+    x = torch.randn(m, width, device=device, generator=generator).bfloat16().requires_grad_()
+    dy = torch.randn(m, width, device=device, generator=generator).bfloat16()
+    y = compiled(x)
+    mine = torch.autograd.grad(y, [x, *params], dy)
+    ref = [p.detach().float().requires_grad_() for p in (x, *params)]
+    return y, mine, ref, dy

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from mlp_cases import compiled_step
 
 import evtc
 
@@ -216,11 +217,7 @@ def test_fused_linears_under_dynamic_shapes():
     gated(first(warm)).sum().backward()  # eager: builds the kernels and the twins
     compiled = torch.compile(lambda x: gated(first(x)), fullgraph=True, dynamic=True)
     for m in (300, 77, 1024):
-        x = torch.randn(m, 128, device="cuda", generator=g).bfloat16().requires_grad_()
-        dy = torch.randn(m, 128, device="cuda", generator=g).bfloat16()
-        y = compiled(x)
-        mine = torch.autograd.grad(y, [x, *params], dy)
-        ref = [p.detach().float().requires_grad_() for p in (x, *params)]
+        y, mine, ref, dy = compiled_step(compiled, params, m, 128, g)
         want = swiglu(F.gelu(ref[0] @ ref[1].t() + ref[2]) @ ref[3].t())
         _norm_close(y, want, f"forward at M={m}")
         for name, a, b in zip(["x", "weight", "bias", "gated weight"], mine,

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mlp_cases import add_residual, bias_gelu, geglu_tanh, relu_squared, residual_bias, swiglu
+from mlp_cases import (
+    add_residual,
+    bias_gelu,
+    compiled_step,
+    geglu_tanh,
+    relu_squared,
+    residual_bias,
+    swiglu,
+)
 
 import evtc
 
@@ -180,11 +188,7 @@ def test_block_under_dynamic_shapes():
     compiled = torch.compile(lambda x: block(x, residual=x), fullgraph=True, dynamic=True)
     params = [block.up.weight, block.down.weight]
     for m in (200, 33, 513):
-        x = torch.randn(m, 128, device="cuda", generator=g).bfloat16().requires_grad_()
-        dy = torch.randn(m, 128, device="cuda", generator=g).bfloat16()
-        y = compiled(x)
-        mine = torch.autograd.grad(y, [x, *params], dy)
-        ref = [p.detach().float().requires_grad_() for p in (x, *params)]
+        y, mine, ref, dy = compiled_step(compiled, params, m, 128, g)
         want = swiglu(ref[0] @ ref[1].t()) @ ref[2].t() + ref[0]
         assert y.shape == (m, 128) and _norm_error(y, want) < 2e-2
         theirs = torch.autograd.grad(want, ref, dy.float())
