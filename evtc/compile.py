@@ -234,10 +234,19 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
         log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
                  graph.name, sorted(interface.unused))
     if getattr(torch, signature.a.dtype) not in KERNEL_INPUT_DTYPES:
-        reason = ("float32 a and b: the SM90 kernel has no tf32 or float32 mainloop yet (torch.matmul "
-                  "follows torch.backends.cuda.matmul.allow_tf32)")
+        reason = f"{signature.a.dtype} a and b: the SM90 kernel takes float16, bfloat16, float32 or float8"
         return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason,
                              "Pass float16, bfloat16 or float8 a and b for a fused kernel"), None
+    if signature.a.dtype == "float32" and (signature.a_major, signature.b_major) != ("k", "k"):
+        # The tf32 wgmma reads both operands along K. Staging a transposed copy of the weight on
+        # every call would cost more than it saves, so such examples keep torch's float32 matmul.
+        wrong = [what for what, major in (("a is column-major", signature.a_major),
+                                          ("b (K, N) is row-major", signature.b_major)) if major != "k"]
+        reason = (f"float32 a and b run as tf32, whose wgmma reads both K-major, but {' and '.join(wrong)} "
+                  "(torch.matmul follows torch.backends.cuda.matmul.allow_tf32)")
+        return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason,
+                             "Compile with a row-major a (M, K) and b = w.t() of a row-major (N, K) "
+                             "weight for the tf32 kernel"), None
     if signature.a.dtype in FLOAT8_DTYPES and (signature.a_major, signature.b_major) != ("k", "k"):
         raise CompileError(_float8_layout_message(signature), loc)
     if signature.broadcast_batch is not None:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 # Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
 # cutlass or torch; :mod:`evtc.sm90.dtypes` maps them to both.
-AB_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+# float32 A and B run as tf32 (the tf32 wgmma, evtc.sm90.mma); the call path takes them only where
+# torch allows tf32 for float32 matmuls.
+AB_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 D_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # Block-scaled float8: elements of K (and columns of B) per scale; rows of A per scale.
@@ -363,9 +365,10 @@ class GemmConfig:
         if self.d_dtype in FLOAT8_DTYPES and self.d_major != "n":
             bad(f"a {self.d_dtype} D must be row-major (d_major='n'): 8-bit elements are stored by "
                 "rows of the epilogue subtile")
-        if self.ab_dtype in FLOAT8_DTYPES and (self.a_major, self.b_major) != ("k", "k"):
+        if self.ab_dtype in (*FLOAT8_DTYPES, "float32") and (self.a_major, self.b_major) != ("k", "k"):
+            what = "tf32" if self.ab_dtype == "float32" else "8-bit"
             bad(f"{self.ab_dtype} A and B must both be K-major (a_major='k', b_major='k'), got "
-                f"a_major={self.a_major!r}, b_major={self.b_major!r}: the H100's 8-bit wgmma reads "
+                f"a_major={self.a_major!r}, b_major={self.b_major!r}: the H100's {what} wgmma reads "
                 "both operands along K")
         if self.a_major not in ("k", "m"):
             bad(f"a_major must be 'k' or 'm', got {self.a_major!r}")
@@ -399,6 +402,11 @@ class GemmConfig:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.pdl not in (True, False):
             bad(f"pdl must be True or False, got {self.pdl!r}")
+        if self.ab_dtype == "float32" and self.out_tile_n % 32:
+            # The DSL aborts the process (not a Python error) building the tiles' TMA for float32 B
+            # blocks of 112 or 144 columns; 64, 128, 160, 192 and 256 compile and run.
+            bad(f"float32 (tf32) B blocks must be multiples of 32 columns wide, got {self.out_tile_n} "
+                f"(tile_n={self.tile_n})")
         if self.gated and self.b_major == "n" and self.out_tile_n * DTYPE_BYTES[self.ab_dtype] % 128:
             bad(f"a gated kernel with an N-major B loads each half of a B tile as whole 128-byte "
                 f"swizzled rows: tile_n={self.tile_n} gives halves of {self.out_tile_n} columns, "

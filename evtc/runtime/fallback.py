@@ -1,7 +1,8 @@
 """The torch path: ``torch.matmul``, then the epilogue evaluated by torch from the graph.
 
 Calls the SM90 kernel cannot run at all take this path instead of failing: tensors on the CPU, a
-machine without a Hopper GPU, float32 ``a`` and ``b`` (the kernel has no tf32 mainloop yet), K = 0.
+machine without a Hopper GPU, float32 ``a`` and ``b`` while torch's tf32 setting is off (the kernel
+multiplies them as tf32) or where they were compiled other than K-major, K = 0.
 It is the definition of the result (the interpreter is the meaning of the IR), so it is right
 wherever torch is; it is not fused, so it is as slow as eager PyTorch.
 """

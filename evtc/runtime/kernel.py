@@ -609,6 +609,9 @@ class Kernel:
                           if plan.reductions and self.config is not None else None)
         # Block-scaled float8: rows of a per scale (1 or 128); 0: a and b are plain tensors.
         self._scale_rows = plan.a_scale_rows
+        # float32 a and b: the kernel's wgmma is tf32, so it runs only where torch would use tf32 for
+        # the same matmul (read per call, as torch does); other calls take the torch path.
+        self._tf32 = self.interface.torch_only is None and plan.a.dtype == "float32"
 
     def _unpair(self, a, b):
         """A block-scaled kernel's a and b as (a, b, (a's scales, b's scales))."""
@@ -747,7 +750,7 @@ class Kernel:
             a, b, scales = self._unpair(a, b)
         if self._kernel_runs is None:
             self._kernel_runs = self.interface.torch_only is None and _gpu_ok() is None
-        if self._kernel_runs:
+        if self._kernel_runs and not (self._tf32 and not torch.backends.cuda.matmul.allow_tf32):
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
@@ -795,6 +798,10 @@ class Kernel:
             return reason
         if a.device.type != "cuda":
             return f"the tensors are on {a.device}"
+        if self._tf32 and not torch.backends.cuda.matmul.allow_tf32:
+            return ("float32 a and b: the kernel multiplies them as tf32, which torch allows only with "
+                    "torch.backends.cuda.matmul.allow_tf32 (torch.set_float32_matmul_precision('high')); "
+                    "this call is computed in full float32")
         if a.shape[-1] == 0:
             return "K = 0 (the accumulator is all zeros)"
         if isinstance(b, torch.Tensor) and self._halves_off_scale_chunk(b.shape[-1]):

@@ -41,6 +41,7 @@ from evtc.plan.config import (
     GemmConfig,
 )
 from evtc.sm90.dtypes import cutlass_dtype
+from evtc.sm90.mma import make_tiled_mma
 from evtc.sm90.scheduler import TileScheduler
 from evtc.sm90.visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
 
@@ -170,7 +171,7 @@ class Sm90GemmKernel:
         if cutlass.const_expr(mD.element_type != self.d_dtype):
             raise TypeError(f"D must be {self.d_dtype}, got {mD.element_type}")
 
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        tiled_mma = make_tiled_mma(
             self.ab_dtype,
             self.b_dtype,
             self.a_layout.sm90_mma_major_mode(),
