@@ -210,6 +210,11 @@ def float8_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float("nan") if ratio.isnan().any() else ratio.max().item()
 
 
+def tf32_truncated(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` with its 13 low mantissa bits cleared: what the tf32 wgmma multiplies."""
+    return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
 def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
     """Run ``kernel`` on every shape of ``case`` into poisoned outputs and compare with the function
     itself in float32. Returns what failed (empty when everything matched)."""
@@ -222,14 +227,22 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
         for name in ("a", "b"):  # block-scaled: (tensor, scales) pairs
             if isinstance(inputs[name], tuple):
                 before.update({f"{name}[{i}]": t.clone() for i, t in enumerate(inputs[name])})
-        reference = evtc.reference(fn, inputs)
+        tf32 = case.ab_dtype == "float32"
+        # float32 a and b: the kernel runs while torch allows tf32, and its wgmma rounds them toward
+        # zero to tf32; the reference is the function in float32 on a and b so rounded.
+        reference = evtc.reference(fn, inputs | {"a": tf32_truncated(inputs["a"]),
+                                                 "b": tf32_truncated(inputs["b"])} if tf32 else inputs)
         out = _poisoned(kernel, reference)
         where = f"{m}x{n}x{k} L={case.batches}{' ' + str(majors) if majors else ''}"
+        allowed = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
             got = kernel(**inputs, out=out)
         except Exception as exc:  # noqa: BLE001 - every failure is reported with its case
             failures.append(f"{where}: {type(exc).__name__}: {exc}")
             continue
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = allowed
         for (key, g), (_, o), (_, r) in zip(_leaves(got), _leaves(out), _leaves(reference), strict=True):
             if g is not o:
                 failures.append(f"{where} output {key}: not the out= tensor")
@@ -361,6 +374,9 @@ def random_case(seed: int, index: int) -> Case:
         # kernel, others the torch path).
         if ab_rng.random() < 0.5:
             block_scales = ab_rng.choice([1, 128])
+    elif random.Random(f"evtc-fuzz-tf32:{seed}:{index}").random() < 0.125:
+        # float32 a and b (the tf32 kernel) in one case of ten, K-major as they compile to a kernel.
+        ab_dtype, a_major, b_major = "float32", "k", "k"
     return Case(f"fuzz-{seed}-{index}", source, operands, ab_dtype, a_major, b_major, batches, gated, shapes,
                 out_dtypes, call_majors=call_majors, seed=index, block_scales=block_scales)
 
