@@ -71,9 +71,12 @@ def test_generated_cases_cover_every_axis():
     assert {op.dtype for op in operands if op.kind == "tile"} == {"float16", "bfloat16", "float32"}
     assert any(op.major == "m" for op in operands) and any(op.half for op in operands)
     assert {c.gated for c in cases} == {True, False} and {c.batches for c in cases} == {None, 2, 3, 4}
-    assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
-    # float8 a and b are compiled K-major (tests/test_fp8.py: other examples are refused).
-    assert all((c.a_major, c.b_major) == ("k", "k") for c in cases if c.ab_dtype.startswith("float8"))
+    assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"}
+    # float8 a and b are compiled K-major (tests/test_fp8.py: other examples are refused), and so are
+    # float32 ones (tf32: other examples keep the torch path, tests/test_tf32.py).
+    assert all((c.a_major, c.b_major) == ("k", "k") for c in cases if c.ab_dtype.startswith("float8")
+               or c.ab_dtype == "float32")
+    assert any(c.gated for c in cases if c.ab_dtype == "float32")
     # Block scales (docs/fp8.md) on float8 cases, gated ones too, at both granularities.
     assert {c.block_scales for c in cases} == {0, 1, 128}
     assert all(c.ab_dtype.startswith("float8") for c in cases if c.block_scales)
