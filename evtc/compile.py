@@ -233,10 +233,9 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     if interface.unused:
         log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
                  graph.name, sorted(interface.unused))
-    if getattr(torch, signature.a.dtype) not in KERNEL_INPUT_DTYPES:
-        reason = f"{signature.a.dtype} a and b: the SM90 kernel takes float16, bfloat16, float32 or float8"
-        return _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason,
-                             "Pass float16, bfloat16 or float8 a and b for a fused kernel"), None
+    if getattr(torch, signature.a.dtype) not in KERNEL_INPUT_DTYPES:  # every dtype the tracer takes
+        raise CompileError(f"{signature.a.dtype} a and b: the SM90 kernel takes float16, bfloat16, float32 "
+                           "or float8", loc)
     if signature.a.dtype == "float32" and (signature.a_major, signature.b_major) != ("k", "k"):
         # The tf32 wgmma reads both operands along K. Staging a transposed copy of the weight on
         # every call would cost more than it saves, so such examples keep torch's float32 matmul.

@@ -1,7 +1,8 @@
 """CPU tests of the call paths besides the plain kernel launch (docs/compile.md, "Call paths"):
 
 - the staging helpers that give the kernel aligned copies of tensors TMA cannot read as they are;
-- the torch path (torch.matmul, then the graph evaluated by torch): CPU tensors, float32 a and b;
+- the torch path (torch.matmul, then the graph evaluated by torch): CPU tensors, float32 a and b
+  compiled from examples that are not K-major (K-major ones: tests/test_tf32.py);
 - every parameter of the user's function is accepted at call time (unused ones ignored,
   compile-time constants checked);
 - strict=True turns every detour into an error.
@@ -123,7 +124,7 @@ def test_strict_refuses_the_torch_path(cache):
     assert evtc.compile(residual, ex, cache_dir=cache) is not k  # strict is not shared
 
 
-def test_float32_a_and_b_take_the_torch_path(cache):
+def test_float32_a_and_b_not_k_major_take_the_torch_path(cache):
     ex = _inputs(dtype=torch.float32) | {"alpha": 2.0}
     k = evtc.compile(residual, ex, cache_dir=cache)
     assert "no SM90 kernel: float32 a and b" in k.source and "%acc = a @ b" in k.source

@@ -2,7 +2,8 @@
 
 Every call ``torch.matmul`` plus the epilogue would accept must give the right answer: rows whose
 pitch is not a multiple of 16 bytes (outputs, a, b, C, gated halves), strided and transposed views,
-misaligned pointers, tiny problems, K = 0 and float32 ``a`` and ``b``. Each result is checked
+misaligned pointers, tiny problems, K = 0 and float32 ``a`` and ``b`` compiled from a row-major ``b``
+(which keep the torch path; K-major ones run as tf32: tests/test_tf32_gpu.py). Each result is checked
 against the function itself run by torch in float32, with outputs poisoned first where ``out=`` is
 given; ``strict=True`` must refuse each detour instead.
 """
@@ -170,7 +171,7 @@ def test_reductions_with_odd_widths(cache, batches):
     _check(got, _ref(row_stats, a, b, bias=bias), f"stats L={batches}")
 
 
-def test_k_zero_and_float32_inputs_take_the_torch_path(cache):
+def test_k_zero_and_float32_inputs_not_k_major_take_the_torch_path(cache):
     m, n = 64, 96
     bias = randn(n, dtype=torch.float32)
     kernel = _compile(bias_gelu, randn(64, 64), randn(64, 64), cache, bias=randn(64, dtype=torch.float32))

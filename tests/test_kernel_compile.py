@@ -227,7 +227,9 @@ def test_column_major_output_needs_a_single_tile_output():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(ab_dtype="float32"), dict(d_dtype="int8"), dict(a_major="n"), dict(b_major="m"),
+    dict(ab_dtype="int8"),
+    dict(ab_dtype="float32", b_major="k", schedule="cooperative", tile_n=112, epi_tile_n=16),
+    dict(d_dtype="int8"), dict(a_major="n"), dict(b_major="m"),
     dict(d_major="k"), dict(tile_n=96), dict(cluster=(2, 2)), dict(epi_tile_n=8),
     dict(tile_n=64, epi_tile_n=64, ab_stages=1), dict(raster="z"), dict(schedule="pingpang"),
 ])

@@ -80,3 +80,64 @@ def test_float32_examples_that_are_not_k_major_keep_the_torch_path(tmp_path, lay
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
     with pytest.raises(evtc.CompileError, match="K-major.*strict=True"):
         evtc.compile(relu_bias, ex, cache_dir=tmp_path, strict=True)
+
+
+class _KernelPathTaken(Exception):
+    """Raised by a stubbed kernel launch: the call chose the kernel."""
+
+
+def _stub_kernel_launch(*args, **kwargs):
+    raise _KernelPathTaken
+
+
+@pytest.fixture
+def restore_tf32_settings():
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    before = matmul.fp32_precision if new_api else matmul.allow_tf32
+    yield new_api
+    if new_api:
+        torch.backends.fp32_precision = "none"
+        matmul.fp32_precision = before
+    else:
+        matmul.allow_tf32 = before
+
+
+def test_each_call_follows_torchs_tf32_setting_old_and_new_api(tmp_path, restore_tf32_settings):
+    """The kernel is chosen only while torch would use tf32, however that was said: the legacy flag,
+    set_float32_matmul_precision, or (torch >= 2.9) fp32_precision, whose use makes reading the
+    legacy flag raise. Off, the call is computed in full float32 by torch."""
+    ex = _k_major(64, 96, 128) | {"bias": torch.randn(96)}
+    kern = evtc.compile(relu_bias, ex, cache_dir=tmp_path)
+    kern._kernel_runs = True  # as on a Hopper GPU
+    kern._run_kernel = _stub_kernel_launch
+    want = relu_bias(ex["a"].double() @ ex["b"].double(), ex["bias"].double())
+    matmul = torch.backends.cuda.matmul
+
+    def chose_kernel() -> bool:
+        try:
+            got = kern(**ex)
+        except _KernelPathTaken:
+            return True
+        assert kern.last_path == "torch"
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+        return False
+
+    matmul.allow_tf32 = False
+    assert not chose_kernel()
+    matmul.allow_tf32 = True
+    assert chose_kernel()
+    torch.set_float32_matmul_precision("highest")
+    assert not chose_kernel()
+    torch.set_float32_matmul_precision("high")
+    assert chose_kernel()
+    if restore_tf32_settings:  # the new API
+        matmul.fp32_precision = "ieee"
+        assert not chose_kernel()
+        matmul.fp32_precision = "tf32"
+        assert chose_kernel()
+        matmul.fp32_precision = "none"
+        torch.backends.fp32_precision = "tf32"  # inherited by matmul
+        assert chose_kernel()
+        torch.backends.fp32_precision = "ieee"
+        assert not chose_kernel()

@@ -57,6 +57,17 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+def tf32_allowed() -> bool:
+    """Whether torch multiplies float32 matrices in tf32 now. Torch 2.9 and later keep the setting as
+    ``fp32_precision`` (its old ``allow_tf32`` flag raises once the new API has been used); older
+    versions only have the flag."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    return precision == "tf32"
+
+
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up halves of ``t`` along its last dim: views, never copies (one torch call,
     cheaper than two slices)."""
@@ -750,7 +761,7 @@ class Kernel:
             a, b, scales = self._unpair(a, b)
         if self._kernel_runs is None:
             self._kernel_runs = self.interface.torch_only is None and _gpu_ok() is None
-        if self._kernel_runs and not (self._tf32 and not torch.backends.cuda.matmul.allow_tf32):
+        if self._kernel_runs and not (self._tf32 and not tf32_allowed()):
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
@@ -798,10 +809,10 @@ class Kernel:
             return reason
         if a.device.type != "cuda":
             return f"the tensors are on {a.device}"
-        if self._tf32 and not torch.backends.cuda.matmul.allow_tf32:
+        if self._tf32 and not tf32_allowed():
             return ("float32 a and b: the kernel multiplies them as tf32, which torch allows only with "
-                    "torch.backends.cuda.matmul.allow_tf32 (torch.set_float32_matmul_precision('high')); "
-                    "this call is computed in full float32")
+                    "torch.backends.cuda.matmul.allow_tf32 or fp32_precision = 'tf32' "
+                    "(torch.set_float32_matmul_precision('high')); this call is computed in full float32")
         if a.shape[-1] == 0:
             return "K = 0 (the accumulator is all zeros)"
         if isinstance(b, torch.Tensor) and self._halves_off_scale_chunk(b.shape[-1]):

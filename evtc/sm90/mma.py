@@ -4,8 +4,8 @@ The CuTe DSL 4.8.1 exposes the SM90 wgmma for f16/bf16, float8 and int8 operands
 type under them (``MmaAtomSM90Type``) also takes tf32, which PTX offers as
 ``wgmma.mma_async.m64nNk8.f32.tf32.tf32``. :class:`MmaTF32Op` builds that atom the way the DSL's
 own operations build theirs; it depends on DSL internals, which the exact pin of
-nvidia-cutlass-dsl keeps still (``test_ptx_of_float32_inputs_holds_the_tf32_wgmma`` would catch a
-change).
+nvidia-cutlass-dsl keeps still (``test_k_major_float32_compiles_to_the_tf32_wgmma`` in
+tests/test_tf32.py would catch a change).
 
 The tf32 wgmma reads both operands from shared memory as stored, float32 bit patterns, and uses
 their top 19 bits (sign, exponent, 10 mantissa bits): each element is rounded toward zero to tf32.
