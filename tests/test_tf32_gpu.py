@@ -198,3 +198,41 @@ def test_every_tile_of_the_family(tmp_path, tf32_on, knobs):
     assert kernel.last_path == "kernel"
     ref = torch.relu(truncated(a).double() @ truncated(b).double() + C.double() + bias.double())
     assert _rel(got, ref) < SHARP, _rel(got, ref)
+
+
+def bias_gelu(acc, bias):
+    return F.gelu(acc + bias)
+
+
+def test_float32_linear_and_module_train_through_the_tf32_kernel(tmp_path, tf32_on):
+    """evtc.linear and FusedLinear with float32 parameters and no autocast: the forward is the tf32
+    kernel, the backward (torch's GEMMs, in tf32 too) matches autograd of the same function by norm;
+    with tf32 off the forward is full float32."""
+    g = torch.Generator(device="cuda").manual_seed(30)
+    x = torch.randn(4, 96, 512, device="cuda", generator=g).requires_grad_()
+    w = (torch.randn(768, 512, device="cuda", generator=g) * 512 ** -0.5).requires_grad_()
+    bias = torch.randn(768, device="cuda", generator=g).requires_grad_()
+    lin = evtc.linear(bias_gelu, {"x": x, "weight": w, "bias": bias}, cache_dir=tmp_path)
+    y = lin(x, w, bias=bias)
+    ref = F.gelu(truncated(x.detach()).double() @ truncated(w.detach()).double().t() + bias.detach().double())
+    assert y.dtype == torch.float32 and _rel(y, ref) < SHARP, _rel(y, ref)
+    dy = torch.randn(y.shape, device="cuda", generator=g)
+    mine = torch.autograd.grad(y, (x, w, bias), dy)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, bias))
+    want = torch.autograd.grad(F.gelu(xd @ wd.t() + bd), (xd, wd, bd), dy.double())
+    for name, a, b in zip(("x", "weight", "bias"), mine, want, strict=True):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert a.dtype == torch.float32 and err < 3e-3, (name, err)
+
+    layer = evtc.nn.FusedLinear(512, 768, bias_gelu, device="cuda", dtype=torch.float32, cache_dir=tmp_path)
+    out = layer(x)
+    ref = F.gelu(truncated(x.detach()).double() @ truncated(layer.weight.detach()).double().t()
+                 + layer.bias.detach().double())
+    assert _rel(out, ref) < SHARP
+    out.sum().backward()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.no_grad():
+        full = layer(x)
+    exact = F.gelu(x.detach().double() @ layer.weight.detach().double().t() + layer.bias.detach().double())
+    assert _rel(full, exact) < 1e-5, _rel(full, exact)

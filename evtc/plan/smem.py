@@ -117,6 +117,14 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Where an epilogue's loads at 2 stages leave fewer A/B stages than this, 128 x 16 subtiles are taken
+# if they leave more. A float32 C and D in ping-pong 128 x 128 tiles leave 3 (two warpgroups' rings
+# of 16 KiB subtiles); 128 x 16 subtiles leave 5, and ran 1.15-1.40x faster on the H100 at four
+# shapes with K = 3584 to 14336, float32 and bf16 A and B alike (docs/performance.md, "float32
+# epilogue tiles").
+STARVED_AB_STAGES = 4
+
+
 def fit_config(knobs: dict[str, Any], emitted, signature):
     """The configuration of ``knobs``, its epilogue loads planned, checked to fit in shared memory.
 
@@ -191,7 +199,8 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
     Where a whole tile of the configured subtiles does not fit, 128x16 subtiles are tried for the
     whole tile unless the user chose `epi_tile_n` (narrower subtiles cost barriers, so only the whole
     tile is worth them). Otherwise the deepest staging that keeps those A/B stages wins, and failing
-    that the old rule: at least 2 stages, as deep as costs no A/B stage.
+    that the old rule: at least 2 stages, as deep as costs no A/B stage; where that starves the A/B
+    pipeline (fewer than STARVED_AB_STAGES), 128x16 subtiles if they leave it more stages.
     """
     if "load_stages" in knobs or not any(KINDS[p.kind].staged_load for p in emitted.inputs):
         return cfg
@@ -213,12 +222,23 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
             return narrow.replace(load_stages=narrow.num_subtiles)
     if depth is not None:
         return cfg.replace(load_stages=depth)
+    planned, ab = _shallow_loads(cfg, emitted, signature)
+    if ab < STARVED_AB_STAGES and "epi_tile_n" not in knobs and cfg.epi_tile_n != 16:
+        narrow, narrow_ab = _shallow_loads(cfg.replace(epi_tile_n=16), emitted, signature)
+        if narrow_ab > ab:
+            return narrow
+    return planned
+
+
+def _shallow_loads(cfg, emitted, signature):
+    """The old rule: at least 2 epilogue-load stages, as deep as costs no A/B stage. Returns the
+    configuration and its A/B stages."""
     depth = cfg.c_stages
     floor = min(2, depth)
     ab_at_floor = _ab_stages(emitted, signature, cfg, floor)
     while depth > floor and _ab_stages(emitted, signature, cfg, depth) < ab_at_floor:
         depth -= 1
-    return cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg
+    return (cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg), ab_at_floor
 
 
 __all__ = ["COLUMN_REDUCTION_WARP_ROWS", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN", "column_reduction_columns",
