@@ -96,3 +96,24 @@ def test_the_planner_loads_neither_the_dsl_nor_sympy():
             "print('cutlass' in sys.modules, 'sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def _float32_residual(acc, C):
+    return (acc + C).float()
+
+
+@pytest.mark.parametrize("ab", [torch.float32, torch.bfloat16], ids=["tf32", "bf16"])
+def test_starved_pipelines_take_narrow_subtiles(tmp_path, ab):
+    """A float32 C and D in ping-pong 128 x 128 tiles: 32-column subtiles at 2 load stages leave 3 A/B
+    stages, 16-column ones 5 (1.15-1.40x faster on the H100), so the planner takes those; a pinned
+    epi_tile_n is kept, starved or not."""
+    import evtc
+
+    ex = {"a": torch.empty(256, 512, dtype=ab, device="meta"),
+          "b": torch.empty(384, 512, dtype=ab, device="meta").t(),
+          "C": torch.empty(256, 384, device="meta")}
+    tile = {"schedule": "pingpong", "tile_m": 128, "tile_n": 128, "cluster": (1, 2)}
+    chosen = evtc.compile(_float32_residual, ex, cache_dir=tmp_path, config=tile)
+    assert chosen.config.epi_tile_n == 16 and chosen.stages["ab"] == 5, (chosen.config, chosen.stages)
+    pinned = evtc.compile(_float32_residual, ex, cache_dir=tmp_path, config={**tile, "epi_tile_n": 32})
+    assert pinned.config.epi_tile_n == 32 and pinned.stages["ab"] == 3, (pinned.config, pinned.stages)
