@@ -50,6 +50,37 @@ def test_the_tf32_kernels_of_other_tiles_compile_too(tmp_path):
         assert _wgmmas(k.ptx) == {("8", "f32.tf32.tf32")}, knobs
 
 
+_FAMILY_SCRIPT = """
+import sys, torch, evtc
+def fn(acc, C):
+    return acc + C
+ex = {"a": torch.empty(256, 512), "b": torch.empty(768, 512).t(), "C": torch.empty(256, 768)}
+k = evtc.compile(fn, ex, arch="sm_90a", cache_dir=sys.argv[1])
+for cfg in k._family:
+    for cluster in ((1, 1), (2, 1), (1, 2)):
+        one = cfg.replace(cluster=cluster)
+        k._variant(one)
+        print(one.short_name(), flush=True)
+print("done")
+"""
+
+
+def test_every_configuration_of_the_float32_family_builds(tmp_path):
+    """Each tile of a float32 kernel's family in each cluster shape builds, in a process of its own:
+    the DSL aborts the process (no Python error) on some float32 tiles (112 or 144 columns), and
+    this is where a new width or rule that admits such a tile would show."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    run = subprocess.run([sys.executable, "-c", _FAMILY_SCRIPT, str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=1200)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("done"), (
+        f"exit {run.returncode}; built before it stopped:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    assert len(run.stdout.splitlines()) > 12
+
+
 def test_a_float32_config_must_be_k_major():
     assert GemmConfig(ab_dtype="float32", b_major="k").tile_k == 32
     for majors in ({"b_major": "n"}, {"a_major": "m", "b_major": "k"}):
