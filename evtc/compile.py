@@ -198,14 +198,11 @@ def _float8_layout_message(signature) -> str:
 def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict):
     """The full path: trace, optimize, generate, plan and obtain. Returns the kernel and its front
     record (None for a kernel without SM90 code)."""
-    import torch
-
     from evtc.api import trace
     from evtc.codegen.emit import emit
     from evtc.frontend.epilogue import unwrap
     from evtc.frontend.source import definition_location
     from evtc.ir.block_scales import scale_problem, split_inputs
-    from evtc.ir.dtypes import KERNEL_INPUT_DTYPES
     from evtc.ir.passes.gated import kernel_graph
     from evtc.plan.config import DEFAULT_SCHEDULE, FLOAT8_DTYPES, ConfigError
     from evtc.plan.signature import KernelSignature, dtype_name
@@ -233,9 +230,6 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     if interface.unused:
         log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
                  graph.name, sorted(interface.unused))
-    if getattr(torch, signature.a.dtype) not in KERNEL_INPUT_DTYPES:  # every dtype the tracer takes
-        raise CompileError(f"{signature.a.dtype} a and b: the SM90 kernel takes float16, bfloat16, float32 "
-                           "or float8", loc)
     if signature.a.dtype == "float32" and (signature.a_major, signature.b_major) != ("k", "k"):
         # The tf32 wgmma reads both operands along K. Staging a transposed copy of the weight on
         # every call would cost more than it saves, so such examples keep torch's float32 matmul.

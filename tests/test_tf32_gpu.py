@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from epilogue_cases import tf32_truncated
 
 import evtc
 
@@ -35,9 +36,7 @@ def tf32_on():
 SHARP = 4e-5  # largest relative error against the truncated operands' float64 product
 
 
-def truncated(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (float32) with its 13 low mantissa bits cleared: what the tf32 wgmma multiplies."""
-    return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)
+truncated = tf32_truncated  # what the tf32 wgmma multiplies
 
 
 def _inputs(m, n, k, seed=0, batches=None):

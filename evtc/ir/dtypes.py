@@ -14,12 +14,10 @@ COMPUTE_DTYPE = torch.float32
 #: Dtypes an epilogue operand tensor may have in memory.
 OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Dtypes of the GEMM inputs a and b.
+#: Dtypes of the GEMM inputs a and b, all of which the SM90 kernel takes. float32 runs as tf32, and
+#: only where torch allows tf32 for float32 matmuls; otherwise it takes the torch path
+#: (evtc.runtime.fallback).
 GEMM_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
-
-#: Dtypes of a and b the SM90 kernel takes. float32 runs as tf32, and only where torch allows tf32 for
-#: float32 matmuls; otherwise it takes the torch path (evtc.runtime.fallback).
-KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: Dtypes a value may be cast to with `.to(dtype)`, and an output may be stored as.
 CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)

@@ -761,7 +761,7 @@ class Kernel:
             a, b, scales = self._unpair(a, b)
         if self._kernel_runs is None:
             self._kernel_runs = self.interface.torch_only is None and _gpu_ok() is None
-        if self._kernel_runs and not (self._tf32 and not tf32_allowed()):
+        if self._kernel_runs and (not self._tf32 or tf32_allowed()):
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
