@@ -319,11 +319,12 @@ _TILE_KNOBS = ("tile_m", "tile_n", "schedule", "cluster")
 
 def _tile_family(cfg, knobs, emitted, signature) -> tuple:
     """The configurations a kernel compiled without tile knobs may run a problem with
-    (:func:`evtc.plan.selector.tile_family`), each planned like ``cfg`` for this epilogue; just
+    (:func:`evtc.plan.selector.tile_family`), each planned like ``cfg`` for this epilogue, then the
+    one-wave twins of its cooperative tiles (:func:`evtc.plan.selector.one_wave_twins`); just
     ``cfg`` where the user fixed the tile."""
     from evtc.plan.config import ConfigError
-    from evtc.plan.selector import tile_family
-    from evtc.plan.smem import fit_config
+    from evtc.plan.selector import one_wave_twins, tile_family
+    from evtc.plan.smem import ab_stages_of, fit_config
 
     if any(knob in knobs for knob in _TILE_KNOBS):
         return (cfg,)
@@ -335,7 +336,8 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
         except (ConfigError, TypeError):
             return None
 
-    return tile_family(cfg, fit)
+    family = tile_family(cfg, fit)
+    return family + one_wave_twins(family, lambda c: ab_stages_of(c, emitted, signature))
 
 
 def _user_operand_names(graph, emitted) -> set[str]:

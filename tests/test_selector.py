@@ -20,8 +20,10 @@ from evtc.plan.selector import (
     HEAVY_EPILOGUE_TILES,
     LONG_K,
     MANY_WAVES,
+    ONE_WAVE_D_STAGES,
     choose_launch,
     choose_tile,
+    one_wave_twins,
     tile_family,
     with_a_rows_for,
 )
@@ -528,3 +530,54 @@ def test_widths_not_a_multiple_of_64_need_a_k_major_b():
     GemmConfig(b_major="k", tile_n=144, epi_tile_n=16, schedule="cooperative").validate()
     with pytest.raises(ConfigError, match="K-major B"):
         GemmConfig(b_major="n", tile_n=144, epi_tile_n=16, schedule="cooperative").validate()
+
+
+def _ab_stages(config: GemmConfig) -> int:
+    return config.plan_stages(0)[0]  # an identity epilogue: no visitor buffers, D in its own
+
+
+def test_one_wave_twins_only_where_two_d_buffers_buy_an_a_b_stage():
+    twins = one_wave_twins(FAMILY, _ab_stages)
+    assert all(t.schedule == "cooperative" and t.epi_stages == ONE_WAVE_D_STAGES for t in twins)
+    assert all(_ab_stages(t) > _ab_stages(t.replace(epi_stages=None)) for t in twins)
+    # 16-bit A and B: 112 and 144 wide (7 and 9 subtiles of D staged whole) and 192 and 256 gain a
+    # stage; 128 x 128 (6 A/B stages either way), 128 x 160 and 128 x 64 do not.
+    assert sorted(t.tile_n for t in twins) == [112, 144, 192, 256]
+    # Twins come after the family: a tile shape finds its own configuration first.
+    assert one_wave_twins(FAMILY + twins, _ab_stages) == ()
+
+
+@pytest.mark.parametrize("m,n,k,width", [(512, 3584, 18944, 112), (512, 4608, 3584, 144),
+                                         (512, 6144, 4096, 192), (512, 8192, 8192, 256)])
+def test_one_tile_per_cta_takes_the_one_wave_twin(m, n, k, width):
+    family = FAMILY + one_wave_twins(FAMILY, _ab_stages)
+    config, splits = _launch(m, n, k, family=family)
+    assert (config.schedule, config.tile_n, splits) == ("cooperative", width, 1)
+    assert cta_tile_grid(m, n, 1, config, config.cluster) <= SLOTS
+    assert config.epi_stages == ONE_WAVE_D_STAGES, config.short_name()
+    # The family without twins (a kernel of an older cache record): the same launch, D staged whole.
+    plain, _ = _launch(m, n, k)
+    assert plain == config.replace(epi_stages=None)
+
+
+@pytest.mark.parametrize("m,n,k", [(2048, 3584, 18944), (512, 7168, 2048), (1024, 4608, 3584),
+                                   (4096, 4096, 4096), (512, 10240, 8192)])
+def test_more_tiles_than_ctas_or_no_gain_keep_d_staged_whole(m, n, k):
+    family = FAMILY + one_wave_twins(FAMILY, _ab_stages)
+    config, _ = _launch(m, n, k, family=family)
+    assert config.epi_stages is None, config.short_name()
+
+
+def test_kernel_families_carry_twins_where_d_has_buffers_of_its_own(tmp_path):
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    identity = evtc.compile(_identity, ex, arch="sm_90a", cache_dir=tmp_path)
+    assert identity.launch_for(512, 3584, 18944)[0].epi_stages == ONE_WAVE_D_STAGES
+    assert "with 2 D buffers and one more A/B stage" in identity.explain()
+    # A residual's C holds D in its load buffers: D's staging costs no A/B stage, so no twins.
+    residual = evtc.compile(lambda acc, C: acc + C, {**ex, "C": _meta(8, 64)}, arch="sm_90a",
+                            cache_dir=tmp_path)
+    assert all(c.epi_stages is None for c in residual._family)
+    # A pinned tile keeps its configuration.
+    pinned = evtc.compile(_identity, ex, config={"schedule": "cooperative", "tile_n": 112},
+                          arch="sm_90a", cache_dir=tmp_path)
+    assert pinned.launch_for(512, 3584, 18944)[0].epi_stages is None

@@ -83,3 +83,30 @@ def test_an_n_major_weight_keeps_widths_of_64(cache):
     config, _ = kernel.launch_for(m, n, k)
     assert config.tile_n % 64 == 0, config.short_name()
     assert_close(kernel(x, b), x.double() @ b.double())
+
+
+def _scaled_bias_relu(acc, bias, row_scale):
+    return torch.relu(acc * row_scale + bias)
+
+
+@pytest.mark.parametrize("m,n,k,width", [
+    (512, 3584, 1024, 112), (512, 4608, 512, 144), (512, 6144, 640, 192), (300, 8192, 520, 192),
+    (512, 8192, 1024, 256),
+    (512, 4096, 1000, 128),  # with row and column vectors, 128 x 128 gains a stage too
+])
+def test_one_tile_per_cta_runs_the_one_wave_twin(cache, m, n, k, width):
+    """Where each CTA runs one tile, the selector launches the tile with 2 D buffers and one more A/B
+    stage (evtc.plan.selector.one_wave_twins); the results match float64, ragged K included."""
+    from evtc.plan.selector import ONE_WAVE_D_STAGES
+
+    x, w, g = linear_inputs(m, n, k, seed=m + n + k)
+    bias = torch.randn(n, device="cuda", generator=g)
+    row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
+    kernel = evtc.compile(_scaled_bias_relu, {"a": x, "b": w.t(), "bias": bias, "row_scale": row_scale},
+                          cache_dir=cache)
+    config, splits = kernel.launch_for(m, n, k)
+    assert (config.schedule, config.tile_n, config.epi_stages, splits) == (
+        "cooperative", width, ONE_WAVE_D_STAGES, 1), config.short_name()
+    acc = x.double() @ w.double().t()
+    assert_close(kernel(x, w.t(), bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + bias.double()))

@@ -490,6 +490,7 @@ class GemmConfig:
         name = name if self.store_d else name + " no-D"
         name = name + " split-k" if self.split_k else name
         name = name + f" a{self.a_rows}" if self.a_rows is not None else name
+        name = name + f" d{self.epi_stages}" if self.epi_stages is not None else name
         name = name + " pdl" if self.pdl else name
         name = name + f" blockscaled{self.block_scales}x128" if self.block_scales else name
         return name + " pingpong" if self.schedule == "pingpong" else name

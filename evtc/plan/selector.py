@@ -29,6 +29,9 @@ docs/performance.md, "A launch per problem size"):
   (:func:`evtc.plan.split_k.modelled_splits`): each split costs a round trip of the accumulator
   through memory, which only a K loop far longer than HBM needs for the whole problem repays.
   Past one wave, only a thin last round is split (:func:`evtc.plan.split_k.choose_tail_splits`).
+* **Then D's staging.** A cooperative launch that runs at most one tile per CTA, unsplit, takes
+  its tile's one-wave twin where the family has one (:func:`one_wave_twins`): 2 D buffers and
+  one more A/B stage.
 """
 
 from __future__ import annotations
@@ -93,6 +96,15 @@ FAMILY = (
     ("cooperative", 128, 144),
     ("cooperative", 128, 160),
 )
+# D buffers of a cooperative tile's one-wave twin (:func:`one_wave_twins`). D is staged for the whole
+# tile so that its store drains during the next tile's mainloop; a CTA with one tile has no next
+# tile, and the shared memory buys an A/B stage instead where it is enough for one. Measured on the
+# H100 (docs/performance.md, "One tile per CTA"), cuBLAS / evtc at M = 512: 512 x 3584 x 18944 in
+# 128 x 112 tiles 0.92x with 6 A/B stages and 7 D buffers, 0.97x with 7 and 2; 512 x 4608 x 3584
+# in 128 x 144 0.94x (5 A/B stages) against 0.97x (6); 512 x 6144 x 4096 in 128 x 192 0.98x (4)
+# against 0.99x (5). With several tiles per CTA the same swap moved by -3% to +6%, so it is kept to
+# one wave.
+ONE_WAVE_D_STAGES = 2
 # Widths of 128-row cooperative tiles compared by :func:`_wave_fitted` (those in the family).
 WAVE_FIT_WIDTHS = (112, 128, 144, 160, 192, 256)
 # What a round of tiles costs besides its columns, in columns: the pipeline's fill and the epilogue,
@@ -121,6 +133,34 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> t
         if config is not None and config not in family:
             family.append(config)
     return tuple(family)
+
+
+def one_wave_twins(family: Sequence[GemmConfig],
+                   ab_stages_of: Callable[[GemmConfig], int]) -> tuple[GemmConfig, ...]:
+    """For each cooperative configuration of ``family`` whose D staging leaves fewer A/B stages
+    than :data:`ONE_WAVE_D_STAGES` D buffers would, that configuration with those D buffers (its
+    one-wave twin; see :func:`choose_launch`). ``ab_stages_of(config)``: the A/B stages the kernel
+    of ``config`` gets with this epilogue (:func:`evtc.plan.smem.ab_stages_of`). The twins go after
+    the family, so that a tile shape finds its own configuration first."""
+    twins = []
+    for config in family:
+        if config.schedule != "cooperative" or config.epi_stages is not None or not config.store_d:
+            continue
+        twin = config.replace(epi_stages=ONE_WAVE_D_STAGES)
+        if ab_stages_of(twin) > ab_stages_of(config) and twin not in family and twin not in twins:
+            twins.append(twin)
+    return tuple(twins)
+
+
+def _one_wave_twin(config: GemmConfig, family: Sequence[GemmConfig]) -> GemmConfig:
+    """``config`` with its one-wave twin's D staging, where ``family`` has that twin."""
+    if config.epi_stages is not None:
+        return config
+    twin = config.replace(epi_stages=ONE_WAVE_D_STAGES)
+    found = any(c.epi_stages == ONE_WAVE_D_STAGES
+                and c.replace(cluster=twin.cluster, a_rows=twin.a_rows, split_k=twin.split_k) == twin
+                for c in family)
+    return twin if found else config
 
 
 def family_digest(family: Sequence[GemmConfig], chooses_cluster: bool) -> str:
@@ -295,10 +335,12 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         splits = modelled_splits(choose_splits(k, tiles, slots, config.tile_k), m, n, k, batches, config)
         if splits == 1:
             splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1], config.tile_k)
+    if splits == 1 and cta_tile_grid(m, n, batches, config, config.cluster) <= slots_of(config.cluster):
+        config = _one_wave_twin(config, family)
     return config, splits
 
 
 __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M",
-           "FAMILY", "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "WAVE_FIT_MAX_WAVES",
-           "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile", "family_digest",
-           "tile_family", "with_a_rows_for", "with_cluster_for"]
+           "FAMILY", "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_D_STAGES",
+           "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
+           "family_digest", "one_wave_twins", "tile_family", "with_a_rows_for", "with_cluster_for"]

@@ -189,6 +189,11 @@ def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
     return cfg.plan_stages(smem, shares_d)[0]
 
 
+def ab_stages_of(cfg, emitted, signature) -> int:
+    """A/B stages the kernel of a planned configuration ``cfg`` gets with this epilogue."""
+    return _ab_stages(emitted, signature, cfg, cfg.c_stages)
+
+
 def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
     """Stage the epilogue's loads as deep as the A/B pipeline allows, ideally for the whole tile.
 
@@ -241,6 +246,7 @@ def _shallow_loads(cfg, emitted, signature):
     return (cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg), ab_at_floor
 
 
-__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN", "column_reduction_columns",
-           "d_buffer_input", "epilogue_smem_bytes", "finish_smem_bytes", "fit_config", "input_load_bytes",
-           "input_smem_bytes", "reduction_smem_bytes", "store_smem_bytes", "vector_stage_elems"]
+__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN", "ab_stages_of",
+           "column_reduction_columns", "d_buffer_input", "epilogue_smem_bytes", "finish_smem_bytes",
+           "fit_config", "input_load_bytes", "input_smem_bytes", "reduction_smem_bytes", "store_smem_bytes",
+           "vector_stage_elems"]
