@@ -20,7 +20,7 @@ from evtc.plan.selector import (
     HEAVY_EPILOGUE_TILES,
     LONG_K,
     MANY_WAVES,
-    ONE_WAVE_D_STAGES,
+    ONE_WAVE_LOADS_MIN_K,
     choose_launch,
     choose_tile,
     one_wave_twins,
@@ -538,7 +538,8 @@ def _ab_stages(config: GemmConfig) -> int:
 
 def test_one_wave_twins_only_where_two_d_buffers_buy_an_a_b_stage():
     twins = one_wave_twins(FAMILY, _ab_stages)
-    assert all(t.schedule == "cooperative" and t.epi_stages == ONE_WAVE_D_STAGES for t in twins)
+    # No staged loads in an identity epilogue: the twins keep D in 2 buffers (ONE_WAVE_PLANS[0]).
+    assert all(t.schedule == "cooperative" and t.epi_stages == 2 and t.load_stages is None for t in twins)
     assert all(_ab_stages(t) > _ab_stages(t.replace(epi_stages=None)) for t in twins)
     # 16-bit A and B: 112 and 144 wide (7 and 9 subtiles of D staged whole) and 192 and 256 gain a
     # stage; 128 x 128 (6 A/B stages either way), 128 x 160 and 128 x 64 do not.
@@ -554,7 +555,7 @@ def test_one_tile_per_cta_takes_the_one_wave_twin(m, n, k, width):
     config, splits = _launch(m, n, k, family=family)
     assert (config.schedule, config.tile_n, splits) == ("cooperative", width, 1)
     assert cta_tile_grid(m, n, 1, config, config.cluster) <= SLOTS
-    assert config.epi_stages == ONE_WAVE_D_STAGES, config.short_name()
+    assert config.epi_stages == 2, config.short_name()
     # The family without twins (a kernel of an older cache record): the same launch, D staged whole.
     plain, _ = _launch(m, n, k)
     assert plain == config.replace(epi_stages=None)
@@ -571,13 +572,37 @@ def test_more_tiles_than_ctas_or_no_gain_keep_d_staged_whole(m, n, k):
 def test_kernel_families_carry_twins_where_d_has_buffers_of_its_own(tmp_path):
     ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
     identity = evtc.compile(_identity, ex, arch="sm_90a", cache_dir=tmp_path)
-    assert identity.launch_for(512, 3584, 18944)[0].epi_stages == ONE_WAVE_D_STAGES
-    assert "with 2 D buffers and one more A/B stage" in identity.explain()
-    # A residual's C holds D in its load buffers: D's staging costs no A/B stage, so no twins.
-    residual = evtc.compile(lambda acc, C: acc + C, {**ex, "C": _meta(8, 64)}, arch="sm_90a",
-                            cache_dir=tmp_path)
-    assert all(c.epi_stages is None for c in residual._family)
-    # A pinned tile keeps its configuration.
-    pinned = evtc.compile(_identity, ex, config={"schedule": "cooperative", "tile_n": 112},
-                          arch="sm_90a", cache_dir=tmp_path)
-    assert pinned.launch_for(512, 3584, 18944)[0].epi_stages is None
+    assert identity.launch_for(512, 3584, 18944)[0].epi_stages == 2
+    assert "with fewer epilogue buffers and one more A/B stage" in identity.explain()
+    assert identity.launch_for(2048, 3584, 18944)[0].epi_stages is None  # several tiles per CTA
+
+
+def test_a_residual_twin_stages_c_shallower_and_d_in_its_own_buffers(tmp_path):
+    """A bf16 C staged for the whole tile holds D; the one-wave twin stages C 2 or 3 deep and gives
+    D buffers of its own, for one more A/B stage (ONE_WAVE_PLANS)."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t(), "C": _meta(8, 64)}
+
+    def residual(acc, C):
+        return acc + C
+
+    auto = evtc.compile(residual, ex, arch="sm_90a", cache_dir=tmp_path)
+    for m, n, k in ((512, 3584, 18944), (512, 4608, 8192), (512, 6144, 4096)):
+        config, _ = auto.launch_for(m, n, k)
+        member = next(c for c in auto._family if (c.tile_n, c.epi_stages) == (config.tile_n, None))
+        assert member.load_stages == member.num_subtiles  # C staged whole, holding D
+        assert config.epi_stages in (1, 2) and config.load_stages in (2, 3), config.short_name()
+        # Below ONE_WAVE_LOADS_MIN_K the loads that C staged whole overlaps weigh more: no twin.
+        short, _ = auto.launch_for(m, n, ONE_WAVE_LOADS_MIN_K - 512)
+        assert short == member.replace(cluster=short.cluster), short.short_name()
+    assert auto.launch_for(2048, 3584, 18944)[0].epi_stages is None
+
+    def stages(config: GemmConfig) -> dict:
+        knobs = {f: getattr(config, f) for f in ("schedule", "tile_n", "cluster", "epi_tile_n", "load_stages",
+                                                   "epi_stages") if getattr(config, f) is not None}
+        return evtc.compile(residual, ex, config=knobs, arch="sm_90a", cache_dir=tmp_path).stages
+
+    twin, _ = auto.launch_for(512, 3584, 18944)
+    whole = stages(twin.replace(load_stages=None, epi_stages=None))
+    assert whole["d_in_load"] and whole["load"] == twin.num_subtiles
+    shallow = stages(twin)
+    assert not shallow["d_in_load"] and shallow["ab"] == whole["ab"] + 1

@@ -95,18 +95,35 @@ def _scaled_bias_relu(acc, bias, row_scale):
     (512, 4096, 1000, 128),  # with row and column vectors, 128 x 128 gains a stage too
 ])
 def test_one_tile_per_cta_runs_the_one_wave_twin(cache, m, n, k, width):
-    """Where each CTA runs one tile, the selector launches the tile with 2 D buffers and one more A/B
-    stage (evtc.plan.selector.one_wave_twins); the results match float64, ragged K included."""
-    from evtc.plan.selector import ONE_WAVE_D_STAGES
-
+    """Where each CTA runs one tile, the selector launches the tile with fewer D buffers and one
+    more A/B stage (evtc.plan.selector.one_wave_twins); the results match float64, ragged K
+    included."""
     x, w, g = linear_inputs(m, n, k, seed=m + n + k)
     bias = torch.randn(n, device="cuda", generator=g)
     row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
     kernel = evtc.compile(_scaled_bias_relu, {"a": x, "b": w.t(), "bias": bias, "row_scale": row_scale},
                           cache_dir=cache)
     config, splits = kernel.launch_for(m, n, k)
-    assert (config.schedule, config.tile_n, config.epi_stages, splits) == (
-        "cooperative", width, ONE_WAVE_D_STAGES, 1), config.short_name()
+    assert (config.schedule, config.tile_n, splits) == ("cooperative", width, 1), config.short_name()
+    assert config.epi_stages is not None, config.short_name()
     acc = x.double() @ w.double().t()
     assert_close(kernel(x, w.t(), bias=bias, row_scale=row_scale),
                  torch.relu(acc * row_scale.double() + bias.double()))
+
+
+def _residual(acc, C):
+    return acc + C
+
+
+@pytest.mark.parametrize("m,n,k,width", [(512, 3584, 4200, 112), (512, 4608, 4096, 144),
+                                         (512, 6144, 4160, 192), (384, 6144, 4100, 144)])
+def test_a_residual_twin_stages_c_in_a_ring(cache, m, n, k, width):
+    """The residual's twin (K >= 4096) stages C 2-3 deep (not the whole tile, which held D) and
+    writes D to buffers of its own: every subtile of C still reaches its D, ragged K included."""
+    x, w, g = linear_inputs(m, n, k, seed=m + n + k + 1)
+    C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+    kernel = evtc.compile(_residual, {"a": x, "b": w.t(), "C": C}, cache_dir=cache)
+    config, _ = kernel.launch_for(m, n, k)
+    assert config.tile_n == width and config.load_stages < config.num_subtiles, config.short_name()
+    assert config.epi_stages is not None, config.short_name()
+    assert_close(kernel(x, w.t(), C=C), x.double() @ w.double().t() + C.double())

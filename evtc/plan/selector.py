@@ -29,9 +29,9 @@ docs/performance.md, "A launch per problem size"):
   (:func:`evtc.plan.split_k.modelled_splits`): each split costs a round trip of the accumulator
   through memory, which only a K loop far longer than HBM needs for the whole problem repays.
   Past one wave, only a thin last round is split (:func:`evtc.plan.split_k.choose_tail_splits`).
-* **Then D's staging.** A cooperative launch that runs at most one tile per CTA, unsplit, takes
-  its tile's one-wave twin where the family has one (:func:`one_wave_twins`): 2 D buffers and
-  one more A/B stage.
+* **Then the epilogue's buffers.** A cooperative launch that runs at most one tile per CTA,
+  unsplit, takes its tile's one-wave twin where the family has one (:func:`one_wave_twins`): D (and
+  a C that held it) staged shallower, and one more A/B stage.
 """
 
 from __future__ import annotations
@@ -96,15 +96,24 @@ FAMILY = (
     ("cooperative", 128, 144),
     ("cooperative", 128, 160),
 )
-# D buffers of a cooperative tile's one-wave twin (:func:`one_wave_twins`). D is staged for the whole
-# tile so that its store drains during the next tile's mainloop; a CTA with one tile has no next
-# tile, and the shared memory buys an A/B stage instead where it is enough for one. Measured on the
-# H100 (docs/performance.md, "One tile per CTA"), cuBLAS / evtc at M = 512: 512 x 3584 x 18944 in
-# 128 x 112 tiles 0.92x with 6 A/B stages and 7 D buffers, 0.97x with 7 and 2; 512 x 4608 x 3584
-# in 128 x 144 0.94x (5 A/B stages) against 0.97x (6); 512 x 6144 x 4096 in 128 x 192 0.98x (4)
-# against 0.99x (5). With several tiles per CTA the same swap moved by -3% to +6%, so it is kept to
-# one wave.
-ONE_WAVE_D_STAGES = 2
+# The epilogue buffers of a cooperative tile's one-wave twin (:func:`one_wave_twins`), as
+# (load_stages, epi_stages), None keeping the tile's own: the first that buys an A/B stage. D is
+# staged for the whole tile so that its stores drain during the next tile's mainloop, and a C that
+# holds D is staged whole to land during it; a CTA with one tile has no next tile, and the shared
+# memory buys an A/B stage instead where it is enough for one. Measured on the H100
+# (docs/performance.md, "One tile per CTA"), against cuBLAS at M = 512, identity: 512 x 3584 x
+# 18944 in 128 x 112 tiles 0.92x with 6 A/B stages and D in 7 buffers, 0.97x with 7 and 2;
+# 512 x 4608 x 3584 in 128 x 144 0.94x (5 A/B stages) against 0.97x (6); 512 x 6144 x 4096 in
+# 128 x 192 0.98x (4) against 0.99x (5). Against addmm, a bf16 residual (C staged whole, holding
+# D): 512 x 3584 x 14336 in 128 x 112 0.89x against 0.99x with C in 2 stages and D in 1; 512 x 6144
+# x 4096-14336 in 128 x 192 +1.4% to +3%; with C staged whole at K = 3584 two runs differed by 6%
+# either way. With several tiles per CTA the same swap moved by -3% to +6%, so it is kept to one
+# wave.
+ONE_WAVE_PLANS = ((None, 2), (3, 2), (3, 1), (2, 2), (2, 1))
+# K from which a twin that stages the epilogue's loads shallower runs: a C staged whole lands during
+# the mainloop, which matters more the shorter it is. Measured (bf16 residual, twin against C
+# staged whole): K = 14336-18944 +2% to +11%; 4096-8192 0% to +3%; 2048-3584 -6.5% to +2.4%.
+ONE_WAVE_LOADS_MIN_K = 4096
 # Widths of 128-row cooperative tiles compared by :func:`_wave_fitted` (those in the family).
 WAVE_FIT_WIDTHS = (112, 128, 144, 160, 192, 256)
 # What a round of tiles costs besides its columns, in columns: the pipeline's fill and the epilogue,
@@ -137,30 +146,43 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> t
 
 def one_wave_twins(family: Sequence[GemmConfig],
                    ab_stages_of: Callable[[GemmConfig], int]) -> tuple[GemmConfig, ...]:
-    """For each cooperative configuration of ``family`` whose D staging leaves fewer A/B stages
-    than :data:`ONE_WAVE_D_STAGES` D buffers would, that configuration with those D buffers (its
-    one-wave twin; see :func:`choose_launch`). ``ab_stages_of(config)``: the A/B stages the kernel
-    of ``config`` gets with this epilogue (:func:`evtc.plan.smem.ab_stages_of`). The twins go after
-    the family, so that a tile shape finds its own configuration first."""
+    """For each cooperative configuration of ``family`` that stages D (or the C holding it) deeper
+    than a CTA with one tile needs, its one-wave twin (see :func:`choose_launch`): the first plan of
+    :data:`ONE_WAVE_PLANS` that gives it more A/B stages. ``ab_stages_of(config)``: the A/B stages
+    the kernel of ``config`` gets with this epilogue (:func:`evtc.plan.smem.ab_stages_of`). The
+    twins go after the family, so that a tile shape finds its own configuration first."""
     twins = []
     for config in family:
         if config.schedule != "cooperative" or config.epi_stages is not None or not config.store_d:
             continue
-        twin = config.replace(epi_stages=ONE_WAVE_D_STAGES)
-        if ab_stages_of(twin) > ab_stages_of(config) and twin not in family and twin not in twins:
-            twins.append(twin)
+        stages = ab_stages_of(config)
+        for load_stages, epi_stages in ONE_WAVE_PLANS:
+            # Fewer load stages only for a planned load staging (epilogues without staged loads
+            # have none to give back) that is deeper.
+            if load_stages is not None and (config.load_stages is None or load_stages >= config.load_stages):
+                continue
+            twin = config.replace(epi_stages=epi_stages,
+                                  load_stages=config.load_stages if load_stages is None else load_stages)
+            if ab_stages_of(twin) > stages:
+                if twin not in family and twin not in twins:
+                    twins.append(twin)
+                break
     return tuple(twins)
 
 
-def _one_wave_twin(config: GemmConfig, family: Sequence[GemmConfig]) -> GemmConfig:
-    """``config`` with its one-wave twin's D staging, where ``family`` has that twin."""
+def _one_wave_twin(config: GemmConfig, family: Sequence[GemmConfig], k: int) -> GemmConfig:
+    """``config`` with its one-wave twin's epilogue buffers, where ``family`` has that twin (one
+    that stages the loads shallower only from :data:`ONE_WAVE_LOADS_MIN_K`)."""
     if config.epi_stages is not None:
         return config
-    twin = config.replace(epi_stages=ONE_WAVE_D_STAGES)
-    found = any(c.epi_stages == ONE_WAVE_D_STAGES
-                and c.replace(cluster=twin.cluster, a_rows=twin.a_rows, split_k=twin.split_k) == twin
-                for c in family)
-    return twin if found else config
+    for twin in family:
+        if twin.epi_stages is not None and twin.replace(
+                cluster=config.cluster, a_rows=config.a_rows, split_k=config.split_k,
+                load_stages=config.load_stages, epi_stages=None) == config:
+            if twin.load_stages != config.load_stages and k < ONE_WAVE_LOADS_MIN_K:
+                return config
+            return config.replace(load_stages=twin.load_stages, epi_stages=twin.epi_stages)
+    return config
 
 
 def family_digest(family: Sequence[GemmConfig], chooses_cluster: bool) -> str:
@@ -336,11 +358,11 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         if splits == 1:
             splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1], config.tile_k)
     if splits == 1 and cta_tile_grid(m, n, batches, config, config.cluster) <= slots_of(config.cluster):
-        config = _one_wave_twin(config, family)
+        config = _one_wave_twin(config, family, k)
     return config, splits
 
 
-__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M",
-           "FAMILY", "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_D_STAGES",
+__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "FAMILY", "FILL",
+           "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
            "family_digest", "one_wave_twins", "tile_family", "with_a_rows_for", "with_cluster_for"]

@@ -435,7 +435,6 @@ class Kernel:
         """A summary: operands and their kinds, outputs, tile configuration, stages, shared memory,
         registers (from ptxas, when it is installed)."""
         from evtc.plan.config import SM90_SMEM_BYTES
-        from evtc.plan.selector import ONE_WAVE_D_STAGES
 
         cfg = self.config
         lines = [f"evtc kernel {self.plan.name!r} ({self.origin}, {self.seconds:.2f} s)"]
@@ -457,18 +456,20 @@ class Kernel:
                     else f"{c.tile_m}x{c.tile_n}{' cooperative' if c.schedule != cfg.schedule else ''} "
                 return (f"{tile}{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
                         + (f" {c.a_rows} rows of A" if c.a_rows is not None else "")
-                        + (f" {c.epi_stages} D buffers" if c.epi_stages != cfg.epi_stages else ""))
+                        + (f" {c.epi_stages} D buffers" if c.epi_stages != cfg.epi_stages else "")
+                        + (f" {c.load_stages} load stages" if c.load_stages != cfg.load_stages else ""))
 
             built = ", ".join(shape(c) for c in self._variants if c != cfg) or "none yet"
             # dict.fromkeys: a tile's one-wave twin (evtc.plan.selector.one_wave_twins) names it again.
             tiles = ", ".join(dict.fromkeys(f"{c.tile_m}x{c.tile_n}"
                                             + (" " + c.schedule if c.schedule != cfg.schedule else "")
                                             for c in self._family))
-            twins = [c for c in self._family if c.epi_stages == ONE_WAVE_D_STAGES != cfg.epi_stages]
+            # A one-wave twin has epi_stages set where the compiled configuration does not.
+            twins = [c for c in self._family if c.epi_stages is not None and cfg.epi_stages is None]
             if twins:
                 tiles += (" (" + ", ".join(f"{c.tile_m}x{c.tile_n}" for c in twins)
-                          + f" with {ONE_WAVE_D_STAGES} D buffers and one more A/B stage where each CTA "
-                          "runs one tile)")
+                          + " with fewer epilogue buffers and one more A/B stage where each CTA runs one "
+                          "tile)")
             lines.append(f"  cluster: {cfg.cluster[0]}x{cfg.cluster[1]}, or per call another shape where "
                          f"that needs fewer waves of tiles; tile per call from {tiles}; K split where "
                          f"too few tiles fill the GPU, or for a thin last round of tiles (other shapes "
