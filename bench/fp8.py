@@ -130,17 +130,19 @@ def run_rows(ms: list[int], keep: list[str], measure_row, header: str, ratios_fo
     given, and whose a and b fit in memory) with ``measure_row(name, m, n, k)``, printing each row:
     (name, M, N, K, three ratios, evtc's us, evtc's error, the baseline's error)."""
     rows = []
+    planned = [(name, m, n, k) for name, m, n, k in shapes(ms)
+               if (not keep or any(name.endswith(s) for s in keep)) and m * k + n * k <= 3 * 2**30]
+    # A row can end the process without a Python error (the DSL aborts on some configurations):
+    # the count here and the closing line tell a finished run from one cut short.
+    print(f"# {len(planned)} rows to measure", flush=True)
     print(f"{'layer':>34} {'M':>6} {'N':>6} {'K':>6} | {header} | {'evtc us':>8} {'err evtc':>9} "
           f"{'err base':>9}")
-    for name, m, n, k in shapes(ms):
-        if keep and not any(name.endswith(s) for s in keep):
-            continue
-        if m * k + n * k > 3 * 2**30:
-            continue
+    for name, m, n, k in planned:
         row = measure_row(name, m, n, k)
         rows.append(row)
         print(f"{name:>34} {m:6d} {n:6d} {k:6d} | {ratios_format.format(*row[4:7])} | "
               f"{row[7]:8.1f} {row[8]:9.2e} {row[9]:9.2e}", flush=True)
+    print(f"# all {len(rows)} rows measured", flush=True)
     return rows
 
 

@@ -288,6 +288,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
         raise CompileError(f"configuration: {exc}", loc) from None
     log.info("%r: GEMM %s, epilogue loads staged %d deep%s", graph.name, cfg.short_name(), cfg.c_stages,
              "" if "cluster" in knobs else ", cluster chosen per call")
+    _note_a_shallow_pipeline(graph.name, cfg, emitted, signature)
 
     plan = plan_kernel(graph, emitted, signature, interface)
     described = signature.describe()
@@ -315,6 +316,21 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
 
 # Knobs that fix the tile shape: with any of them the kernel keeps its tile for every problem.
 _TILE_KNOBS = ("tile_m", "tile_n", "schedule", "cluster")
+
+
+def _note_a_shallow_pipeline(name: str, cfg, emitted, signature) -> None:
+    """Log where the epilogue's buffers leave the A/B pipeline shallower than
+    `GemmConfig.overlap_ab_stages` (the depth that keeps the tensor cores fed; fewer stages measured
+    up to 1.4x slower, docs/performance.md): the kernel runs, but a smaller epilogue tile, fewer
+    outputs or the cooperative schedule may run it faster."""
+    from evtc.plan.smem import ab_stages_of
+
+    stages = ab_stages_of(cfg, emitted, signature)
+    if stages < cfg.overlap_ab_stages():
+        log.info("%r: the epilogue's shared memory leaves the mainloop %d A/B stages, fewer than the %d "
+                 "that keep the tensor cores fed (GEMM %s); config={'epi_tile_n': 16} or "
+                 "{'schedule': 'cooperative'} may run faster", name, stages, cfg.overlap_ab_stages(),
+                 cfg.short_name())
 
 
 def _tile_family(cfg, knobs, emitted, signature) -> tuple:

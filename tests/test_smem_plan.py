@@ -117,3 +117,44 @@ def test_starved_pipelines_take_narrow_subtiles(tmp_path, ab):
     assert chosen.config.epi_tile_n == 16 and chosen.stages["ab"] == 5, (chosen.config, chosen.stages)
     pinned = evtc.compile(_float32_residual, ex, cache_dir=tmp_path, config={**tile, "epi_tile_n": 32})
     assert pinned.config.epi_tile_n == 32 and pinned.stages["ab"] == 3, (pinned.config, pinned.stages)
+
+
+def test_a_shallow_pipeline_is_logged(tmp_path, caplog):
+    """A plan that leaves fewer A/B stages than overlap_ab_stages runs, and says so in the log with
+    what might run it faster; one that keeps them says nothing of the kind."""
+    import logging
+
+    import evtc
+
+    ex = {"a": torch.empty(256, 512, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(384, 512, dtype=torch.bfloat16, device="meta").t(),
+          "C": torch.empty(256, 384, device="meta")}
+    tile = {"schedule": "pingpong", "tile_m": 128, "tile_n": 128, "cluster": (1, 2)}
+    with caplog.at_level(logging.INFO, logger="evtc"):
+        shallow = evtc.compile(_float32_residual, ex, cache_dir=tmp_path, config={**tile, "epi_tile_n": 32})
+    assert shallow.stages["ab"] < shallow.config.overlap_ab_stages()
+    noted = [r.getMessage() for r in caplog.records if "A/B stages, fewer than" in r.getMessage()]
+    assert len(noted) == 1 and f"leaves the mainloop {shallow.stages['ab']} A/B stages" in noted[0]
+    assert "epi_tile_n" in noted[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="evtc"):
+        evtc.compile(_float32_residual, ex, cache_dir=tmp_path, config=tile)  # narrow subtiles: 5 stages
+    assert not [r for r in caplog.records if "A/B stages, fewer than" in r.getMessage()]
+
+
+def _gated_float32_tiles(acc, x0, x1, x2):
+    gate, up = (acc * torch.tanh(x0) + x1).chunk(2, dim=-1)
+    return gate + gate, (x2 + gate).amin(-2), (up + gate).sum((-2, -1))
+
+
+def test_loads_too_deep_to_fit_fall_back_to_two_stages(tmp_path):
+    """Four float32 tile loads (two operands, each in gate and up halves), a float32 D and reductions
+    per column and per batch: their default staging does not fit in shared memory at all, which once
+    made the planner give up on the shallower staging that does (the fuzzer, seed 2027 case 30)."""
+    import evtc
+
+    f16 = torch.float16
+    ex = {"a": torch.empty(2, 96, 64, dtype=f16), "b": torch.empty(2, 128, 64, dtype=f16).transpose(-1, -2),
+          "x0": torch.empty(96, 128), "x1": torch.empty(2, 96, 128), "x2": torch.empty(2, 1, 1)}
+    k = evtc.compile(_gated_float32_tiles, ex, cache_dir=tmp_path, out_dtypes={"D0": torch.float32})
+    assert k.config.gated and k.config.c_stages >= 2 and k.stages["ab"] >= 2, (k.config, k.stages)

@@ -229,7 +229,10 @@ def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
         return cfg.replace(load_stages=depth)
     planned, ab = _shallow_loads(cfg, emitted, signature)
     if ab < STARVED_AB_STAGES and "epi_tile_n" not in knobs and cfg.epi_tile_n != 16:
-        narrow, narrow_ab = _shallow_loads(cfg.replace(epi_tile_n=16), emitted, signature)
+        try:
+            narrow, narrow_ab = _shallow_loads(cfg.replace(epi_tile_n=16), emitted, signature)
+        except ConfigError:  # the narrow subtiles' plan does not fit: keep the one that does
+            return planned
         if narrow_ab > ab:
             return narrow
     return planned
@@ -241,7 +244,15 @@ def _shallow_loads(cfg, emitted, signature):
     depth = cfg.c_stages
     floor = min(2, depth)
     ab_at_floor = _ab_stages(emitted, signature, cfg, floor)
-    while depth > floor and _ab_stages(emitted, signature, cfg, depth) < ab_at_floor:
+
+    def ab_at(stages: int) -> int:
+        # Deeper loads may not fit at all (the planner raises): that depth costs every A/B stage.
+        try:
+            return _ab_stages(emitted, signature, cfg, stages)
+        except ConfigError:
+            return -1
+
+    while depth > floor and ab_at(depth) < ab_at_floor:
         depth -= 1
     return (cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg), ab_at_floor
 

@@ -1,0 +1,47 @@
+"""bench/fp8.py without a GPU: run_rows announces how many rows it will measure and closes with a
+line, so that a run the DSL aborted part-way reads as cut short."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fp8
+        yield fp8
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("fp8", None)
+
+
+def _fake_row(name, m, n, k):
+    return (name, m, n, k, 1.0, 1.1, 1.2, 10.0, 1e-3, 2e-3)
+
+
+def test_run_rows_counts_the_rows_before_and_after(fp8, capsys):
+    rows = fp8.run_rows([64, 512], [], _fake_row, "ratios", "{:.2f} {:.2f} {:.2f}")
+    out = capsys.readouterr().out.splitlines()
+    assert rows and out[0] == f"# {len(rows)} rows to measure"
+    assert out[-1] == f"# all {len(rows)} rows measured"
+    assert {r[1] for r in rows} == {64, 512}
+
+
+def test_a_row_that_ends_the_run_leaves_no_closing_line(fp8, capsys):
+    def dies_on_the_third(name, m, n, k, seen=[]):  # noqa: B006 - a call counter
+        seen.append(name)
+        if len(seen) == 3:
+            raise SystemExit(134)  # as an abort would end it: no Python error reaches the loop
+        return _fake_row(name, m, n, k)
+
+    with pytest.raises(SystemExit):
+        fp8.run_rows([64], [], dies_on_the_third, "ratios", "{:.2f} {:.2f} {:.2f}")
+    out = capsys.readouterr().out
+    assert "rows to measure" in out and "rows measured" not in out
