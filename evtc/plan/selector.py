@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
-from evtc.plan.config import A_ROWS, GemmConfig
+from evtc.plan.config import A_ROWS, ConfigError, GemmConfig
 from evtc.plan.split_k import (
     choose_splits,
     choose_tail_splits,
@@ -161,9 +161,13 @@ def one_wave_twins(family: Sequence[GemmConfig],
             # have none to give back) that is deeper.
             if load_stages is not None and (config.load_stages is None or load_stages >= config.load_stages):
                 continue
-            twin = config.replace(epi_stages=epi_stages,
-                                  load_stages=config.load_stages if load_stages is None else load_stages)
-            if ab_stages_of(twin) > stages:
+            try:
+                twin = config.replace(epi_stages=epi_stages,
+                                      load_stages=config.load_stages if load_stages is None else load_stages)
+                gains = ab_stages_of(twin) > stages
+            except ConfigError:  # D's own buffers may not fit where C's held it: no twin of this plan
+                continue
+            if gains:
                 if twin not in family and twin not in twins:
                     twins.append(twin)
                 break
