@@ -168,7 +168,8 @@ def describe_choice(kernel, m: int, n: int, k: int) -> str:
     """What the default kernel runs an (M, N, K) problem with."""
     config, splits = kernel.launch_for(m, n, k)
     return name_of({"tile_m": config.tile_m, "tile_n": config.tile_n, "cluster": config.cluster,
-                    "schedule": config.schedule, "a_rows": config.a_rows}, splits)
+                    "schedule": config.schedule, "a_rows": config.a_rows,
+                    "epi_stages": config.epi_stages}, splits)
 
 
 def name_of(config: dict, splits: int) -> str:
@@ -177,6 +178,7 @@ def name_of(config: dict, splits: int) -> str:
     raster = f" r{config['raster']}{config.get('swizzle', 8)}" if "raster" in config else ""
     rows = f" a{config['a_rows']}" if config.get("a_rows") else ""
     depth = f" ab{config['ab_stages']}" if config.get("ab_stages") else ""
+    depth += f" d{config['epi_stages']}" if config.get("epi_stages") else ""
     return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster}{rows}{depth} S{splits}"
 
 

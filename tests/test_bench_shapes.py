@@ -192,3 +192,21 @@ def test_measure_checks_before_timing(shapes):
         assert (row["ratio_eager"] is not None) == ok
         assert row["err"]["evtc_fused"] < 3e-2 if ok else row["err"]["evtc_fused"] > 3e-2
     assert timed == [4, 4]                           # all four in one timer call per row
+
+
+def test_launch_info_names_a_one_wave_twin(shapes):
+    from evtc.plan.config import GemmConfig
+
+    class Fake:
+        last_path = "kernel"
+
+        def __init__(self, config):
+            self.config = config
+
+        def launch_for(self, m, n, k):
+            return self.config, 1
+
+    base = GemmConfig(b_major="k", schedule="cooperative", tile_n=112, epi_tile_n=16, cluster=(2, 1))
+    assert shapes.launch_info(Fake(base), 512, 3584, 4096) == "kernel 128x112 coop c2x1 s1"
+    twin = base.replace(epi_stages=1, load_stages=2)
+    assert shapes.launch_info(Fake(twin), 512, 3584, 4096) == "kernel 128x112 coop c2x1 s1 d1 l2"

@@ -39,6 +39,7 @@ def test_names_show_what_differs(sweep):
     assert sweep.name_of(base, 1) == "pp 64x64 1x2 S1"
     assert sweep.name_of({**base, "a_rows": 16}, 1) == "pp 64x64 1x2 a16 S1"
     assert sweep.name_of({**base, "raster": "n", "swizzle": 4}, 2) == "pp 64x64 1x2 rn4 S2"
+    assert sweep.name_of({**base, "epi_stages": 2}, 1) == "pp 64x64 1x2 d2 S1"  # a one-wave twin
 
 
 def test_every_candidate_of_every_set_validates(sweep):
