@@ -3,23 +3,14 @@ line, so that a run the DSL aborted part-way reads as cut short."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def fp8():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import fp8
-        yield fp8
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("fp8", None)
+    with bench_module("fp8") as module:
+        yield module
 
 
 def _fake_row(name, m, n, k):

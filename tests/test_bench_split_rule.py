@@ -3,27 +3,18 @@ one, and that it puts the rule back."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from bench_modules import bench_module
 
 import evtc
 from evtc.plan import selector
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
 
 @pytest.fixture(scope="module")
 def ab():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import split_rule_ab
-        yield split_rule_ab
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("split_rule_ab", None)
+    with bench_module("split_rule_ab") as module:
+        yield module
 
 
 def test_compares_the_model_with_the_bounds_alone(ab, tmp_path):

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from bench_modules import bench_module
 
 from evtc.plan.config import CLUSTERS, GemmConfig
 from evtc.plan.selector import FAMILY
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
 
 @pytest.fixture(scope="module")
 def sweep():
-    sys.path.insert(0, str(BENCH))  # sweep_configs imports bench/shapes.py as `shapes`
-    try:
-        import sweep_configs
-        yield sweep_configs
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("sweep_configs", None)
+    with bench_module("sweep_configs") as module:  # sweep_configs imports bench/shapes.py as `shapes`
+        yield module
 
 
 def test_the_family_set_is_every_launch_the_selector_can_choose(sweep):
