@@ -229,7 +229,12 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
     """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
     base = family[0]
     shapes = [c for c in family if c.schedule == "pingpong"] or [base]
-    tiles = _tiles(m, n, batches, base)
+    # The rules count 128 x 128 tiles, as they were fitted. A kernel compiled with a cooperative
+    # tile (a promoting float8 kernel compiles 128 x 192) counts its family's cooperative 128 x 128:
+    # counted in its own wider tiles, 512 x 3584 x 18944 in float8 fell to the few-tiles rule and
+    # ran ping-pong 128 x 64 at 0.53x cuBLAS (docs/performance.md, "One tile per CTA").
+    square = base if base.schedule == "pingpong" else (find("cooperative", 128, 128) or base)
+    tiles = _tiles(m, n, batches, square)
     if m <= 64 and any(c.tile_m == 64 for c in shapes):
         # 128-row tiles would multiply padding rows: only 64-row ones.
         shapes = [c for c in shapes if c.tile_m == 64]
@@ -242,8 +247,8 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         fitted = _wave_fitted(m, n, batches, slots, find) if tiles <= WAVE_FIT_MAX_WAVES * slots else None
         if fitted is not None:
             return fitted
-        if base.schedule == "pingpong" and tiles <= slots:
-            return base  # one wave: choose_tile runs it cooperative
+        if tiles <= slots:
+            return square  # one wave: cooperative (choose_tile runs a ping-pong base cooperative)
         if base.schedule == "pingpong":
             # Just over a wave: a second round of a few tiles costs as much as the first. Tiles
             # 1.5x as wide may fit the problem in one round that still fills the GPU.
