@@ -457,6 +457,34 @@ def matrix_cases() -> list[Case]:
                                       (("D", out),), call_majors=(rot.take("a"), rot.take("b"))))
     cases += _combinations(rot)
     cases += _float8_cases(rot)
+    cases += _float32_cases(rot)
+    return cases
+
+
+def _float32_cases(rot: _Rotation) -> list[Case]:
+    """Every operand kind with float32 a and b (the tf32 kernel, which runs while torch allows tf32;
+    check_case allows it and compares against the operands truncated to tf32), compiled K-major,
+    one in three gated. The second shape breaks TMA's 16-byte rule and passes a and b in the other
+    layouts: staged."""
+    cases = []
+    index = 0
+    for kind, dtype, form, major in KIND_VARIANTS:
+        for batches in (None, 3):
+            gated = index % 3 == 2
+            op = OperandSpec("x", kind, dtype, batches is not None and kind != "arg", form, major,
+                             half=gated and kind in ("tile", "row"))  # as wide as the output
+            if gated:
+                body = ["gate, up = acc.chunk(2, dim=-1)", "return F.silu(gate) * up * x + x"]
+            else:
+                body = ["return acc * x + x"]
+            source = "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
+            out = rot.take("out")
+            shapes = ((257, 2 * 160 if gated else 288, 288), (130, 2 * 501 if gated else 1001, 1001))
+            width = "gated" if gated else "full"
+            name = f"float32-{kind}-{dtype}-{form or major}-L{batches}-{width}-out-{out}"
+            cases.append(Case(name, source, (op,), "float32", "k", "k", batches, gated, shapes, (("D", out),),
+                              call_majors=("m", "n")))
+            index += 1
     return cases
 
 

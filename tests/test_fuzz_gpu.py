@@ -99,7 +99,11 @@ def test_matrix_covers_every_kind_form_and_batching():
             assert any(v[0] == kind and v[1] == form and v[4] == gated for v in variants), (kind, form, gated)
             if kind != "arg":
                 assert any(v[0] == kind and v[1] == form and v[2] and v[4] == gated for v in variants)
-    assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+    assert {c.ab_dtype for c in cases} == {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32"}
+    float32 = [c for c in cases if c.ab_dtype == "float32"]  # the tf32 kernel
+    assert {op.kind for c in float32 for op in c.operands} == {"tile", "row", "col", "scalar", "arg"}
+    assert any(c.gated for c in float32) and any(c.batches for c in float32)
+    assert all((c.a_major, c.b_major) == ("k", "k") for c in float32)
     float8 = [c for c in cases if c.ab_dtype.startswith("float8")]
     assert {op.kind for c in float8 for op in c.operands} == {"tile", "row", "col", "scalar", "arg"}
     assert {c.block_scales for c in float8} == {0, 1, 128} and any(c.gated for c in float8)
