@@ -461,6 +461,20 @@ def matrix_cases() -> list[Case]:
     return cases
 
 
+def _one_operand_program(kind: str, dtype: str, form: str, major: str, batches: int | None,
+                         gated: bool) -> tuple[OperandSpec, str]:
+    """The operand ``x`` (per batch where batched, on the halves' width where gated) and the program
+    of a case of one operand kind with float8 or float32 a and b: ``acc * x + x``, or gated
+    ``silu(gate) * up * x + x``."""
+    op = OperandSpec("x", kind, dtype, batches is not None and kind != "arg", form, major,
+                     half=gated and kind in ("tile", "row"))  # as wide as the output
+    if gated:
+        body = ["gate, up = acc.chunk(2, dim=-1)", "return F.silu(gate) * up * x + x"]
+    else:
+        body = ["return acc * x + x"]
+    return op, "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
+
+
 def _float32_cases(rot: _Rotation) -> list[Case]:
     """Every operand kind with float32 a and b (the tf32 kernel, which runs while torch allows tf32;
     check_case allows it and compares against the operands truncated to tf32), compiled K-major,
@@ -471,13 +485,7 @@ def _float32_cases(rot: _Rotation) -> list[Case]:
     for kind, dtype, form, major in KIND_VARIANTS:
         for batches in (None, 3):
             gated = index % 3 == 2
-            op = OperandSpec("x", kind, dtype, batches is not None and kind != "arg", form, major,
-                             half=gated and kind in ("tile", "row"))  # as wide as the output
-            if gated:
-                body = ["gate, up = acc.chunk(2, dim=-1)", "return F.silu(gate) * up * x + x"]
-            else:
-                body = ["return acc * x + x"]
-            source = "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
+            op, source = _one_operand_program(kind, dtype, form, major, batches, gated)
             out = rot.take("out")
             shapes = ((257, 2 * 160 if gated else 288, 288), (130, 2 * 501 if gated else 1001, 1001))
             width = "gated" if gated else "full"
@@ -500,13 +508,7 @@ def _float8_cases(rot: _Rotation) -> list[Case]:
             gated = index % 4 == 3
             scales = (0, 1, 128)[index % 3]
             ab = ("float8_e4m3fn", "float8_e5m2")[index % 2]
-            op = OperandSpec("x", kind, dtype, batches is not None and kind != "arg", form, major,
-                             half=gated and kind in ("tile", "row"))  # as wide as the output
-            if gated:
-                body = ["gate, up = acc.chunk(2, dim=-1)", "return F.silu(gate) * up * x + x"]
-            else:
-                body = ["return acc * x + x"]
-            source = "def epilogue(acc, x):\n" + "".join(f"    {line}\n" for line in body)
+            op, source = _one_operand_program(kind, dtype, form, major, batches, gated)
             out = rot.take("out")
             n = (384 if scales else 400) if gated else 272
             shapes = ((257, n, 272), (130, 2 * 501 if gated else 1001, 1001))
