@@ -434,9 +434,11 @@ def launch_info(kernel, m: int, n: int, k: int) -> str | None:
         parts = [kernel.last_path]
         config, splits = kernel.launch_for(m, n, k)
         schedule = "" if config.schedule == "pingpong" else " coop"
-        # A one-wave twin (evtc.plan.selector.one_wave_twins): D buffers, and C's stages if cut.
+        # A one-wave twin (evtc.plan.selector.one_wave_twins): D buffers, and C's stages if cut
+        # (below one per subtile: C no longer staged for the whole tile).
         twin = f" d{config.epi_stages}" if config.epi_stages is not None else ""
-        twin += f" l{config.load_stages}" if twin and config.load_stages is not None else ""
+        if twin and config.load_stages is not None and config.load_stages < config.num_subtiles:
+            twin += f" l{config.load_stages}"
         parts.append(f"{config.tile_m}x{config.tile_n}{schedule} c{config.cluster[0]}x{config.cluster[1]}"
                      f" s{splits}{twin}")
         return " ".join(str(p) for p in parts)

@@ -321,16 +321,21 @@ _TILE_KNOBS = ("tile_m", "tile_n", "schedule", "cluster")
 def _note_a_shallow_pipeline(name: str, cfg, emitted, signature) -> None:
     """Log where the epilogue's buffers leave the A/B pipeline shallower than
     `GemmConfig.overlap_ab_stages` (the depth that keeps the tensor cores fed; fewer stages measured
-    up to 1.4x slower, docs/performance.md): the kernel runs, but a smaller epilogue tile, fewer
-    outputs or the cooperative schedule may run it faster."""
+    up to 1.4x slower, docs/performance.md), with the knobs not yet set that may run it faster. A
+    pinned ``ab_stages`` is the user's choice: nothing to say."""
     from evtc.plan.smem import ab_stages_of
 
+    if cfg.ab_stages is not None:
+        return
     stages = ab_stages_of(cfg, emitted, signature)
-    if stages < cfg.overlap_ab_stages():
-        log.info("%r: the epilogue's shared memory leaves the mainloop %d A/B stages, fewer than the %d "
-                 "that keep the tensor cores fed (GEMM %s); config={'epi_tile_n': 16} or "
-                 "{'schedule': 'cooperative'} may run faster", name, stages, cfg.overlap_ab_stages(),
-                 cfg.short_name())
+    if stages >= cfg.overlap_ab_stages():
+        return
+    knobs = ([] if cfg.epi_tile_n == 16 else ["{'epi_tile_n': 16}"]) + (
+        [] if cfg.schedule == "cooperative" else ["{'schedule': 'cooperative'} (which fixes the tile)"])
+    hint = f"; config={' or '.join(knobs)} may run faster" if knobs else ""
+    log.info("%r: the epilogue's shared memory leaves the mainloop %d A/B stages, fewer than the %d "
+             "that keep the tensor cores fed (GEMM %s)%s", name, stages, cfg.overlap_ab_stages(),
+             cfg.short_name(), hint)
 
 
 def _tile_family(cfg, knobs, emitted, signature) -> tuple:
@@ -340,7 +345,7 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
     ``cfg`` where the user fixed the tile."""
     from evtc.plan.config import ConfigError
     from evtc.plan.selector import one_wave_twins, tile_family
-    from evtc.plan.smem import ab_stages_of, fit_config
+    from evtc.plan.smem import ab_stages_of, fit_config, holds_d_in_loads
 
     if any(knob in knobs for knob in _TILE_KNOBS):
         return (cfg,)
@@ -353,7 +358,9 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
             return None
 
     family = tile_family(cfg, fit)
-    return family + one_wave_twins(family, lambda c: ab_stages_of(c, emitted, signature))
+    return family + one_wave_twins(family, lambda c: ab_stages_of(c, emitted, signature),
+                                   lambda c: holds_d_in_loads(c, emitted, signature),
+                                   loads_pinned="load_stages" in knobs)
 
 
 def _user_operand_names(graph, emitted) -> set[str]:

@@ -119,3 +119,21 @@ def test_pinning_splits_forgets_tuned_launches(tmp_path):
     tuned.pin_splits(2)
     assert size not in tuned._tuned and tuned.launch_for(16, 4096, 4096)[1] == 2
     tuned.pin_splits(None)
+
+
+def test_one_wave_twins_are_candidates_only_as_the_rules_run_them(tmp_path):
+    """A twin (evtc.plan.selector.one_wave_twins) is timed only where its tiles make one wave and
+    unsplit, and its name tells it from its tile's: the timings of both are kept apart."""
+    k = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path)
+    twins = [c for c in k._family if c.epi_stages is not None]
+    assert twins
+
+    def launches(m, n, kk):
+        return autotune.candidates(m, n, kk, 1, k._family, k._slots, True, k.launch_for(m, n, kk))
+
+    one_wave = launches(512, 3584, 18944)
+    timed_twins = [(c, s) for c, s in one_wave if c.epi_stages is not None]
+    assert timed_twins and all(s == 1 for _, s in timed_twins)
+    names = [autotune.describe(launch) for launch in one_wave]
+    assert len(names) == len(set(names)), names
+    assert not [c for c, _ in launches(4096, 4096, 4096) if c.epi_stages is not None]

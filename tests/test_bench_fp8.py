@@ -36,3 +36,16 @@ def test_a_row_that_ends_the_run_leaves_no_closing_line(fp8, capsys):
         fp8.run_rows([64], [], dies_on_the_third, "ratios", "{:.2f} {:.2f} {:.2f}")
     out = capsys.readouterr().out
     assert "rows to measure" in out and "rows measured" not in out
+
+
+def test_bench_modules_leave_sys_path_and_modules_as_they_were():
+    import sys
+
+    from bench_modules import BENCH
+
+    path, modules = list(sys.path), set(sys.modules)
+    with bench_module("sweep_configs") as sweep:  # imports bench/shapes.py as `shapes`
+        assert sweep.name_of
+    assert sys.path == path
+    assert not [m for m in set(sys.modules) - modules
+                if str(getattr(sys.modules[m], "__file__", None) or "").startswith(str(BENCH))]

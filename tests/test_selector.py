@@ -536,8 +536,12 @@ def _ab_stages(config: GemmConfig) -> int:
     return config.plan_stages(0)[0]  # an identity epilogue: no visitor buffers, D in its own
 
 
+def _no_c(config: GemmConfig) -> bool:
+    return False  # an identity epilogue has no C to hold D
+
+
 def test_one_wave_twins_only_where_two_d_buffers_buy_an_a_b_stage():
-    twins = one_wave_twins(FAMILY, _ab_stages)
+    twins = one_wave_twins(FAMILY, _ab_stages, _no_c)
     # No staged loads in an identity epilogue: the twins keep D in 2 buffers (ONE_WAVE_PLANS[0]).
     assert all(t.schedule == "cooperative" and t.epi_stages == 2 and t.load_stages is None for t in twins)
     assert all(_ab_stages(t) > _ab_stages(t.replace(epi_stages=None)) for t in twins)
@@ -545,13 +549,13 @@ def test_one_wave_twins_only_where_two_d_buffers_buy_an_a_b_stage():
     # stage; 128 x 128 (6 A/B stages either way), 128 x 160 and 128 x 64 do not.
     assert sorted(t.tile_n for t in twins) == [112, 144, 192, 256]
     # Twins come after the family: a tile shape finds its own configuration first.
-    assert one_wave_twins(FAMILY + twins, _ab_stages) == ()
+    assert one_wave_twins(FAMILY + twins, _ab_stages, _no_c) == ()
 
 
 @pytest.mark.parametrize("m,n,k,width", [(512, 3584, 18944, 112), (512, 4608, 3584, 144),
                                          (512, 6144, 4096, 192), (512, 8192, 8192, 256)])
 def test_one_tile_per_cta_takes_the_one_wave_twin(m, n, k, width):
-    family = FAMILY + one_wave_twins(FAMILY, _ab_stages)
+    family = FAMILY + one_wave_twins(FAMILY, _ab_stages, _no_c)
     config, splits = _launch(m, n, k, family=family)
     assert (config.schedule, config.tile_n, splits) == ("cooperative", width, 1)
     assert cta_tile_grid(m, n, 1, config, config.cluster) <= SLOTS
@@ -564,7 +568,7 @@ def test_one_tile_per_cta_takes_the_one_wave_twin(m, n, k, width):
 @pytest.mark.parametrize("m,n,k", [(2048, 3584, 18944), (512, 7168, 2048), (1024, 4608, 3584),
                                    (4096, 4096, 4096), (512, 10240, 8192)])
 def test_more_tiles_than_ctas_or_no_gain_keep_d_staged_whole(m, n, k):
-    family = FAMILY + one_wave_twins(FAMILY, _ab_stages)
+    family = FAMILY + one_wave_twins(FAMILY, _ab_stages, _no_c)
     config, _ = _launch(m, n, k, family=family)
     assert config.epi_stages is None, config.short_name()
 
@@ -606,3 +610,35 @@ def test_a_residual_twin_stages_c_shallower_and_d_in_its_own_buffers(tmp_path):
     assert whole["d_in_load"] and whole["load"] == twin.num_subtiles
     shallow = stages(twin)
     assert not shallow["d_in_load"] and shallow["ab"] == whole["ab"] + 1
+
+
+def test_a_twin_cuts_only_the_loads_of_a_c_that_holds_d_and_never_pinned_ones(tmp_path):
+    """Only a C that holds D (what was measured) is staged shallower in a twin; a float32 C (which
+    D cannot share) keeps its staging, and so does a pinned load_stages."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+
+    def residual(acc, C):
+        return acc + C
+
+    f32 = evtc.compile(residual, {**ex, "C": _meta(8, 64, dtype=torch.float32)}, arch="sm_90a",
+                       cache_dir=tmp_path)
+    for twin in (c for c in f32._family if c.epi_stages is not None):
+        member = next(c for c in f32._family if (c.schedule, c.tile_n, c.epi_stages) ==
+                      (twin.schedule, twin.tile_n, None))
+        assert twin.load_stages == member.load_stages, twin.short_name()
+    pinned = evtc.compile(residual, {**ex, "C": _meta(8, 64)}, config={"load_stages": 3}, arch="sm_90a",
+                          cache_dir=tmp_path)
+    config, _ = pinned.launch_for(512, 3584, 18944)
+    member = next(c for c in pinned._family if (c.schedule, c.tile_n, c.epi_stages) ==
+                  (config.schedule, config.tile_n, None))
+    assert config.load_stages == member.load_stages, config.short_name()
+
+
+def test_explain_names_only_what_a_twin_changes(tmp_path):
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t(), "C": _meta(8, 64)}
+    k = evtc.compile(lambda acc, C: acc + C, ex, arch="sm_90a", cache_dir=tmp_path)
+    for m, n, kk in ((512, 3584, 18944), (256, 4096, 4096), (64, 4096, 4096)):
+        k._variants[k.launch_for(m, n, kk)[0]] = None  # as if built: explain lists what was
+    text = k.explain()
+    assert "None" not in text and "128x112 cooperative 2x1 1 D buffers, loads 2 deep" in text, text
+    assert "128x64 cooperative 2x1," in text  # not a twin: nothing about its buffers

@@ -144,22 +144,25 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> t
     return tuple(family)
 
 
-def one_wave_twins(family: Sequence[GemmConfig],
-                   ab_stages_of: Callable[[GemmConfig], int]) -> tuple[GemmConfig, ...]:
+def one_wave_twins(family: Sequence[GemmConfig], ab_stages_of: Callable[[GemmConfig], int],
+                   holds_d_in_loads: Callable[[GemmConfig], bool], *,
+                   loads_pinned: bool = False) -> tuple[GemmConfig, ...]:
     """For each cooperative configuration of ``family`` that stages D (or the C holding it) deeper
     than a CTA with one tile needs, its one-wave twin (see :func:`choose_launch`): the first plan of
     :data:`ONE_WAVE_PLANS` that gives it more A/B stages. ``ab_stages_of(config)``: the A/B stages
-    the kernel of ``config`` gets with this epilogue (:func:`evtc.plan.smem.ab_stages_of`). The
-    twins go after the family, so that a tile shape finds its own configuration first."""
+    the kernel of ``config`` gets with this epilogue (:func:`evtc.plan.smem.ab_stages_of`);
+    ``holds_d_in_loads(config)``: whether it writes D into a C's load buffers
+    (:func:`evtc.plan.smem.holds_d_in_loads`), the only staged loads a twin cuts (what was
+    measured), and never where the user pinned ``load_stages`` (``loads_pinned``). The twins go
+    after the family, so that a tile shape finds its own configuration first."""
     twins = []
     for config in family:
         if config.schedule != "cooperative" or config.epi_stages is not None or not config.store_d:
             continue
         stages = ab_stages_of(config)
+        cuts_loads = not loads_pinned and config.load_stages is not None and holds_d_in_loads(config)
         for load_stages, epi_stages in ONE_WAVE_PLANS:
-            # Fewer load stages only for a planned load staging (epilogues without staged loads
-            # have none to give back) that is deeper.
-            if load_stages is not None and (config.load_stages is None or load_stages >= config.load_stages):
+            if load_stages is not None and (not cuts_loads or load_stages >= config.load_stages):
                 continue
             try:
                 twin = config.replace(epi_stages=epi_stages,

@@ -183,15 +183,19 @@ def _ab_stages(emitted, signature, cfg, load_stages: int) -> int:
     # Pingpong: each consumer warpgroup has its own ring of ``load_stages`` epilogue-load buffers.
     buffers = load_stages * cfg.epi_groups
     smem = epilogue_smem_bytes(emitted, cfg, buffers, stores)
-    inputs = [(p.kind, _dtype_name(p.dtype), signature.tile_majors.get(p.name, "n")) for p in emitted.inputs]
-    offered = d_buffer_input(inputs, len(emitted.outputs) > 1, cfg)
-    shares_d = cfg.shares_d_with_load(offered is not None)
-    return cfg.plan_stages(smem, shares_d)[0]
+    return cfg.plan_stages(smem, holds_d_in_loads(cfg, emitted, signature))[0]
 
 
 def ab_stages_of(cfg, emitted, signature) -> int:
     """A/B stages the kernel of a planned configuration ``cfg`` gets with this epilogue."""
     return _ab_stages(emitted, signature, cfg, cfg.c_stages)
+
+
+def holds_d_in_loads(cfg, emitted, signature) -> bool:
+    """Whether the kernel of a planned configuration ``cfg`` writes D into a tile input's load
+    buffers (:meth:`GemmConfig.shares_d_with_load`) with this epilogue."""
+    inputs = [(p.kind, _dtype_name(p.dtype), signature.tile_majors.get(p.name, "n")) for p in emitted.inputs]
+    return cfg.shares_d_with_load(d_buffer_input(inputs, len(emitted.outputs) > 1, cfg) is not None)
 
 
 def _plan_epilogue_loads(cfg, emitted, signature, knobs: dict[str, Any]):
@@ -259,5 +263,5 @@ def _shallow_loads(cfg, emitted, signature):
 
 __all__ = ["COLUMN_REDUCTION_WARP_ROWS", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN", "ab_stages_of",
            "column_reduction_columns", "d_buffer_input", "epilogue_smem_bytes", "finish_smem_bytes",
-           "fit_config", "input_load_bytes", "input_smem_bytes", "reduction_smem_bytes", "store_smem_bytes",
-           "vector_stage_elems"]
+           "fit_config", "holds_d_in_loads", "input_load_bytes", "input_smem_bytes", "reduction_smem_bytes",
+           "store_smem_bytes", "vector_stage_elems"]

@@ -66,12 +66,17 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
             config = with_cluster_for(config, m, n, batches, slots_of)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)
         slots = slots_of(config.cluster)
+        # A one-wave twin (evtc.plan.selector.one_wave_twins) runs as the rules run it: one wave of
+        # tiles, unsplit.
+        twin = config.epi_stages is not None and family[0].epi_stages is None
+        if twin and tiles > slots:
+            continue
         if tiles > slots:  # past one wave: only a partly filled last round may split
             most = min(tail_split_limit(tiles, slots, config.cluster[0] * config.cluster[1]), k_tiles)
         else:
             most = min(slots // max(tiles, 1), k_tiles, MAX_SPLITS)
         for splits in SPLIT_COUNTS:
-            if splits > 1 and splits > most:
+            if splits > 1 and (splits > most or twin):
                 continue
             if (config, splits) not in out:
                 out.append((config, splits))
@@ -154,8 +159,10 @@ class Store:
 
 def describe(launch: tuple[GemmConfig, int]) -> str:
     config, splits = launch
+    # A one-wave twin (evtc.plan.selector.one_wave_twins) differs from its tile only in these.
+    twin = "" if config.epi_stages is None else f" d{config.epi_stages} l{config.load_stages}"
     return (f"{config.schedule} {config.tile_m}x{config.tile_n} {config.cluster[0]}x{config.cluster[1]} "
-            f"S{splits}")
+            f"S{splits}{twin}")
 
 
 __all__ = ["ENV", "Store", "bucket", "candidates", "describe", "enabled_by_env", "fastest", "time_us"]

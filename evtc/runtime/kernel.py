@@ -142,6 +142,15 @@ def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device, sca
            stream_buffers.counters(device, counters_numel, stream=stream))
 
 
+
+def _twin_buffers(config: GemmConfig, compiled: GemmConfig) -> str:
+    """What a one-wave twin (evtc.plan.selector.one_wave_twins) changes, for explain(): its D
+    buffers and its loads' depth; nothing for other configurations."""
+    if config.epi_stages is None or config.epi_stages == compiled.epi_stages:
+        return ""
+    loads = f", loads {config.load_stages} deep" if config.load_stages is not None else ""
+    return f" {config.epi_stages} D buffers{loads}"
+
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
     ``k(a, b, **operands, out=None)`` returns what the epilogue returns."""
@@ -456,8 +465,7 @@ class Kernel:
                     else f"{c.tile_m}x{c.tile_n}{' cooperative' if c.schedule != cfg.schedule else ''} "
                 return (f"{tile}{c.cluster[0]}x{c.cluster[1]}" + (" split-K" if c.split_k else "")
                         + (f" {c.a_rows} rows of A" if c.a_rows is not None else "")
-                        + (f" {c.epi_stages} D buffers" if c.epi_stages != cfg.epi_stages else "")
-                        + (f" {c.load_stages} load stages" if c.load_stages != cfg.load_stages else ""))
+                        + _twin_buffers(c, cfg))
 
             built = ", ".join(shape(c) for c in self._variants if c != cfg) or "none yet"
             # dict.fromkeys: a tile's one-wave twin (evtc.plan.selector.one_wave_twins) names it again.
