@@ -125,6 +125,21 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast
     return row
 
 
+def row_parser(doc: str | None, ms: str, samples: int) -> argparse.ArgumentParser:
+    """The arguments of a bench that measures :func:`shapes` rows (this one, fp8_blockwise.py,
+    tf32.py): --ms, --samples and --layers; :func:`row_selection` reads them."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default=ms)
+    p.add_argument("--samples", type=int, default=samples)
+    p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
+    return p
+
+
+def row_selection(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """(M values, layer names to keep) of :func:`row_parser`'s arguments."""
+    return [int(m) for m in args.ms.split(",")], [s for s in args.layers.split(",") if s]
+
+
 def run_rows(ms: list[int], keep: list[str], measure_row, header: str, ratios_format: str) -> list[tuple]:
     """Measure every (layer, M) of :func:`shapes` (those whose name ends with one of ``keep``, if
     given, and whose a and b fit in memory) with ``measure_row(name, m, n, k)``, printing each row:
@@ -168,16 +183,13 @@ def print_summary(rows: list[tuple], ms: list[int], labels: tuple[str, str, str]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ms", default="128,1024,4096,16384")
-    p.add_argument("--samples", type=int, default=15)
-    p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
+    p = row_parser(__doc__, "128,1024,4096,16384", 15)
     p.add_argument("--accum", choices=("promote", "fast"), default="promote")
     args = p.parse_args()
-    ms = [int(m) for m in args.ms.split(",")]
+    ms, keep = row_selection(args)
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
-    rows = run_rows(ms, [s for s in args.layers.split(",") if s],
+    rows = run_rows(ms, keep,
                     lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.accum == "fast"),
                     f"{'tensorwise':>10} {'rowwise':>8} {'fused':>6}", "{:10.3f} {:8.3f} {:6.3f}")
     print_summary(rows, ms, ("tensorwise", "rowwise", "fused (bias, GELU, e4m3 out, amax)"),

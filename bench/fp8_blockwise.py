@@ -25,7 +25,6 @@ inputs (float32 results). Geomeans, per M, and the worst row at the end.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fp8 import print_summary, run_rows, time_calls  # noqa: E402
+from fp8 import print_summary, row_parser, row_selection, run_rows, time_calls  # noqa: E402
 
 import evtc  # noqa: E402
 
@@ -156,16 +155,12 @@ def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ms", default="128,2048,8192")
-    p.add_argument("--samples", type=int, default=11)
-    p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
+    p = row_parser(__doc__, "128,2048,8192", 11)
     p.add_argument("--swiglu", action="store_true", help="the gate/up layers with a SwiGLU epilogue")
     args = p.parse_args()
-    ms = [int(m) for m in args.ms.split(",")]
+    ms, keep = row_selection(args)
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
-    keep = [s for s in args.layers.split(",") if s]
     if args.swiglu:
         rows = run_rows(ms, keep or ["gate_up"],
                         lambda name, m, n, k: measure_swiglu(name, m, n, k, kernels, args.samples),

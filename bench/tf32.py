@@ -18,7 +18,6 @@ against float64 (rows small enough for a float64 reference).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fp8 import print_summary, run_rows, time_calls  # noqa: E402
+from fp8 import print_summary, row_parser, row_selection, run_rows, time_calls  # noqa: E402
 
 import evtc  # noqa: E402
 
@@ -80,16 +79,12 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ms", default="128,2048,8192")
-    p.add_argument("--samples", type=int, default=9)
-    p.add_argument("--layers", default="", help="comma-separated family/layer names to keep")
-    args = p.parse_args()
+    args = row_parser(__doc__, "128,2048,8192", 9).parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    ms = [int(m) for m in args.ms.split(",")]
+    ms, keep = row_selection(args)
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
-    rows = run_rows(ms, [s for s in args.layers.split(",") if s],
+    rows = run_rows(ms, keep,
                     lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples),
                     f"{'identity':>10} {'bias+gelu':>9} {'residual':>8}", "{:10.3f} {:9.3f} {:8.3f}")
     print_summary(rows, ms, ("identity vs torch.matmul (tf32)", "bias+gelu vs F.linear + F.gelu",

@@ -49,3 +49,8 @@ def test_bench_modules_leave_sys_path_and_modules_as_they_were():
     assert sys.path == path
     assert not [m for m in set(sys.modules) - modules
                 if str(getattr(sys.modules[m], "__file__", None) or "").startswith(str(BENCH))]
+
+
+def test_row_benches_share_their_arguments(fp8):
+    args = fp8.row_parser(None, "128,2048", 9).parse_args(["--layers", "qwen2.5-7b/down,", "--ms", "64,512"])
+    assert fp8.row_selection(args) == ([64, 512], ["qwen2.5-7b/down"]) and args.samples == 9
