@@ -177,6 +177,12 @@ def one_wave_twins(family: Sequence[GemmConfig], ab_stages_of: Callable[[GemmCon
     return tuple(twins)
 
 
+def is_one_wave_twin(config: GemmConfig, compiled: GemmConfig) -> bool:
+    """Whether ``config``, of the family of a kernel compiled with ``compiled``, is a one-wave twin
+    (:func:`one_wave_twins`): a twin pins the D buffers that its family's tiles leave to the planner."""
+    return config.epi_stages is not None and compiled.epi_stages is None
+
+
 def _one_wave_twin(config: GemmConfig, family: Sequence[GemmConfig], k: int) -> GemmConfig:
     """``config`` with its one-wave twin's epilogue buffers, where ``family`` has that twin (one
     that stages the loads shallower only from :data:`ONE_WAVE_LOADS_MIN_K`)."""
@@ -377,4 +383,5 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
 __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "FAMILY", "FILL",
            "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
-           "family_digest", "one_wave_twins", "tile_family", "with_a_rows_for", "with_cluster_for"]
+           "family_digest", "is_one_wave_twin", "one_wave_twins", "tile_family", "with_a_rows_for",
+           "with_cluster_for"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from evtc.plan.clusters import ceil_div
 from evtc.plan.config import GemmConfig
-from evtc.plan.selector import with_cluster_for
+from evtc.plan.selector import is_one_wave_twin, with_cluster_for
 from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, tail_split_limit
 
 #: Environment variable that turns autotuning on for every kernel ("1", "true", "yes").
@@ -68,7 +68,7 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
         slots = slots_of(config.cluster)
         # A one-wave twin (evtc.plan.selector.one_wave_twins) runs as the rules run it: one wave of
         # tiles, unsplit.
-        twin = config.epi_stages is not None and family[0].epi_stages is None
+        twin = is_one_wave_twin(config, family[0])
         if twin and tiles > slots:
             continue
         if tiles > slots:  # past one wave: only a partly filled last round may split

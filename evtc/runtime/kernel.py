@@ -142,14 +142,16 @@ def _invoke(fn, a, b, outs: tuple, ins: tuple, clusters: int, split, device, sca
            stream_buffers.counters(device, counters_numel, stream=stream))
 
 
-
 def _twin_buffers(config: GemmConfig, compiled: GemmConfig) -> str:
     """What a one-wave twin (evtc.plan.selector.one_wave_twins) changes, for explain(): its D
     buffers and its loads' depth; nothing for other configurations."""
-    if config.epi_stages is None or config.epi_stages == compiled.epi_stages:
+    from evtc.plan.selector import is_one_wave_twin
+
+    if not is_one_wave_twin(config, compiled):
         return ""
     loads = f", loads {config.load_stages} deep" if config.load_stages is not None else ""
     return f" {config.epi_stages} D buffers{loads}"
+
 
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
@@ -444,6 +446,7 @@ class Kernel:
         """A summary: operands and their kinds, outputs, tile configuration, stages, shared memory,
         registers (from ptxas, when it is installed)."""
         from evtc.plan.config import SM90_SMEM_BYTES
+        from evtc.plan.selector import is_one_wave_twin
 
         cfg = self.config
         lines = [f"evtc kernel {self.plan.name!r} ({self.origin}, {self.seconds:.2f} s)"]
@@ -472,8 +475,7 @@ class Kernel:
             tiles = ", ".join(dict.fromkeys(f"{c.tile_m}x{c.tile_n}"
                                             + (" " + c.schedule if c.schedule != cfg.schedule else "")
                                             for c in self._family))
-            # A one-wave twin has epi_stages set where the compiled configuration does not.
-            twins = [c for c in self._family if c.epi_stages is not None and cfg.epi_stages is None]
+            twins = [c for c in self._family if is_one_wave_twin(c, cfg)]
             if twins:
                 tiles += (" (" + ", ".join(f"{c.tile_m}x{c.tile_n}" for c in twins)
                           + " with fewer epilogue buffers and one more A/B stage where each CTA runs one "
