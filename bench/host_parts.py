@@ -50,7 +50,7 @@ def _parts(x, k, a, b, ops, fn, b_k, bufs, ins, clusters, workspaces, problem) -
         "add_": lambda: x.add_(1),
         "call": lambda: k(a, b, **ops),
         "fn only": lambda: fn(a, b_k, bufs, ins, clusters),
-        "outputs": lambda: k._outputs(a, None, *problem[:3]),
+        "outputs": lambda: k.call_spec.new_outputs(a.device, *problem[:3]),
         "torch.empty": lambda: torch.empty(tuple(problem[:2]), dtype=torch.float16, device=a.device),
     }
     finisher = problem[3]
@@ -87,11 +87,8 @@ def main() -> None:
         m, n = a.shape[-2], b.shape[-1]
         batches = a.shape[0] if a.dim() == 3 else 1
         outs, workspaces, _ = k._run_kernel(a, b, None, ops, stage=False)
-        b_k, kops = k._split(b, ops)
-        ins = []
-        for kind, what in k._getters:
-            ins.append(kops[what] if kind == 0 else float(kops[what]) if kind == 1
-                       else float(what(batches, m, n)))
+        b_k, kops = k.call_spec.split(b, ops)
+        ins = k.call_spec.inputs(kops, m, n, batches)
         # The launch this size runs (tile, cluster, split count); its own reductions' finish.
         fn, clusters, split, finisher = k._launch_choice(m, n, a.shape[-1], batches)
         assert split is None, f"{name}: a split-K launch at {m}x{n}; this bench times the plain one"

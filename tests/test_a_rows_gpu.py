@@ -80,9 +80,9 @@ def test_a_trimmed_launch_reused_for_a_taller_problem(cache):
     kernel = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
     config, splits = kernel.launch_for(2, 256, 512)
     assert config.a_rows in (16, 32)
-    fn, *_ = kernel._resolve(config, splits, 48, 256, 512, 1)
-    whole, *_ = kernel._resolve(config.replace(a_rows=None), splits, 48, 256, 512, 1)
+    fn, *_ = kernel.resolve(config, splits, 48, 256, 512, 1)
+    whole, *_ = kernel.resolve(config.replace(a_rows=None), splits, 48, 256, 512, 1)
     assert fn is whole
-    kernel._launch_memo[(48, 256, 512, 1, x.get_device())] = kernel._resolve(config, splits, 48, 256, 512, 1)
+    kernel._launch_memo[(48, 256, 512, 1, x.get_device())] = kernel.resolve(config, splits, 48, 256, 512, 1)
     _poison_shared_memory()
     assert_close(kernel(x, w.t()), x.double() @ w.double().t())

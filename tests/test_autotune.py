@@ -93,14 +93,16 @@ def test_compile_turns_it_on(tmp_path, monkeypatch):
 
 def test_records_outside_the_family_are_not_used(tmp_path):
     tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
-    member = [c for c in tuned._family if c.epi_stages is None][-1]  # the family's last tile, not a twin
-    assert tuned._tunable((member, 1), 4096) and tuned._tunable((member.replace(cluster=(1, 1)), 2), 4096)
-    assert not tuned._tunable((member.replace(epi_tile_n=16), 1), 4096)
+    member = [c for c in tuned.family if c.epi_stages is None][-1]  # the family's last tile, not a twin
+    assert autotune.tunable(tuned, (member, 1), 4096)
+    assert autotune.tunable(tuned, (member.replace(cluster=(1, 1)), 2), 4096)
+    assert not autotune.tunable(tuned, (member.replace(epi_tile_n=16), 1), 4096)
     fixed = evtc.compile(_identity, EX, config={"cluster": (1, 2)}, arch="sm_90a", cache_dir=tmp_path,
                          autotune=True)
     # No split-K in a kernel with a pinned cluster:
-    assert fixed._tunable((fixed.config, 1), 4096) and not fixed._tunable((fixed.config, 2), 4096)
-    assert not fixed._tunable((fixed.config.replace(cluster=(2, 1)), 1), 4096)
+    assert autotune.tunable(fixed, (fixed.config, 1), 4096)
+    assert not autotune.tunable(fixed, (fixed.config, 2), 4096)
+    assert not autotune.tunable(fixed, (fixed.config.replace(cluster=(2, 1)), 1), 4096)
 
 
 def test_store_rejects_split_counts_out_of_range(tmp_path):
@@ -114,10 +116,10 @@ def test_store_rejects_split_counts_out_of_range(tmp_path):
 def test_pinning_splits_forgets_tuned_launches(tmp_path):
     tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
     size = autotune.bucket(16, 4096, 4096, 1)
-    tuned._tuned[size] = (tuned.config, 1)
+    tuned.tuner.tuned[size] = (tuned.config, 1)
     assert tuned.launch_for(16, 4096, 4096) == (tuned.config, 1)  # the tuned launch is reported
     tuned.pin_splits(2)
-    assert size not in tuned._tuned and tuned.launch_for(16, 4096, 4096)[1] == 2
+    assert size not in tuned.tuner.tuned and tuned.launch_for(16, 4096, 4096)[1] == 2
     tuned.pin_splits(None)
 
 
@@ -129,7 +131,7 @@ def test_one_wave_twins_are_candidates_only_as_the_rules_run_them(tmp_path):
     assert twins
 
     def launches(m, n, kk):
-        return autotune.candidates(m, n, kk, 1, k._family, k._slots, True, k.launch_for(m, n, kk))
+        return autotune.candidates(m, n, kk, 1, k.family, k.slots, True, k.launch_for(m, n, kk))
 
     one_wave = launches(512, 3584, 18944)
     timed_twins = [(c, s) for c, s in one_wave if c.epi_stages is not None]

@@ -52,7 +52,7 @@ def test_tuned_launch_is_correct_and_in_place_safe(tmp_path):
         # out=C: the candidates run into scratch outputs, so C is read unchanged by the real launch.
         got = k(x, w.t(), C=C, bias=bias, out=C)
         assert got is C and _rel(C, ref) < 1e-2, (m, n, kk)
-    store = json.loads(k._tune_store.path.read_text())
+    store = json.loads(k.tuner.store.path.read_text())
     assert autotune.bucket(64, 1024, 4096, 1) in store and len(store) == 3
     entry = store[autotune.bucket(64, 1024, 4096, 1)]
     assert len(entry["us"]) > 1 and entry["splits"] >= 1
@@ -65,18 +65,18 @@ def test_tuned_launches_come_back_from_the_disk_cache(tmp_path, monkeypatch):
     y_ref = x.double() @ w.double().t() + bias.double()
     y, sums = k(x, w.t(), bias=bias)
     assert _rel(y, y_ref) < 1e-2 and _rel(sums, y_ref.sum(-1)) < 1e-4
-    tuned = k._tuned[autotune.bucket(16, 2048, 4096, 1)]
+    tuned = k.tuner.tuned[autotune.bucket(16, 2048, 4096, 1)]
     # A new kernel object (as in a new process) reads the store and times nothing.
-    k._tuned.clear()
+    k.tuner.tuned.clear()
     k._launch_memo.clear()
-    k._tune_store = None
+    k.tuner.store = None
 
     def no_timing(run):
         raise AssertionError("timed again instead of reading the disk cache")
 
     monkeypatch.setattr(autotune, "time_us", no_timing)
     y2, sums2 = k(x, w.t(), bias=bias)
-    assert k._tuned[autotune.bucket(16, 2048, 4096, 1)] == tuned
+    assert k.tuner.tuned[autotune.bucket(16, 2048, 4096, 1)] == tuned
     assert torch.equal(y2, y) and torch.equal(sums2, sums)
 
 
@@ -89,4 +89,4 @@ def test_tuning_a_staged_call(tmp_path):
     x, w, C, bias = (t.half() if t.dtype == torch.bfloat16 else t for t in _inputs(48, 1001, 640, 3))
     ref = torch.relu(x.double() @ w.double().t() + C.double() + bias.double())
     assert _rel(k(x, w.t(), C=C, bias=bias), ref) < 1e-2
-    assert k.last_path == "staged" and autotune.bucket(48, 1001, 640, 1) in k._tuned
+    assert k.last_path == "staged" and autotune.bucket(48, 1001, 640, 1) in k.tuner.tuned

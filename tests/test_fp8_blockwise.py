@@ -12,6 +12,7 @@ import torch
 import evtc
 from evtc.errors import CallError, CompileError, InputError
 from evtc.plan.config import ConfigError, GemmConfig
+from evtc.runtime.call_checks import halves_off_scale_chunk, scales_fit
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -127,9 +128,9 @@ def test_gated_kernels_take_halves_of_whole_scale_chunks(tmp_path):
     a, b = _pairs(256, 2 * 96, 512, 1)
     swiglu = evtc.compile(gated, {"a": a, "b": b}, cache_dir=tmp_path)
     plain = evtc.compile(identity, {"a": a, "b": b}, cache_dir=tmp_path)
-    assert not swiglu._halves_off_scale_chunk(2 * 96) and not swiglu._halves_off_scale_chunk(2 * 1024)
-    assert swiglu._halves_off_scale_chunk(2 * 100) and swiglu._halves_off_scale_chunk(2 * 48 + 2)
-    assert not plain._halves_off_scale_chunk(200)
+    for n, off in ((2 * 96, False), (2 * 1024, False), (2 * 100, True), (2 * 48 + 2, True)):
+        assert halves_off_scale_chunk(swiglu.call_spec, n) == off, n
+    assert not halves_off_scale_chunk(plain.call_spec, 200)
 
 
 @pytest.mark.parametrize(("rows", "shape"), [(1, (130, 2 * 160, 300)), (128, (300, 2 * 100, 257))],
@@ -276,7 +277,7 @@ def test_a_one_row_example_compiles_1x128_blocks_and_says_so(tmp_path, caplog):
 
 
 def test_the_per_call_check_agrees_with_the_named_one(tmp_path):
-    """The call path checks scale shapes without building messages (Kernel._scales_fit); it must
+    """The call path checks scale shapes without building messages (call_checks.scales_fit); it must
     accept exactly what evtc.ir.block_scales.scale_problem accepts for the compiled granularity."""
     from evtc.ir.block_scales import scale_problem
 
@@ -289,4 +290,4 @@ def test_the_per_call_check_agrees_with_the_named_one(tmp_path):
                     (a[:1], b, sa[:1], sb), (a3, b3, sa3, sb3), (a3, b3, sa3[0], sb3), (a3, b3, sa3, sb3[:1])]
         for x, y, sx, sy in variants:
             named = scale_problem(x, y, (sx, sy), rows)[0] is None
-            assert kernel._scales_fit(x, y, (sx, sy)) == named, (rows, sx.shape, sy.shape, sx.dtype)
+            assert scales_fit(kernel.call_spec, x, y, (sx, sy)) == named, (rows, sx.shape, sy.shape, sx.dtype)

@@ -23,6 +23,7 @@ from evtc.plan.split_k import (
     whole_cluster_tiles,
     workspace_numels,
 )
+from evtc.runtime import autotune
 
 BF16 = GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k")
 
@@ -131,7 +132,7 @@ def test_pin_splits_rejects_bad_values(tmp_path):
 
 def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):
     """Every unit of a launch has a K tile (the mainloop's first K tile overwrites the accumulator,
-    with no zero-fill): a pinned count above K's tiles is cut to them, and Kernel._resolve, which
+    with no zero-fill): a pinned count above K's tiles is cut to them, and Kernel.resolve, which
     every launch passes, caps whatever count it is given."""
     from evtc.plan.split_k import splits_within_k
 
@@ -148,12 +149,13 @@ def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):
     tile_k = k.config.tile_k
     assert k.splits_for(64, 256, 3 * tile_k - 5) == 3
     assert k.splits_for(64, 256, 100 * tile_k) == 7
-    # The launch tuple itself (what _invoke hands the kernel), from a launch with too many splits.
+    # The launch tuple itself (what invoke hands the kernel), from a launch with too many splits.
     monkeypatch.setattr(k, "_variant", lambda config: k)
-    _, _, split, _ = k._resolve(k.config, 7, 64, 256, 2 * tile_k, 1)
+    _, _, split, _ = k.resolve(k.config, 7, 64, 256, 2 * tile_k, 1)
     assert split[0] == 2
     # The tuner still times launches under such a pin (their capped count matches it).
-    assert k._tunable((k.config, 2), 2 * tile_k) and not k._tunable((k.config, 3), 2 * tile_k)
+    assert autotune.tunable(k, (k.config, 2), 2 * tile_k)
+    assert not autotune.tunable(k, (k.config, 3), 2 * tile_k)
 
 
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
@@ -178,23 +180,23 @@ def test_ptx_of_split_k(tmp_path, schedule):
 
 
 def test_a_launch_passes_split_k_buffers_after_the_cluster_count(monkeypatch):
-    from evtc.runtime import kernel as kernel_module
+    from evtc.runtime import invoke as invoke_module
 
-    monkeypatch.setattr(kernel_module.stream_buffers, "stream_key", lambda device: ("stream", device))
-    monkeypatch.setattr(kernel_module.stream_buffers, "partials",
+    monkeypatch.setattr(invoke_module.stream_buffers, "stream_key", lambda device: ("stream", device))
+    monkeypatch.setattr(invoke_module.stream_buffers, "partials",
                         lambda device, n, stream: ("partials", device, n, stream))
-    monkeypatch.setattr(kernel_module.stream_buffers, "counters",
+    monkeypatch.setattr(invoke_module.stream_buffers, "counters",
                         lambda device, n, stream: ("counters", device, n, stream))
     calls = []
-    kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, None, "dev")
-    kernel_module._invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, (3, 100, 7), "dev")
+    invoke_module.invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, None, "dev")
+    invoke_module.invoke(lambda *args: calls.append(args), "a", "b", ("d",), ("c",), 66, (3, 100, 7), "dev")
     assert calls == [("a", "b", ("d",), ("c",), 66),
                      ("a", "b", ("d",), ("c",), 66, 3, ("partials", "dev", 100, ("stream", "dev")),
                       ("counters", "dev", 7, ("stream", "dev")))]
     config = GemmConfig()
-    assert kernel_module._built_config(config, 1) == config
-    assert kernel_module._built_config(config, 2) == config.replace(split_k=True)
-    assert kernel_module._built_config(config.replace(split_k=True), 1).split_k
+    assert invoke_module.built_config(config, 1) == config
+    assert invoke_module.built_config(config, 2) == config.replace(split_k=True)
+    assert invoke_module.built_config(config.replace(split_k=True), 1).split_k
 
 
 def test_captured_launches_take_counters_of_their_own_from_the_arena(monkeypatch):

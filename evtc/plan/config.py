@@ -134,7 +134,7 @@ class GemmConfig:
     over a 1-row A reads 64 times what it needs, from the few L2 slices that hold that row. The
     accumulator rows past ``a_rows`` come from shared memory nobody wrote and are never stored or
     reduced; a call with more than ``a_rows`` rows runs the kernel built with ``a_rows=None``
-    (the runtime's choice, see :meth:`evtc.runtime.kernel.Kernel._resolve`).
+    (the runtime's choice, see :meth:`evtc.runtime.kernel.Kernel.resolve`).
 
     ``pdl``: launch with programmatic dependent launch (opt-in). The kernel's set-up (barrier init,
     descriptor prefetch) then overlaps the end of the previous kernel in the stream, and it waits

@@ -17,16 +17,25 @@ is never tuned: it takes the selector's choice.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import statistics
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evtc.plan.clusters import ceil_div
 from evtc.plan.config import GemmConfig
 from evtc.plan.selector import is_one_wave_twin, with_cluster_for
-from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, tail_split_limit
+from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, splits_within_k, tail_split_limit
+from evtc.runtime.invoke import invoke
+
+if TYPE_CHECKING:
+    from evtc.runtime.kernel import Kernel
+
+log = logging.getLogger("evtc")
 
 #: Environment variable that turns autotuning on for every kernel ("1", "true", "yes").
 ENV = "EVTC_AUTOTUNE"
@@ -165,4 +174,95 @@ def describe(launch: tuple[GemmConfig, int]) -> str:
             f"S{splits}{twin}")
 
 
-__all__ = ["ENV", "Store", "bucket", "candidates", "describe", "enabled_by_env", "fastest", "time_us"]
+def tunable(kernel: Kernel, launch: tuple[GemmConfig, int], k: int) -> bool:
+    """Whether ``kernel`` may run ``launch`` (a tuned record may come from another rule or pin):
+    a configuration of its family in a cluster shape it may take, a split count it may run."""
+    config, splits = launch
+    if splits > 1 and not kernel.can_split:
+        return False
+    # A pinned count above K's tiles runs as one split per K tile (see Kernel.launch_for).
+    pinned = kernel.pinned_splits
+    if pinned is not None and splits != splits_within_k(pinned, k, config.tile_k):
+        return False
+    in_family = any(config.replace(cluster=c.cluster, split_k=c.split_k, a_rows=c.a_rows) == c
+                    for c in kernel.family)
+    return in_family and (kernel.chooses_clusters or config.cluster == kernel.config.cluster)
+
+
+class Tuner:
+    """The tuned launches of one autotuning kernel: per size bucket, from this process, the disk
+    cache (:class:`Store`), or timed on the first call's inputs."""
+
+    def __init__(self) -> None:
+        #: Size bucket -> (configuration, splits), for this process.
+        self.tuned: dict[str, tuple[GemmConfig, int]] = {}
+        self.store: Store | None = None
+        self._lock = threading.Lock()  # one timing per bucket, and one writer of the store
+
+    def launch(self, kernel: Kernel, a, b, ins, outs, m: int, n: int, k: int, batches: int,
+               scales=None) -> tuple[GemmConfig, int]:
+        """The tuned (configuration, splits) of the problem's size bucket, timed now on the call's
+        inputs into scratch outputs laid out like ``outs`` (the buffers the call launches into)
+        when neither this process nor the disk cache has it."""
+        size = bucket(m, n, k, batches)
+        launch = self.tuned.get(size)
+        if launch is not None:
+            return launch
+        with self._lock:
+            launch = self.tuned.get(size)
+            if launch is None:
+                if self.store is None:
+                    import torch
+
+                    self.store = Store(kernel.cache_root, torch.cuda.get_device_name(a.device),
+                                       kernel.key + kernel.interface.tag() + kernel.launch_tag)
+                launch = self.store.get(size)
+                if launch is not None and not tunable(kernel, launch, k):
+                    launch = None  # a record this kernel may not run: tuned again
+                if launch is None:
+                    launch = self._time(kernel, a, b, ins, outs, m, n, k, batches, size, scales)
+                self.tuned[size] = launch
+        return launch
+
+    def _time(self, kernel: Kernel, a, b, ins, outs, m, n, k, batches, size: str,
+              scales=None) -> tuple[GemmConfig, int]:
+        import torch
+
+        name = kernel.plan.name
+        default = kernel.launch_for(m, n, k, batches)
+        launches = [c for c in candidates(m, n, k, batches, kernel.family, kernel.slots,
+                                          kernel.chooses_clusters, default)
+                    if tunable(kernel, c, k)]
+        # Scratch outputs with the strides of the real ones (staged calls pad their rows).
+        scratch = [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device) for o in outs]
+        times: dict[str, float] = {}
+        timed = []
+        for launch in launches:
+            try:
+                fn, clusters, split, finisher = kernel.resolve(*launch, m, n, k, batches)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is skipped
+                log.warning("%r: autotuning skips %s: %s", name, describe(launch), exc)
+                continue
+            # The buffers a call of this launch would get (launches on one stream never overlap).
+            buffers = tuple(scratch + (finisher.buffers(m, n, batches, a.device) if finisher is not None
+                                       else []))
+
+            def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
+                invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device, scales)
+            try:
+                us = time_us(run)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                log.warning("%r: autotuning skips %s: %s", name, describe(launch), exc)
+                continue
+            times[describe(launch)] = round(us, 2)
+            timed.append((launch, us))
+        best = fastest(timed) if timed else default
+        if kernel.pinned_splits is None:  # a choice limited by a pinned split count stays in memory
+            self.store.put(size, best, times)
+        log.info("%r: autotuned %s: %s (%d candidates; the rules chose %s)", name, size,
+                 describe(best), len(timed), describe(default))
+        return best
+
+
+__all__ = ["ENV", "Store", "Tuner", "bucket", "candidates", "describe", "enabled_by_env", "fastest",
+           "time_us", "tunable"]

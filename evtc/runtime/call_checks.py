@@ -1,14 +1,52 @@
-"""Checks of a compiled kernel's call arguments, with messages that name the argument and the rule.
+"""Checks of a compiled kernel's call arguments, with messages that name the argument and the rule,
+and the reasons a call takes the torch path instead of the kernel.
 
 They run only when a call is rejected (the compiled code checks the same rules first, cheaply), or
-on a machine without a GPU, so they cost nothing on the fast path.
+on a machine without a GPU, so they cost nothing on the fast path. The few that every call needs
+(:func:`without_unused`, :func:`unpair`, :func:`scales_fit`) are written to be cheap.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from evtc.errors import CallError
+from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
+from evtc.ir.dtypes import torch_dtype
+from evtc.plan.config import GATED_SCALE_CHUNK
+from evtc.runtime.call_spec import CallSpec
+
+#: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
+FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def gpu_problem() -> str | None:
+    """None when a Hopper GPU can run the kernel, else why not."""
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"the GPU is sm_{major}{minor}; the kernel needs an SM90 (Hopper) GPU"
+    return None
+
+
+def tf32_allowed() -> bool:
+    """Whether torch multiplies float32 matrices in tf32 now. Torch 2.9 and later keep the setting as
+    ``fp32_precision`` (its old ``allow_tf32`` flag raises once the new API has been used); older
+    versions only have the flag."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    return precision == "tf32"
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout: bool = True) -> None:
@@ -47,3 +85,228 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
 def check_device(name: str, t, device) -> None:
     if t.device != device:
         raise CallError(f"{name} is on {t.device} but a is on {device}: all tensors must share a device")
+
+
+def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: bool = True) -> list:
+    """The full-tile outputs of ``out=`` (the structure the epilogue returns), in kernel order,
+    each checked against its compiled shape, dtype and (``layout``) layout."""
+    given = spec.tree.flatten(out, is_tensor)
+    if given is None:
+        raise CallError(f"out= must have the structure the epilogue returns ({spec.describe_tree()})")
+    tensors = []
+    plan = spec.plan
+    tile_names = spec.kernel_order[:len(plan.outputs)]
+    for name, out_spec, dt in zip(tile_names, plan.outputs, spec.out_dtypes, strict=True):
+        t = given[name]
+        check_tensor(f"out[{name!r}]" if not spec.single_output else "out", t, out_spec, dt,
+                     {"L": batches, "M": m, "N": n}, layout=layout)
+        tensors.append(t)
+    return tensors
+
+
+def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
+    """Copy ``values`` (outputs named ``names``) into ``out=``'s tensors of those names, which must
+    have their shapes and dtypes; returns ``out``'s tensors."""
+    given = spec.tree.flatten(out, is_tensor)
+    if given is None:
+        raise CallError(f"out= must have the structure the epilogue returns ({spec.describe_tree()})")
+    for name, value in zip(names, values, strict=True):
+        target = given[name]
+        if not isinstance(target, torch.Tensor) or target.shape != value.shape or target.dtype != value.dtype:
+            raise CallError(f"out[{name!r}] must be a {value.dtype} tensor of shape {tuple(value.shape)}")
+        target.copy_(value)
+    return [given[name] for name in names]
+
+
+# ---- what a call passes besides tensors --------------------------------------------------------------
+
+
+def _same_constant(value: Any, compiled: Any) -> bool:
+    if isinstance(compiled, bool) or compiled is None:
+        return value is compiled
+    return not isinstance(value, torch.Tensor) and type(value) is type(compiled) and value == compiled
+
+
+def without_unused(spec: CallSpec, operands: dict) -> dict:
+    """``operands`` without the parameters the kernel does not take: unused ones are dropped,
+    compile-time constants checked against their compiled value. Unknown names stay, for
+    :func:`validate` to name."""
+    interface = spec.plan.interface
+    constants = dict(interface.constants)
+    kept = {}
+    for name, value in operands.items():
+        if name in constants:
+            if not _same_constant(value, constants[name]):
+                raise CallError(
+                    f"{name}={value!r}: {spec.plan.name!r} was compiled with {name}="
+                    f"{constants[name]!r}, a compile-time constant (the trace specialised on it); "
+                    "compile again with the new value")
+        elif name not in interface.unused:
+            kept[name] = value
+    return kept
+
+
+def needs_grad(a, b, operands: dict) -> bool:
+    """Whether any input requires grad (on the per-call path: no tuple or generator built)."""
+    if getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False):
+        return True
+    for value in operands.values():
+        if getattr(value, "requires_grad", False):
+            return True
+    return False
+
+
+# ---- block-scaled float8 -----------------------------------------------------------------------------
+
+
+def unpair(spec: CallSpec, a, b):
+    """A block-scaled kernel's a and b as (a, b, (a's scales, b's scales))."""
+    for name, value in (("a", a), ("b", b)):
+        if not is_pair(value):
+            raise CallError(f"{name} must be a (tensor, block scales) pair: {spec.plan.name!r} was "
+                            f"compiled for block-scaled float8 a and b, got {type(value).__name__} "
+                            "(docs/fp8.md, 'Block scales')")
+    return a[0], b[0], (a[1], b[1])
+
+
+def halves_off_scale_chunk(spec: CallSpec, n: int) -> bool:
+    """Whether a block-scaled gated kernel cannot take a B of ``n`` columns: its halves must
+    be whole chunks of GemmConfig.scale_chunk columns (the torch path computes the others)."""
+    return bool(spec.scale_rows and spec.gated and n // 2 % GATED_SCALE_CHUNK)
+
+
+def scales_fit(spec: CallSpec, a, b, scales) -> bool:
+    """Whether block scales have the compiled granularity's shapes, float32, on a's device: the
+    per-call check (what :func:`evtc.ir.block_scales.scale_problem` checks, without building a
+    message; the slow path names what is wrong). ``b``: the user's, whole when gated."""
+    a_scales, b_scales = scales
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if halves_off_scale_chunk(spec, n):
+        return False  # see torch_reason
+    blocks_k = -(-k // SCALE_BLOCK)
+    rows = m if spec.scale_rows == 1 else -(-m // SCALE_BLOCK)
+    return (a_scales.dtype == torch.float32 and b_scales.dtype == torch.float32
+            and a_scales.shape[:-2] == a.shape[:-2] and b_scales.shape[:-2] == b.shape[:-2]
+            and a_scales.shape[-2:] == (rows, blocks_k)
+            and b_scales.shape[-2:] == (blocks_k, -(-n // SCALE_BLOCK))
+            and a_scales.device == a.device and b_scales.device == a.device)
+
+
+def refuse_grad(spec: CallSpec, a, b, operands) -> None:
+    """A block-scaled kernel has no derivative: a call whose inputs need one is an error, not a
+    result without gradients."""
+    tensors = [*(a if is_pair(a) else (a,)), *(b if is_pair(b) else (b,)), *operands.values()]
+    if any(getattr(t, "requires_grad", False) for t in tensors):
+        raise CallError(f"{spec.plan.name!r} takes block-scaled float8 a and b, which have no autograd "
+                        "formula, and an input requires grad; call it under torch.no_grad() or detach "
+                        "the inputs (docs/fp8.md, 'Block scales')")
+
+
+# ---- the slow path -------------------------------------------------------------------------------------
+
+
+def torch_reason(spec: CallSpec, a, operands: dict, b=None) -> str | None:
+    """Why this call cannot run the SM90 kernel (it then takes the torch path), or None."""
+    interface = spec.plan.interface
+    if interface.torch_only is not None:
+        return interface.torch_only
+    reason = gpu_problem()
+    if reason is not None:
+        return reason
+    if a.device.type != "cuda":
+        return f"the tensors are on {a.device}"
+    if spec.tf32 and not tf32_allowed():
+        return ("float32 a and b: the kernel multiplies them as tf32, which torch allows only with "
+                "torch.backends.cuda.matmul.allow_tf32 or fp32_precision = 'tf32' "
+                "(torch.set_float32_matmul_precision('high')); this call is computed in full float32")
+    if a.shape[-1] == 0:
+        return "K = 0 (the accumulator is all zeros)"
+    if isinstance(b, torch.Tensor) and halves_off_scale_chunk(spec, b.shape[-1]):
+        return (f"b's halves have {b.shape[-1] // 2} columns, not a multiple of {GATED_SCALE_CHUNK}: "
+                "the kernel reads a gated B's block scales per 32 columns of each half")
+    # An operand of another float dtype than compiled: the kernel loads the compiled one, but
+    # the function widens every operand to float32 first, so the graph gives the same result
+    # (output dtypes follow a and b and explicit casts, never an operand's dtype).
+    for name, dtype in spec.operand_dtypes.items():
+        value = operands.get(name)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in FLOAT_OPERAND_DTYPES:
+            return f"{name} is {value.dtype}, the kernel was compiled for {dtype}"
+    return None
+
+
+def _validate_gated(spec: CallSpec, b, operands) -> None:
+    """A gated call's own rules, checked on the tensors the user passed (before splitting)."""
+    n = b.shape[-1]
+    if n % 2:
+        raise CallError(f"b has {n} columns: this gated epilogue splits them into gate and up halves "
+                        "(acc.chunk(2, dim=-1)), so N must be even")
+    for name, t in [("b", b)] + [(w, operands[w]) for w in spec.wide_operands]:
+        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[-1] != n:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CallError(f"{name} must be a tensor whose last dim is N = {n} (as wide as the GEMM: "
+                            f"it is split into gate and up halves like acc), got {shape}")
+
+
+def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
+    """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
+
+    Layouts are not checked here: a layout the kernel cannot take is staged
+    (:func:`evtc.runtime.staging.stage_call`)."""
+    plan = spec.plan
+    for name, t in (("a", a), ("b", b)):
+        if is_pair(t):
+            raise CallError(f"{name} is a (tensor, scales) pair, but {plan.name!r} was compiled without "
+                            "block scales: compile with pairs as example inputs (docs/fp8.md)")
+        if not isinstance(t, torch.Tensor):
+            raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != len(plan.a.dims) or b.dim() != len(plan.b.dims):
+        raise CallError(f"a and b must be {len(plan.a.dims)}-d and {len(plan.b.dims)}-d as when compiled; "
+                        f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    unknown = sorted(set(operands) - spec.name_set)
+    if unknown:
+        takes = list(plan.interface.parameters) or spec.names
+        raise CallError(f"unexpected argument(s) {unknown}; the epilogue takes {takes or 'no operands'}")
+    missing = [nm for nm in spec.names if nm not in operands]
+    if missing:
+        raise CallError(f"missing argument(s) {missing}; the epilogue takes {spec.names}")
+    if b.shape[-2] != a.shape[-1]:
+        raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
+    batches = [t.shape[0] for t in (a, b) if t.dim() == 3]
+    if len(set(batches) - {1}) > 1 or (len(set(batches)) > 1 and plan.broadcast_batch is None):
+        raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
+                        + ("" if plan.broadcast_batch else " (compiled for equal batch sizes)"))
+    b_parts = [("b", b)]
+    if plan.gated:
+        _validate_gated(spec, b, operands)
+        (gate, up), operands = spec.kernel_arguments(b, operands)
+        b_parts = [("b (its gate half)", gate), ("b (its up half)", up)]
+    sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b_parts[0][1].shape[-1],
+             "L": max(batches) if batches else 1}
+    device = a.device
+    # a and b each with its own batch size (they may broadcast, on the torch path).
+    check_tensor("a", a, plan.a, torch_dtype(plan.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)
+    for name, part in b_parts:
+        check_tensor(name, part, plan.b, torch_dtype(plan.b.dtype), {**sizes, "L": b.shape[0]}, layout=False)
+    for kernel_input in plan.inputs:
+        if kernel_input.kind == "literal":
+            continue
+        value = operands[kernel_input.name]
+        if kernel_input.kind == "arg":
+            if isinstance(value, torch.Tensor) or not isinstance(value, int | float):
+                raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
+                                f"{type(value).__name__}")
+            continue
+        # Another float dtype than compiled takes the torch path (see torch_reason).
+        dtype = getattr(value, "dtype", None)
+        dtype = dtype if dtype in FLOAT_OPERAND_DTYPES else torch_dtype(kernel_input.spec.dtype)
+        check_tensor(kernel_input.label, value, kernel_input.spec, dtype, sizes, layout=False)
+    outs = [] if out is None else given_outputs(spec, out, sizes["M"], sizes["N"], sizes["L"], layout=False)
+    if spec.scale_rows:
+        problem, _ = scale_problem(a, b, scales, spec.scale_rows)
+        if problem is not None:
+            raise CallError(f"{problem} (docs/fp8.md, 'Block scales')")
+    tensors = [("a", a), ("b", b)] + [(p.label, operands[p.name])
+                                      for p in plan.inputs if p.kind not in ("arg", "literal")]
+    tensors += [(f"out[{i}]", t) for i, t in enumerate(outs)]
+    for name, t in tensors:
+        check_device(name, t, device)

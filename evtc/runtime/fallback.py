@@ -45,4 +45,24 @@ def run(graph: Graph, a: Any, b: Any, operands: dict[str, Any]) -> dict[str, tor
     return {name: result[key] for name, key in zip(names, graph.outputs.keys, strict=True)}
 
 
-__all__ = ["accumulate", "run"]
+def run_call(spec, graph: Graph, a: Any, b: Any, out, operands: dict[str, Any],
+             scales=None) -> list[torch.Tensor]:
+    """A call on the torch path: its outputs in kernel order (``spec``: the kernel's
+    :class:`evtc.runtime.call_spec.CallSpec`), laid out as the kernel would lay them out, or
+    copied into ``out``'s tensors when given."""
+    from evtc.runtime.call_checks import copy_into_given
+    from evtc.runtime.staging import empty_in_layout
+
+    if scales is not None:  # block-scaled float8: the pairs, as the interpreter takes them
+        a, b = (a, scales[0]), (b, scales[1])
+    results = run(graph, a, b, operands)
+    values = [results[name].contiguous() for name in spec.kernel_order]
+    if spec.d_by_m:  # the layout the kernel would give
+        d, d_spec = values[0], spec.plan.outputs[0]
+        values[0] = empty_in_layout(tuple(d.shape), d.dtype, d_spec, d.device).copy_(d)
+    if out is None:
+        return values
+    return copy_into_given(spec, out, spec.kernel_order, values)
+
+
+__all__ = ["accumulate", "run", "run_call"]

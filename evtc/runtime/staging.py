@@ -79,4 +79,33 @@ def aligned_copy(t: torch.Tensor, spec) -> torch.Tensor:
     return staged
 
 
-__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "empty_in_layout", "layout_problem"]
+def stage_call(plan, a, b, ins, targets):
+    """A call's tensors as the kernel of ``plan`` can take them: aligned copies of the inputs whose
+    layout it cannot take, padded buffers for the outputs it cannot write in place (the caller
+    copies them into ``targets`` after the launch). ``b`` is a gated call's (gate, up) halves.
+
+    Returns (a, b, ins, outs, problems): ``problems`` names each tensor staged and why (empty when
+    every tensor fits, and then the tensors are returned as they are)."""
+    b_parts = [("b (its gate half)", b[0]), ("b (its up half)", b[1])] if plan.gated else [("b", b)]
+    named = [("a", a, plan.a)] + [(name, t, plan.b) for name, t in b_parts]
+    named += [(kernel_input.label, t, kernel_input.spec)
+              for kernel_input, t in zip(plan.inputs, ins, strict=True) if isinstance(t, torch.Tensor)]
+    out_names = list(plan.output_order)[:len(plan.outputs)]
+    outputs = [(f"output {name!r}", t, spec) for name, t, spec in zip(out_names, targets, plan.outputs,
+                                                                     strict=True)]
+    problems = {id(t): f"{name}: {why}" for name, t, spec in named + outputs
+                if (why := layout_problem(t, spec)) is not None}
+    if not problems:
+        return a, b, ins, targets, []
+    copies = {id(t): aligned_copy(t, spec) for _, t, spec in named if id(t) in problems}
+
+    def staged(t):
+        return copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
+
+    outs = [aligned_empty(tuple(t.shape), t.dtype, spec, t.device) if id(t) in problems else t
+            for _, t, spec in outputs]
+    b = tuple(staged(half) for half in b) if plan.gated else staged(b)
+    return staged(a), b, [staged(t) for t in ins], outs, list(problems.values())
+
+
+__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "empty_in_layout", "layout_problem", "stage_call"]

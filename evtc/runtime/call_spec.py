@@ -1,0 +1,163 @@
+"""What every call of a kernel needs from its plan, worked out once when the kernel is made.
+
+A call's host work is small only if nothing is derived from the plan per call: which names the
+user passes and which the kernel takes (a gated kernel takes b and wide operands as gate and up
+halves), how each kernel input is found (a tensor, a runtime scalar, a literal computed from the
+sizes), how each output is allocated (its dtype and the order of its dims in memory) and how the
+outputs are returned (the epilogue's structure). :class:`CallSpec` holds all of it; it depends on the
+plan only, not on the GEMM's configuration, so every variant of a kernel shares it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from evtc.ir.dtypes import torch_dtype
+from evtc.plan.kernel_plan import KernelPlan
+from evtc.runtime.reductions import size_function
+
+#: How a kernel input is found per call (the first item of :attr:`CallSpec.getters`).
+TENSOR, SCALAR, LITERAL = 0, 1, 2
+
+
+def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of ``t`` along its last dim: views, never copies (one torch call,
+    cheaper than two slices)."""
+    return t.chunk(2, dim=-1)
+
+
+class NotPlainGated(ValueError):
+    """A gated call the fast path does not take as it is (the slow path says what is wrong)."""
+
+
+class CallSpec:
+    """A kernel plan's call interface, prepared for the per-call path (see the module docstring)."""
+
+    def __init__(self, plan: KernelPlan):
+        self.plan = plan
+        interface = plan.interface
+        #: The names the user passes after a and b (the epilogue's live operands).
+        self.names: list[str] = list(plan.operand_names)
+        self.name_set = frozenset(self.names)
+        #: Operands as wide as the GEMM, which a gated kernel takes as gate and up halves.
+        self.wide_operands = plan.wide_operands
+        #: Per kernel input: (TENSOR, its name), (SCALAR, its name) or (LITERAL, a function of
+        #: (L, M, N)).
+        self.getters: list[tuple[int, Any]] = [
+            (LITERAL, size_function(i.expr)) if i.kind == "literal"
+            else (SCALAR, i.name) if i.kind == "arg" else (TENSOR, i.name)
+            for i in plan.inputs]
+        #: How many inputs the kernel takes by name (a gated kernel's halves count twice).
+        self.kernel_name_count = sum(1 for i in plan.inputs if i.kind != "literal")
+        self.gated = plan.gated
+        self.batched = plan.batched
+        #: D's unit-stride dim is M (a column-major output), so rows of M must be 16-byte multiples.
+        self.d_by_m = plan.d_major == "m"
+        self.out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
+        rank = 3 if plan.batched else 2
+        allocs = []
+        for dt, spec in zip(self.out_dtypes, plan.outputs, strict=True):
+            c = spec.contiguous if spec.contiguous is not None else rank - 1
+            if c == rank - 1:
+                allocs.append((dt, None, None))
+            else:
+                order = [i for i in range(rank) if i != c] + [c]
+                allocs.append((dt, order, [order.index(i) for i in range(rank)]))
+        #: Per output: (dtype, the physical order of its dims or None when row-major, the
+        #: permutation back): what staging.empty_in_layout does, prepared once.
+        self.out_allocs = allocs
+        #: Output names in kernel order: the full-tile outputs, then those finished after the tiles.
+        self.kernel_order: list[str] = list(plan.output_order)
+        self.host_outputs = plan.host_outputs
+        #: The structure the epilogue returns (a tensor, a tuple, a dict).
+        self.tree = plan.structure
+        self.single_output = plan.structure.kind == "single"
+        # Where each returned output is in kernel order, and a dict result's keys.
+        position = {name: i for i, name in enumerate(self.kernel_order)}
+        self._result_index = [position[name] for name in plan.structure.names]
+        self._result_keys = tuple(plan.structure.keys or ())
+        self._result_is_tuple = plan.structure.kind == "tuple"
+        #: Whether a call may pass parameters the kernel does not take (unused ones, constants).
+        self.accepts_more = bool(interface.unused or interface.constants)
+        #: The compiled dtype of each tensor operand, by the name the user passes.
+        self.operand_dtypes = {i.user: torch_dtype(i.spec.dtype) for i in plan.inputs if i.spec is not None}
+        #: Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
+        #: needs padded output rows (the staged path).
+        self.out_align = max((16 // torch.empty((), dtype=dt).element_size() for dt in self.out_dtypes),
+                             default=1)
+        #: Block-scaled float8: rows of a per scale (1 or 128); 0: a and b are plain tensors.
+        self.scale_rows = plan.a_scale_rows
+        #: float32 a and b: the kernel's wgmma is tf32, so it runs only where torch would use tf32.
+        self.tf32 = interface.torch_only is None and plan.a.dtype == "float32"
+
+    # ---- gated kernels ---------------------------------------------------------------------------
+    def kernel_arguments(self, b, operands: dict) -> tuple[tuple, dict]:
+        """A gated kernel's arguments: b as its (gate, up) halves and each operand as wide as the
+        GEMM as its two halves, under the kernel's names for them (views, never copies)."""
+        args: dict[str, Any] = {}
+        split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in self.plan.inputs:
+            if i.half is not None:
+                if i.user in operands:
+                    if i.user not in split:
+                        split[i.user] = halves(operands[i.user])
+                    args[i.name] = split[i.user][i.half]
+            elif i.name in operands:
+                args[i.name] = operands[i.name]
+        return halves(b), args
+
+    def split(self, b, operands: dict):
+        """(b, operands) as the kernel takes them: a gated kernel's as :meth:`kernel_arguments`,
+        others as they are. Raises NotPlainGated for anything unusual (odd N, an unknown keyword, a
+        wide operand of another width), which the slow path's checks then name."""
+        if not self.gated:
+            return b, operands
+        n = b.shape[-1]
+        if n % 2 or operands.keys() != self.name_set:
+            raise NotPlainGated("not a plain gated call")
+        for name in self.wide_operands:
+            if operands[name].shape[-1] != n:
+                raise NotPlainGated("not a plain gated call")
+        return self.kernel_arguments(b, operands)
+
+    # ---- per call --------------------------------------------------------------------------------
+    def inputs(self, kernel_operands: dict, m: int, n: int, batches: int) -> list:
+        """The kernel's epilogue inputs in its order: tensors as passed, scalars as floats."""
+        return [kernel_operands[what] if kind == TENSOR else float(kernel_operands[what]) if kind == SCALAR
+                else float(what(batches, m, n)) for kind, what in self.getters]
+
+    def new_outputs(self, device, m: int, n: int, batches: int) -> list[torch.Tensor]:
+        """Uninitialised full-tile outputs for an (L, M, N) problem, in the plan's layouts."""
+        shape = (batches, m, n) if self.batched else (m, n)
+        return [torch.empty(shape, dtype=dt, device=device) if order is None
+                else torch.empty([shape[i] for i in order], dtype=dt, device=device).permute(inverse)
+                for dt, order, inverse in self.out_allocs]
+
+    def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;
+        sizes may be symbolic, for fake tensors)."""
+        if self.gated:
+            n = n // 2  # N is the output's width in a gated graph
+        tile = (batches, m, n) if self.batched else (m, n)
+        meta = [(tile, dt) for dt in self.out_dtypes]
+        dims = {"M": m, "N": n, "L": batches, "1": 1}
+        for host in self.host_outputs:
+            meta.append((tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)))
+        return meta
+
+    def result(self, outs: list):
+        """The outputs (kernel order) in the structure the epilogue returns."""
+        if self.single_output:
+            return outs[0]
+        returned = [outs[i] for i in self._result_index]
+        if self._result_is_tuple:
+            return tuple(returned)
+        return dict(zip(self._result_keys, returned, strict=True))
+
+    def describe_tree(self) -> str:
+        return self.tree.describe()
+
+
+__all__ = ["LITERAL", "SCALAR", "TENSOR", "CallSpec", "NotPlainGated", "halves"]
