@@ -34,6 +34,11 @@ FLOAT8_TOL = 2e-2  # norm-wise, against the float32 result rounded to float8: a 
 # the threshold, each moving its column's sum by 0.55, 1.3e-3 of the sums' norm. Tight enough that
 # a reduction missing a ragged last row or column (1/700 of the sum at the fuzzer's sizes) still fails.
 FLOAT8_BRANCH_REDUCTION_TOL = 3e-3
+#: float8 a and b: how far the tensor cores' accumulation leaves acc from float64, relative to each
+#: element (measured 2e-4 to 4.5e-4 by norm). A reduction whose terms cancel (a row of 256 order-1
+#: values summing to -0.18: fuzz seed 2030, case 89) turns that into an error no tolerance relative
+#: to the sum can allow; such an output may be off by twice what this much noise on acc moves it.
+FLOAT8_ACC_NOISE = 5e-4
 #: Example sizes for compiling (only layouts and kinds matter): M, the GEMM's N and K all differ.
 EXAMPLE = (96, 128, 64)
 
@@ -189,6 +194,21 @@ def _poisoned(kernel: evtc.Kernel, reference) -> Any:
 NOISE_FLOOR = 0.05
 
 
+def acc_noise_reference(fn, inputs: dict[str, Any], seed: int) -> Any:
+    """The function on acc perturbed elementwise by FLOAT8_ACC_NOISE of itself, with random signs:
+    what float8 accumulation error alone does to each output (see FLOAT8_ACC_NOISE)."""
+    from evtc.frontend.epilogue import unwrap
+    from evtc.ir.interpreter import accumulator
+
+    acc = accumulator(inputs["a"], inputs["b"], torch.float32)
+    g = torch.Generator(device=acc.device).manual_seed(seed)
+    signs = torch.randint(0, 2, acc.shape, generator=g, device=acc.device) * 2 - 1
+    acc = acc * (1 + FLOAT8_ACC_NOISE * signs)
+    operands = {name: value.float() if isinstance(value, torch.Tensor) else value
+                for name, value in inputs.items() if name not in ("a", "b")}
+    return unwrap(fn)(acc, **operands)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / max(||want||, NOISE_FLOOR * sqrt(numel)). NaN anywhere in ``got`` gives
     NaN, which never passes."""
@@ -247,6 +267,8 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
             # The torch path's float32 result is within every tolerance below of the reference: only
             # the path says whether the tf32 kernel ran.
             failures.append(f"{where}: float32 a and b with tf32 allowed took the torch path")
+        float8_ab = is_float8(DTYPES[case.ab_dtype])
+        noisy = dict(_leaves(acc_noise_reference(fn, inputs, seed + index))) if float8_ab else {}
         for (key, g), (_, o), (_, r) in zip(_leaves(got), _leaves(out), _leaves(reference), strict=True):
             if g is not o:
                 failures.append(f"{where} output {key}: not the out= tensor")
@@ -262,9 +284,14 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
                     rel = tol
             else:
                 tile = g.dim() >= 2 and g.shape[-1] == (n // 2 if case.gated else n) and g.shape[-2] == m
-                branchy = is_float8(DTYPES[case.ab_dtype]) and "torch.where(" in case.source
+                branchy = float8_ab and "torch.where(" in case.source
                 rel = relative_error(g, r)
                 tol = TILE_TOL if tile else FLOAT8_BRANCH_REDUCTION_TOL if branchy else REDUCTION_TOL
+                if not rel <= tol and not tile and key in noisy:
+                    # A cancelling reduction on float8 a and b (see FLOAT8_ACC_NOISE).
+                    moved = torch.linalg.vector_norm(noisy[key].float() - r.float())
+                    if torch.linalg.vector_norm(g.float() - r.float()) <= 2 * moved:
+                        rel = tol
             if not rel <= tol:
                 failures.append(f"{where} output {key} ({g.dtype}, path {kernel.last_path}): relative "
                                 f"error {rel:.3g} > {tol}")
