@@ -23,15 +23,16 @@ def swiglu_bias(acc, bias):
     return F.silu(gate) * up
 
 
-def test_a_gated_call_splits_b_and_wide_operands_into_views(tmp_path):
+def test_a_gated_call_passes_b_whole_and_wide_operands_as_views(tmp_path):
     k = _compile(swiglu_bias, tmp_path, bias=torch.empty(256, dtype=torch.float16, device="meta"))
     spec = k.call_spec
     b = torch.randn(256, 128, dtype=torch.float16).t()  # (K, N), K-major like nn.Linear's weight
     bias = torch.randn(256, dtype=torch.float16)
-    (gate, up), args = spec.split(b, {"bias": bias})
-    assert torch.equal(gate, b[:, :128]) and torch.equal(up, b[:, 128:])
-    assert gate.data_ptr() == b.data_ptr()
-    assert up.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    whole, up, args = spec.split(b, {"bias": bias})
+    # b goes whole; its up half starts N/2 columns in (each column is a K-long row here).
+    assert whole is b and up == 128 * b.stride(-1)
+    up_half = torch.as_strided(b, (128, 128), b.stride(), b.storage_offset() + up)
+    assert torch.equal(up_half, b[:, 128:])
     halves = sorted(args.values(), key=lambda t: t.data_ptr())
     assert [h.data_ptr() for h in halves] == [bias.data_ptr(), bias[128:].data_ptr()]
     assert all(torch.equal(h, want) for h, want in zip(halves, (bias[:128], bias[128:]), strict=True))
@@ -42,6 +43,36 @@ def test_a_gated_call_splits_b_and_wide_operands_into_views(tmp_path):
         spec.split(b, {"bias": bias[:128]})
     with pytest.raises(NotPlainGated):
         spec.split(b, {"bias": bias, "other": bias})
+
+
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def test_an_up_half_off_16_bytes_is_staged_with_its_halves_aligned(tmp_path):
+    """A row-major b whose halves are not 16-byte multiples wide: the fast path refuses it, and the
+    staged copy puts the up half on a 16-byte boundary with the same values."""
+    from evtc.runtime.staging import stage_call
+
+    b_rows = torch.empty(128, 256, dtype=torch.float16, device="meta")  # row-major (K, N)
+    k = evtc.compile(swiglu, {"a": A, "b": b_rows}, arch="sm_90a", cache_dir=tmp_path)
+    spec = k.call_spec
+    b = torch.randn(128, 2 * 44, dtype=torch.float16)  # halves of 44 columns: 88 bytes
+    with pytest.raises(NotPlainGated):
+        spec.split(b, {})
+    assert spec.split(b, {}, staging=True)[:2] == (b, 44)  # the staged path aligns it
+    a = torch.randn(64, 128, dtype=torch.float16)
+    out = torch.empty(64, 44, dtype=torch.float16)
+    _, staged, up, _, _, problems = stage_call(k.plan, a, b, 44, [], [out])
+    assert problems and "up half" in problems[-1]
+    assert up % 8 == 0 and staged.data_ptr() % 16 == 0 and staged.shape == b.shape
+    # The kernel reads the up half where the offset says (past the copy's logical columns).
+    up_half = torch.as_strided(staged, (128, 44), staged.stride(), staged.storage_offset() + up)
+    assert torch.equal(staged[:, :44], b[:, :44]) and torch.equal(up_half, b[:, 44:])
+    # A K-major b of the same widths keeps its halves aligned by its row pitch: nothing to stage.
+    k_major = torch.randn(88, 128, dtype=torch.float16).t()
+    assert 44 * k_major.stride(-1) % 8 == 0
 
 
 def outputs_out_of_kernel_order(acc):

@@ -200,7 +200,7 @@ class Tuner:
         self._lock = threading.Lock()  # one timing per bucket, and one writer of the store
 
     def launch(self, kernel: Kernel, a, b, ins, outs, m: int, n: int, k: int, batches: int,
-               scales=None) -> tuple[GemmConfig, int]:
+               scales=None, up=None) -> tuple[GemmConfig, int]:
         """The tuned (configuration, splits) of the problem's size bucket, timed now on the call's
         inputs into scratch outputs laid out like ``outs`` (the buffers the call launches into)
         when neither this process nor the disk cache has it."""
@@ -220,12 +220,12 @@ class Tuner:
                 if launch is not None and not tunable(kernel, launch, k):
                     launch = None  # a record this kernel may not run: tuned again
                 if launch is None:
-                    launch = self._time(kernel, a, b, ins, outs, m, n, k, batches, size, scales)
+                    launch = self._time(kernel, a, b, ins, outs, m, n, k, batches, size, scales, up)
                 self.tuned[size] = launch
         return launch
 
     def _time(self, kernel: Kernel, a, b, ins, outs, m, n, k, batches, size: str,
-              scales=None) -> tuple[GemmConfig, int]:
+              scales=None, up=None) -> tuple[GemmConfig, int]:
         import torch
 
         name = kernel.plan.name
@@ -248,7 +248,7 @@ class Tuner:
                                        else []))
 
             def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
-                invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device, scales)
+                invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device, scales, up)
             try:
                 us = time_us(run)
             except (RuntimeError, ValueError, TypeError) as exc:

@@ -130,7 +130,7 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
     from cutlass.runtime import make_fake_stream
 
     from evtc.sm90.gemm import Sm90GemmKernel
-    from evtc.sm90.launch import Symbols, entry_point, fake_split_args, fake_tensor
+    from evtc.sm90.launch import Symbols, entry_point, fake_split_args, fake_tensor, whole_b_spec
 
     t0 = time.perf_counter()
     staged = cache.staging()
@@ -157,15 +157,15 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
             # The block-scaled promotion unrolls one multiply-add per accumulator value on purpose.
             warnings.filterwarnings("ignore", message="This static loop has")
             fake_a = fake_tensor(plan.a, symbols)
-            fake_b = fake_tensor(plan.b, symbols)
-            if config.gated:
-                fake_b = (fake_b, fake_tensor(plan.b, symbols))  # the gate and up halves
+            # A gated kernel takes b whole, then where its up half starts (GatedLauncher).
+            fake_b = fake_tensor(whole_b_spec(plan.b) if config.gated else plan.b, symbols)
             if scaled:  # (tensor, block scales) pairs
                 fake_a = (fake_a, fake_tensor(plan.a_scales, symbols))
                 fake_b = (fake_b, fake_tensor(plan.b_scales, symbols))
+            up_offset = (cutlass.Int64(0),) if config.gated else ()
             split = fake_split_args() if config.split_k else ()
             compiled = cute.compile(
-                launcher, fake_a, fake_b, fake_outs,
+                launcher, fake_a, fake_b, *up_offset, fake_outs,
                 fake_ins, cutlass.Int32(1), *split, make_fake_stream(use_tvm_ffi_env_stream=True),
                 options=options,
             )

@@ -52,6 +52,8 @@ class CallSpec:
         #: How many inputs the kernel takes by name (a gated kernel's halves count twice).
         self.kernel_name_count = sum(1 for i in plan.inputs if i.kind != "literal")
         self.gated = plan.gated
+        #: Elements of b per 16 bytes: a gated kernel's up half must start at a multiple.
+        self.b_align = plan.b.align_elems()
         self.batched = plan.batched
         #: D's unit-stride dim is M (a column-major output), so rows of M must be 16-byte multiples.
         self.d_by_m = plan.d_major == "m"
@@ -93,9 +95,9 @@ class CallSpec:
         self.tf32 = interface.torch_only is None and plan.a.dtype == "float32"
 
     # ---- gated kernels ---------------------------------------------------------------------------
-    def kernel_arguments(self, b, operands: dict) -> tuple[tuple, dict]:
-        """A gated kernel's arguments: b as its (gate, up) halves and each operand as wide as the
-        GEMM as its two halves, under the kernel's names for them (views, never copies)."""
+    def kernel_operands(self, operands: dict) -> dict:
+        """A gated kernel's operands: each operand as wide as the GEMM as its two halves, under the
+        kernel's names for them (views, never copies); the others as they are."""
         args: dict[str, Any] = {}
         split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in self.plan.inputs:
@@ -106,21 +108,29 @@ class CallSpec:
                     args[i.name] = split[i.user][i.half]
             elif i.name in operands:
                 args[i.name] = operands[i.name]
-        return halves(b), args
+        return args
 
-    def split(self, b, operands: dict):
-        """(b, operands) as the kernel takes them: a gated kernel's as :meth:`kernel_arguments`,
-        others as they are. Raises NotPlainGated for anything unusual (odd N, an unknown keyword, a
-        wide operand of another width), which the slow path's checks then name."""
-        if not self.gated:
-            return b, operands
+    def kernel_arguments(self, b, operands: dict) -> tuple[tuple, dict]:
+        """A gated call as the kernel computes it: b's (gate, up) halves and the operands of
+        :meth:`kernel_operands` (what the slow path's checks look at)."""
+        return halves(b), self.kernel_operands(operands)
+
+    def split(self, b, operands: dict, *, staging: bool = False) -> tuple[torch.Tensor, int, dict]:
+        """A gated call's (b, where b's up half starts in elements, operands) as the kernel takes
+        them: b whole (the kernel makes its halves' views), wide operands as halves. Raises
+        NotPlainGated for anything unusual (odd N, an unknown keyword, a wide operand of another
+        width, or unless ``staging``, an up half that is not 16-byte aligned), which the slow path
+        checks, names or stages."""
         n = b.shape[-1]
         if n % 2 or operands.keys() != self.name_set:
             raise NotPlainGated("not a plain gated call")
         for name in self.wide_operands:
             if operands[name].shape[-1] != n:
                 raise NotPlainGated("not a plain gated call")
-        return self.kernel_arguments(b, operands)
+        up = n // 2 * b.stride(-1)
+        if up % self.b_align and not staging:
+            raise NotPlainGated("the up half is not 16-byte aligned: staged")
+        return b, up, self.kernel_operands(operands)
 
     # ---- per call --------------------------------------------------------------------------------
     def inputs(self, kernel_operands: dict, m: int, n: int, batches: int) -> list:

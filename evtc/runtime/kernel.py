@@ -382,7 +382,7 @@ class Kernel:
             outs = self._launch(a, b, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
-        return spec.result(outs)
+        return outs[0] if spec.single_output else spec.result(outs)
 
     @property
     def op(self):
@@ -523,12 +523,18 @@ class Kernel:
         spec = self.call_spec
         if scales is not None and not call_checks.scales_fit(spec, a, b, scales):
             raise ValueError("block scales of the wrong shape")  # validate names the problem
-        gated = spec.gated
-        b, kernel_operands = spec.split(b, operands) if gated else (b, operands)
-        m = a.shape[-2]
-        n = (b[0] if gated else b).shape[-1]  # the output's width
-        batches = a.shape[0] if a.dim() == 3 else 1
-        if a.shape[-1] == 0:
+        a_shape = a.shape
+        m = a_shape[-2]
+        up = None
+        if spec.gated:  # b whole, and where its up half starts
+            b, up, kernel_operands = spec.split(b, operands, staging=stage)
+            n = b.shape[-1] // 2  # the output's width
+        else:
+            kernel_operands = operands
+            n = b.shape[-1]
+        batches = a_shape[0] if len(a_shape) == 3 else 1
+        k = a_shape[-1]
+        if k == 0:
             raise ValueError("K = 0 takes the torch path")
         if len(kernel_operands) != spec.kernel_name_count:
             raise KeyError("unknown arguments")
@@ -541,9 +547,9 @@ class Kernel:
             outs = targets
         else:
             targets = call_checks.given_outputs(spec, out, m, n, batches, layout=not stage)
-            outs = unaliased(targets, (a, *(b if gated else (b,))), ins)
+            outs = unaliased(targets, (a, b), ins)
         if stage:
-            a, b, ins, outs, problems = stage_call(self.plan, a, b, ins, outs)
+            a, b, up, ins, outs, problems = stage_call(self.plan, a, b, up, ins, outs)
             if problems:
                 if self.interface.strict:
                     raise CallError(f"{'; '.join(problems)}. The kernel reads and writes by TMA, which "
@@ -552,11 +558,10 @@ class Kernel:
                 self._note_path("staged", "; ".join(problems))
         empty = m == 0 or n == 0 or batches == 0
         if not empty:
-            k = a.shape[-1]
             launch_key = (m, n, k, batches, a.get_device())
             chosen = self._launch_memo.get(launch_key)
             if chosen is None:
-                chosen = self._first_launch(a, b, ins, outs, m, n, k, batches, scales, launch_key)
+                chosen = self._first_launch(a, b, up, ins, outs, m, n, k, batches, scales, launch_key)
             fn, clusters, split, finisher = chosen
         else:
             finisher = self._finisher
@@ -564,14 +569,14 @@ class Kernel:
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
         if empty:
             return targets, workspaces, (m, n, batches, finisher)
-        invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales)
+        invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales, up)
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
                 if written is not target:
                     target.copy_(written)
         return targets, workspaces, (m, n, batches, finisher)
 
-    def _first_launch(self, a, b, ins, outs, m, n, k, batches, scales, launch_key):
+    def _first_launch(self, a, b, up, ins, outs, m, n, k, batches, scales, launch_key):
         """The launch of a problem size this kernel has not run yet (then memoised)."""
         device = a.device
         capturing = stream_buffers.stream_key(device) is None
@@ -580,8 +585,8 @@ class Kernel:
             # follow, at sizes that split or finish reductions in the kernel.
             stream_buffers.ensure_capture_arena(device)
         if self._tuner is not None and not capturing:
-            chosen = self.resolve(*self._tuner.launch(self, a, b, ins, outs, m, n, k, batches, scales),
-                                  m, n, k, batches)
+            launch = self._tuner.launch(self, a, b, ins, outs, m, n, k, batches, scales, up)
+            chosen = self.resolve(*launch, m, n, k, batches)
         else:
             chosen = self._launch_choice(m, n, k, batches)
         if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow

@@ -79,15 +79,34 @@ def aligned_copy(t: torch.Tensor, spec) -> torch.Tensor:
     return staged
 
 
-def stage_call(plan, a, b, ins, targets):
+def _gated_copy(b: torch.Tensor, spec) -> tuple[torch.Tensor, int]:
+    """A gated kernel's whole b copied into the layout of ``spec`` with its up half 16-byte aligned:
+    (the copy, where its up half starts, in elements). Where the width is the unit-stride dim, the
+    halves go into one buffer of rows 2 x N' long (N' the half's width rounded up to 16 bytes), the
+    up half at N'; the copy returned is that buffer's first 2 x N columns, so the kernel still reads
+    N (half its width) for the halves' extent."""
+    n = b.shape[-1] // 2
+    align = _align_elems(b)
+    width_dim = b.dim() - 1
+    if spec.contiguous != width_dim:
+        copy = aligned_copy(b, spec)  # the width's stride is a 16-byte multiple: so is n times it
+        return copy, n * copy.stride(-1)
+    padded = -(-n // align) * align
+    buffer = aligned_empty((*b.shape[:-1], 2 * padded), b.dtype, spec, b.device)
+    buffer[..., :n].copy_(b[..., :n])
+    buffer[..., padded:padded + n].copy_(b[..., n:])
+    return buffer.narrow(-1, 0, 2 * n), padded
+
+
+def stage_call(plan, a, b, up, ins, targets):
     """A call's tensors as the kernel of ``plan`` can take them: aligned copies of the inputs whose
     layout it cannot take, padded buffers for the outputs it cannot write in place (the caller
-    copies them into ``targets`` after the launch). ``b`` is a gated call's (gate, up) halves.
+    copies them into ``targets`` after the launch). A gated kernel's ``b`` is the whole weight and
+    ``up`` where its up half starts (None otherwise); a copy of b keeps that half 16-byte aligned.
 
-    Returns (a, b, ins, outs, problems): ``problems`` names each tensor staged and why (empty when
-    every tensor fits, and then the tensors are returned as they are)."""
-    b_parts = [("b (its gate half)", b[0]), ("b (its up half)", b[1])] if plan.gated else [("b", b)]
-    named = [("a", a, plan.a)] + [(name, t, plan.b) for name, t in b_parts]
+    Returns (a, b, up, ins, outs, problems): ``problems`` names each tensor staged and why (empty
+    when every tensor fits, and then the tensors are returned as they are)."""
+    named = [("a", a, plan.a), ("b", b, plan.b)]
     named += [(kernel_input.label, t, kernel_input.spec)
               for kernel_input, t in zip(plan.inputs, ins, strict=True) if isinstance(t, torch.Tensor)]
     out_names = list(plan.output_order)[:len(plan.outputs)]
@@ -95,17 +114,24 @@ def stage_call(plan, a, b, ins, targets):
                                                                      strict=True)]
     problems = {id(t): f"{name}: {why}" for name, t, spec in named + outputs
                 if (why := layout_problem(t, spec)) is not None}
+    if plan.gated and id(b) not in problems and up % _align_elems(b):
+        problems[id(b)] = (f"b: its up half starts {up} elements in, not a multiple of 16 bytes (each "
+                           "half's width must be for a row-major b)")
     if not problems:
-        return a, b, ins, targets, []
-    copies = {id(t): aligned_copy(t, spec) for _, t, spec in named if id(t) in problems}
+        return a, b, up, ins, targets, []
+    copies = {id(t): aligned_copy(t, spec) for name, t, spec in named if id(t) in problems and name != "b"}
+    if id(b) in problems:
+        if plan.gated:
+            copies[id(b)], up = _gated_copy(b, plan.b)
+        else:
+            copies[id(b)] = aligned_copy(b, plan.b)
 
     def staged(t):
         return copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
 
     outs = [aligned_empty(tuple(t.shape), t.dtype, spec, t.device) if id(t) in problems else t
             for _, t, spec in outputs]
-    b = tuple(staged(half) for half in b) if plan.gated else staged(b)
-    return staged(a), b, [staged(t) for t in ins], outs, list(problems.values())
+    return staged(a), staged(b), up, [staged(t) for t in ins], outs, list(problems.values())
 
 
 __all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "empty_in_layout", "layout_problem", "stage_call"]

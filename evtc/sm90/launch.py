@@ -16,9 +16,11 @@ that data pointers are 16-byte aligned.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
 from evtc.plan.config import DTYPE_BYTES
 from evtc.plan.tensor_spec import TMA_ALIGN, TensorSpec
@@ -32,9 +34,16 @@ class Symbols:
         # W and V: the lengths of the reductions' flat workspaces, per row (M x n tiles x L) and per
         # column (N x m tiles x L); R and S: of the outputs a kernel finishes itself, per row (L x M)
         # and per column (L x N); Q: of its counters.
-        # KB, MB and NB: block scales' counts of 128-element blocks along K, M and N.
+        # KB, MB and NB: block scales' counts of 128-element blocks along K, M and N. G: a gated
+        # kernel's B width (gate and up halves, twice the output's N).
         self.sizes = {d: cute.sym_int32(symbol=d)
-                      for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q", "KB", "MB", "NB")}
+                      for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q", "KB", "MB", "NB", "G")}
+
+
+def whole_b_spec(b_spec: TensorSpec) -> TensorSpec:
+    """A gated kernel's B as the call passes it, whole: ``b_spec`` (one half, N wide) with its N dim
+    named G, the GEMM's width (twice N)."""
+    return dataclasses.replace(b_spec, dims=tuple("G" if d == "N" else d for d in b_spec.dims))
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -136,6 +145,17 @@ class Launcher:
         self._launch(a, view(b, self.b_spec, ("N", "K", "L"), pad_batch=True), outputs, inputs,
                      max_clusters, stream)
 
+    def _b_halves(self, b, up_offset):
+        """A gated kernel's B halves, each (N, K, L) with N half of ``b``'s width: the gate half at
+        ``b``'s start, the up half ``up_offset`` elements on. The host passes an offset that keeps
+        the up half 16-byte aligned, as TMA needs (the gate half's offset ``N`` times the width's
+        stride, or a padded copy's), so the alignment is assumed here, not checked."""
+        whole = view(b, whole_b_spec(self.b_spec), ("G", "K", "L"), pad_batch=True)
+        width, k, batches = whole.shape
+        layout = cute.make_layout((width // 2, k, batches), stride=whole.stride)
+        up = whole.iterator + cute.assume(up_offset, divby=self.b_spec.align_elems())
+        return cute.make_tensor(whole.iterator, layout), cute.make_tensor(up, layout)
+
     def _scale_views(self, a_scales, b_scales):
         """Block scales as the kernel reads them: a's (M or M/128, K/128, L), b's (N/128, K/128, L)."""
         a_spec, b_spec = self.scale_specs
@@ -190,14 +210,14 @@ class Launcher:
 
 
 class GatedLauncher(Launcher):
-    """The entry point of a gated kernel: ``b`` is the pair of B's halves (gate, up), views of the
-    user's weight, each with ``b_spec`` (N being the output's width)."""
+    """The entry point of a gated kernel: ``b`` is the user's whole weight (its width is the gate
+    and up halves, twice the output's N) and ``up_offset`` where its up half starts, in elements
+    (see :meth:`Launcher._b_halves`)."""
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
-                 stream):
-        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b)
-        self._launch(a, halves, outputs, inputs, max_clusters, stream)
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, up_offset: Int64, outputs: tuple, inputs: tuple,
+                 max_clusters: Int32, stream):
+        self._launch(a, self._b_halves(b, up_offset), outputs, inputs, max_clusters, stream)
 
 
 class SplitLauncher(Launcher):
@@ -216,10 +236,10 @@ class GatedSplitLauncher(Launcher):
     """:class:`GatedLauncher` with split-K (as :class:`SplitLauncher`)."""
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
-                 splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
-        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b)
-        self._launch(a, halves, outputs, inputs, max_clusters, stream, (splits, partials, counters))
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, up_offset: Int64, outputs: tuple, inputs: tuple,
+                 max_clusters: Int32, splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
+        self._launch(a, self._b_halves(b, up_offset), outputs, inputs, max_clusters, stream,
+                     (splits, partials, counters))
 
 
 class ScaledLauncher(Launcher):
@@ -243,13 +263,13 @@ class ScaledSplitLauncher(Launcher):
 
 
 class ScaledGatedLauncher(Launcher):
-    """:class:`ScaledLauncher` of a gated kernel: ``b`` is ((gate half, up half), scales), the scales
-    covering the whole weight."""
+    """:class:`ScaledLauncher` of a gated kernel: ``b`` is (the whole weight, its scales), the scales
+    covering the whole weight, and ``up_offset`` as for :class:`GatedLauncher`."""
 
     @cute.jit
-    def __call__(self, a: tuple, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32, stream):
-        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b[0])
-        self._launch(a[0], halves, outputs, inputs, max_clusters, stream,
+    def __call__(self, a: tuple, b: tuple, up_offset: Int64, outputs: tuple, inputs: tuple,
+                 max_clusters: Int32, stream):
+        self._launch(a[0], self._b_halves(b[0], up_offset), outputs, inputs, max_clusters, stream,
                      scales=self._scale_views(a[1], b[1]))
 
 
@@ -257,11 +277,10 @@ class ScaledGatedSplitLauncher(Launcher):
     """:class:`ScaledGatedLauncher` with split-K (as :class:`SplitLauncher`)."""
 
     @cute.jit
-    def __call__(self, a: tuple, b: tuple, outputs: tuple, inputs: tuple, max_clusters: Int32,
-                 splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
-        halves = tuple(view(half, self.b_spec, ("N", "K", "L"), pad_batch=True) for half in b[0])
-        self._launch(a[0], halves, outputs, inputs, max_clusters, stream, (splits, partials, counters),
-                     self._scale_views(a[1], b[1]))
+    def __call__(self, a: tuple, b: tuple, up_offset: Int64, outputs: tuple, inputs: tuple,
+                 max_clusters: Int32, splits: Int32, partials: cute.Tensor, counters: cute.Tensor, stream):
+        self._launch(a[0], self._b_halves(b[0], up_offset), outputs, inputs, max_clusters, stream,
+                     (splits, partials, counters), self._scale_views(a[1], b[1]))
 
 
 def entry_point(gated: bool, split_k: bool, scaled: bool = False) -> type[Launcher]:
@@ -285,4 +304,4 @@ def fake_split_args():
 __all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "ScaledGatedLauncher",
            "ScaledGatedSplitLauncher", "ScaledLauncher", "ScaledSplitLauncher",
            "SplitLauncher", "Symbols", "entry_point",
-           "fake_split_args", "fake_tensor", "view"]
+           "fake_split_args", "fake_tensor", "view", "whole_b_spec"]
