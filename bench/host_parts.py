@@ -42,14 +42,17 @@ def timed(parts: dict, reps: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _parts(x, k, a, b, ops, fn, b_k, bufs, ins, clusters, workspaces, problem) -> dict:
-    """What to time for one kernel: the baseline, the whole call and its parts."""
+def _parts(x, k, a, b, ops, fn, b_k, up, bufs, ins, clusters, workspaces, problem) -> dict:
+    """What to time for one kernel: the baseline, the whole call and its parts (``b_k``, ``up``: b
+    as the compiled function takes it, see evtc.runtime.call_spec.CallSpec.split)."""
     import torch
+
+    from evtc.runtime.invoke import invoke
 
     parts = {
         "add_": lambda: x.add_(1),
         "call": lambda: k(a, b, **ops),
-        "fn only": lambda: fn(a, b_k, bufs, ins, clusters),
+        "fn only": lambda: invoke(fn, a, b_k, bufs, ins, clusters, None, a.device, None, up),
         "outputs": lambda: k.call_spec.new_outputs(a.device, *problem[:3]),
         "torch.empty": lambda: torch.empty(tuple(problem[:2]), dtype=torch.float16, device=a.device),
     }
@@ -87,14 +90,20 @@ def main() -> None:
         m, n = a.shape[-2], b.shape[-1]
         batches = a.shape[0] if a.dim() == 3 else 1
         outs, workspaces, _ = k._run_kernel(a, b, None, ops, stage=False)
-        b_k, kops = k.call_spec.split(b, ops)
-        ins = k.call_spec.inputs(kops, m, n, batches)
+        spec = k.call_spec
+        if spec.gated:  # b whole and its up half's offset; N is the output's width
+            b_k, up, kops = spec.split(b, ops)
+            n //= 2
+        else:
+            b_k, up, kops = b, None, ops
+        ins = spec.inputs(kops, m, n, batches)
         # The launch this size runs (tile, cluster, split count); its own reductions' finish.
         fn, clusters, split, finisher = k._launch_choice(m, n, a.shape[-1], batches)
         assert split is None, f"{name}: a split-K launch at {m}x{n}; this bench times the plain one"
         bufs = tuple(outs + workspaces)
         ins_t = tuple(ins)
-        parts = _parts(x, k, a, b, ops, fn, b_k, bufs, ins_t, clusters, workspaces, (m, n, batches, finisher))
+        parts = _parts(x, k, a, b, ops, fn, b_k, up, bufs, ins_t, clusters, workspaces,
+                       (m, n, batches, finisher))
         t = timed(parts, args.reps, args.rounds)
         base = t.pop("add_")
         print(f"{name:>30}: add_ {base:5.1f} us; " + "; ".join(f"{p} {v:5.1f}" for p, v in t.items()))

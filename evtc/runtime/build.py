@@ -42,7 +42,9 @@ SOURCE, PTX, OBJECT, LIBRARY = "epilogue.py", "kernel.ptx", "kernel.o", "kernel.
 
 @dataclass
 class Built:
-    """A kernel ready to launch: ``fn(a, b, outputs, inputs, max_clusters)`` on the current stream."""
+    """A kernel ready to launch on the current stream: ``fn(a, b, outputs, inputs, max_clusters)``,
+    a gated kernel's ``fn(a, b, up_offset, outputs, ...)``, split-K's with its buffers after
+    ``max_clusters`` (:func:`evtc.runtime.invoke.invoke` makes the call)."""
 
     fn: Any
     path: Path

@@ -5,7 +5,7 @@ user passes and which the kernel takes (a gated kernel takes b and wide operands
 halves), how each kernel input is found (a tensor, a runtime scalar, a literal computed from the
 sizes), how each output is allocated (its dtype and the order of its dims in memory) and how the
 outputs are returned (the epilogue's structure). :class:`CallSpec` holds all of it; it depends on the
-plan only, not on the GEMM's configuration, so every variant of a kernel shares it.
+plan only, not on the GEMM's configuration (every variant of a kernel builds the same one).
 """
 
 from __future__ import annotations
@@ -117,10 +117,11 @@ class CallSpec:
 
     def split(self, b, operands: dict, *, staging: bool = False) -> tuple[torch.Tensor, int, dict]:
         """A gated call's (b, where b's up half starts in elements, operands) as the kernel takes
-        them: b whole (the kernel makes its halves' views), wide operands as halves. Raises
-        NotPlainGated for anything unusual (odd N, an unknown keyword, a wide operand of another
-        width, or unless ``staging``, an up half that is not 16-byte aligned), which the slow path
-        checks, names or stages."""
+        them (gated kernels only: others take b and their operands as the call passes them): b
+        whole (the kernel makes its halves' views), wide operands as halves. Raises NotPlainGated
+        for anything unusual (odd N, an unknown keyword, a wide operand of another width, or
+        unless ``staging``, an up half that is not 16-byte aligned), which the slow path checks,
+        names or stages."""
         n = b.shape[-1]
         if n % 2 or operands.keys() != self.name_set:
             raise NotPlainGated("not a plain gated call")

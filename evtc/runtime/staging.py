@@ -104,34 +104,33 @@ def stage_call(plan, a, b, up, ins, targets):
     copies them into ``targets`` after the launch). A gated kernel's ``b`` is the whole weight and
     ``up`` where its up half starts (None otherwise); a copy of b keeps that half 16-byte aligned.
 
-    Returns (a, b, up, ins, outs, problems): ``problems`` names each tensor staged and why (empty
-    when every tensor fits, and then the tensors are returned as they are)."""
-    named = [("a", a, plan.a), ("b", b, plan.b)]
-    named += [(kernel_input.label, t, kernel_input.spec)
-              for kernel_input, t in zip(plan.inputs, ins, strict=True) if isinstance(t, torch.Tensor)]
+    Each argument is staged for its own role, with its own layout, even where one tensor is passed
+    in several (``k(x, x)``, or b again as an operand). Returns (a, b, up, ins, outs, problems):
+    ``problems`` names each tensor staged and why (empty when every tensor fits, and then the
+    tensors are returned as they are)."""
+    problems: list[str] = []
+
+    def fits(name: str, t, spec) -> bool:
+        why = layout_problem(t, spec)
+        if why is not None:
+            problems.append(f"{name}: {why}")
+        return why is None
+
+    if not fits("a", a, plan.a):
+        a = aligned_copy(a, plan.a)
+    if not fits("b", b, plan.b):
+        b, up = _gated_copy(b, plan.b) if plan.gated else (aligned_copy(b, plan.b), up)
+    elif plan.gated and up % _align_elems(b):
+        problems.append(f"b: its up half starts {up} elements in, not a multiple of 16 bytes (each half's "
+                        "width must be for a row-major b)")
+        b, up = _gated_copy(b, plan.b)
+    ins = [aligned_copy(t, kernel_input.spec)
+           if isinstance(t, torch.Tensor) and not fits(kernel_input.label, t, kernel_input.spec) else t
+           for kernel_input, t in zip(plan.inputs, ins, strict=True)]
     out_names = list(plan.output_order)[:len(plan.outputs)]
-    outputs = [(f"output {name!r}", t, spec) for name, t, spec in zip(out_names, targets, plan.outputs,
-                                                                     strict=True)]
-    problems = {id(t): f"{name}: {why}" for name, t, spec in named + outputs
-                if (why := layout_problem(t, spec)) is not None}
-    if plan.gated and id(b) not in problems and up % _align_elems(b):
-        problems[id(b)] = (f"b: its up half starts {up} elements in, not a multiple of 16 bytes (each "
-                           "half's width must be for a row-major b)")
-    if not problems:
-        return a, b, up, ins, targets, []
-    copies = {id(t): aligned_copy(t, spec) for name, t, spec in named if id(t) in problems and name != "b"}
-    if id(b) in problems:
-        if plan.gated:
-            copies[id(b)], up = _gated_copy(b, plan.b)
-        else:
-            copies[id(b)] = aligned_copy(b, plan.b)
-
-    def staged(t):
-        return copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
-
-    outs = [aligned_empty(tuple(t.shape), t.dtype, spec, t.device) if id(t) in problems else t
-            for _, t, spec in outputs]
-    return staged(a), staged(b), up, [staged(t) for t in ins], outs, list(problems.values())
+    outs = [t if fits(f"output {name!r}", t, spec) else aligned_empty(tuple(t.shape), t.dtype, spec, t.device)
+            for name, t, spec in zip(out_names, targets, plan.outputs, strict=True)]
+    return a, b, up, ins, outs if problems else targets, problems
 
 
 __all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "empty_in_layout", "layout_problem", "stage_call"]
