@@ -148,3 +148,22 @@ def test_one_tensor_in_two_roles_is_staged_for_each(tmp_path):
     assert torch.equal(b2[:, :64], x[:, :64])
     up_half = torch.as_strided(b2, (128, 64), b2.stride(), b2.storage_offset() + up)
     assert torch.equal(up_half, x[:, 64:]) and outs == [out]
+
+
+def scaled_identity(acc):
+    return acc * 2.0
+
+
+def test_out_of_another_shape_is_refused_on_the_operator_path(tmp_path):
+    """Inputs that need grad take the custom operator; its out= copies are checked like an eager
+    call's, never broadcast or cast into."""
+    k = _compile(scaled_identity, tmp_path)
+    a = torch.randn(64, 128, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(256, 128, dtype=torch.float16).t()
+    for wrong in (torch.empty(64, 1, dtype=torch.float16), torch.empty(64, 256, dtype=torch.float32)):
+        with pytest.raises(evtc.CallError, match="out"):
+            k(a, b, out=wrong)
+    out = torch.empty(64, 256, dtype=torch.float16)
+    got = k(a, b, out=out)
+    want = (a.detach().double() @ b.double()) * 2
+    assert got is out and torch.allclose(out.double(), want, atol=1e-2, rtol=1e-2)
