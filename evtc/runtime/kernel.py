@@ -1,4 +1,10 @@
-"""A compiled fused GEMM + epilogue: built or loaded from the disk cache, read, and called."""
+"""A compiled fused GEMM + epilogue: what it is, which launch each problem size gets, and its calls.
+
+The call path reads only what was prepared from the plan (:mod:`evtc.runtime.call_spec`); what it
+needs besides lives in one module per job: the slow path's checks (:mod:`evtc.runtime.call_checks`),
+the staged and torch paths (:mod:`evtc.runtime.staging`, :mod:`evtc.runtime.fallback`), the launch
+itself (:mod:`evtc.runtime.invoke`), ``out=`` aliasing (:mod:`evtc.runtime.out_aliasing`),
+autotuning (:mod:`evtc.runtime.autotune`) and ``explain()`` (:mod:`evtc.runtime.explain`)."""
 
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
     from evtc.runtime.prebuild import Prebuild
 
 log = logging.getLogger("evtc")
+
 
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
