@@ -17,6 +17,7 @@ import torch
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.kernel_plan import KernelPlan
 from evtc.runtime.reductions import size_function
+from evtc.runtime.staging import compact_order
 
 #: How a kernel input is found per call (the first item of :attr:`CallSpec.getters`).
 TENSOR, SCALAR, LITERAL = 0, 1, 2
@@ -59,17 +60,10 @@ class CallSpec:
         self.d_by_m = plan.d_major == "m"
         self.out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
         rank = 3 if plan.batched else 2
-        allocs = []
-        for dt, spec in zip(self.out_dtypes, plan.outputs, strict=True):
-            c = spec.contiguous if spec.contiguous is not None else rank - 1
-            if c == rank - 1:
-                allocs.append((dt, None, None))
-            else:
-                order = [i for i in range(rank) if i != c] + [c]
-                allocs.append((dt, order, [order.index(i) for i in range(rank)]))
         #: Per output: (dtype, the physical order of its dims or None when row-major, the
         #: permutation back): what staging.empty_in_layout does, prepared once.
-        self.out_allocs = allocs
+        self.out_allocs = [(dt, *(compact_order(rank, spec.contiguous) or (None, None)))
+                           for dt, spec in zip(self.out_dtypes, plan.outputs, strict=True)]
         #: Output names in kernel order: the full-tile outputs, then those finished after the tiles.
         self.kernel_order: list[str] = list(plan.output_order)
         self.host_outputs = plan.host_outputs
@@ -87,8 +81,7 @@ class CallSpec:
         self.operand_dtypes = {i.user: torch_dtype(i.spec.dtype) for i in plan.inputs if i.spec is not None}
         #: Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
         #: needs padded output rows (the staged path).
-        self.out_align = max((16 // torch.empty((), dtype=dt).element_size() for dt in self.out_dtypes),
-                             default=1)
+        self.out_align = max((spec.align_elems() for spec in plan.outputs), default=1)
         #: Block-scaled float8: rows of a per scale (1 or 128); 0: a and b are plain tensors.
         self.scale_rows = plan.a_scale_rows
         #: float32 a and b: the kernel's wgmma is tf32, so it runs only where torch would use tf32.

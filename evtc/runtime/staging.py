@@ -45,16 +45,24 @@ def layout_problem(t: torch.Tensor, spec) -> str | None:
     return None
 
 
+def compact_order(rank: int, contiguous: int | None) -> tuple[list[int], list[int]] | None:
+    """How a compact tensor of ``rank`` dims with unit stride along ``contiguous`` is laid out:
+    (the dims outermost to innermost, the permutation back), or None when that is row-major."""
+    c = contiguous if contiguous is not None else rank - 1
+    if c == rank - 1:
+        return None
+    order = [i for i in range(rank) if i != c] + [c]
+    return order, [order.index(i) for i in range(rank)]
+
+
 def empty_in_layout(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
     """An uninitialised compact tensor of ``shape`` whose unit-stride dim is ``spec.contiguous``
     (a column-major output is the transpose of a row-major buffer)."""
-    rank = len(shape)
-    c = spec.contiguous if spec.contiguous is not None else rank - 1
-    if c == rank - 1:
+    layout = compact_order(len(shape), spec.contiguous)
+    if layout is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    order = [i for i in range(rank) if i != c] + [c]
-    buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=device)
-    return buffer.permute([order.index(i) for i in range(rank)])
+    order, inverse = layout
+    return torch.empty([shape[i] for i in order], dtype=dtype, device=device).permute(inverse)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
@@ -86,7 +94,7 @@ def _gated_copy(b: torch.Tensor, spec) -> tuple[torch.Tensor, int]:
     up half at N'; the copy returned is that buffer's first 2 x N columns, so the kernel still reads
     N (half its width) for the halves' extent."""
     n = b.shape[-1] // 2
-    align = _align_elems(b)
+    align = spec.align_elems()
     width_dim = b.dim() - 1
     if spec.contiguous != width_dim:
         copy = aligned_copy(b, spec)  # the width's stride is a 16-byte multiple: so is n times it
@@ -120,7 +128,7 @@ def stage_call(plan, a, b, up, ins, targets):
         a = aligned_copy(a, plan.a)
     if not fits("b", b, plan.b):
         b, up = _gated_copy(b, plan.b) if plan.gated else (aligned_copy(b, plan.b), up)
-    elif plan.gated and up % _align_elems(b):
+    elif plan.gated and up % plan.b.align_elems():
         problems.append(f"b: its up half starts {up} elements in, not a multiple of 16 bytes (each half's "
                         "width must be for a row-major b)")
         b, up = _gated_copy(b, plan.b)
@@ -133,4 +141,5 @@ def stage_call(plan, a, b, up, ins, targets):
     return a, b, up, ins, outs if problems else targets, problems
 
 
-__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "empty_in_layout", "layout_problem", "stage_call"]
+__all__ = ["TMA_ALIGN", "aligned_copy", "aligned_empty", "compact_order", "empty_in_layout", "layout_problem",
+           "stage_call"]
