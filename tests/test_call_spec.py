@@ -167,3 +167,16 @@ def test_out_of_another_shape_is_refused_on_the_operator_path(tmp_path):
     got = k(a, b, out=out)
     want = (a.detach().double() @ b.double()) * 2
     assert got is out and torch.allclose(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_out_whose_elements_share_memory_is_refused(tmp_path):
+    """An expanded out= (stride 0 along M) would take every row's store into one row: refused
+    with the reason, on the plain path and the operator path, and left untouched."""
+    k = _compile(scaled_identity, tmp_path)
+    b = torch.randn(256, 128, dtype=torch.float16).t()
+    row = torch.zeros(1, 256, dtype=torch.float16)
+    for a in (torch.randn(64, 128, dtype=torch.float16),
+              torch.randn(64, 128, dtype=torch.float16, requires_grad=True)):
+        with pytest.raises(evtc.CallError, match="share memory.*expanded"):
+            k(a, b, out=row.expand(64, 256))
+        assert not row.any()

@@ -87,6 +87,16 @@ def check_device(name: str, t, device) -> None:
         raise CallError(f"{name} is on {t.device} but a is on {device}: all tensors must share a device")
 
 
+def refuse_overlapping(label: str, t: torch.Tensor) -> None:
+    """Refuse an ``out=`` tensor some of whose elements share memory (an expanded view, stride 0
+    along a dim of extent > 1), as torch's own ops do: every tile would store into the same
+    elements, and what is left there would be whichever store came last."""
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
+        raise CallError(f"{label} has elements that share memory (strides {tuple(t.stride())} for shape "
+                        f"{tuple(t.shape)}: an expanded view); pass a tensor with one element per value, "
+                        f"e.g. torch.empty_like(...) or .clone() of it")
+
+
 def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: bool = True) -> list:
     """The full-tile outputs of ``out=`` (the structure the epilogue returns), in kernel order,
     each checked against its compiled shape, dtype and (``layout``) layout."""
@@ -98,8 +108,9 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     tile_names = spec.kernel_order[:len(plan.outputs)]
     for name, out_spec, dt in zip(tile_names, plan.outputs, spec.out_dtypes, strict=True):
         t = given[name]
-        check_tensor(f"out[{name!r}]" if not spec.single_output else "out", t, out_spec, dt,
-                     {"L": batches, "M": m, "N": n}, layout=layout)
+        label = f"out[{name!r}]" if not spec.single_output else "out"
+        check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout)
+        refuse_overlapping(label, t)
         tensors.append(t)
     return tensors
 
@@ -114,6 +125,7 @@ def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
         target = given[name]
         if not isinstance(target, torch.Tensor) or target.shape != value.shape or target.dtype != value.dtype:
             raise CallError(f"out[{name!r}] must be a {value.dtype} tensor of shape {tuple(value.shape)}")
+        refuse_overlapping(f"out[{name!r}]", target)
         target.copy_(value)
     return [given[name] for name in names]
 
