@@ -23,7 +23,7 @@ def swiglu_bias(acc, bias):
     return F.silu(gate) * up
 
 
-def test_a_gated_call_passes_b_whole_and_wide_operands_as_views(tmp_path):
+def test_a_gated_call_passes_b_and_wide_operands_whole(tmp_path):
     k = _compile(swiglu_bias, tmp_path, bias=torch.empty(256, dtype=torch.float16, device="meta"))
     spec = k.call_spec
     b = torch.randn(256, 128, dtype=torch.float16).t()  # (K, N), K-major like nn.Linear's weight
@@ -33,9 +33,18 @@ def test_a_gated_call_passes_b_whole_and_wide_operands_as_views(tmp_path):
     assert whole is b and up == 128 * b.stride(-1)
     up_half = torch.as_strided(b, (128, 128), b.stride(), b.storage_offset() + up)
     assert torch.equal(up_half, b[:, 128:])
-    halves = sorted(args.values(), key=lambda t: t.data_ptr())
-    assert [h.data_ptr() for h in halves] == [bias.data_ptr(), bias[128:].data_ptr()]
-    assert all(torch.equal(h, want) for h, want in zip(halves, (bias[:128], bias[128:]), strict=True))
+    # The wide bias too: whole in its gate half's place, where its up half starts in the other's.
+    gate_name, up_name = (i.name for i in k.plan.inputs if i.user == "bias")
+    assert args[gate_name] is bias and args[up_name] == 128
+    # The slow path's checks still see the halves.
+    (b_gate, b_up), checked = spec.kernel_arguments(b, {"bias": bias})
+    assert torch.equal(b_up, b[:, 128:]) and torch.equal(checked[up_name], bias[128:])
+    assert checked[gate_name].data_ptr() == bias.data_ptr() and checked[gate_name].shape == (128,)
+    # A wide operand whose up half is off 16 bytes (a row-major C of 2 x 44 columns) is staged.
+    C = torch.randn(64, 88, dtype=torch.float16)
+    with pytest.raises(NotPlainGated):
+        spec.kernel_operands({"bias": C[0]})
+    assert spec.kernel_operands({"bias": C[0]}, staging=True)[up_name] == 44
     # Anything but a plain call goes to the slow path, which names the problem.
     with pytest.raises(NotPlainGated):
         spec.split(torch.randn(128, 255, dtype=torch.float16), {"bias": bias})

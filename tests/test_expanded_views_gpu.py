@@ -97,6 +97,7 @@ def test_out_with_overlapping_elements_is_refused(cache):
     with pytest.raises(evtc.CallError, match="share memory"):
         kernel(a, b, C=randn(m, n), bias=randn(n, dtype=torch.float32), out=out)
     whole = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+    shared = randn(1, n).expand(m, n)
     zero = torch.zeros(n, device="cuda")
-    got = kernel(a, b, C=out, bias=zero, out=whole)  # as an input it is fine
-    assert got is whole and _rel(whole, _ref(residual, a, b, C=out, bias=zero)) < 1e-2
+    got = kernel(a, b, C=shared, bias=zero, out=whole)  # as an input it is fine
+    assert got is whole and _rel(whole, _ref(residual, a, b, C=shared, bias=zero)) < 1e-2

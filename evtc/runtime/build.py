@@ -132,7 +132,7 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
     from cutlass.runtime import make_fake_stream
 
     from evtc.sm90.gemm import Sm90GemmKernel
-    from evtc.sm90.launch import Symbols, entry_point, fake_split_args, fake_tensor, whole_b_spec
+    from evtc.sm90.launch import Symbols, entry_point, fake_split_args, fake_tensor, whole_spec
 
     t0 = time.perf_counter()
     staged = cache.staging()
@@ -142,15 +142,22 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
         visitor = _import_visitor(source_path, key, plan.class_name)
         kernel = Sm90GemmKernel(config, visitor)
         in_specs = [i.spec for i in plan.inputs]
+        # An operand as wide as a gated GEMM comes whole in its gate half's place and, in its up
+        # half's, where that half starts (Launcher._input_views).
+        gate_input = {i.user: index for index, i in enumerate(plan.inputs) if i.half == 0}
+        in_halves = [None if i.half is None else (i.half, gate_input[i.user]) for i in plan.inputs]
         scaled = bool(config.block_scales)
         launcher = entry_point(config.gated, config.split_k, scaled)(
             kernel, plan.a, plan.b, plan.outputs + plan.workspaces + plan.finish_args, in_specs,
             [i.view for i in plan.inputs], plan.batched, workspaces=len(plan.workspaces),
             finished=tuple(len(names) for _, names in plan.kernel_finish),
-            scale_specs=(plan.a_scales, plan.b_scales) if scaled else ())
+            scale_specs=(plan.a_scales, plan.b_scales) if scaled else (), in_halves=in_halves)
         symbols = Symbols()
         fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces + plan.finish_args)
-        fake_ins = tuple(cutlass.Float32(1.0) if s is None else fake_tensor(s, symbols) for s in in_specs)
+        fake_ins = tuple(cutlass.Float32(1.0) if s is None
+                         else fake_tensor(s, symbols) if half is None
+                         else fake_tensor(whole_spec(s), symbols) if half[0] == 0 else cutlass.Int64(0)
+                         for s, half in zip(in_specs, in_halves, strict=True))
         options = f"{COMPILE_OPTIONS} --dump-dir={staged}"  # PTX dumps stay in the entry
         if arch:
             options += f" --gpu-arch {arch}"
@@ -160,7 +167,7 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
             warnings.filterwarnings("ignore", message="This static loop has")
             fake_a = fake_tensor(plan.a, symbols)
             # A gated kernel takes b whole, then where its up half starts (GatedLauncher).
-            fake_b = fake_tensor(whole_b_spec(plan.b) if config.gated else plan.b, symbols)
+            fake_b = fake_tensor(whole_spec(plan.b) if config.gated else plan.b, symbols)
             if scaled:  # (tensor, block scales) pairs
                 fake_a = (fake_a, fake_tensor(plan.a_scales, symbols))
                 fake_b = (fake_b, fake_tensor(plan.b_scales, symbols))

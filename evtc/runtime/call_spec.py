@@ -1,11 +1,12 @@
 """What every call of a kernel needs from its plan, worked out once when the kernel is made.
 
 A call's host work is small only if nothing is derived from the plan per call: which names the
-user passes and which the kernel takes (a gated kernel takes b and wide operands as gate and up
-halves), how each kernel input is found (a tensor, a runtime scalar, a literal computed from the
-sizes), how each output is allocated (its dtype and the order of its dims in memory) and how the
-outputs are returned (the epilogue's structure). :class:`CallSpec` holds all of it; it depends on the
-plan only, not on the GEMM's configuration (every variant of a kernel builds the same one).
+user passes and which the kernel takes (a gated kernel takes b and wide operands whole, with where
+their up halves start), how each kernel input is found (a tensor, a runtime scalar, a literal
+computed from the sizes), how each output is allocated (its dtype and the order of its dims in
+memory) and how the outputs are returned (the epilogue's structure). :class:`CallSpec` holds all of
+it; it depends on the plan only, not on the GEMM's configuration (every variant of a kernel builds
+the same one).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class CallSpec:
         #: The names the user passes after a and b (the epilogue's live operands).
         self.names: list[str] = list(plan.operand_names)
         self.name_set = frozenset(self.names)
-        #: Operands as wide as the GEMM, which a gated kernel takes as gate and up halves.
+        #: Operands as wide as the GEMM, which a gated kernel splits into gate and up halves.
         self.wide_operands = plan.wide_operands
+        #: Elements per 16 bytes of each: where its up half starts must be a multiple.
+        self._wide_align = {i.user: i.spec.align_elems() for i in plan.inputs if i.half == 1}
         #: Per kernel input: (TENSOR, its name), (SCALAR, its name) or (LITERAL, a function of
         #: (L, M, N)).
         self.getters: list[tuple[int, Any]] = [
@@ -88,9 +91,32 @@ class CallSpec:
         self.tf32 = interface.torch_only is None and plan.a.dtype == "float32"
 
     # ---- gated kernels ---------------------------------------------------------------------------
-    def kernel_operands(self, operands: dict) -> dict:
-        """A gated kernel's operands: each operand as wide as the GEMM as its two halves, under the
-        kernel's names for them (views, never copies); the others as they are."""
+    def kernel_operands(self, operands: dict, *, staging: bool = False) -> dict:
+        """A gated kernel's operands under its names for them: an operand as wide as the GEMM whole
+        in its gate half's place and, in its up half's, where that half starts in elements (the
+        kernel makes the halves' views, see :class:`evtc.sm90.launch.Launcher`); the others as they
+        are. Raises NotPlainGated for an up half off 16 bytes unless ``staging`` (which copies the
+        operand so that it is aligned)."""
+        args: dict[str, Any] = {}
+        for i in self.plan.inputs:
+            if i.half is not None:
+                if i.user in operands:
+                    t = operands[i.user]
+                    if i.half == 0:
+                        args[i.name] = t
+                    else:
+                        up = t.shape[-1] // 2 * t.stride(-1)
+                        if up % self._wide_align[i.user] and not staging:
+                            raise NotPlainGated(f"{i.user}'s up half is not 16-byte aligned: staged")
+                        args[i.name] = up
+            elif i.name in operands:
+                args[i.name] = operands[i.name]
+        return args
+
+    def kernel_arguments(self, b, operands: dict) -> tuple[tuple, dict]:
+        """A gated call as the kernel computes it, for the slow path's checks: b's (gate, up) halves,
+        and every operand as wide as the GEMM as its two halves (views) under the kernel's names
+        for them, the others as they are."""
         args: dict[str, Any] = {}
         split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in self.plan.inputs:
@@ -101,20 +127,15 @@ class CallSpec:
                     args[i.name] = split[i.user][i.half]
             elif i.name in operands:
                 args[i.name] = operands[i.name]
-        return args
-
-    def kernel_arguments(self, b, operands: dict) -> tuple[tuple, dict]:
-        """A gated call as the kernel computes it: b's (gate, up) halves and the operands of
-        :meth:`kernel_operands` (what the slow path's checks look at)."""
-        return halves(b), self.kernel_operands(operands)
+        return halves(b), args
 
     def split(self, b, operands: dict, *, staging: bool = False) -> tuple[torch.Tensor, int, dict]:
         """A gated call's (b, where b's up half starts in elements, operands) as the kernel takes
         them (gated kernels only: others take b and their operands as the call passes them): b
-        whole (the kernel makes its halves' views), wide operands as halves. Raises NotPlainGated
-        for anything unusual (odd N, an unknown keyword, a wide operand of another width, or
-        unless ``staging``, an up half that is not 16-byte aligned), which the slow path checks,
-        names or stages."""
+        and operands as wide as the GEMM whole, with where their up halves start
+        (:meth:`kernel_operands`). Raises NotPlainGated for anything unusual (odd N, an unknown
+        keyword, a wide operand of another width, or unless ``staging``, an up half that is not
+        16-byte aligned), which the slow path checks, names or stages."""
         n = b.shape[-1]
         if n % 2 or operands.keys() != self.name_set:
             raise NotPlainGated("not a plain gated call")
@@ -124,7 +145,7 @@ class CallSpec:
         up = n // 2 * b.stride(-1)
         if up % self.b_align and not staging:
             raise NotPlainGated("the up half is not 16-byte aligned: staged")
-        return b, up, self.kernel_operands(operands)
+        return b, up, self.kernel_operands(operands, staging=staging)
 
     # ---- per call --------------------------------------------------------------------------------
     def inputs(self, kernel_operands: dict, m: int, n: int, batches: int) -> list:

@@ -88,11 +88,12 @@ def aligned_copy(t: torch.Tensor, spec) -> torch.Tensor:
 
 
 def _gated_copy(b: torch.Tensor, spec) -> tuple[torch.Tensor, int]:
-    """A gated kernel's whole b copied into the layout of ``spec`` with its up half 16-byte aligned:
-    (the copy, where its up half starts, in elements). Where the width is the unit-stride dim, the
-    halves go into one buffer of rows 2 x N' long (N' the half's width rounded up to 16 bytes), the
-    up half at N'; the copy returned is that buffer's first 2 x N columns, so the kernel still reads
-    N (half its width) for the halves' extent."""
+    """A gated kernel's whole b (or an operand as wide as the GEMM) copied into the layout of
+    ``spec`` with its up half 16-byte aligned: (the copy, where its up half starts, in elements).
+    Where the width is the unit-stride dim, the halves go into one buffer of rows 2 x N' long (N'
+    the half's width rounded up to 16 bytes), the up half at N'; the copy returned is that
+    buffer's first 2 x N columns, so the kernel still reads N (half its width) for the halves'
+    extent."""
     n = b.shape[-1] // 2
     align = spec.align_elems()
     width_dim = b.dim() - 1
@@ -110,7 +111,9 @@ def stage_call(plan, a, b, up, ins, targets):
     """A call's tensors as the kernel of ``plan`` can take them: aligned copies of the inputs whose
     layout it cannot take, padded buffers for the outputs it cannot write in place (the caller
     copies them into ``targets`` after the launch). A gated kernel's ``b`` is the whole weight and
-    ``up`` where its up half starts (None otherwise); a copy of b keeps that half 16-byte aligned.
+    ``up`` where its up half starts (None otherwise); a copy of b keeps that half 16-byte aligned,
+    and so does a copy of an operand as wide as the GEMM (``ins`` holds it whole, and where its up
+    half starts in its up half's place, as :meth:`CallSpec.kernel_operands` gives them).
 
     Each argument is staged for its own role, with its own layout, even where one tensor is passed
     in several (``k(x, x)``, or b again as an operand). Returns (a, b, up, ins, outs, problems):
@@ -132,9 +135,26 @@ def stage_call(plan, a, b, up, ins, targets):
         problems.append(f"b: its up half starts {up} elements in, not a multiple of 16 bytes (each half's "
                         "width must be for a row-major b)")
         b, up = _gated_copy(b, plan.b)
-    ins = [aligned_copy(t, kernel_input.spec)
-           if isinstance(t, torch.Tensor) and not fits(kernel_input.label, t, kernel_input.spec) else t
-           for kernel_input, t in zip(plan.inputs, ins, strict=True)]
+    ins = list(ins)
+    # An operand as wide as a gated GEMM: whole in its gate half's place, and where its up half
+    # starts in the up half's (evtc.sm90.launch.Launcher): staged like a gated b.
+    up_input = {i.user: index for index, i in enumerate(plan.inputs) if i.half == 1}
+    for index, kernel_input in enumerate(plan.inputs):
+        t = ins[index]
+        if not isinstance(t, torch.Tensor):
+            continue
+        spec = kernel_input.spec
+        if kernel_input.half is None:
+            if not fits(kernel_input.label, t, spec):
+                ins[index] = aligned_copy(t, spec)
+            continue
+        up_index = up_input[kernel_input.user]
+        if not fits(kernel_input.user, t, spec):
+            ins[index], ins[up_index] = _gated_copy(t, spec)
+        elif ins[up_index] % spec.align_elems():
+            problems.append(f"{kernel_input.user}: its up half starts {ins[up_index]} elements in, not a "
+                            "multiple of 16 bytes")
+            ins[index], ins[up_index] = _gated_copy(t, spec)
     out_names = list(plan.output_order)[:len(plan.outputs)]
     outs = [t if fits(f"output {name!r}", t, spec) else aligned_empty(tuple(t.shape), t.dtype, spec, t.device)
             for name, t, spec in zip(out_names, targets, plan.outputs, strict=True)]

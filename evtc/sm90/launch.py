@@ -40,10 +40,10 @@ class Symbols:
                       for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q", "KB", "MB", "NB", "G")}
 
 
-def whole_b_spec(b_spec: TensorSpec) -> TensorSpec:
-    """A gated kernel's B as the call passes it, whole: ``b_spec`` (one half, N wide) with its N dim
-    named G, the GEMM's width (twice N)."""
-    return dataclasses.replace(b_spec, dims=tuple("G" if d == "N" else d for d in b_spec.dims))
+def whole_spec(half_spec: TensorSpec) -> TensorSpec:
+    """A gated kernel's B, or an operand as wide as the GEMM, as the call passes it, whole:
+    ``half_spec`` (one half, N wide) with its N dim named G, the GEMM's width (twice N)."""
+    return dataclasses.replace(half_spec, dims=tuple("G" if d == "N" else d for d in half_spec.dims))
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -112,11 +112,16 @@ class Launcher:
 
     ``outputs`` is the tuple of output tensors (the kernel's D first), ``inputs`` the tuple of the
     epilogue's inputs in the visitor's order (tensors and float32 scalars). ``plan`` gives, per
-    tensor, its spec and the view the kernel or its operand wants."""
+    tensor, its spec and the view the kernel or its operand wants.
+
+    A gated kernel's operand as wide as the GEMM is two inputs of the visitor, its gate and up
+    halves; the call passes it whole in the gate half's place and, in the up half's, where that half
+    starts in elements (``in_halves``: per input None, or (0 or 1, the index of its gate half's
+    input)), and :meth:`_input_views` makes the halves' views, as :meth:`_b_halves` does for B."""
 
     def __init__(self, kernel, a_spec: TensorSpec, b_spec: TensorSpec, out_specs, in_specs, in_views,
                  batched: bool, workspaces: int = 0, finished: tuple[int, ...] = (),
-                 scale_specs: tuple = ()):
+                 scale_specs: tuple = (), in_halves: tuple = ()):
         self.kernel = kernel
         # After the full-tile outputs: ``workspaces`` reduction workspaces; then, for a kernel that
         # finishes its reductions, the outputs of each finish (``finished``: how many per axis) and
@@ -131,6 +136,7 @@ class Launcher:
         self.batched = batched
         # Block-scaled float8: the specs of a's and b's scales (ScaledLauncher).
         self.scale_specs = tuple(scale_specs)
+        self.in_halves = tuple(in_halves) or (None,) * len(self.in_specs)
 
     def _input_view(self, t, spec, modes):
         if modes == "arg":
@@ -138,6 +144,30 @@ class Launcher:
         if modes == "scalar":
             return scalar_view(t)
         return view(t, spec, modes)
+
+    def _input_views(self, inputs):
+        """The epilogue's inputs as the visitor takes them (see the class docstring for halves).
+        The host passes an up half's offset that keeps it 16-byte aligned (N times the width's
+        stride, or a padded copy's), so the alignment is assumed here, not checked."""
+        halves = {}  # a gate half's input index -> (the whole's start, one half's layout)
+        for index, (t, spec, modes, half) in enumerate(zip(inputs, self.in_specs, self.in_views,
+                                                           self.in_halves, strict=True)):
+            if half is not None and half[0] == 0:
+                whole_modes = tuple("G" if d == "N" else d for d in modes)
+                whole = view(t, whole_spec(spec), whole_modes)
+                extents = tuple(e // 2 if d == "G" else e
+                                for e, d in zip(whole.shape, whole_modes, strict=True))
+                halves[index] = (whole.iterator, cute.make_layout(extents, stride=whole.stride))
+        views = []
+        for t, spec, modes, half in zip(inputs, self.in_specs, self.in_views, self.in_halves, strict=True):
+            if half is None:
+                views.append(self._input_view(t, spec, modes))
+                continue
+            start, layout = halves[half[1]]
+            if half[0] == 1:  # t: where the up half starts
+                start = start + cute.assume(t, divby=spec.align_elems())
+            views.append(cute.make_tensor(start, layout))
+        return tuple(views)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, outputs: tuple, inputs: tuple, max_clusters: Int32,
@@ -150,7 +180,7 @@ class Launcher:
         ``b``'s start, the up half ``up_offset`` elements on. The host passes an offset that keeps
         the up half 16-byte aligned, as TMA needs (the gate half's offset ``N`` times the width's
         stride, or a padded copy's), so the alignment is assumed here, not checked."""
-        whole = view(b, whole_b_spec(self.b_spec), ("G", "K", "L"), pad_batch=True)
+        whole = view(b, whole_spec(self.b_spec), ("G", "K", "L"), pad_batch=True)
         width, k, batches = whole.shape
         layout = cute.make_layout((width // 2, k, batches), stride=whole.stride)
         up = whole.iterator + cute.assume(up_offset, divby=self.b_spec.align_elems())
@@ -174,10 +204,7 @@ class Launcher:
         else:
             mD = self._placeholder_d(mA, mB, outputs[0])
         aux_modes = ("M", "N", "L") if self.batched else ("M", "N")
-        epi_args = tuple(
-            self._input_view(t, spec, modes)
-            for t, spec, modes in zip(inputs, self.in_specs, self.in_views, strict=True)
-        ) + tuple(view(t, spec, aux_modes)
+        epi_args = self._input_views(inputs) + tuple(view(t, spec, aux_modes)
                   for t, spec in zip(outputs[1:n_tiles], self.out_specs[1:n_tiles], strict=True))
         # A reduction's flat workspace (partials, then one spare element) with the sizes the kernel
         # indexes it by.
@@ -304,4 +331,4 @@ def fake_split_args():
 __all__ = ["GatedLauncher", "GatedSplitLauncher", "Launcher", "ScaledGatedLauncher",
            "ScaledGatedSplitLauncher", "ScaledLauncher", "ScaledSplitLauncher",
            "SplitLauncher", "Symbols", "entry_point",
-           "fake_split_args", "fake_tensor", "view", "whole_b_spec"]
+           "fake_split_args", "fake_tensor", "view", "whole_spec"]
