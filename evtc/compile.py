@@ -344,7 +344,7 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
     one-wave twins of its cooperative tiles (:func:`evtc.plan.selector.one_wave_twins`); just
     ``cfg`` where the user fixed the tile."""
     from evtc.plan.config import ConfigError
-    from evtc.plan.selector import one_wave_twins, tile_family
+    from evtc.plan.selector import light_epilogue, one_wave_twins, tile_family
     from evtc.plan.smem import ab_stages_of, fit_config, holds_d_in_loads
 
     if any(knob in knobs for knob in _TILE_KNOBS):
@@ -357,7 +357,8 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
         except (ConfigError, TypeError):
             return None
 
-    family = tile_family(cfg, fit)
+    epilogue_tiles = sum(1 for p in emitted.inputs if p.kind == "tile") + max(0, len(emitted.outputs) - 1)
+    family = tile_family(cfg, fit, wide_pingpong=light_epilogue(epilogue_tiles, len(emitted.reductions)))
     return family + one_wave_twins(family, lambda c: ab_stages_of(c, emitted, signature),
                                    lambda c: holds_d_in_loads(c, emitted, signature),
                                    loads_pinned="load_stages" in knobs)

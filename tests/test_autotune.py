@@ -10,7 +10,7 @@ import torch
 
 import evtc
 from evtc.plan.config import GemmConfig
-from evtc.plan.selector import tile_family
+from evtc.plan.selector import is_one_wave_twin, tile_family
 from evtc.plan.split_k import MAX_TAIL_SPLITS, cta_tile_grid
 from evtc.runtime import autotune
 
@@ -127,15 +127,15 @@ def test_one_wave_twins_are_candidates_only_as_the_rules_run_them(tmp_path):
     """A twin (evtc.plan.selector.one_wave_twins) is timed only where its tiles make one wave and
     unsplit, and its name tells it from its tile's: the timings of both are kept apart."""
     k = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path)
-    twins = [c for c in k._family if c.epi_stages is not None]
+    twins = [c for c in k._family if is_one_wave_twin(c, k.family[0])]
     assert twins
 
     def launches(m, n, kk):
         return autotune.candidates(m, n, kk, 1, k.family, k.slots, True, k.launch_for(m, n, kk))
 
     one_wave = launches(512, 3584, 18944)
-    timed_twins = [(c, s) for c, s in one_wave if c.epi_stages is not None]
+    timed_twins = [(c, s) for c, s in one_wave if is_one_wave_twin(c, k.family[0])]
     assert timed_twins and all(s == 1 for _, s in timed_twins)
     names = [autotune.describe(launch) for launch in one_wave]
     assert len(names) == len(set(names)), names
-    assert not [c for c, _ in launches(4096, 4096, 4096) if c.epi_stages is not None]
+    assert not [c for c, _ in launches(4096, 4096, 4096) if is_one_wave_twin(c, k.family[0])]

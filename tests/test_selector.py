@@ -21,8 +21,13 @@ from evtc.plan.selector import (
     LONG_K,
     MANY_WAVES,
     ONE_WAVE_LOADS_MIN_K,
+    WAVE_FIT_ROUND_COST,
+    WIDE_PINGPONG_MAX_COST,
+    WIDE_PINGPONG_WIDTHS,
     choose_launch,
     choose_tile,
+    is_one_wave_twin,
+    light_epilogue,
     one_wave_twins,
     tile_family,
     with_a_rows_for,
@@ -94,6 +99,10 @@ def test_few_tiles_take_the_largest_tile_that_fills_the_gpu():
 
 def _shape(config):
     return (config.schedule, config.tile_m, config.tile_n)
+
+
+def _is_wide(config):
+    return _shape(config)[:2] == ("pingpong", 128) and config.tile_n > 128
 
 
 def test_one_wave_shares_each_tile_between_both_warpgroups():
@@ -622,7 +631,7 @@ def test_a_twin_cuts_only_the_loads_of_a_c_that_holds_d_and_never_pinned_ones(tm
 
     f32 = evtc.compile(residual, {**ex, "C": _meta(8, 64, dtype=torch.float32)}, arch="sm_90a",
                        cache_dir=tmp_path)
-    for twin in (c for c in f32._family if c.epi_stages is not None):
+    for twin in (c for c in f32._family if is_one_wave_twin(c, f32.family[0])):
         member = next(c for c in f32._family if (c.schedule, c.tile_n, c.epi_stages) ==
                       (twin.schedule, twin.tile_n, None))
         assert twin.load_stages == member.load_stages, twin.short_name()
@@ -642,3 +651,104 @@ def test_explain_names_only_what_a_twin_changes(tmp_path):
     text = k.explain()
     assert "None" not in text and "128x112 cooperative 2x1 1 D buffers, loads 2 deep" in text, text
     assert "128x64 cooperative 2x1," in text  # not a twin: nothing about its buffers
+
+
+def _fit_knobs(knobs: dict) -> GemmConfig | None:
+    try:
+        return BASE.replace(**{**({"epi_tile_n": 16} if knobs["tile_n"] % 32 else {}), **knobs}).validate()
+    except ConfigError:
+        return None
+
+
+WIDE_FAMILY = tile_family(BASE, _fit_knobs, wide_pingpong=True)
+
+
+def _shape(config):
+    return (config.schedule, config.tile_m, config.tile_n)
+
+
+def _is_wide(config):
+    return _shape(config)[:2] == ("pingpong", 128) and config.tile_n > 128
+
+
+def test_wide_pingpong_tiles_join_a_light_epilogues_family_with_16_column_subtiles():
+    wide = [c for c in WIDE_FAMILY if _is_wide(c)]
+    assert [c.tile_n for c in wide] == list(WIDE_PINGPONG_WIDTHS)
+    assert all((c.tile_m, c.epi_tile_n, c.epi_stages, c.cluster) == (128, 16, 2, (2, 1)) for c in wide)
+    assert not any(_is_wide(c) for c in FAMILY)  # off by default
+    # Only a ping-pong 128 x 128 base gets them (a cooperative or pinned tile keeps its rules).
+    coop = BASE.replace(schedule="cooperative", tile_n=256)
+    assert not any(_is_wide(c) for c in tile_family(coop, _fit_knobs, wide_pingpong=True))
+    assert light_epilogue(0, 0) and light_epilogue(1, 0)
+    assert not light_epilogue(2, 0) and not light_epilogue(0, 1)
+
+
+@pytest.mark.parametrize("m, n, k, width", [
+    (512, 28672, 4096, 176),      # 5 rounds of 176 columns against 7 of 128 (measured 0.98 against 0.90)
+    (2048, 28672, 4096, 176),
+    (512, 152064, 3584, 192),     # an LM head at M = 512 (1.04 against 0.97)
+    (2048, 128256, 4096, 192),    # many waves: before the cooperative 128 x 256 (1.05 against 1.00)
+    (512, 57344, 8192, 176),      # a large weight: before 128 x 256 too (1.03 against 0.99)
+    (16384, 37888, 3584, 192),
+])
+def test_many_tiles_take_the_wide_pingpong_width_whose_rounds_cost_least(m, n, k, width):
+    config, splits = choose_launch(m, n, k, 1, WIDE_FAMILY, _slots, choose_cluster=True)
+    assert _shape(config) == ("pingpong", 128, width), (m, n, k, config.short_name())
+
+    def cost(w):
+        return -(-(-(-m // 128) * -(-n // w)) // SLOTS) * (w + WAVE_FIT_ROUND_COST)
+
+    assert cost(width) < WIDE_PINGPONG_MAX_COST * cost(128)
+    assert cost(width) == min(cost(w) for w in WIDE_PINGPONG_WIDTHS)
+
+
+@pytest.mark.parametrize("m, n, k, want", [
+    (4096, 4096, 4096, ("pingpong", 128, 128)),  # a tie in rounds goes to 128 (1.01 against 0.97)
+    (8192, 4096, 14336, ("pingpong", 128, 128)),
+    (16384, 8192, LONG_K * 2, ("cooperative", 128, 256)),  # long K keeps the wide cooperative tile
+    (128, 28672, 4096, None),                          # few tiles: never a wide ping-pong tile
+    (512, 4608, 3584, None),                           # up to 5 waves: the wave-fitted widths
+])
+def test_wide_pingpong_stays_out_where_it_was_not_faster(m, n, k, want):
+    config, _ = choose_launch(m, n, k, 1, WIDE_FAMILY, _slots, choose_cluster=True)
+    if want is None:
+        assert not _is_wide(config), config.short_name()
+    else:
+        assert _shape(config) == want
+
+
+def _bias_row_sum(acc, bias):
+    y = acc + bias
+    return y, y.sum(-1)
+
+
+def _two_tiles(acc, C, R):
+    return acc + C + R
+
+
+def _gated_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_compiled_families_carry_wide_pingpong_for_light_epilogues_only(tmp_path):
+    ex = {"a": _meta(8, 64), "b": _meta(256, 64).t()}
+    tile = _meta(8, 256)
+    row = torch.empty(256, dtype=torch.float32, device="meta")
+
+    def widths(fn, **ops):
+        k = evtc.compile(fn, {**ex, **ops}, arch="sm_90a", cache_dir=tmp_path)
+        return sorted(c.tile_n for c in k.family if c.schedule == "pingpong" and c.tile_m == 128)
+
+    assert widths(_identity) == [64, 128, 176, 192]
+    assert widths(_two_tiles, C=tile, R=tile) == [64, 128]   # two tiles besides D
+    assert widths(_bias_row_sum, bias=row) == [64, 128]      # a reduction
+    assert widths(_gated_bias, bias=row) == [64, 128, 192]   # 176's halves take no 16-column subtile
+
+
+def test_wide_pingpong_ptx_has_the_wide_wgmma_atom(tmp_path):
+    """A ping-pong 128 x 176 tile issues m64n176k16 wgmmas, two per k16 step (one per 64 rows)."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    ptx = evtc.compile(_identity, ex, config={"tile_n": 176, "epi_tile_n": 16, "epi_stages": 2,
+                                              "cluster": (2, 1)}, arch="sm_90a", cache_dir=tmp_path).ptx
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n176k16", ptx)

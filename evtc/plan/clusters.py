@@ -63,6 +63,11 @@ TILE_CLUSTER_COST = {
     ("cooperative", 128, 144): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.03},
     ("cooperative", 128, 160): {(2, 1): 1.0, (1, 2): 1.0, (1, 1): 1.03},
     ("cooperative", 128, 64): {(2, 1): 1.0, (1, 4): 1.04, (1, 1): 1.06, (1, 2): 1.08},
+    # Wide ping-pong tiles (evtc.plan.selector, WIDE_PINGPONG_WIDTHS): at 512 x 28672 x 4096 128 x 176
+    # ran 0.98-1.00x cuBLAS in 2x1 clusters against 0.96x in 1x2, at 2048 x 28672 x 4096 1.03-1.05x
+    # against 1.04x; 128 x 192 at 512 x 37888 x 3584 1.04x against 1.01x.
+    ("pingpong", 128, 176): {(2, 1): 1.0, (1, 2): 1.02, (1, 1): 1.25},
+    ("pingpong", 128, 192): {(2, 1): 1.0, (1, 2): 1.02, (1, 1): 1.25},
 }
 
 

@@ -34,9 +34,13 @@ TILE_M = 128  # the default: two consumer warpgroups, 64 rows each (cooperative 
 TILE_MS = (64, 128)
 # Ping-pong schedule: each consumer warpgroup owns a whole tile_m x tile_n tile (one m64nN wgmma
 # atom along M per k16 step for each 64 rows, as CUTLASS's ping-pong kernels). Its fp32 accumulator
-# takes tile_m * tile_n / 128 registers per thread; 128 (the cooperative schedule's) is the most
-# that leaves room for the epilogue: tile_n up to 128 at tile_m = 128, up to 256 at tile_m = 64.
-PINGPONG_ACC_REGS = 128
+# takes tile_m * tile_n / 128 registers per thread, of the 232 a consumer thread gets: up to 192
+# (tile_n up to 192 at tile_m = 128, 256 at tile_m = 64). Past 128 the epilogue's own registers run
+# short: 128 x 192 with 32-column subtiles spilled 8-92 bytes for bias + GELU or a residual, where
+# 16-column subtiles and 128 x 176 did not (ptxas, CUTE_DSL_ARCH=sm_90a). The selector runs those
+# wide tiles with 16-column subtiles and for light epilogues only (evtc.plan.selector,
+# WIDE_PINGPONG_WIDTHS); cuBLAS runs 128 x 176 ping-pong at 512 x 28672 x 4096.
+PINGPONG_ACC_REGS = 192
 # A mainloop that promotes float8 partial sums (GemmConfig.fast_accum) keeps a scratch accumulator
 # beside the tile's: two of at most 96 registers per thread (cooperative 128 x 192, its default:
 # the 8-bit wgmma reads its operands from shared memory fast enough that 128 x 128 tiles are
@@ -57,7 +61,9 @@ TILE_K = 64
 # 112, 144 and 160 (cooperative, K-major B) let a problem's 128-row tiles make whole waves: 512 x
 # 4608 in 128 x 144 tiles is 128 tiles on 132 SMs, one round, where 128 x 128 tiles take two
 # (evtc.plan.selector, "wave-fitted widths").
-TILE_NS = (64, 112, 128, 144, 160, 192, 256)
+# 176: ping-pong tiles for problems of many tiles whose width 176 makes whole rounds (28672 columns
+# are 163 of them; evtc.plan.selector, WIDE_PINGPONG_WIDTHS).
+TILE_NS = (64, 112, 128, 144, 160, 176, 192, 256)
 EPI_TILE_NS = (16, 32, 64)
 # (1, 4): A multicast to four CTAs along N. It pays only where the kernel streams weights (few
 # 64-row tiles, M <= 64): each CTA then loads a quarter of A's stage instead of half

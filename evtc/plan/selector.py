@@ -81,6 +81,22 @@ BIG_WEIGHT_MIN_M = 512
 # 128 x 128 on six shapes from 2048 x 14336 x 4096 to 8192 x 4096 x 14336 (0.84-0.97x the bare
 # cuBLAS GEMM against 0.62-0.73x); with one, the two tied within 2%. Two were not measured.
 HEAVY_EPILOGUE_TILES = 3
+# Ping-pong tiles wider than 128 columns, for problems of many tiles (more than WAVE_FIT_MAX_WAVES
+# waves of 128 x 128) with a light epilogue (:func:`light_epilogue`): chosen by the rounds of tiles
+# each CTA runs, as :func:`_wave_fitted` chooses cooperative widths (:func:`_pingpong_width`). Each
+# warpgroup's tile reads A and B once per 128 x W outputs instead of 128 x 128, which the tensor
+# cores feel at these sizes: cuBLAS runs 128 x 176 ping-pong at 512 x 28672 x 4096 (nvjet
+# 176x128_64x5, its M and N the other way round). They run with 16-column subtiles (the epilogue's
+# registers, see evtc.plan.config.PINGPONG_ACC_REGS) and 2 D buffers, which buy a fifth A/B stage.
+WIDE_PINGPONG_WIDTHS = (176, 192)
+# A wider ping-pong tile must cost (rounds x (width + WAVE_FIT_ROUND_COST)) below this share of
+# 128 x 128's: the model overstates the gain at many rounds (4096 x 37888 x 3584: 4% modelled, 1%
+# measured), and a tie went to 128 (4096 x 4096 x 4096: 1.03-1.05x cuBLAS in 128 x 128 against
+# 0.99-1.01x in 128 x 176).
+WIDE_PINGPONG_MAX_COST = 0.98
+# What makes an epilogue light enough for the wide ping-pong tiles: no reductions, and at most
+# this many full tiles moved besides D (a residual's C).
+WIDE_PINGPONG_MAX_EPILOGUE_TILES = 1
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
@@ -128,20 +144,38 @@ WAVE_FIT_ROUND_COST = 16
 WAVE_FIT_MAX_WAVES = 5
 
 
-def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None]) -> tuple[GemmConfig, ...]:
+def light_epilogue(epilogue_tiles: int, reductions: int) -> bool:
+    """Whether an epilogue leaves a consumer warpgroup registers for a wide ping-pong tile's
+    accumulator (:data:`WIDE_PINGPONG_WIDTHS`): no reductions, and at most
+    :data:`WIDE_PINGPONG_MAX_EPILOGUE_TILES` full tiles moved besides D."""
+    return reductions == 0 and epilogue_tiles <= WIDE_PINGPONG_MAX_EPILOGUE_TILES
+
+
+def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None], *,
+                wide_pingpong: bool = False) -> tuple[GemmConfig, ...]:
     """The configurations of :data:`FAMILY` that fit the epilogue: ``fit(knobs)`` plans one (its
     epilogue loads and shared memory) or returns None where it does not fit. ``base`` (the
-    configuration the kernel was compiled with) is always first."""
+    configuration the kernel was compiled with) is always first. With ``wide_pingpong`` (a ping-pong
+    128 x 128 base and a :func:`light_epilogue`), also the ping-pong tiles of
+    :data:`WIDE_PINGPONG_WIDTHS`."""
     family = [base]
-    for schedule, tile_m, tile_n in FAMILY:
+    shapes = [(shape, {}) for shape in FAMILY]
+    if wide_pingpong and (base.schedule, base.tile_m, base.tile_n) == ("pingpong", 128, 128):
+        shapes += [(("pingpong", 128, width), {"epi_tile_n": 16, "epi_stages": 2})
+                   for width in WIDE_PINGPONG_WIDTHS]
+    for (schedule, tile_m, tile_n), extra in shapes:
         if (base.schedule, base.tile_m, base.tile_n) == (schedule, tile_m, tile_n):
             continue
         costs = cluster_costs(schedule, tile_m, tile_n)
         cluster = min(costs, key=costs.get)
-        config = fit({"schedule": schedule, "tile_m": tile_m, "tile_n": tile_n, "cluster": cluster})
+        config = fit({"schedule": schedule, "tile_m": tile_m, "tile_n": tile_n, "cluster": cluster, **extra})
         if config is not None and config not in family:
             family.append(config)
     return tuple(family)
+
+
+def _is_wide_pingpong(config: GemmConfig) -> bool:
+    return config.schedule == "pingpong" and config.tile_m == 128 and config.tile_n in WIDE_PINGPONG_WIDTHS
 
 
 def one_wave_twins(family: Sequence[GemmConfig], ab_stages_of: Callable[[GemmConfig], int],
@@ -179,8 +213,9 @@ def one_wave_twins(family: Sequence[GemmConfig], ab_stages_of: Callable[[GemmCon
 
 def is_one_wave_twin(config: GemmConfig, compiled: GemmConfig) -> bool:
     """Whether ``config``, of the family of a kernel compiled with ``compiled``, is a one-wave twin
-    (:func:`one_wave_twins`): a twin pins the D buffers that its family's tiles leave to the planner."""
-    return config.epi_stages is not None and compiled.epi_stages is None
+    (:func:`one_wave_twins`): a cooperative tile that pins the D buffers its family's tiles leave to
+    the planner (a wide ping-pong tile pins them too, and is no twin)."""
+    return config.schedule == "cooperative" and config.epi_stages is not None and compiled.epi_stages is None
 
 
 def _one_wave_twin(config: GemmConfig, family: Sequence[GemmConfig], k: int) -> GemmConfig:
@@ -237,7 +272,8 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                    find: Callable[[str, int, int], GemmConfig | None], heavy: bool = False) -> GemmConfig:
     """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
     base = family[0]
-    shapes = [c for c in family if c.schedule == "pingpong"] or [base]
+    # The wide ping-pong tiles serve problems of many tiles only (_pingpong_width).
+    shapes = [c for c in family if c.schedule == "pingpong" and not _is_wide_pingpong(c)] or [base]
     # The rules count 128 x 128 tiles, as they were fitted. A kernel compiled with a cooperative
     # tile (a promoting float8 kernel compiles 128 x 192) counts its family's cooperative 128 x 128:
     # counted in its own wider tiles, 512 x 3584 x 18944 in float8 fell to the few-tiles rule and
@@ -265,12 +301,20 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
             if wider is not None and FILL * slots <= _tiles(m, n, batches, wider) <= slots:
                 return wider
         # Enough tiles: the configured one (whatever its schedule), or the cooperative 128 x 256 one
-        # for long K loops, for very many tiles and for large weights.
+        # for long K loops; else a wide ping-pong tile where its rounds cost less (light epilogues
+        # only); else 128 x 256 for very many tiles and for large weights.
         gemm_n = n * base.tile_n // base.out_tile_n  # a gated B has both halves
         big_weight = (k >= BIG_WEIGHT_K and gemm_n * k >= BIG_WEIGHT_ELEMENTS and m >= BIG_WEIGHT_MIN_M
                       and base.ab_dtype in ("float16", "bfloat16"))
-        if ((k >= LONG_K or tiles >= MANY_WAVES * slots or big_weight) and wide is not None
-                and _tiles(m, n, batches, wide) >= slots):
+        wide_fills = wide is not None and _tiles(m, n, batches, wide) >= slots
+        if k >= LONG_K and wide_fills:
+            return wide
+        if tiles > WAVE_FIT_MAX_WAVES * slots and (base.schedule, base.tile_m, base.tile_n) == (
+                "pingpong", 128, 128):
+            wider = _pingpong_width(m, n, batches, slots, base, family)
+            if wider is not base:
+                return wider
+        if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
             return wide
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
@@ -313,6 +357,25 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
             best, best_cost = config, cost
     if best is None or (cost_128 is not None and best_cost >= cost_128):
         return None
+    return best
+
+
+def _pingpong_width(m: int, n: int, batches: int, slots: int, base: GemmConfig,
+                    family: Sequence[GemmConfig]) -> GemmConfig:
+    """The ping-pong 128-row tile of ``family`` (``base``, 128 x 128, or one of
+    :data:`WIDE_PINGPONG_WIDTHS`) whose launch costs least as rounds x (width +
+    :data:`WAVE_FIT_ROUND_COST`), a round being one tile per CTA slot; a wider tile only below
+    :data:`WIDE_PINGPONG_MAX_COST` of ``base``'s cost. Fitted on the H100 (docs/performance.md,
+    "Wide ping-pong tiles"): 512 x 28672 x 4096 ran 1.00x cuBLAS in 128 x 176 against 0.96x in
+    128 x 128 (5 rounds of 176 columns against 7 of 128), 512 x 152064 x 3584 1.02x in 128 x 192
+    against 0.96x."""
+    def cost(config: GemmConfig) -> int:
+        return ceil_div(_tiles(m, n, batches, config), slots) * (config.tile_n + WAVE_FIT_ROUND_COST)
+
+    best, best_cost = base, WIDE_PINGPONG_MAX_COST * cost(base)
+    for config in family:
+        if _is_wide_pingpong(config) and cost(config) < best_cost:
+            best, best_cost = config, cost(config)
     return best
 
 
@@ -382,6 +445,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
 
 __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "FAMILY", "FILL",
            "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
+           "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_WIDTHS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
-           "family_digest", "is_one_wave_twin", "one_wave_twins", "tile_family", "with_a_rows_for",
+           "family_digest", "is_one_wave_twin", "light_epilogue", "one_wave_twins", "tile_family",
+           "with_a_rows_for",
            "with_cluster_for"]
