@@ -9,10 +9,12 @@ docs/performance.md, "A launch per problem size"):
 * **Enough tiles** (128 x 128 tiles fill at least :data:`FILL` of the SMs): 128 x 128 ping-pong, or
   128 x 256 cooperative where K is long (at least :data:`LONG_K`): there the epilogue's overlap is
   worth little and the wider tile halves the A traffic per FLOP (16384 x 8192 x 28672: 1.03x
-  cuBLAS against 0.90x); or where there are at least :data:`MANY_WAVES` waves of 128 x 128 tiles
-  (LM heads: 4096 x 128256 x 4096, 1.01x against 0.90x); or for large 16-bit weights with K of
-  8192 or more at M >= 512 (:data:`BIG_WEIGHT_ELEMENTS`: 2048 x 57344 x 8192, 0.95-1.00x against
-  0.92-0.96x).
+  cuBLAS against 0.90x); else, for a light epilogue, a ping-pong tile 176 or 192 wide where its
+  rounds of tiles cost less (:data:`WIDE_PINGPONG_WIDTHS`, :func:`_pingpong_width`: 512 x 28672 x
+  4096, 0.98x against 0.90x); else the cooperative 128 x 256 where there are at least
+  :data:`MANY_WAVES` waves of 128 x 128 tiles (LM heads: 4096 x 128256 x 4096, 1.01x against 0.90x)
+  or for large 16-bit weights with K of 8192 or more at M >= 512 (:data:`BIG_WEIGHT_ELEMENTS`:
+  2048 x 57344 x 8192, 0.95-1.00x against 0.92-0.96x).
 * **One wave or just over** (128 x 128 tiles at most one per SM, or a few more): cooperative 128 x
   128, whose two consumer warpgroups share the CTA's one tile (a ping-pong CTA would leave one
   idle: 256 x 8192 x 8192, 0.96x cuBLAS against 0.89x), or cooperative 128 x 192 where its tiles
