@@ -319,14 +319,23 @@ def test_reductions_gated_and_batches(cache, schedule):
         _close(batched(x, w.transpose(1, 2)), x.double() @ w.double().transpose(1, 2))
 
 
+def residual_relu_and_acc(acc, C, bias):
+    return torch.relu(acc + C + bias), acc
+
+
 def test_chosen_for_a_thin_last_round(cache):
     """Without knobs, 768 x 14336 x 8192 (336 cluster tiles of 128 x 128 on an H100's 66 clusters:
     five whole rounds and 6 tiles) splits its tail, and matches float64; 4096 x 4096 x 4096 (a
-    fuller last round) does not. (Problems of at most 5 waves take a wave-fitted width instead.)"""
+    fuller last round) does not. (Problems of at most 5 waves take a wave-fitted width instead, and
+    a light epilogue a wide ping-pong tile whose rounds are whole: this one moves two tiles, its C
+    and a second output.)"""
     x, w, C, bias = _inputs(768, 14336, 8192, seed=9)
-    k = evtc.compile(residual_relu, {"a": x, "b": w.t(), "C": C, "bias": bias}, cache_dir=cache, strict=True)
+    k = evtc.compile(residual_relu_and_acc, {"a": x, "b": w.t(), "C": C, "bias": bias}, cache_dir=cache,
+                     strict=True)
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert k.splits_for(768, 14336, 8192) > 1
         assert k.splits_for(4096, 4096, 4096) == 1
-    _close(k(x, w.t(), C=C, bias=bias),
-           torch.relu(x.double() @ w.double().t() + C.double() + bias.double()))
+    acc = x.double() @ w.double().t()
+    y, got_acc = k(x, w.t(), C=C, bias=bias)
+    _close(y, torch.relu(acc + C.double() + bias.double()))
+    _close(got_acc, acc)
