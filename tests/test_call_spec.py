@@ -189,3 +189,16 @@ def test_out_whose_elements_share_memory_is_refused(tmp_path):
         with pytest.raises(evtc.CallError, match="share memory.*expanded"):
             k(a, b, out=row.expand(64, 256))
         assert not row.any()
+
+
+def test_a_misspelt_argument_is_named_on_the_operator_path(tmp_path):
+    """Inputs that need grad take the custom operator, which passes only the epilogue's own
+    operands: an argument it does not take must be refused there too, never dropped."""
+    k = _compile(swiglu_bias, tmp_path, bias=torch.empty(256, dtype=torch.float16, device="meta"))
+    a = torch.randn(64, 128, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(256, 128, dtype=torch.float16).t()
+    bias = torch.randn(256, dtype=torch.float16)
+    with pytest.raises(evtc.CallError, match=r"unexpected argument\(s\) \['bais'\]"):
+        k(a, b, bias=bias, bais=bias)
+    with pytest.raises(evtc.CallError, match=r"missing argument\(s\) \['bias'\]"):
+        k(a, b)

@@ -259,6 +259,18 @@ def _validate_gated(spec: CallSpec, b, operands) -> None:
                             f"it is split into gate and up halves like acc), got {shape}")
 
 
+def check_names(spec: CallSpec, operands: dict) -> None:
+    """Raise a CallError for an argument the epilogue does not take, or one it takes and did not
+    get (``operands`` after :func:`without_unused`)."""
+    unknown = sorted(set(operands) - spec.name_set)
+    if unknown:
+        takes = list(spec.plan.interface.parameters) or spec.names
+        raise CallError(f"unexpected argument(s) {unknown}; the epilogue takes {takes or 'no operands'}")
+    missing = [nm for nm in spec.names if nm not in operands]
+    if missing:
+        raise CallError(f"missing argument(s) {missing}; the epilogue takes {spec.names}")
+
+
 def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
     """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
 
@@ -274,13 +286,7 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
     if a.dim() != len(plan.a.dims) or b.dim() != len(plan.b.dims):
         raise CallError(f"a and b must be {len(plan.a.dims)}-d and {len(plan.b.dims)}-d as when compiled; "
                         f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    unknown = sorted(set(operands) - spec.name_set)
-    if unknown:
-        takes = list(plan.interface.parameters) or spec.names
-        raise CallError(f"unexpected argument(s) {unknown}; the epilogue takes {takes or 'no operands'}")
-    missing = [nm for nm in spec.names if nm not in operands]
-    if missing:
-        raise CallError(f"missing argument(s) {missing}; the epilogue takes {spec.names}")
+    check_names(spec, operands)
     if b.shape[-2] != a.shape[-1]:
         raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
     batches = [t.shape[0] for t in (a, b) if t.dim() == 3]

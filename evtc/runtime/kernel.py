@@ -438,9 +438,7 @@ class Kernel:
                             "block scales: compile with pairs as example inputs (docs/fp8.md)")
         if spec.accepts_more:
             operands = call_checks.without_unused(spec, operands)
-        missing = [name for name in spec.names if name not in operands]
-        if missing:
-            raise CallError(f"missing argument(s) {missing}; the epilogue takes {spec.names}")
+        call_checks.check_names(spec, operands)  # the operator takes spec.names only: nothing unnamed
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)

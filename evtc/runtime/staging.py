@@ -19,7 +19,7 @@ from evtc.plan.tensor_spec import TMA_ALIGN
 
 def _align_elems(t_or_dtype) -> int:
     dtype = t_or_dtype.dtype if isinstance(t_or_dtype, torch.Tensor) else t_or_dtype
-    return max(1, TMA_ALIGN // torch.empty((), dtype=dtype).element_size())
+    return max(1, TMA_ALIGN // dtype.itemsize)
 
 
 def layout_problem(t: torch.Tensor, spec) -> str | None:
