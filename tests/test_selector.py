@@ -23,6 +23,7 @@ from evtc.plan.selector import (
     ONE_WAVE_LOADS_MIN_K,
     WAVE_FIT_ROUND_COST,
     WIDE_PINGPONG_MAX_COST,
+    WIDE_PINGPONG_MIN_K_WITH_TILES,
     WIDE_PINGPONG_WIDTHS,
     choose_launch,
     choose_tile,
@@ -752,3 +753,14 @@ def test_wide_pingpong_ptx_has_the_wide_wgmma_atom(tmp_path):
     ptx = evtc.compile(_identity, ex, config={"tile_n": 176, "epi_tile_n": 16, "epi_stages": 2,
                                               "cluster": (2, 1)}, arch="sm_90a", cache_dir=tmp_path).ptx
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n176k16", ptx)
+
+
+def test_an_epilogue_that_moves_a_tile_takes_wide_pingpong_only_from_a_long_enough_k():
+    """The DeepSeek-V3 expert down projection (N = 7168, K = 2048): wide for the identity, 128 x 128
+    for a residual (its C moved per tile), which ran 2-4% slower wide at that K."""
+    def launch(m, n, k, tiles):
+        return choose_launch(m, n, k, 1, WIDE_FAMILY, _slots, choose_cluster=True, epilogue_tiles=tiles)[0]
+
+    assert _is_wide(launch(2048, 7168, 2048, 0))
+    assert _shape(launch(2048, 7168, 2048, 1)) == ("pingpong", 128, 128)
+    assert _is_wide(launch(2048, 7168, WIDE_PINGPONG_MIN_K_WITH_TILES, 1))
