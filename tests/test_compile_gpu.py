@@ -130,9 +130,9 @@ def test_cluster_shape_per_call(cache_dir):
         assert k.cluster_for(m, n) == cluster, (m, n)
         _run_poisoned(k, e, m, n, kk, None, f"{(m, n, kk)} cluster {cluster}")
     built = re.search(r"other shapes built: ([^)]*)\)", k.explain()).group(1).split(", ")
-    # 2x1 clusters (33792 x 384: the wide ping-pong 128 x 192 of this light epilogue, two columns
-    # of tiles, evtc.plan.selector.WIDE_PINGPONG_WIDTHS).
-    assert any(b.endswith(" 2x1") and not b.startswith("128x128 cooperative") for b in built), built
+    # The configured tile in 2x1 clusters (33792 x 384: three columns of tiles, six waves; with
+    # K = 72 this epilogue's C keeps it off the wide ping-pong tiles, evtc.plan.selector).
+    assert "2x1" in built, built
     # A pinned cluster is kept for every problem.
     pinned = evtc.compile(e.fn, make_inputs(e, 256, 512, 128, None, torch.float16),
                           config={"cluster": (1, 2)}, cache_dir=cache_dir)
