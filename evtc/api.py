@@ -86,11 +86,29 @@ def _override_dtypes(graph: Graph, out_dtypes: OutDtypes, fn: Callable[..., Any]
     return rewrite(graph, visit)
 
 
+def _given_accumulator(acc: Any, inputs: Mapping[str, Any], user_fn: Callable[..., Any]) -> torch.Tensor:
+    """The ``acc=`` of :func:`reference`, checked: a floating tensor of at least 2 dims, of the
+    shape of ``a @ b`` where those are given."""
+    where = definition_location(user_fn)
+    if not isinstance(acc, torch.Tensor) or not acc.is_floating_point() or acc.dim() < 2:
+        what = (f"a {acc.dtype} tensor of {acc.dim()} dims" if isinstance(acc, torch.Tensor)
+                else type(acc).__name__)
+        raise InputError(f"acc= must be a floating tensor (..., M, N), got {what}", where)
+    a, b = inputs.get("a"), inputs.get("b")
+    a, b = (a[0] if isinstance(a, tuple) else a), (b[0] if isinstance(b, tuple) else b)  # block-scaled pairs
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        want = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        if tuple(acc.shape) != tuple(want):
+            raise InputError(f"acc= has shape {tuple(acc.shape)}; a @ b is {tuple(want)}", where)
+    return acc
+
+
 def reference(
     fn: Callable[..., Any],
     inputs: Mapping[str, Any],
     *,
     dtype: torch.dtype = torch.float32,
+    acc: torch.Tensor | None = None,
 ) -> Any:
     """Run the epilogue directly on real tensors, computing in `dtype` (float32 by default).
 
@@ -98,19 +116,27 @@ def reference(
     mathematically intended result that a fused kernel is compared with. Outputs keep the
     structure the function returns; values the function casts explicitly (`.to(torch.bfloat16)`)
     are rounded there, as torch rounds them.
+
+    `acc`, where given, is used instead of `a @ b` (converted to `dtype`; `a` and `b` may then be
+    left out of `inputs`): to see what an error in the accumulator does to each output, or to run
+    the epilogue on a kernel's own accumulator (an identity kernel with a float32 output).
     """
     user_fn = unwrap(fn)
     sig = read_signature(user_fn)
-    missing = [k for k in (*RESERVED, *sig.params) if k not in inputs and k not in sig.defaults]
+    needed = (*(() if acc is not None else RESERVED), *sig.params)
+    missing = [k for k in needed if k not in inputs and k not in sig.defaults]
     if missing:
         raise InputError(f"missing input(s): {', '.join(map(repr, missing))}", definition_location(user_fn))
-    plain, scales = split_inputs(inputs)
-    if scales is not None:
-        # Block-scaled float8 (docs/fp8.md): acc is the product of the dequantized a and b.
-        problem, _ = scale_problem(plain["a"], plain["b"], scales)
-        if problem is not None:
-            raise InputError(problem, definition_location(user_fn))
-    acc = accumulator(inputs["a"], inputs["b"], dtype)
+    if acc is not None:
+        acc = _given_accumulator(acc, inputs, user_fn).to(dtype)
+    else:
+        plain, scales = split_inputs(inputs)
+        if scales is not None:
+            # Block-scaled float8 (docs/fp8.md): acc is the product of the dequantized a and b.
+            problem, _ = scale_problem(plain["a"], plain["b"], scales)
+            if problem is not None:
+                raise InputError(problem, definition_location(user_fn))
+        acc = accumulator(inputs["a"], inputs["b"], dtype)
     kwargs: dict[str, Any] = {}
     for name in sig.params:
         value = inputs[name] if name in inputs else sig.defaults[name]

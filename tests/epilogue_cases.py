@@ -204,16 +204,12 @@ def acc_noise_reference(fn, inputs: dict[str, Any], seed: int, noise: float = FL
     """The function on acc perturbed elementwise by ``noise`` of itself, with random signs: what
     accumulation error alone does to each output (see FLOAT8_ACC_NOISE and SUM_ORDER_ACC_NOISE).
     ``inputs`` are the reference's, tf32-rounded a and b included."""
-    from evtc.frontend.epilogue import unwrap
     from evtc.ir.interpreter import accumulator
 
     acc = accumulator(inputs["a"], inputs["b"], torch.float32)
     g = torch.Generator(device=acc.device).manual_seed(seed)
     signs = torch.randint(0, 2, acc.shape, generator=g, device=acc.device) * 2 - 1
-    acc = acc * (1 + noise * signs)
-    operands = {name: value.float() if isinstance(value, torch.Tensor) else value
-                for name, value in inputs.items() if name not in ("a", "b")}
-    return unwrap(fn)(acc, **operands)
+    return evtc.reference(fn, inputs, acc=acc * (1 + noise * signs))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

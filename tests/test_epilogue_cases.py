@@ -59,3 +59,26 @@ def test_sum_order_noise_covers_a_rounding_flip_and_not_a_dropped_row():
     residual = torch.maximum(-acc.to(torch.bfloat16), acc.to(torch.bfloat16)) + acc
     last_column_left_out = want_sum - residual[..., -1]
     assert torch.linalg.vector_norm(last_column_left_out - want_sum) > 10 * moved
+
+
+def test_reference_on_a_given_accumulator():
+    """evtc.reference(..., acc=) evaluates the epilogue on that accumulator instead of a @ b, in
+    float32 (or the dtype asked for), and refuses one of another shape."""
+    import pytest
+
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 8, 16, generator=g), torch.randn(3, 16, 24, generator=g)
+    bias = torch.randn(24, generator=g).half()
+
+    def fn(acc, bias):
+        return torch.relu(acc + bias), (acc * acc).sum(-1)
+
+    acc = torch.randn(3, 8, 24, generator=g, dtype=torch.float64)
+    tile, total = evtc.reference(fn, {"a": a, "b": b, "bias": bias}, acc=acc)
+    want = acc.float()
+    assert torch.equal(tile, torch.relu(want + bias.float())) and torch.allclose(total, (want * want).sum(-1))
+    assert evtc.reference(fn, {"bias": bias}, acc=acc, dtype=torch.float64)[0].dtype == torch.float64
+    with pytest.raises(evtc.InputError, match=r"acc= has shape \(3, 8, 23\); a @ b is \(3, 8, 24\)"):
+        evtc.reference(fn, {"a": a, "b": b, "bias": bias}, acc=acc[..., :23])
+    with pytest.raises(evtc.InputError, match="missing input"):
+        evtc.reference(fn, {"bias": bias})
