@@ -357,8 +357,9 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
         except (ConfigError, TypeError):
             return None
 
-    epilogue_tiles = sum(1 for p in emitted.inputs if p.kind == "tile") + max(0, len(emitted.outputs) - 1)
-    family = tile_family(cfg, fit, wide_pingpong=light_epilogue(epilogue_tiles, len(emitted.reductions)))
+    tile_operands = sum(1 for p in emitted.inputs if p.kind == "tile")
+    light = light_epilogue(tile_operands, len(emitted.outputs), len(emitted.reductions))
+    family = tile_family(cfg, fit, wide_pingpong=light)
     return family + one_wave_twins(family, lambda c: ab_stages_of(c, emitted, signature),
                                    lambda c: holds_d_in_loads(c, emitted, signature),
                                    loads_pinned="load_stages" in knobs)

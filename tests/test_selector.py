@@ -680,8 +680,8 @@ def test_wide_pingpong_tiles_join_a_light_epilogues_family_with_16_column_subtil
     # Only a ping-pong 128 x 128 base gets them (a cooperative or pinned tile keeps its rules).
     coop = BASE.replace(schedule="cooperative", tile_n=256)
     assert not any(_is_wide(c) for c in tile_family(coop, _fit_knobs, wide_pingpong=True))
-    assert light_epilogue(0, 0) and light_epilogue(1, 0)
-    assert not light_epilogue(2, 0) and not light_epilogue(0, 1)
+    assert light_epilogue(0, 1, 0) and light_epilogue(1, 1, 0)
+    assert not light_epilogue(2, 1, 0) and not light_epilogue(0, 2, 0) and not light_epilogue(0, 1, 1)
 
 
 @pytest.mark.parametrize("m, n, k, width", [
@@ -727,6 +727,10 @@ def _two_tiles(acc, C, R):
     return acc + C + R
 
 
+def _two_outputs(acc):
+    return acc * 2.0, acc + 1.0
+
+
 def _gated_bias(acc, bias):
     gate, up = (acc + bias).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -743,6 +747,7 @@ def test_compiled_families_carry_wide_pingpong_for_light_epilogues_only(tmp_path
 
     assert widths(_identity) == [64, 128, 176, 192]
     assert widths(_two_tiles, C=tile, R=tile) == [64, 128]   # two tiles besides D
+    assert widths(_two_outputs) == [64, 128]                  # a second output
     assert widths(_bias_row_sum, bias=row) == [64, 128]      # a reduction
     assert widths(_gated_bias, bias=row) == [64, 128, 192]   # 176's halves take no 16-column subtile
 
