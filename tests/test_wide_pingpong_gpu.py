@@ -97,3 +97,16 @@ def test_the_selectors_launch(cache, m, n, k, width, dtype):
     config, splits = kernel.launch_for(m, n, k)
     assert (config.schedule, config.tile_m, config.tile_n, config.epi_tile_n) == ("pingpong", 128, width, 16)
     assert_close(kernel(x, w.t(), bias=bias), x.double() @ w.double().t() + bias.double())
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_random_light_epilogues_on_the_wide_tile(cache, width):
+    """The fuzzer's random programs whose family has the wide tile, compiled with it pinned so that
+    their small, ragged problems run it (tests/fuzz.py --tile), against the function in float32."""
+    import fuzz
+
+    fuzz._init(cache, True, width)
+    results = [fuzz.run_one(3102, index) for index in range(40)]
+    failed = [r for r in results if r["status"] == "failed"]
+    assert not failed, "\n\n".join(f"{r.get('case', '')}\n{r['error']}" for r in failed)
+    assert sum(r["status"] == "passed" for r in results) >= 3  # 3 (176) and 4 (192) of these 40 have it
