@@ -84,6 +84,46 @@ def test_an_up_half_off_16_bytes_is_staged_with_its_halves_aligned(tmp_path):
     assert 44 * k_major.stride(-1) % 8 == 0
 
 
+def swiglu_residual(acc, C):
+    gate, up = (acc + C).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def test_a_wide_operand_off_16_bytes_is_staged_whole_with_its_up_half_aligned(tmp_path):
+    """A wide tile operand (M x 2N, row-major) whose halves are 44 columns (88 bytes): the staged
+    path copies it whole with its up half on a 16-byte boundary, and gives that offset in the up
+    half's place; an M-major one keeps its halves aligned by its pitch and is passed as it is."""
+    from evtc.runtime.staging import stage_call
+
+    b_rows = torch.empty(128, 256, dtype=torch.float16, device="meta")
+    k = evtc.compile(swiglu_residual, {"a": A, "b": b_rows, "C": torch.empty(64, 256, dtype=torch.float16,
+                                                                            device="meta")},
+                     arch="sm_90a", cache_dir=tmp_path)
+    spec = k.call_spec
+    gate_index, up_index = (i for i, ki in enumerate(k.plan.inputs) if ki.user == "C")
+    a = torch.randn(64, 128, dtype=torch.float16)
+    b = torch.randn(128, 2 * 48, dtype=torch.float16)  # b's halves are aligned (48 columns)
+    C = torch.randn(64, 2 * 44, dtype=torch.float16)
+    b88 = torch.randn(88, 128, dtype=torch.float16).t()  # K-major: b's own up half is aligned
+    with pytest.raises(NotPlainGated, match="C's up half"):
+        spec.split(b88, {"C": C})
+    _, up_b, ops = spec.split(b88, {"C": C}, staging=True)
+    ins = spec.inputs(ops, 64, 44, 1)
+    assert ins[gate_index] is C and ins[up_index] == 44
+    out = torch.empty(64, 44, dtype=torch.float16)
+    _, _, _, staged_ins, _, problems = stage_call(k.plan, a, b88, up_b, ins, [out])
+    assert any(p.startswith("C: its up half starts 44") for p in problems), problems
+    staged, up = staged_ins[gate_index], staged_ins[up_index]
+    assert up % 8 == 0 and staged.data_ptr() % 16 == 0 and staged.shape == C.shape
+    up_half = torch.as_strided(staged, (64, 44), staged.stride(), staged.storage_offset() + up)
+    assert torch.equal(staged[:, :44], C[:, :44]) and torch.equal(up_half, C[:, 44:])
+    # An M-major C: each column is an M-long run, so the up half starts 48 x M elements in, a
+    # 16-byte multiple whatever the width: the fast path takes it whole.
+    C_m = torch.randn(96, 64, dtype=torch.float16).t()
+    _, _, ops = spec.split(b, {"C": C_m})
+    assert ops[k.plan.inputs[gate_index].name] is C_m and ops[k.plan.inputs[up_index].name] == 48 * 64
+
+
 def outputs_out_of_kernel_order(acc):
     y = acc * 0.5
     return y.sum(-1), y, torch.relu(y).to(torch.bfloat16)
