@@ -680,6 +680,16 @@ def test_wide_pingpong_tiles_join_a_light_epilogues_family_with_16_column_subtil
     # Only a ping-pong 128 x 128 base gets them (a cooperative or pinned tile keeps its rules).
     coop = BASE.replace(schedule="cooperative", tile_n=256)
     assert not any(_is_wide(c) for c in tile_family(coop, _fit_knobs, wide_pingpong=True))
+    # Measured on 16-bit a and b only: float8 (fast accumulation) and tf32 kernels keep 128.
+    for other in (BASE.replace(ab_dtype="float8_e4m3fn", fast_accum=True), BASE.replace(ab_dtype="float32")):
+        def fit(knobs, other=other):
+            try:
+                narrow = {"epi_tile_n": 16} if knobs["tile_n"] % 32 else {}
+                return other.replace(**{**narrow, **knobs}).validate()
+            except ConfigError:
+                return None
+
+        assert not any(_is_wide(c) for c in tile_family(other, fit, wide_pingpong=True)), other.ab_dtype
     assert light_epilogue(0, 1, 0) and light_epilogue(1, 1, 0)
     assert not light_epilogue(2, 1, 0) and not light_epilogue(0, 2, 0) and not light_epilogue(0, 1, 1)
 

@@ -166,11 +166,12 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None], *,
     """The configurations of :data:`FAMILY` that fit the epilogue: ``fit(knobs)`` plans one (its
     epilogue loads and shared memory) or returns None where it does not fit. ``base`` (the
     configuration the kernel was compiled with) is always first. With ``wide_pingpong`` (a ping-pong
-    128 x 128 base and a :func:`light_epilogue`), also the ping-pong tiles of
+    128 x 128 base with 16-bit a and b, and a :func:`light_epilogue`), also the ping-pong tiles of
     :data:`WIDE_PINGPONG_WIDTHS`."""
     family = [base]
     shapes = [(shape, {}) for shape in FAMILY]
-    if wide_pingpong and (base.schedule, base.tile_m, base.tile_n) == ("pingpong", 128, 128):
+    if (wide_pingpong and (base.schedule, base.tile_m, base.tile_n) == ("pingpong", 128, 128)
+            and base.ab_dtype in ("float16", "bfloat16")):  # measured on 16-bit a and b only
         shapes += [(("pingpong", 128, width), {"epi_tile_n": 16, "epi_stages": 2})
                    for width in WIDE_PINGPONG_WIDTHS]
     for (schedule, tile_m, tile_n), extra in shapes:
