@@ -110,3 +110,34 @@ def test_random_light_epilogues_on_the_wide_tile(cache, width):
     failed = [r for r in results if r["status"] == "failed"]
     assert not failed, "\n\n".join(f"{r.get('case', '')}\n{r['error']}" for r in failed)
     assert sum(r["status"] == "passed" for r in results) >= 3  # 3 (176) and 4 (192) of these 40 have it
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_k_on_the_wide_tile(cache, width, splits):
+    """The selector splits a thin last round of wide tiles (the Llama-3 LM head at M = 512 ran
+    128 x 192 with 4 splits): the split-K build of each width, a bias and a residual, ragged K."""
+    m, n, k = 300, 1000, 1096
+    x, w, g = linear_inputs(m, n, k, seed=90 + width + splits)
+    C = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g)
+    row_scale = torch.rand(m, 1, device="cuda", generator=g) + 0.5
+    kernel = evtc.compile(residual_scaled, {"a": x, "b": w.t(), "C": C, "bias": bias, "row_scale": row_scale},
+                          cache_dir=cache, config={**_pinned(width), "split_k": True})
+    kernel.pin_splits(splits)
+    assert kernel.launch_for(m, n, k)[1] == splits
+    acc = x.double() @ w.double().t()
+    assert_close(kernel(x, w.t(), C=C, bias=bias, row_scale=row_scale),
+                 torch.relu(acc * row_scale.double() + C.double() + bias.double()))
+
+
+def test_split_k_on_the_gated_192(cache):
+    m, n, k = 260, 2 * 488, 1096
+    x, w, g = linear_inputs(m, n, k, seed=99)
+    bias = torch.randn(n, device="cuda", generator=g)
+    kernel = evtc.compile(_swiglu_bias, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache,
+                          config={**_pinned(192), "split_k": True})
+    kernel.pin_splits(3)
+    y = x.double() @ w.double().t() + bias.double()
+    gate, up = y.chunk(2, dim=-1)
+    assert_close(kernel(x, w.t(), bias=bias), F.silu(gate) * up)
