@@ -633,16 +633,27 @@ def describe(row: dict) -> str:
     return f"{row['family']}/{row['layer']} M={row['m']} {row['dtype']}"
 
 
-def summarize_ratio(rows: Sequence[dict], key: str) -> dict | None:
-    """Geomean and worst of ``row[key]`` overall and by M (rows without that ratio left out)."""
+#: The issue's floors (no row below): identity 0.90x cuBLAS, a fused epilogue 1.00x the eager way.
+IDENTITY_FLOOR = 0.90
+FUSED_FLOOR = 1.00
+
+
+def summarize_ratio(rows: Sequence[dict], key: str, floor: float | None = None) -> dict | None:
+    """Geomean and worst of ``row[key]`` overall and by M (rows without that ratio left out), and
+    where ``floor`` is given, how many rows fall below it (overall: which)."""
     have = [r for r in rows if r.get(key) is not None]
     if not have:
         return None
 
     def stats(group: Sequence[dict]) -> dict:
         worst = min(group, key=lambda r: r[key])
-        return {"geomean": geomean([r[key] for r in group]), "worst": worst[key],
-                "worst_row": describe(worst), "n": len(group)}
+        out = {"geomean": geomean([r[key] for r in group]), "worst": worst[key],
+               "worst_row": describe(worst), "n": len(group)}
+        if floor is not None:
+            below = sorted((r for r in group if r[key] < floor), key=lambda r: r[key])
+            out.update(floor=floor, below=len(below),
+                       below_rows=[f"{describe(r)} {r['epilogue']}: {r[key]:.3f}" for r in below])
+        return out
 
     by_m = defaultdict(list)
     for r in have:
@@ -656,11 +667,12 @@ def summarize_ratio(rows: Sequence[dict], key: str) -> dict | None:
 
 def summarize(rows: Sequence[dict]) -> dict:
     fused = [r for r in rows if r["group"] != "identity"]
-    out: dict = {"identity_vs_cublas": summarize_ratio(rows, "ratio_id")}
+    out: dict = {"identity_vs_cublas": summarize_ratio(rows, "ratio_id", IDENTITY_FLOOR)}
     for key, label in (("ratio_eager", "fused_vs_eager"), ("ratio_compile", "fused_vs_torch_compile")):
-        out[label] = summarize_ratio(fused, key)
+        out[label] = summarize_ratio(fused, key, FUSED_FLOOR)
         for group in ("cuBLASLt-fusable", "separate-kernel"):
-            out[f"{label}/{group}"] = summarize_ratio([r for r in fused if r["group"] == group], key)
+            out[f"{label}/{group}"] = summarize_ratio([r for r in fused if r["group"] == group], key,
+                                                      FUSED_FLOOR)
     streaming = []
     for r in rows:
         for name in ("evtc_id", "evtc_fused"):
@@ -693,8 +705,9 @@ def print_summary(summary: dict) -> None:
         base, _, group = key.partition("/")
         title = titles[base] + (f" [{group}]" if group else " [all epilogues]")
         a = value["all"]
+        below = f", {a['below']} below {a['floor']:.2f}" if "floor" in a else ""
         print(f"# {title}: geomean {a['geomean']:.3f}, worst {a['worst']:.3f} ({a['worst_row']}), "
-              f"{a['n']} rows")
+              f"{a['n']} rows{below}")
         cells = [f"M={m}: {s['geomean']:.3f} (worst {s['worst']:.3f})" for m, s in value["by_m"].items()]
         for i in range(0, len(cells), 4):
             print("    " + "; ".join(cells[i:i + 4]))

@@ -98,9 +98,11 @@ def synthetic_rows(shapes):
             ["--families", "llama3-8b,deepseek-v3-expert,reference", "--ms", "1,64,4096"]))):
         row = shapes.row_template(case)
         row["copy_tbs"] = 3.0
-        row["t_us"] = {"cublas": 10.0 + i, "evtc_id": 9.0 + i}
+        # Every fifth row slower than cuBLAS's floor, every fourth fused one slower than eager.
+        row["t_us"] = {"cublas": 10.0 + i, "evtc_id": (10.0 + i) * (1.25 if i % 5 == 0 else 0.9)}
         if row["group"] != "identity":
-            row["t_us"].update(eager=20.0 + i, compile=15.0 + i, evtc_fused=10.0 + i)
+            row["t_us"].update(eager=20.0 + i, compile=15.0 + i,
+                               evtc_fused=(20.0 + i) * (1.1 if i % 4 == 1 else 0.5))
         if case.layer.layer == "down" and case.m == 64 and case.dtype == "fp16":
             row["failures"].append("evtc_fused: WRONG RESULT, error 1.0e+00 > 5e-03")
         shapes.fill_ratios(row)
@@ -126,6 +128,12 @@ def test_summaries_leave_failures_out(shapes):
     assert summary["identity_vs_cublas"]["all"]["n"] == len(rows)
     ws = summary["weight_streaming"]
     assert ws["n"] > 0 and 0 < ws["geomean_fraction_of_copy"]
+    # The floors: rows below them are counted and named.
+    identity = summary["identity_vs_cublas"]["all"]
+    assert identity["floor"] == shapes.IDENTITY_FLOOR
+    assert identity["below"] == sum(r["ratio_id"] < shapes.IDENTITY_FLOOR for r in rows) > 0
+    assert len(identity["below_rows"]) == identity["below"]
+    assert summary["fused_vs_eager"]["all"]["below"] == sum(x < shapes.FUSED_FLOOR for x in ratios) > 0
 
 
 def test_plot_from_json_draws_an_svg(shapes, tmp_path, capsys):
