@@ -293,7 +293,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     plan = plan_kernel(graph, emitted, signature, interface)
     described = signature.describe()
     kernel = kernel_for(plan, emitted.source, described, cfg, arch, cache_dir, graph=graph)
-    family = _tile_family(cfg, knobs, emitted, signature)
+    family = _tile_family(cfg, knobs, emitted, signature, plan)
     record = {"key": kernel.key, "plan": plan.to_json(), "config": dataclasses.asdict(cfg),
               "clusters": "cluster" not in knobs, "signature": described,
               "family": [dataclasses.asdict(c) for c in family]}
@@ -338,7 +338,7 @@ def _note_a_shallow_pipeline(name: str, cfg, emitted, signature) -> None:
              cfg.short_name(), hint)
 
 
-def _tile_family(cfg, knobs, emitted, signature) -> tuple:
+def _tile_family(cfg, knobs, emitted, signature, plan) -> tuple:
     """The configurations a kernel compiled without tile knobs may run a problem with
     (:func:`evtc.plan.selector.tile_family`), each planned like ``cfg`` for this epilogue, then the
     one-wave twins of its cooperative tiles (:func:`evtc.plan.selector.one_wave_twins`); just
@@ -357,8 +357,7 @@ def _tile_family(cfg, knobs, emitted, signature) -> tuple:
         except (ConfigError, TypeError):
             return None
 
-    tile_operands = sum(1 for p in emitted.inputs if p.kind == "tile")
-    light = light_epilogue(tile_operands, len(emitted.outputs), len(emitted.reductions))
+    light = light_epilogue(plan.epilogue_tiles, len(plan.outputs), len(plan.reductions))
     family = tile_family(cfg, fit, wide_pingpong=light)
     return family + one_wave_twins(family, lambda c: ab_stages_of(c, emitted, signature),
                                    lambda c: holds_d_in_loads(c, emitted, signature),

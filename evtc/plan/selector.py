@@ -91,6 +91,8 @@ HEAVY_EPILOGUE_TILES = 3
 # 176x128_64x5, its M and N the other way round). They run with 16-column subtiles (the epilogue's
 # registers, see evtc.plan.config.PINGPONG_ACC_REGS) and 2 D buffers, which buy a fifth A/B stage.
 WIDE_PINGPONG_WIDTHS = (176, 192)
+# a and b dtypes the rules for large 16-bit weights and the wide ping-pong tiles were measured with.
+SIXTEEN_BIT = ("float16", "bfloat16")
 # A wider ping-pong tile must cost (rounds x (width + WAVE_FIT_ROUND_COST)) below this share of
 # 128 x 128's: the model overstates the gain at many rounds (4096 x 37888 x 3584: 4% modelled, 1%
 # measured), and a tie went to 128 (4096 x 4096 x 4096: 1.03-1.05x cuBLAS in 128 x 128 against
@@ -154,11 +156,12 @@ WAVE_FIT_ROUND_COST = 16
 WAVE_FIT_MAX_WAVES = 5
 
 
-def light_epilogue(tile_operands: int, outputs: int, reductions: int) -> bool:
+def light_epilogue(epilogue_tiles: int, outputs: int, reductions: int) -> bool:
     """Whether an epilogue leaves a consumer warpgroup registers for a wide ping-pong tile's
     accumulator (:data:`WIDE_PINGPONG_WIDTHS`): no reductions, one output, and at most
-    :data:`WIDE_PINGPONG_MAX_EPILOGUE_TILES` tile operands."""
-    return reductions == 0 and outputs == 1 and tile_operands <= WIDE_PINGPONG_MAX_EPILOGUE_TILES
+    :data:`WIDE_PINGPONG_MAX_EPILOGUE_TILES` tiles moved besides D (``KernelPlan.epilogue_tiles``:
+    with one output, its tile operands)."""
+    return reductions == 0 and outputs == 1 and epilogue_tiles <= WIDE_PINGPONG_MAX_EPILOGUE_TILES
 
 
 def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None], *,
@@ -171,7 +174,7 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None], *,
     family = [base]
     shapes = [(shape, {}) for shape in FAMILY]
     if (wide_pingpong and (base.schedule, base.tile_m, base.tile_n) == ("pingpong", 128, 128)
-            and base.ab_dtype in ("float16", "bfloat16")):  # measured on 16-bit a and b only
+            and base.ab_dtype in SIXTEEN_BIT):
         shapes += [(("pingpong", 128, width), {"epi_tile_n": 16, "epi_stages": 2})
                    for width in WIDE_PINGPONG_WIDTHS]
     for (schedule, tile_m, tile_n), extra in shapes:
@@ -270,9 +273,7 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
                 return config
         return None
 
-    if epilogue_tiles and k < WIDE_PINGPONG_MIN_K_WITH_TILES:
-        family = [c for c in family if not _is_wide_pingpong(c)]
-    chosen = _tile_by_count(m, n, k, batches, family, slots, find, epilogue_tiles >= HEAVY_EPILOGUE_TILES)
+    chosen = _tile_by_count(m, n, k, batches, family, slots, find, epilogue_tiles)
     if (chosen.schedule == "pingpong" and chosen.tile_m == 128
             and _tiles(m, n, batches, chosen) <= slots):
         # One tile per CTA: a ping-pong CTA would keep one of its two consumer warpgroups idle;
@@ -282,8 +283,9 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
 
 
 def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int,
-                   find: Callable[[str, int, int], GemmConfig | None], heavy: bool = False) -> GemmConfig:
+                   find: Callable[[str, int, int], GemmConfig | None], epilogue_tiles: int = 0) -> GemmConfig:
     """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
+    heavy = epilogue_tiles >= HEAVY_EPILOGUE_TILES
     base = family[0]
     # The wide ping-pong tiles serve problems of many tiles only (_pingpong_width).
     shapes = [c for c in family if c.schedule == "pingpong" and not _is_wide_pingpong(c)] or [base]
@@ -318,13 +320,12 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         # only); else 128 x 256 for very many tiles and for large weights.
         gemm_n = n * base.tile_n // base.out_tile_n  # a gated B has both halves
         big_weight = (k >= BIG_WEIGHT_K and gemm_n * k >= BIG_WEIGHT_ELEMENTS and m >= BIG_WEIGHT_MIN_M
-                      and base.ab_dtype in ("float16", "bfloat16"))
+                      and base.ab_dtype in SIXTEEN_BIT)
         wide_fills = wide is not None and _tiles(m, n, batches, wide) >= slots
         if k >= LONG_K and wide_fills:
             return wide
-        if tiles > WAVE_FIT_MAX_WAVES * slots and (base.schedule, base.tile_m, base.tile_n) == (
-                "pingpong", 128, 128):
-            wider = _pingpong_width(m, n, batches, slots, base, family)
+        if tiles > WAVE_FIT_MAX_WAVES * slots and not (epilogue_tiles and k < WIDE_PINGPONG_MIN_K_WITH_TILES):
+            wider = _pingpong_width(m, n, batches, slots, base, family)  # base where none is wider
             if wider is not base:
                 return wider
         if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
@@ -459,7 +460,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
 __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "FAMILY", "FILL",
            "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
            "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_MIN_K_WITH_TILES",
-           "WIDE_PINGPONG_WIDTHS",
+           "SIXTEEN_BIT", "WIDE_PINGPONG_WIDTHS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
            "family_digest", "is_one_wave_twin", "light_epilogue", "one_wave_twins", "tile_family",
            "with_a_rows_for",
