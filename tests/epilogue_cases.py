@@ -38,6 +38,8 @@ FLOAT8_BRANCH_REDUCTION_TOL = 3e-3
 #: element (measured 2e-4 to 4.5e-4 by norm). A reduction whose terms cancel (a row of 256 order-1
 #: values summing to -0.18: fuzz seed 2030, case 89) turns that into an error no tolerance relative
 #: to the sum can allow; such an output may be off by twice what this much noise on acc moves it.
+#: Tiles too: bf16(acc) - acc stored as a tile (fuzz seed 2039, case 130, float8 e5m2) is all
+#: rounding residual, and was 1.27e-2 off by norm against a tile tolerance of 1e-2.
 FLOAT8_ACC_NOISE = 5e-4
 #: Other a and b: the kernel's float32 acc differs from torch's by the summation order alone (7e-7 by
 #: norm, K = 480). A program that rounds acc to 16 bits and cancels it again (|bf16(acc)| + acc, fuzz
@@ -292,8 +294,10 @@ def check_case(case: Case, kernel: evtc.Kernel, seed: int = 0) -> list[str]:
                 branchy = float8_ab and "torch.where(" in case.source
                 rel = relative_error(g, r)
                 tol = TILE_TOL if tile else FLOAT8_BRANCH_REDUCTION_TOL if branchy else REDUCTION_TOL
-                if not rel <= tol and not tile:
-                    # A cancelling reduction (see FLOAT8_ACC_NOISE and SUM_ORDER_ACC_NOISE).
+                if not rel <= tol:
+                    # A cancelling reduction or tile (see FLOAT8_ACC_NOISE and SUM_ORDER_ACC_NOISE).
+                    # An output that does not cancel moves by about the noise's fraction of
+                    # itself, twice that is below every tolerance here, so nothing is loosened.
                     noisy = noisy or dict(_leaves(acc_noise_reference(fn, reference_inputs, seed + index,
                                                                       noise)))
                     moved = torch.linalg.vector_norm(noisy[key].float() - r.float())
