@@ -119,6 +119,30 @@ def test_float8_promotes_partial_sums_by_default_and_fast_accum_opts_out(tmp_pat
     assert (wide.config.tile_n, wide.config.epi_tile_n) == (192, 64)
 
 
+def test_small_promoting_tiles_alternate_two_scratch_accumulators(tmp_path):
+    """Tiles of at most PROMOTE_IN_PAIRS_MAX_ACC_REGS accumulator registers per thread issue each K
+    tile's wgmma before waiting for the previous one (one batch in flight, as the 16-bit and fast
+    mainloops keep); the default 128 x 192 tile, block-scaled and fast-accumulating kernels do not."""
+    from evtc.plan.config import PROMOTE_IN_PAIRS_MAX_ACC_REGS
+
+    a, b = _fp8((128, 256), E4M3, 0), _weight_t(256, 256, E4M3, 1)
+    ex = {"a": a, "b": b, "sa": torch.tensor(0.5), "sb": torch.tensor(2.0)}
+    small = evtc.compile(scaled, ex, config={"schedule": "pingpong", "tile_m": 64, "tile_n": 64},
+                         cache_dir=tmp_path)
+    assert small.config.promotes_in_pairs and small.config.acc_regs <= PROMOTE_IN_PAIRS_MAX_ACC_REGS
+    waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", small.ptx))
+    assert waits == {"0", "1"}, waits
+    # The selector's family: the small tiles alternate, the default one does not (96 registers a
+    # scratch accumulator; a third would not fit beside the epilogue's).
+    default = evtc.compile(scaled, ex, cache_dir=tmp_path)
+    pairs = {(c.schedule, c.tile_m, c.tile_n) for c in default._family if c.promotes_in_pairs}
+    assert ("pingpong", 64, 64) in pairs and ("cooperative", 128, 128) in pairs
+    assert not default.config.promotes_in_pairs and default.config.tile_n == 192
+    assert not GemmConfig(ab_dtype="float8_e4m3fn", tile_m=64, tile_n=64, fast_accum=True).promotes_in_pairs
+    assert not GemmConfig(ab_dtype="float8_e4m3fn", tile_m=64, tile_n=64, block_scales=128).promotes_in_pairs
+    assert not GemmConfig(ab_dtype="bfloat16", tile_m=64, tile_n=64).promotes_in_pairs
+
+
 @pytest.mark.parametrize("m,n,k,width", [
     (512, 3584, 18944, 112), (512, 4096, 14336, 128), (256, 8192, 28672, 128), (512, 3584, 3584, 112),
 ])

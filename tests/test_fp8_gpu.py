@@ -91,6 +91,46 @@ def test_promotion_against_fast_accumulation(tmp_path, shape):
     assert errors[False] <= 0.5 * errors[True], errors
 
 
+def residual_to_float32(acc, s, C):
+    return (acc * s + C).float()
+
+
+@pytest.mark.parametrize("config", [
+    {"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (1, 1)},
+    {"schedule": "pingpong", "tile_m": 64, "tile_n": 128, "cluster": (1, 2)},
+    {"schedule": "cooperative", "tile_m": 128, "tile_n": 64, "cluster": (2, 1)},
+    {"schedule": "cooperative", "tile_m": 128, "tile_n": 128, "cluster": (1, 1)},
+], ids=lambda c: f"{c['schedule']}{c['tile_m']}x{c['tile_n']}")
+def test_promotion_in_pairs_sums_every_k_tile_once(tmp_path, config):
+    """Small promoting tiles alternate two scratch accumulators (GemmConfig.promotes_in_pairs):
+    K tiles 0, 2, ... into one and 1, 3, ... into the other, with an odd or even count per unit.
+    Over 1 to 9 K tiles of 128 (ragged K included), whole and split, with a residual (whose C
+    holds D under the cooperative schedule, handed back at a K tile of the next tile's mainloop)
+    and without, float32 results are as close to float64 as cuBLASLt's promoted GEMM: a K tile
+    dropped or added twice would be off by a whole tile's share of the sum."""
+    one = torch.tensor(1.0, device="cuda")
+    for k, splits in [(128, 1), (256, 1), (384, 1), (1000, 1), (1152, 1), (1152, 2), (2048, 3), (4096, 1)]:
+        m, n = 300, 272  # ragged in M and N; N a multiple of 16, as _scaled_mm needs
+        a, b = _inputs(m, n, k, seed=k + splits)
+        c = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k))
+        ref = a.double() @ b.double()
+        theirs = _rel(torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32), ref) \
+            if k % 16 == 0 else 2e-4
+        knobs = {**config, "split_k": splits > 1}  # the split kernel only where it splits
+        plain = evtc.compile(scaled_to_float32, {"a": a, "b": b, "s": one}, config=knobs, cache_dir=tmp_path)
+        with_c = evtc.compile(residual_to_float32, {"a": a, "b": b, "s": one, "C": c}, config=knobs,
+                              cache_dir=tmp_path)
+        for kernel, args, want in ((plain, {}, ref), (with_c, {"C": c}, ref + c.double())):
+            assert kernel.config.promotes_in_pairs
+            if splits > 1:
+                kernel.pin_splits(splits)
+                assert kernel.launch_for(m, n, k)[1] == splits
+            got = kernel(a, b, s=one, **args)
+            assert kernel.last_path == ("staged" if k % 16 else "kernel")  # K = 1000: aligned copies
+            err = _rel(got, want)
+            assert err <= 1.5 * theirs + 1e-6, (k, splits, err, theirs)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rowwise_scales_bias_gelu_and_a_float8_output_with_its_amax(tmp_path, shape):
     m, n, k = shape

@@ -46,6 +46,13 @@ PINGPONG_ACC_REGS = 192
 # the 8-bit wgmma reads its operands from shared memory fast enough that 128 x 128 tiles are
 # bound by shared-memory bandwidth; 0.65x cuBLASLt against 0.99x at 8192 x 8192 x 28672).
 PROMOTING_ACC_REGS = 96
+# Promoting tiles of at most this many accumulator registers per thread keep two scratch
+# accumulators that take turns (GemmConfig.promotes_in_pairs): K tile k + 1's wgmma is issued before
+# tile k's is waited for, so the tensor cores do not drain between K tiles. Small tiles (the
+# selector's choice at small M) are latency-bound there: a K tile's wgmma is short and the wait for
+# it dominates. Larger tiles have the other consumer warpgroup to fill that gap, and the third
+# accumulator's registers cost more than it gains (128 x 128: docs/fp8.md).
+PROMOTE_IN_PAIRS_MAX_ACC_REGS = 64
 PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
 # The default: ping-pong, 128x128 per warpgroup, clusters of 1x2 CTAs (A multicast to both).  On the
@@ -218,6 +225,12 @@ class GemmConfig:
         """Whether the mainloop promotes float8 partial sums into a float32 accumulator after each
         K tile (see ``fast_accum``)."""
         return self.ab_dtype in FLOAT8_DTYPES and not self.fast_accum
+
+    @property
+    def promotes_in_pairs(self) -> bool:
+        """Whether the promoting mainloop alternates two scratch accumulators (tiles of at most
+        :data:`PROMOTE_IN_PAIRS_MAX_ACC_REGS` registers per thread, without block scales)."""
+        return self.promotes and not self.block_scales and self.acc_regs <= PROMOTE_IN_PAIRS_MAX_ACC_REGS
 
     @property
     def acc_regs(self) -> int:

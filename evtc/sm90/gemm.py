@@ -90,6 +90,7 @@ class Sm90GemmKernel:
         self.tile_shape_mnk = cfg.tile_shape_mnk
         self.tile_k = cfg.tile_k
         self.promotes = cfg.promotes
+        self.promotes_in_pairs = cfg.promotes_in_pairs
         # Block scales (float8): rows of A per scale (1 or 128; B's blocks are 128 x 128), 0 for none.
         self.block_scales = cfg.block_scales
         self.tile_m = cfg.tile_m
@@ -789,6 +790,9 @@ class Sm90GemmKernel:
             # Promoting float8 partial sums: the wgmma's accumulator of one K tile.
             acc_k = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if cutlass.const_expr(self.promotes) \
                 else None
+            # Small promoting tiles: a second one, the two taking turns (GemmConfig.promotes_in_pairs).
+            acc_k2 = cute.make_rmem_tensor(acc_shape, self.acc_dtype) \
+                if cutlass.const_expr(self.promotes_in_pairs) else None
             k_blocks = cute.size(tCrA, mode=[2])
             if cutlass.const_expr(self.block_scales):
                 # Each K tile's products are scaled per row slot before they join the accumulator.
@@ -878,12 +882,76 @@ class Sm90GemmKernel:
                         cute.arch.barrier(barrier_id=ORDER_BARRIER_ID + wg,
                                           number_of_threads=2 * WARPGROUP_THREADS)
 
-                if cutlass.const_expr(self.promotes):
+                if cutlass.const_expr(self.promotes_in_pairs):
+                    acc.fill(0.0)
+                    # ---- float8 mainloop, small tiles (GemmConfig.promotes_in_pairs): two scratch
+                    # accumulators take turns, K tiles 0, 2, 4... into acc_k and 1, 3, 5... into
+                    # acc_k2. Each K tile's wgmmas are issued before the previous tile's are waited
+                    # for and added into acc, so one batch is always in flight.
+                    ab_pipeline.consumer_wait(read_state)
+                    warpgroup.fence()
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    read_state.advance()
+                    for pair in cutlass.range(0, (k_count - 1) // 2, unroll=1):
+                        for half in cutlass.range_constexpr(2):
+                            scratch, previous = (acc_k2, acc_k) if half == 0 else (acc_k, acc_k2)
+                            ab_pipeline.consumer_wait(read_state)
+                            warpgroup.fence()
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                            for kb in cutlass.range_constexpr(k_blocks):
+                                coord = (None, None, kb, read_state.index)
+                                cute.gemm(tiled_mma, scratch, tCrA[coord], tCrB[coord], scratch)
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            warpgroup.commit_group()
+                            read_state.advance()
+                            self._release_ring_at(load_pipeline, is_store_warp, tiles_done,
+                                                  2 * pair + 1 + half, ring_release_k)
+                            warpgroup.wait_group(1)  # the previous K tile's batch is done
+                            ab_pipeline.consumer_release(release_state)
+                            release_state.advance()
+                            acc.store(acc.load() + previous.load())
+                    if k_count % 2 == 0:
+                        # The last K tile (odd) into acc_k2; then both retire.
+                        ab_pipeline.consumer_wait(read_state)
+                        warpgroup.fence()
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc_k2, tCrA[coord], tCrB[coord], acc_k2)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        read_state.advance()
+                        self._release_ring_at(load_pipeline, is_store_warp, tiles_done, k_count - 1,
+                                              ring_release_k)
+                        warpgroup.wait_group(1)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        acc.store(acc.load() + acc_k.load())
+                        warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        acc.store(acc.load() + acc_k2.load())
+                    else:
+                        warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        acc.store(acc.load() + acc_k.load())
+                    if cutlass.const_expr(self.pingpong):
+                        if work + work_stride < num_work:
+                            cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
+                                                     number_of_threads=2 * WARPGROUP_THREADS)
+                elif cutlass.const_expr(self.promotes):
                     acc.fill(0.0)
                     # ---- float8 mainloop: the wgmma sums each K tile's products in acc_k (with
                     # fewer mantissa bits than float32), which is then added into acc in float32
                     # (GemmConfig.fast_accum). The wait for each K tile's wgmma before the add is
-                    # the cost; two scratch accumulators taking turns measured slower (docs/fp8.md).
+                    # the cost; for these larger tiles the other consumer warpgroup fills it, and two
+                    # scratch accumulators taking turns measured slower (docs/fp8.md).
                     for _k in cutlass.range(0, k_count, unroll=1):
                         ab_pipeline.consumer_wait(read_state)
                         warpgroup.fence()
