@@ -162,3 +162,33 @@ def test_a_promoting_kernel_counts_tiles_as_the_16_bit_one_does(tmp_path, m, n, 
     bf16 = {**ex, "a": ex["a"].to(torch.bfloat16), "b": ex["b"].to(torch.bfloat16)}
     same = evtc.compile(scaled, bf16, arch="sm_90a", cache_dir=tmp_path).launch_for(m, n, k)[0]
     assert (same.schedule, same.tile_n) == (config.schedule, config.tile_n)
+
+
+@pytest.mark.parametrize("m,n,k,tile_n,cluster", [
+    (2048, 4096, 14336, 128, (1, 2)), (8192, 8192, 8192, 128, (1, 2)), (2048, 8192, 28672, 128, (1, 2)),
+    (512, 8192, 8192, 128, (2, 1)),  # four rows of tiles: the weight tile shared (2x1)
+    (8192, 8192, 28672, 192, (2, 1)),  # long K past PROMOTING_LONG_K_WAVES
+    (8192, 57344, 8192, 192, (2, 1)),  # MANY_WAVES
+    (2048, 4608, 3584, 192, (2, 1)),  # wave-fitted: three rounds of 128 x 192 against five of 128 x 128
+])
+def test_promoting_kernels_run_many_tiles_in_128_by_128_tiles_in_pairs(tmp_path, m, n, k, tile_n, cluster):
+    """Past the wave-fitted sizes a promoting float8 kernel runs cooperative 128 x 128 tiles, whose
+    scratch accumulators take turns, in 1x2 clusters where the problem has many rows of tiles;
+    128 x 192 only for very many waves and for long K loops of many waves (evtc.plan.selector,
+    PROMOTING_LONG_K_WAVES). A 16-bit kernel keeps its own rules."""
+    from evtc.plan.selector import LONG_K, MANY_WAVES, PROMOTING_LONG_K_WAVES
+
+    assert LONG_K <= 28672 and MANY_WAVES * 132 <= 64 * 448 and PROMOTING_LONG_K_WAVES * 132 < 64 * 64
+    ex = {"a": torch.empty(8, 128, dtype=E4M3, device="meta"),
+          "b": torch.empty(128, 128, dtype=E4M3, device="meta").t(),
+          "sa": torch.empty((), device="meta"), "sb": torch.empty((), device="meta")}
+    k8 = evtc.compile(scaled, ex, arch="sm_90a", cache_dir=tmp_path)
+    config = k8.launch_for(m, n, k)[0]
+    got = (config.schedule, config.tile_m, config.tile_n, config.cluster)
+    assert got == ("cooperative", 128, tile_n, cluster), config.short_name()
+    assert config.promotes_in_pairs == (tile_n == 128)
+    bf16 = {**ex, "a": ex["a"].to(torch.bfloat16), "b": ex["b"].to(torch.bfloat16)}
+    if (m, n, k) == (2048, 4096, 14336):
+        same = evtc.compile(scaled, bf16, arch="sm_90a", cache_dir=tmp_path).launch_for(m, n, k)[0]
+        # 16 bits: two rounds of 128 x 256 against four of 128 x 128 (the wave-fitted widths).
+        assert (same.schedule, same.tile_n) == ("cooperative", 256)

@@ -109,6 +109,16 @@ WIDE_PINGPONG_MAX_EPILOGUE_TILES = 1
 # with a residual (N = 7168, K = 2048) ran 2-4% slower in 128 x 176 than in 128 x 128 at M = 2048,
 # 4096 and 16384, both dtypes, two runs each; Llama-3 70B's o_proj with one (K = 8192) 5-7% faster.
 WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
+# A promoting float8 kernel (GemmConfig.promotes; compiled with the cooperative 128 x 192 tile) runs
+# problems of many tiles in cooperative 128 x 128 tiles, whose scratch accumulators take turns
+# (GemmConfig.promotes_in_pairs), except for very many waves (MANY_WAVES) and for long K loops
+# (LONG_K) past this many waves of 128 x 128 tiles. Measured on the H100 against cuBLASLt
+# (docs/performance.md, "float8: small promoting tiles"), 24 LLM layers at M = 2048 and 8192: 128 x
+# 128 in 1x2 clusters 1.00x in geomean against 0.96x for 128 x 192 (2048 x 4096 x 14336: 1.02x
+# against 0.89x); 128 x 192 kept its lead at 8192 x 57344 x 8192 (217 waves: 1.04x against 0.92x),
+# 8192 x 8192 x 28672 (31 waves, 0.99x against 0.76x) and 8192 x 3584 x 18944 (14 waves, 1.02x
+# against 0.97x), where 2048 x 8192 x 28672 (8 waves) ran 0.98x against 0.95x.
+PROMOTING_LONG_K_WAVES = 10
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
@@ -330,6 +340,9 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                 return wider
         if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
             return wide
+        if (base.promotes and square is not base and tiles < MANY_WAVES * slots
+                and not (k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots)):
+            return square
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
     # problem has (a tile wider than N is no larger for it); equal areas: 128 rows, then the
@@ -417,7 +430,8 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     problem (:func:`evtc.plan.clusters.cluster_for_problem`, with the tile's cluster costs)."""
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
-                                  cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m))
+                                  cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
+                                                config.promotes))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
@@ -459,6 +473,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
 
 __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "FAMILY", "FILL",
            "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
+           "PROMOTING_LONG_K_WAVES",
            "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_MIN_K_WITH_TILES",
            "SIXTEEN_BIT", "WIDE_PINGPONG_WIDTHS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
