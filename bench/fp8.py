@@ -14,7 +14,8 @@ Per (layer, M), e4m3 a (M, K) and a K-major weight (b = w.t(), w (N, K)), bf16 r
 
 ``--accum promote`` (the default) compiles evtc's kernels as they come (each K tile's partial sums
 promoted into float32) and runs ``_scaled_mm`` without ``use_fast_accum`` (cuBLASLt promotes too);
-``--accum fast`` compiles them with ``fast_accum=True`` against ``use_fast_accum=True``. Each row
+``--accum fast`` compiles them with ``fast_accum=True`` against ``use_fast_accum=True``; ``--config``
+adds GemmConfig knobs to every evtc kernel (a pinned tile against the selector's). Each row
 also prints the largest relative error of both against float64 (tensorwise, float32 results, so
 that only the accumulation differs). Geomeans and the worst row at the end.
 """
@@ -80,8 +81,21 @@ def time_calls(calls: dict, samples: int) -> dict:
     return dict(zip(calls, times, strict=True))
 
 
-def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast: bool) -> tuple:
-    """One row: the three ratios, evtc's tensorwise time (us) and both errors."""
+def config_knobs(text: str) -> dict:
+    """``--config``: a JSON object of GemmConfig knobs for every evtc kernel (a pinned tile, e.g.
+    ``{"schedule": "cooperative", "tile_n": 128, "cluster": [1, 2]}``); lists become tuples."""
+    import json
+
+    knobs = json.loads(text) if text else {}
+    if not isinstance(knobs, dict):
+        raise SystemExit(f"--config must be a JSON object of GemmConfig knobs, got {text!r}")
+    return {key: tuple(v) if isinstance(v, list) else v for key, v in knobs.items()}
+
+
+def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast: bool,
+            knobs: dict | None = None) -> tuple:
+    """One row: the three ratios, evtc's tensorwise time (us) and both errors. ``knobs``: more
+    GemmConfig knobs for every kernel (``--config``)."""
     from shapes import rel_max_error
     dev = "cuda"
     a = (torch.randn(m, k, device=dev) * 2).to(E4M3)
@@ -94,7 +108,7 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast
     sb_row = sb_r.view(1, n)
     bias = torch.randn(n, device=dev).to(torch.bfloat16)
     if "scaled" not in kernels:
-        cfg = {"fast_accum": fast}
+        cfg = {"fast_accum": fast, **(knobs or {})}
         kernels["scaled"] = evtc.compile(scaled, {"a": a, "b": b, "sa": sa_t, "sb": sb_t}, config=cfg)
         kernels["rowwise"] = evtc.compile(scaled, {"a": a, "b": b, "sa": sa_r, "sb": sb_r}, config=cfg)
         kernels["fused"] = evtc.compile(fused, {"a": a, "b": b, "sa": sa_r, "sb": sb_r, "bias": bias,
@@ -185,12 +199,16 @@ def print_summary(rows: list[tuple], ms: list[int], labels: tuple[str, str, str]
 def main() -> None:
     p = row_parser(__doc__, "128,1024,4096,16384", 15)
     p.add_argument("--accum", choices=("promote", "fast"), default="promote")
+    p.add_argument("--config", default="", help="JSON object of GemmConfig knobs for every evtc kernel "
+                   "(a pinned tile, to compare with the selector's launches)")
     args = p.parse_args()
+    knobs = config_knobs(args.config)
     ms, keep = row_selection(args)
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
     rows = run_rows(ms, keep,
-                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.accum == "fast"),
+                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.accum == "fast",
+                                                  knobs),
                     f"{'tensorwise':>10} {'rowwise':>8} {'fused':>6}", "{:10.3f} {:8.3f} {:6.3f}")
     print_summary(rows, ms, ("tensorwise", "rowwise", "fused (bias, GELU, e4m3 out, amax)"),
                   "tensorwise; baseline: cuBLASLt")

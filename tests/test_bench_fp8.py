@@ -54,3 +54,11 @@ def test_bench_modules_leave_sys_path_and_modules_as_they_were():
 def test_row_benches_share_their_arguments(fp8):
     args = fp8.row_parser(None, "128,2048", 9).parse_args(["--layers", "qwen2.5-7b/down,", "--ms", "64,512"])
     assert fp8.row_selection(args) == ([64, 512], ["qwen2.5-7b/down"]) and args.samples == 9
+
+
+def test_config_knobs_pin_a_tile_for_every_kernel(fp8):
+    assert fp8.config_knobs("") == {}
+    knobs = fp8.config_knobs('{"schedule": "cooperative", "tile_n": 128, "cluster": [1, 2]}')
+    assert knobs == {"schedule": "cooperative", "tile_n": 128, "cluster": (1, 2)}
+    with pytest.raises(SystemExit, match="JSON object"):
+        fp8.config_knobs("[128]")
