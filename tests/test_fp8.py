@@ -119,6 +119,10 @@ def test_float8_promotes_partial_sums_by_default_and_fast_accum_opts_out(tmp_pat
     assert (wide.config.tile_n, wide.config.epi_tile_n) == (192, 64)
 
 
+def identity(acc):
+    return acc
+
+
 def test_small_promoting_tiles_alternate_two_scratch_accumulators(tmp_path):
     """Tiles of at most PROMOTE_IN_PAIRS_MAX_ACC_REGS accumulator registers per thread issue each K
     tile's wgmma before waiting for the previous one (one batch in flight, as the 16-bit and fast
@@ -189,6 +193,12 @@ def test_promoting_kernels_run_many_tiles_in_128_by_128_tiles_in_pairs(tmp_path,
     assert config.promotes_in_pairs == (tile_n == 128)
     bf16 = {**ex, "a": ex["a"].to(torch.bfloat16), "b": ex["b"].to(torch.bfloat16)}
     if (m, n, k) == (2048, 4096, 14336):
+        # Block scales: one scratch accumulator in every tile, so 128 x 192 stays.
+        blocks = {"a": (torch.empty(256, 256, dtype=E4M3), torch.empty(256, 2)),
+                  "b": (torch.empty(256, 256, dtype=E4M3).t(), torch.empty(2, 2).t())}
+        scaled_blocks = evtc.compile(identity, blocks, out_dtypes=torch.bfloat16, arch="sm_90a",
+                                     cache_dir=tmp_path).launch_for(m, n, k)[0]
+        assert scaled_blocks.block_scales and scaled_blocks.tile_n == 192
         same = evtc.compile(scaled, bf16, arch="sm_90a", cache_dir=tmp_path).launch_for(m, n, k)[0]
         # 16 bits: two rounds of 128 x 256 against four of 128 x 128 (the wave-fitted widths).
         assert (same.schedule, same.tile_n) == ("cooperative", 256)

@@ -110,10 +110,11 @@ MANY_ROWS_CLUSTER_COST = {
 }
 
 
-# * more rows, a promoting float8 mainloop (GemmConfig.promotes) in cooperative 128 x 128 tiles (the
-#   selector's choice there, evtc.plan.selector.PROMOTING_LONG_K_WAVES): A multicast (1x2) did best at
-#   M = 2048 and 8192 on 24 LLM layers, 1.00x cuBLASLt in geomean against 0.97x in 2x1; at M = 512
-#   (four rows) 2x1 did, as for 16-bit tiles (docs/performance.md, "float8: small promoting tiles").
+# * more rows, a float8 mainloop promoting in pairs (GemmConfig.promotes_in_pairs) in cooperative
+#   128 x 128 tiles (the selector's choice there, evtc.plan.selector.PROMOTING_LONG_K_WAVES): A
+#   multicast (1x2) did best at M = 2048 and 8192 on 24 LLM layers, 1.00x cuBLASLt in geomean
+#   against 0.97x in 2x1; at M = 512 (four rows) 2x1 did, as for 16-bit tiles (docs/performance.md,
+#   "float8: small promoting tiles").
 PROMOTING_MANY_ROWS_CLUSTER_COST = {
     ("cooperative", 128, 128): {(1, 2): 1.0, (2, 1): 1.03, (1, 1): 1.08},
 }
@@ -123,7 +124,7 @@ def cluster_costs(schedule: str, tile_m: int, tile_n: int, tiles_m: int | None =
                   promotes: bool = False) -> dict[tuple[int, int], float]:
     """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST), for a
     problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`);
-    ``promotes``: a promoting float8 mainloop (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`)."""
+    ``promotes``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`)."""
     key = (schedule, tile_m, tile_n)
     many_rows = tiles_m is not None and tiles_m > FEW_TILE_ROWS
     if promotes and many_rows and key in PROMOTING_MANY_ROWS_CLUSTER_COST:
