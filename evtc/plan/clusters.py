@@ -121,13 +121,13 @@ PROMOTING_MANY_ROWS_CLUSTER_COST = {
 
 
 def cluster_costs(schedule: str, tile_m: int, tile_n: int, tiles_m: int | None = None,
-                  promotes: bool = False) -> dict[tuple[int, int], float]:
+                  promotes_in_pairs: bool = False) -> dict[tuple[int, int], float]:
     """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST), for a
     problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`);
-    ``promotes``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`)."""
+    ``promotes_in_pairs``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`)."""
     key = (schedule, tile_m, tile_n)
     many_rows = tiles_m is not None and tiles_m > FEW_TILE_ROWS
-    if promotes and many_rows and key in PROMOTING_MANY_ROWS_CLUSTER_COST:
+    if promotes_in_pairs and many_rows and key in PROMOTING_MANY_ROWS_CLUSTER_COST:
         return PROMOTING_MANY_ROWS_CLUSTER_COST[key]
     if tiles_m is not None:
         by_rows = FEW_ROWS_CLUSTER_COST if tiles_m <= FEW_TILE_ROWS else MANY_ROWS_CLUSTER_COST

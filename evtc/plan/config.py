@@ -50,8 +50,9 @@ PROMOTING_ACC_REGS = 96
 # accumulators that take turns (GemmConfig.promotes_in_pairs): K tile k + 1's wgmma is issued before
 # tile k's is waited for, so the tensor cores do not drain between K tiles. Small tiles (the
 # selector's choice at small M) are latency-bound there: a K tile's wgmma is short and the wait for
-# it dominates. Larger tiles have the other consumer warpgroup to fill that gap, and the third
-# accumulator's registers cost more than it gains (128 x 128: docs/fp8.md).
+# it dominates (docs/fp8.md). Larger tiles have the other consumer warpgroup to fill that gap, and
+# three accumulators of 72-96 registers would not fit beside the epilogue's in a consumer thread's
+# 232; three of 64 (128 x 128) compile with no spills.
 PROMOTE_IN_PAIRS_MAX_ACC_REGS = 64
 PINGPONG_TILE_N = 128
 SCHEDULES = ("cooperative", "pingpong")
