@@ -65,8 +65,10 @@ class CallSpec:
         rank = 3 if plan.batched else 2
         #: Per output: (dtype, the physical order of its dims or None when row-major): what
         #: staging.empty_in_layout does, prepared once.
-        self.out_allocs = [(dt, (compact_order(rank, spec.contiguous) or (None, None))[0])
-                           for dt, spec in zip(self.out_dtypes, plan.outputs, strict=True)]
+        self.out_allocs = []
+        for dt, spec in zip(self.out_dtypes, plan.outputs, strict=True):
+            layout = compact_order(rank, spec.contiguous)
+            self.out_allocs.append((dt, layout[0] if layout else None))
         #: Output names in kernel order: the full-tile outputs, then those finished after the tiles.
         self.kernel_order: list[str] = list(plan.output_order)
         self.host_outputs = plan.host_outputs
@@ -156,6 +158,7 @@ class CallSpec:
     def new_outputs(self, device, m: int, n: int, batches: int) -> list[torch.Tensor]:
         """Uninitialised full-tile outputs for an (L, M, N) problem, in the plan's layouts
         (``torch.empty_strided``: a third less host time than ``torch.empty``, and no permute)."""
+        # Row-major strides are compact_strides(shape) written out: this runs on every call.
         pitch = max(n, 1)  # torch's strides count a dim of size 0 as 1
         if self.batched:
             shape, row_major = (batches, m, n), (max(m, 1) * pitch, pitch, 1)

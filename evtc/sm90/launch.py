@@ -40,10 +40,15 @@ class Symbols:
                       for d in ("L", "M", "N", "K", "W", "V", "R", "S", "Q", "KB", "MB", "NB", "G")}
 
 
+def whole_dims(dims: tuple) -> tuple:
+    """A half's dims (or view modes) with N renamed G, the GEMM's width (twice N)."""
+    return tuple("G" if d == "N" else d for d in dims)
+
+
 def whole_spec(half_spec: TensorSpec) -> TensorSpec:
     """A gated kernel's B, or an operand as wide as the GEMM, as the call passes it, whole:
-    ``half_spec`` (one half, N wide) with its N dim named G, the GEMM's width (twice N)."""
-    return dataclasses.replace(half_spec, dims=tuple("G" if d == "N" else d for d in half_spec.dims))
+    ``half_spec`` (one half, N wide) with its N dim named G (:func:`whole_dims`)."""
+    return dataclasses.replace(half_spec, dims=whole_dims(half_spec.dims))
 
 
 def fake_tensor(spec: TensorSpec, symbols: Symbols):
@@ -153,7 +158,7 @@ class Launcher:
         for index, (t, spec, modes, half) in enumerate(zip(inputs, self.in_specs, self.in_views,
                                                            self.in_halves, strict=True)):
             if half is not None and half[0] == 0:
-                whole_modes = tuple("G" if d == "N" else d for d in modes)
+                whole_modes = whole_dims(modes)
                 whole = view(t, whole_spec(spec), whole_modes)
                 extents = tuple(e // 2 if d == "G" else e
                                 for e, d in zip(whole.shape, whole_modes, strict=True))
