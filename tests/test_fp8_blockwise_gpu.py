@@ -138,6 +138,32 @@ def test_block_scales_configs(tmp_path, name):
     assert _rel(got, product) < 1e-3
 
 
+@pytest.mark.parametrize("config", [
+    {"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (1, 1)},
+    {"schedule": "cooperative", "tile_m": 128, "tile_n": 128, "cluster": (1, 2)},
+], ids=lambda c: f"{c['schedule']}{c['tile_m']}x{c['tile_n']}")
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+def test_block_scales_in_pairs_scale_every_k_tile_by_its_own_block(tmp_path, config, rows):
+    """Small tiles promote in pairs with block scales too (GemmConfig.promotes_in_pairs): each
+    scratch accumulator's factors are loaded while its wgmma runs and applied a K tile later. Over
+    1 to 9 K tiles (an odd and an even count per unit, ragged K, whole and split), with scales that
+    differ by up to 2^8 between K blocks, a factor applied to the wrong K tile's products would be
+    off by far more than the accumulation's error."""
+    for k, splits in [(128, 1), (256, 1), (384, 1), (1000, 1), (1152, 1), (1152, 2), (2048, 3)]:
+        m, n = 300, 272
+        a, b = _inputs(m, n, k, rows, seed=k + splits)
+        kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path,
+                              config={**config, "split_k": splits > 1})
+        assert kernel.config.promotes_in_pairs and kernel.config.block_scales == rows
+        if splits > 1:
+            kernel.pin_splits(splits)
+            assert kernel.launch_for(m, n, k)[1] == splits
+        got = kernel(a, b)
+        assert kernel.last_path == ("staged" if k % 16 else "kernel")
+        err = _rel(got, _dequantized_product(a, b, rows))
+        assert err < 1e-3, (k, splits, err)
+
+
 def test_block_scales_batched_and_mixed_formats(tmp_path):
     a, b = _inputs(200, 256, 640, 128, a_dtype=E4M3, b_dtype=E5M2, seed=5, batches=3)
     kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path)

@@ -230,8 +230,8 @@ class GemmConfig:
     @property
     def promotes_in_pairs(self) -> bool:
         """Whether the promoting mainloop alternates two scratch accumulators (tiles of at most
-        :data:`PROMOTE_IN_PAIRS_MAX_ACC_REGS` registers per thread, without block scales)."""
-        return self.promotes and not self.block_scales and self.acc_regs <= PROMOTE_IN_PAIRS_MAX_ACC_REGS
+        :data:`PROMOTE_IN_PAIRS_MAX_ACC_REGS` registers per thread)."""
+        return self.promotes and self.acc_regs <= PROMOTE_IN_PAIRS_MAX_ACC_REGS
 
     @property
     def acc_regs(self) -> int:

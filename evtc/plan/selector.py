@@ -111,14 +111,17 @@ WIDE_PINGPONG_MAX_EPILOGUE_TILES = 1
 WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # A promoting float8 kernel (GemmConfig.promotes; compiled with the cooperative 128 x 192 tile) runs
 # problems of many tiles in cooperative 128 x 128 tiles, whose scratch accumulators take turns
-# (GemmConfig.promotes_in_pairs; block-scaled kernels, which do not, keep 128 x 192), except for
-# very many waves (MANY_WAVES) and for long K loops (LONG_K) past this many waves of 128 x 128
-# tiles. Measured on the H100 against cuBLASLt (docs/performance.md, "float8: small promoting
-# tiles"), 24 LLM layers at M = 2048 and 8192: 128 x 128 in 1x2 clusters 1.00x in geomean against
-# 0.96x for 128 x 192 (2048 x 4096 x 14336: 1.02x against 0.89x); 128 x 192 kept its lead at
-# 8192 x 57344 x 8192 (217 waves: 1.04x against 0.92x), 8192 x 8192 x 28672 (31 waves, 0.99x
-# against 0.76x) and 8192 x 3584 x 18944 (14 waves, 1.02x against 0.97x), where 2048 x 8192 x
-# 28672 (8 waves) ran 0.98x against 0.95x.
+# (GemmConfig.promotes_in_pairs), except for very many waves (MANY_WAVES) and for long K loops
+# (LONG_K) past this many waves of 128 x 128 tiles. Measured on the H100 against cuBLASLt
+# (docs/performance.md, "float8: small promoting tiles"), 24 LLM layers at M = 2048 and 8192:
+# 128 x 128 in 1x2 clusters 1.00x in geomean against 0.96x for 128 x 192 (2048 x 4096 x 14336: 1.02x
+# against 0.89x); 128 x 192 kept its lead at 8192 x 57344 x 8192 (217 waves: 1.04x against 0.92x),
+# 8192 x 8192 x 28672 (31 waves, 0.99x against 0.76x) and 8192 x 3584 x 18944 (14 waves, 1.02x
+# against 0.97x), where 2048 x 8192 x 28672 (8 waves) ran 0.98x against 0.95x.
+# Block-scaled kernels keep 128 x 192 for many tiles: in pairs, 128 x 128 ran 0.85x torch's
+# blockwise GEMM at M = 2048 and 0.81x at 8192, against 0.92x and 0.89x for 128 x 192 (14 LLM
+# layers; docs/performance.md, "Block scales in pairs"). Their small tiles, which serve few tiles,
+# do promote in pairs.
 PROMOTING_LONG_K_WAVES = 10
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
@@ -341,9 +344,10 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                 return wider
         if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
             return wide
-        if (square.promotes_in_pairs and square is not base and tiles < MANY_WAVES * slots
+        if (square.promotes_in_pairs and not square.block_scales and square is not base
+                and tiles < MANY_WAVES * slots
                 and not (k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots)):
-            return square  # not for block scales: those wait for each K tile in any tile
+            return square
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
     # problem has (a tile wider than N is no larger for it); equal areas: 128 rows, then the

@@ -547,6 +547,16 @@ class Sm90GemmKernel:
                 for c in cutlass.range_constexpr(n_chunks):
                     factors[r * n_chunks + c] = a_scale * b_scales[c]
 
+    def _promote(self, acc: cute.Tensor, partial: cute.Tensor, factors, factor_slot) -> None:
+        """Add one K tile's float8 products ``partial`` into the float32 ``acc``: each value times
+        its block scales' factor (``factors[factor_slot[i]]``), or as it is without block scales
+        (``factors`` is then None). Plain Python, unrolled as the kernel is traced."""
+        if self.block_scales:
+            for i in range(cute.size(acc)):
+                acc[i] = acc[i] + partial[i] * factors[factor_slot[i]]
+        else:
+            acc.store(acc.load() + partial.load())
+
     @cute.kernel
     def kernel(
         self,
@@ -794,6 +804,7 @@ class Sm90GemmKernel:
             acc_k2 = cute.make_rmem_tensor(acc_shape, self.acc_dtype) \
                 if cutlass.const_expr(self.promotes_in_pairs) else None
             k_blocks = cute.size(tCrA, mode=[2])
+            factors = factors2 = factor_slot = None
             if cutlass.const_expr(self.block_scales):
                 # Each K tile's products are scaled per row slot before they join the accumulator.
                 row_offsets, n_chunks, factor_slot = self._scale_slots(tiled_mma, self.shape.num_threads)
@@ -803,6 +814,10 @@ class Sm90GemmKernel:
                 first_row = tiled_mma.get_slice(epi_tidx).partition_C(
                     cute.make_identity_tensor(self.tile_shape_mnk[:2]))[0][0]
                 factors = cute.make_rmem_tensor((len(row_offsets) * n_chunks,), self.acc_dtype)
+                # In pairs, each scratch accumulator has its own factors, loaded while its wgmma
+                # runs and read a K tile later, after the wait.
+                factors2 = cute.make_rmem_tensor((len(row_offsets) * n_chunks,), self.acc_dtype) \
+                    if cutlass.const_expr(self.promotes_in_pairs) else None
 
             # ---- epilogue plumbing (built once, reused for every tile) --------------------------
             tiled_copy_c_atom = cute.make_tiled_copy_C_atom(
@@ -900,10 +915,15 @@ class Sm90GemmKernel:
                         cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
+                    if cutlass.const_expr(self.block_scales):
+                        self._load_block_factors(factors, scales, tile_coord, k_first, first_row,
+                                                 row_offsets, n_chunks)
                     read_state.advance()
                     for pair in cutlass.range(0, (k_count - 1) // 2, unroll=1):
                         for half in cutlass.range_constexpr(2):
                             scratch, previous = (acc_k2, acc_k) if half == 0 else (acc_k, acc_k2)
+                            scratch_factors, previous_factors = \
+                                (factors2, factors) if half == 0 else (factors, factors2)
                             ab_pipeline.consumer_wait(read_state)
                             warpgroup.fence()
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -912,13 +932,17 @@ class Sm90GemmKernel:
                                 cute.gemm(tiled_mma, scratch, tCrA[coord], tCrB[coord], scratch)
                                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                             warpgroup.commit_group()
+                            if cutlass.const_expr(self.block_scales):
+                                self._load_block_factors(scratch_factors, scales, tile_coord,
+                                                         k_first + 2 * pair + 1 + half, first_row,
+                                                         row_offsets, n_chunks)
                             read_state.advance()
                             self._release_ring_at(load_pipeline, is_store_warp, tiles_done,
                                                   2 * pair + 1 + half, ring_release_k)
                             warpgroup.wait_group(1)  # the previous K tile's batch is done
                             ab_pipeline.consumer_release(release_state)
                             release_state.advance()
-                            acc.store(acc.load() + previous.load())
+                            self._promote(acc, previous, previous_factors, factor_slot)
                     if k_count % 2 == 0:
                         # The last K tile (odd) into acc_k2; then both retire.
                         ab_pipeline.consumer_wait(read_state)
@@ -929,22 +953,25 @@ class Sm90GemmKernel:
                             cute.gemm(tiled_mma, acc_k2, tCrA[coord], tCrB[coord], acc_k2)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
+                        if cutlass.const_expr(self.block_scales):
+                            self._load_block_factors(factors2, scales, tile_coord, k_first + k_count - 1,
+                                                     first_row, row_offsets, n_chunks)
                         read_state.advance()
                         self._release_ring_at(load_pipeline, is_store_warp, tiles_done, k_count - 1,
                                               ring_release_k)
                         warpgroup.wait_group(1)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        acc.store(acc.load() + acc_k.load())
+                        self._promote(acc, acc_k, factors, factor_slot)
                         warpgroup.wait_group(0)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        acc.store(acc.load() + acc_k2.load())
+                        self._promote(acc, acc_k2, factors2, factor_slot)
                     else:
                         warpgroup.wait_group(0)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        acc.store(acc.load() + acc_k.load())
+                        self._promote(acc, acc_k, factors, factor_slot)
                     if cutlass.const_expr(self.pingpong):
                         if work + work_stride < num_work:
                             cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
@@ -976,11 +1003,7 @@ class Sm90GemmKernel:
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
                         read_state.advance()
-                        if cutlass.const_expr(self.block_scales):
-                            for i in cutlass.range_constexpr(cute.size(acc)):
-                                acc[i] = acc[i] + acc_k[i] * factors[factor_slot[i]]
-                        else:
-                            acc.store(acc.load() + acc_k.load())
+                        self._promote(acc, acc_k, factors, factor_slot)
                     if cutlass.const_expr(self.pingpong):
                         if work + work_stride < num_work:
                             cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER_ID + 1 - wg,
