@@ -150,6 +150,7 @@ def test_small_promoting_tiles_alternate_two_scratch_accumulators(tmp_path):
 
 @pytest.mark.parametrize("m,n,k,width", [
     (512, 3584, 18944, 112), (512, 4096, 14336, 128), (256, 8192, 28672, 128), (512, 3584, 3584, 112),
+    (256, 4608, 3584, 128),  # 144 ping-pong 128 x 64 tiles spill 12 into a second round: 72 of 128 x 128
 ])
 def test_a_promoting_kernel_counts_tiles_as_the_16_bit_one_does(tmp_path, m, n, k, width):
     """A promoting float8 kernel compiles cooperative 128 x 192; the selector's rules count 128 x 128
@@ -194,12 +195,41 @@ def test_promoting_kernels_run_many_tiles_in_128_by_128_tiles_in_pairs(tmp_path,
     assert config.promotes_in_pairs == (tile_n == 128)
     bf16 = {**ex, "a": ex["a"].to(torch.bfloat16), "b": ex["b"].to(torch.bfloat16)}
     if (m, n, k) == (2048, 4096, 14336):
-        # Block scales: 128 x 128 in pairs measured slower than 128 x 192 for many tiles.
-        blocks = {"a": (torch.empty(256, 256, dtype=E4M3), torch.empty(256, 2)),
-                  "b": (torch.empty(256, 256, dtype=E4M3).t(), torch.empty(2, 2).t())}
-        scaled_blocks = evtc.compile(identity, blocks, out_dtypes=torch.bfloat16, arch="sm_90a",
-                                     cache_dir=tmp_path).launch_for(m, n, k)[0]
-        assert scaled_blocks.block_scales and scaled_blocks.tile_n == 192
         same = evtc.compile(scaled, bf16, arch="sm_90a", cache_dir=tmp_path).launch_for(m, n, k)[0]
         # 16 bits: two rounds of 128 x 256 against four of 128 x 128 (the wave-fitted widths).
         assert (same.schedule, same.tile_n) == ("cooperative", 256)
+
+
+@pytest.mark.parametrize("m,n,k,tile_n", [
+    (1024, 4096, 4096, 128),  # two waves of 128 x 128 in pairs, where 128 x 192 split K in two
+    (512, 8192, 8192, 128),
+    (256, 28672, 4096, 128),  # the 16-bit rules split this in two
+    (256, 4608, 3584, 128),  # one round of cooperative 128 x 128, not two of ping-pong 128 x 64
+    (2048, 8192, 8192, 192),  # past WAVE_FIT_MAX_WAVES: 128 x 192 (the 16-bit rules split it in four)
+    (1024, 57344, 8192, 192),  # ... in four too
+])
+def test_block_scaled_kernels_run_128_by_128_in_pairs_up_to_a_few_waves_and_never_split(tmp_path, m, n, k,
+                                                                                          tile_n):
+    """Block-scaled float8 (evtc.plan.selector, PROMOTING_LONG_K_WAVES's note and choose_launch):
+    cooperative 128 x 128 in pairs in 2x1 clusters up to WAVE_FIT_MAX_WAVES waves of them, 128 x 192
+    past that, and no split of K unless pinned (on the H100 the unsplit launch was as fast or faster
+    on every row the 16-bit rules split); pinned splits still split."""
+    from evtc.plan import split_k
+    from evtc.plan.selector import WAVE_FIT_MAX_WAVES
+
+    blocks = {"a": (torch.empty(256, 256, dtype=E4M3), torch.empty(256, 2)),
+              "b": (torch.empty(256, 256, dtype=E4M3).t(), torch.empty(2, 2).t())}
+    kernel = evtc.compile(identity, blocks, out_dtypes=torch.bfloat16, arch="sm_90a", cache_dir=tmp_path)
+    config, splits = kernel.launch_for(m, n, k)
+    got = (config.schedule, config.tile_m, config.tile_n, config.cluster, splits)
+    assert got == ("cooperative", 128, tile_n, (2, 1), 1), config.short_name()
+    assert config.block_scales and config.promotes_in_pairs == (tile_n == 128)
+    assert (-(-m // 128) * -(-n // 128) <= WAVE_FIT_MAX_WAVES * 132) == (tile_n == 128)
+    if (m, n, k) in ((256, 28672, 4096), (2048, 8192, 8192), (1024, 57344, 8192)):
+        # The rules every other kernel follows would split this launch.
+        tiles, slots = split_k.cta_tile_grid(m, n, 1, config, config.cluster), kernel.slots(config.cluster)
+        most = split_k.choose_splits(k, tiles, slots, config.tile_k)
+        rule = split_k.modelled_splits(most, m, n, k, 1, config)
+        assert max(rule, split_k.choose_tail_splits(k, tiles, slots, 2, config.tile_k)) > 1
+    kernel.pin_splits(3)
+    assert kernel.launch_for(m, n, k)[1] == 3

@@ -118,10 +118,13 @@ WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # against 0.89x); 128 x 192 kept its lead at 8192 x 57344 x 8192 (217 waves: 1.04x against 0.92x),
 # 8192 x 8192 x 28672 (31 waves, 0.99x against 0.76x) and 8192 x 3584 x 18944 (14 waves, 1.02x
 # against 0.97x), where 2048 x 8192 x 28672 (8 waves) ran 0.98x against 0.95x.
-# Block-scaled kernels keep 128 x 192 for many tiles: in pairs, 128 x 128 ran 0.85x torch's
-# blockwise GEMM at M = 2048 and 0.81x at 8192, against 0.92x and 0.89x for 128 x 192 (14 LLM
-# layers; docs/performance.md, "Block scales in pairs"). Their small tiles, which serve few tiles,
-# do promote in pairs.
+# Block-scaled kernels run 128 x 128 in pairs only up to WAVE_FIT_MAX_WAVES (where the wave-fitted
+# widths found none better), and 128 x 192 past it: measured on the H100 against torch's blockwise
+# GEMM (14 LLM layers; docs/performance.md, "Block scales in pairs"), 128 x 128 in pairs ran 0.81x
+# at M = 8192 against 0.89x for 128 x 192, and at 2-5 waves of 128 x 128 tiles 0.86x against 0.69x
+# for the 128 x 192 tile that split K (M = 512 and 1024; 1024 x 4096 x 4096: 0.86x against 0.62x).
+# Those keep 2x1 clusters for many rows of tiles, not PROMOTING_MANY_ROWS_CLUSTER_COST's 1x2 (0.85x
+# against 0.83x at M = 1024, 0.84x against 0.81x at 2048).
 PROMOTING_LONG_K_WAVES = 10
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
@@ -344,9 +347,9 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                 return wider
         if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
             return wide
-        if (square.promotes_in_pairs and not square.block_scales and square is not base
-                and tiles < MANY_WAVES * slots
-                and not (k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots)):
+        if (square.promotes_in_pairs and square is not base and tiles < MANY_WAVES * slots
+                and not (k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots)
+                and not (square.block_scales and tiles > WAVE_FIT_MAX_WAVES * slots)):
             return square
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
@@ -360,9 +363,17 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         return (min(c.tile_m, rows) * min(c.out_tile_n, -(-n // 64) * 64)
                 * rows / (-(-rows // c.tile_m) * c.tile_m))
 
-    ordered = sorted(shapes, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
+    def order(configs: Sequence[GemmConfig]) -> list[GemmConfig]:
+        return sorted(configs, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
+
+    ordered = order(shapes)
     chosen = next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
-    return _without_a_thin_last_round(chosen, ordered, m, n, batches, slots)
+    # A thin last round may also give way to the cooperative 128 x 128 tile of a family compiled
+    # cooperative (float8), whose ping-pong shapes stop at 128 x 64: at 256 x 4608 x 3584 its 144
+    # ping-pong 128 x 64 tiles ran 0.66x torch's blockwise GEMM, 72 cooperative 128 x 128 ones 0.90x.
+    compiled_cooperative = base.schedule == "cooperative" and square not in shapes and m > 64
+    larger = order([*shapes, square]) if compiled_cooperative else ordered
+    return _without_a_thin_last_round(chosen, larger, m, n, batches, slots)
 
 
 def _wave_fitted(m: int, n: int, batches: int, slots: int,
@@ -436,7 +447,8 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
-                                                config.promotes_in_pairs))
+                                                # block-scaled: 2x1 (see PROMOTING_LONG_K_WAVES)
+                                                config.promotes_in_pairs and not config.block_scales))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
@@ -466,6 +478,12 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         config = with_a_rows_for(config, m)
     if pinned_splits is not None:
         splits = splits_within_k(pinned_splits, k, config.tile_k)
+    elif config.block_scales:
+        # Block-scaled kernels split K only where pinned: on the H100 (CUDA graphs, 14 LLM layers at
+        # M = 128-8192; docs/performance.md, "Block scales in pairs") the unsplit launch beat the
+        # split counts the rules below chose on 7 of the 8 rows that split, by up to 18% (1024 x
+        # 57344 x 8192: 0.77x torch's blockwise GEMM in 4 splits, 0.90x in one), and tied the eighth.
+        splits = 1
     else:
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
         splits = modelled_splits(choose_splits(k, tiles, slots, config.tile_k), m, n, k, batches, config)
