@@ -2,7 +2,7 @@
 blocks) against torch's blockwise ``scaled_mm`` (cuBLASLt) and against a bf16 GEMM, over the LLM
 layers of bench/fp8.py. One process, shuffled order per sample, medians.
 
-    bash .devkit/gpu.sh python3 bench/fp8_blockwise.py [--ms 128,2048,8192] [--samples 11]
+    bash .devkit/gpu.sh python3 bench/fp8_blockwise.py [--ms 128,2048,8192] [--samples 11] [--graphs]
 
 Per (layer, M), e4m3 a (M, K) with float32 scales (M, K/128) and a weight w (N, K) with scales
 (N/128, K/128), passed to evtc as ``(a, sa)`` and ``(w.t(), sw.t())``:
@@ -20,7 +20,8 @@ SwiGLU; the same against a bf16 ``torch.matmul`` then the eager SwiGLU; and the 
 output and its amax against torch's blockwise GEMM then that epilogue in eager PyTorch.
 
 Rows small enough also print both relative errors against the float64 product of the dequantized
-inputs (float32 results). Geomeans, per M, and the worst row at the end.
+inputs (float32 results). ``--graphs``: as in bench/fp8.py, each call replayed from a CUDA
+graph. Geomeans, per M, and the worst row at the end.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def errors(m: int, n: int, k: int, fn32, kernel32, theirs, a, sa, b, sb) -> tupl
     return rel_max_error(kernel32((a, sa), (b, sb)), ref), rel_max_error(theirs(), ref)
 
 
-def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
+def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, graphs: bool = False) -> tuple:
     dev = "cuda"
     a, sa, b, sb, a16, b16 = block_scaled(m, n, k)
     bias = torch.randn(n, device=dev).to(torch.bfloat16)
@@ -124,14 +125,15 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
         "evtc_f": lambda: kf((a, sa), (b, sb), bias=bias, s=s),
         "eager_f": lambda: eager_fused(a, sa, b, sb, bias, s),
     }
-    times = time_calls(calls, samples)
+    times = time_calls(calls, samples, graphs)
     err_evtc, err_torch = errors(m, n, k, to_float32, k32,
                                  lambda: torch_blockwise(a, sa, b, sb, torch.float32), a, sa, b, sb)
     return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
             times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
 
 
-def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
+def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: int,
+                   graphs: bool = False) -> tuple:
     """A gate/up layer (N: both halves) with the SwiGLU in the epilogue (see ``--swiglu``)."""
     a, sa, b, sb, a16, b16 = block_scaled(m, n, k)
     s = torch.tensor(0.25, device="cuda")
@@ -147,7 +149,7 @@ def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: in
         "evtc_f": lambda: k8((a, sa), (b, sb), s=s),
         "eager_f": lambda: swiglu_fp8(torch_blockwise(a, sa, b, sb), s),  # the epilogue is PyTorch
     }
-    times = time_calls(calls, samples)
+    times = time_calls(calls, samples, graphs)
     err_evtc, err_torch = errors(m, n, k, swiglu_float32, k32,
                                  lambda: swiglu(torch_blockwise(a, sa, b, sb, torch.float32)), a, sa, b, sb)
     return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
@@ -163,13 +165,15 @@ def main() -> None:
     kernels: dict[str, evtc.Kernel] = {}
     if args.swiglu:
         rows = run_rows(ms, keep or ["gate_up"],
-                        lambda name, m, n, k: measure_swiglu(name, m, n, k, kernels, args.samples),
+                        lambda name, m, n, k: measure_swiglu(name, m, n, k, kernels, args.samples,
+                                                             args.graphs),
                         f"{'torch':>6} {'bf16':>6} {'fused':>6}", "{:6.3f} {:6.3f} {:6.3f}")
         print_summary(rows, ms, ("SwiGLU vs torch blockwise + eager SwiGLU", "vs bf16 GEMM + eager SwiGLU",
                                  "SwiGLU, e4m3 out, amax vs torch blockwise + eager"),
                       "float32 results; baseline: torch blockwise + SwiGLU")
         return
-    rows = run_rows(ms, keep, lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples),
+    rows = run_rows(ms, keep,
+                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.graphs),
                     f"{'torch':>6} {'bf16':>6} {'fused':>6}", "{:6.3f} {:6.3f} {:6.3f}")
     print_summary(rows, ms, ("vs torch blockwise", "vs bf16 GEMM",
                              "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager"),

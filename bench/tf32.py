@@ -44,7 +44,7 @@ def residual(acc, C):
     return acc + C
 
 
-def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> tuple:
+def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, graphs: bool = False) -> tuple:
     """One row: the three ratios, evtc's identity time (us) and both errors."""
     from shapes import rel_max_error
     dev = "cuda"
@@ -66,7 +66,7 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int) -> t
         "evtc_r": lambda: kr(a, b, C=C),
         "torch_r": lambda: torch.addmm(C, a, b),
     }
-    times = time_calls(calls, samples)
+    times = time_calls(calls, samples, graphs)
     assert ki.last_path == "kernel", ki.last_path
     err_evtc = err_torch = math.nan
     if m * n * k <= 2**37:
@@ -85,7 +85,7 @@ def main() -> None:
     torch.manual_seed(0)
     kernels: dict[str, evtc.Kernel] = {}
     rows = run_rows(ms, keep,
-                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples),
+                    lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.graphs),
                     f"{'identity':>10} {'bias+gelu':>9} {'residual':>8}", "{:10.3f} {:9.3f} {:8.3f}")
     print_summary(rows, ms, ("identity vs torch.matmul (tf32)", "bias+gelu vs F.linear + F.gelu",
                              "residual vs torch.addmm"), "identity; baseline: torch.matmul in tf32")

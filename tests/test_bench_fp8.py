@@ -62,3 +62,24 @@ def test_config_knobs_pin_a_tile_for_every_kernel(fp8):
     assert knobs == {"schedule": "cooperative", "tile_n": 128, "cluster": (1, 2)}
     with pytest.raises(SystemExit, match="JSON object"):
         fp8.config_knobs("[128]")
+
+
+def test_graphs_time_each_call_from_a_cuda_graph_per_call(fp8, monkeypatch):
+    """--graphs: time_calls replays each call from a graph of GRAPH_CALLS calls and reports the time
+    of one call; without it, the calls themselves are timed."""
+    assert fp8.row_parser(None, "64", 3).parse_args(["--graphs"]).graphs
+    assert not fp8.row_parser(None, "64", 3).parse_args([]).graphs
+    captured, timed = [], []
+    monkeypatch.setattr(fp8.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(fp8, "graphed", lambda f, calls: captured.append(calls) or ("replay", f))
+
+    def fake_time_paired(fns, warmup, samples, reps):
+        timed.append((fns, reps))
+        return [2.0 * (i + 1) for i in range(len(fns))]
+
+    monkeypatch.setattr(fp8, "time_paired", fake_time_paired)
+    calls = {"a": lambda: None, "b": lambda: None}
+    times = fp8.time_calls(calls, 5, graphs=True)
+    assert captured == [fp8.GRAPH_CALLS] * 2 and all(f[0] == "replay" for f in timed[0][0])
+    assert times == {"a": 2.0 / fp8.GRAPH_CALLS, "b": 4.0 / fp8.GRAPH_CALLS}
+    assert fp8.time_calls(calls, 5) == {"a": 2.0, "b": 4.0} and timed[1][0] == list(calls.values())
