@@ -233,3 +233,24 @@ def test_block_scaled_kernels_run_128_by_128_in_pairs_up_to_a_few_waves_and_neve
         assert max(rule, split_k.choose_tail_splits(k, tiles, slots, 2, config.tile_k)) > 1
     kernel.pin_splits(3)
     assert kernel.launch_for(m, n, k)[1] == 3
+    # A fixed block-scaled tile compiled with split_k=True still chooses its split count.
+    fixed = evtc.compile(identity, blocks, out_dtypes=torch.bfloat16, arch="sm_90a", cache_dir=tmp_path,
+                         config={"schedule": "cooperative", "tile_n": 192, "split_k": True})
+    assert fixed.launch_for(256, 1024, 16384)[1] > 1
+
+
+def test_the_float8_thin_round_rule_leaves_16_bit_cooperative_families_alone(tmp_path):
+    """The thin-last-round rule's cooperative 128 x 128 candidate is for float8 families only: a
+    16-bit epilogue compiled cooperative (six float32 outputs) keeps the ping-pong 64 x 256 tile at
+    65 x 8704 x 4096, as before the rule (not measured for 16 bits)."""
+    def six_float32_outputs(acc, C):
+        y = acc + C
+        return y.float(), (y * 2).float(), torch.relu(y).float(), (y * y).float(), acc.float(), C.float()
+
+    ex = {"a": torch.empty(8, 128, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(128, 128, dtype=torch.bfloat16, device="meta").t(),
+          "C": torch.empty(8, 128, dtype=torch.bfloat16, device="meta")}
+    kernel = evtc.compile(six_float32_outputs, ex, arch="sm_90a", cache_dir=tmp_path)
+    assert kernel.config.schedule == "cooperative"
+    config = kernel.launch_for(65, 8704, 4096)[0]
+    assert (config.schedule, config.tile_m, config.tile_n) == ("pingpong", 64, 256), config.short_name()

@@ -124,7 +124,8 @@ def cluster_costs(schedule: str, tile_m: int, tile_n: int, tiles_m: int | None =
                   promotes_in_pairs: bool = False) -> dict[tuple[int, int], float]:
     """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST), for a
     problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`);
-    ``promotes_in_pairs``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`)."""
+    ``promotes_in_pairs``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`;
+    the selector passes False for block-scaled kernels, which measured faster in 2x1)."""
     key = (schedule, tile_m, tile_n)
     many_rows = tiles_m is not None and tiles_m > FEW_TILE_ROWS
     if promotes_in_pairs and many_rows and key in PROMOTING_MANY_ROWS_CLUSTER_COST:

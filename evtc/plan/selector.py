@@ -368,11 +368,13 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
 
     ordered = order(shapes)
     chosen = next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
-    # A thin last round may also give way to the cooperative 128 x 128 tile of a family compiled
-    # cooperative (float8), whose ping-pong shapes stop at 128 x 64: at 256 x 4608 x 3584 its 144
+    # A thin last round may also give way to the cooperative 128 x 128 tile of a float8 family
+    # compiled cooperative, whose ping-pong shapes stop at 128 x 64: at 256 x 4608 x 3584 its 144
     # ping-pong 128 x 64 tiles ran 0.66x torch's blockwise GEMM, 72 cooperative 128 x 128 ones 0.90x.
-    compiled_cooperative = base.schedule == "cooperative" and square not in shapes and m > 64
-    larger = order([*shapes, square]) if compiled_cooperative else ordered
+    # (Not measured for 16-bit families compiled cooperative, e.g. for many float32 outputs.)
+    float8_cooperative = (base.ab_dtype not in SIXTEEN_BIT and base.schedule == "cooperative"
+                          and square not in shapes and m > 64)
+    larger = order([*shapes, square]) if float8_cooperative else ordered
     return _without_a_thin_last_round(chosen, larger, m, n, batches, slots)
 
 
@@ -478,11 +480,13 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         config = with_a_rows_for(config, m)
     if pinned_splits is not None:
         splits = splits_within_k(pinned_splits, k, config.tile_k)
-    elif config.block_scales:
-        # Block-scaled kernels split K only where pinned: on the H100 (CUDA graphs, 14 LLM layers at
-        # M = 128-8192; docs/performance.md, "Block scales in pairs") the unsplit launch beat the
-        # split counts the rules below chose on 7 of the 8 rows that split, by up to 18% (1024 x
-        # 57344 x 8192: 0.77x torch's blockwise GEMM in 4 splits, 0.90x in one), and tied the eighth.
+    elif config.block_scales and len(family) > 1:
+        # Block-scaled kernels that choose their launch split K only where pinned (one compiled
+        # with split_k=True and a fixed tile still chooses its split count): on the H100 (CUDA
+        # graphs, 14 LLM layers at M = 128-8192; docs/performance.md, "Block scales in pairs") the
+        # unsplit launch beat the split counts the rules below chose on 7 of the 8 rows that split,
+        # by up to 18% (1024 x 57344 x 8192: 0.77x torch's blockwise GEMM in 4 splits, 0.90x in
+        # one), and tied the eighth.
         splits = 1
     else:
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)

@@ -163,7 +163,8 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
             options += f" --gpu-arch {arch}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-            # The block-scaled promotion unrolls one multiply-add per accumulator value on purpose.
+            # The DSL warns of every static loop of 64 or more iterations (for compile time); where
+            # evtc's kernels have one, it is unrolled on purpose.
             warnings.filterwarnings("ignore", message="This static loop has")
             fake_a = fake_tensor(plan.a, symbols)
             # A gated kernel takes b whole, then where its up half starts (GatedLauncher).
