@@ -130,6 +130,29 @@ def test_pin_splits_rejects_bad_values(tmp_path):
     assert fixed.splits_for(64, 4096, 14336) == 1
 
 
+def test_a_pin_applies_to_every_handle_of_one_kernel(tmp_path):
+    """evtc.compile returns one Kernel per function, example inputs and options in a process, so a
+    pin set through one handle shows through the other (as pin_splits documents); a differently
+    named function is another kernel and stays unpinned."""
+    def identity(acc):
+        return acc
+
+    def identity_too(acc):
+        return acc
+
+    ex = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    first = evtc.compile(identity, ex, arch="sm_90a", cache_dir=tmp_path)
+    second = evtc.compile(identity, ex, arch="sm_90a", cache_dir=tmp_path)
+    other = evtc.compile(identity_too, ex, arch="sm_90a", cache_dir=tmp_path)
+    first.pin_splits(3)
+    try:
+        assert second is first and second.pinned_splits == 3 and second.splits_for(64, 1024, 8192) == 3
+        assert other is not first and other.pinned_splits is None
+    finally:
+        first.pin_splits(None)
+
+
 def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):
     """Every unit of a launch has a K tile (the mainloop's first K tile overwrites the accumulator,
     with no zero-fill): a pinned count above K's tiles is cut to them, and Kernel.resolve, which

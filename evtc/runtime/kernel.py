@@ -269,7 +269,11 @@ class Kernel:
         """Run every call with ``splits`` splits of K (1: none), or (None) choose per problem again.
         For kernels that choose their launch shape or were compiled with ``split_k=True``; a
         split count above K's tiles runs with one split per K tile. A problem with more
-        tiles than fit at once splits only the tiles past its last whole round."""
+        tiles than fit at once splits only the tiles past its last whole round.
+
+        The pin belongs to the kernel, not to one handle of it: ``evtc.compile`` returns the same
+        :class:`Kernel` for the same function, example inputs and options within a process, so
+        every handle of it runs pinned (compile a differently named function for an unpinned one)."""
         if splits is not None and not (isinstance(splits, int) and 1 <= splits <= 4096):
             raise ValueError(f"pin_splits: splits must be an int in [1, 4096] or None, got {splits!r}")
         if splits is not None and splits > 1 and not self.can_split:
