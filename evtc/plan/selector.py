@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
-from evtc.plan.config import A_ROWS, ConfigError, GemmConfig
+from evtc.plan.config import A_ROWS, FLOAT8_DTYPES, ConfigError, GemmConfig
 from evtc.plan.split_k import (
     choose_splits,
     choose_tail_splits,
@@ -372,7 +372,7 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
     # compiled cooperative, whose ping-pong shapes stop at 128 x 64: at 256 x 4608 x 3584 its 144
     # ping-pong 128 x 64 tiles ran 0.66x torch's blockwise GEMM, 72 cooperative 128 x 128 ones 0.90x.
     # (Not measured for 16-bit families compiled cooperative, e.g. for many float32 outputs.)
-    float8_cooperative = (base.ab_dtype not in SIXTEEN_BIT and base.schedule == "cooperative"
+    float8_cooperative = (base.ab_dtype in FLOAT8_DTYPES and base.schedule == "cooperative"
                           and square not in shapes and m > 64)
     larger = order([*shapes, square]) if float8_cooperative else ordered
     return _without_a_thin_last_round(chosen, larger, m, n, batches, slots)
