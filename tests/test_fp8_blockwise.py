@@ -71,12 +71,24 @@ def test_block_scales_compile_to_the_8_bit_wgmma_with_scaled_promotion(tmp_path,
     assert (k.config.schedule, k.config.tile_n) == ("cooperative", 192)
     ptx = k.ptx
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.([\w.]+)", ptx)) == {"f32.e4m3.e4m3"}
-    # Each K tile: the scales loaded from global memory, then one multiply-add per accumulator
-    # value (96 per thread) into the float32 accumulator after the wgmma's wait.
+    # Each K tile: one multiply-add per accumulator value (96 per thread) into the float32
+    # accumulator after the wgmma's wait.
     loop = ptx[ptx.index("wgmma.mma_async"):]
     loop = loop[:loop.index("wgmma.fence", 1)] if "wgmma.fence" in loop[1:] else loop
-    assert re.search(r"ld\.global(\.\w+)*\.[bf]32", loop)
     assert len(re.findall(r"fma\.rn\.f32", loop)) >= 96
+    # The scales: 128 x 128 blocks of A (one per tile) loaded from global memory after the wgmma
+    # is issued; 1 x 128 ones come with the A/B stage by TMA (a third copy into shared memory,
+    # beside A's and B's) and are read from it, with B's from global memory, between the stage's
+    # wait and the wgmma's fence.
+    tma_loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::c\w+\.global", ptx)
+    assert k.config.stages_a_scales == (rows == 1) and len(tma_loads) == (3 if rows == 1 else 2)
+    if rows == 1:
+        before = ptx[:ptx.index("wgmma.mma_async")]
+        before = before[before.rindex("mbarrier.try_wait"):before.rindex("wgmma.fence")]
+        assert len(re.findall(r"ld\.shared\.[bf]32", before)) == 2  # the thread's two rows
+        assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", before)) == 3  # three 64-column chunks
+    else:
+        assert re.search(r"ld\.global(\.\w+)*\.[bf]32", loop)
 
 
 def test_block_scales_take_mixed_formats_and_batches(tmp_path):
@@ -118,8 +130,16 @@ def test_gated_block_scales_read_each_half_of_b_by_its_own_columns(tmp_path, row
     assert "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3" in k.ptx
     loop = k.ptx[k.ptx.index("wgmma.mma_async"):]
     loop = loop[:loop.index("wgmma.fence", 1)] if "wgmma.fence" in loop[1:] else loop
-    # Six chunks of B (three per half) and one or two row slots of A: scales from global memory.
-    assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", loop)) >= 6 + 1
+    # Six chunks of B (three per half) from global memory, and A's scales: its 128-row block's from
+    # global memory after the wgmma is issued, or (1 x 128) its two rows' from the stage before it.
+    if rows == 1:
+        assert k.config.stages_a_scales
+        before = k.ptx[:k.ptx.index("wgmma.mma_async")]
+        before = before[before.rindex("mbarrier.try_wait"):before.rindex("wgmma.fence")]
+        assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", before)) == 6
+        assert len(re.findall(r"ld\.shared\.[bf]32", before)) == 2
+    else:
+        assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", loop)) >= 6 + 1
 
 
 def test_gated_kernels_take_halves_of_whole_scale_chunks(tmp_path):
@@ -291,3 +311,47 @@ def test_the_per_call_check_agrees_with_the_named_one(tmp_path):
         for x, y, sx, sy in variants:
             named = scale_problem(x, y, (sx, sy), rows)[0] is None
             assert scales_fit(kernel.call_spec, x, y, (sx, sy)) == named, (rows, sx.shape, sy.shape, sx.dtype)
+
+
+def test_wide_tiles_stage_a_scales_and_the_planner_counts_them():
+    """1 x 128 scales come with the A/B stage on tiles that promote with one scratch accumulator;
+    small tiles (in pairs) and 128 x 128 blocks of A read them from global memory. The shared
+    memory planner counts the staged scales: what it plans fits the H100 with the scales' buffer."""
+    from evtc.plan.config import A_SCALES_ALIGN_SLACK, SM90_SMEM_BYTES, SMEM_RESERVED_BYTES
+
+    def config(**kw):
+        return GemmConfig(ab_dtype="float8_e4m3fn", b_major="k", d_dtype="bfloat16", **kw).validate()
+
+    wide = config(schedule="cooperative", tile_n=192, block_scales=1)
+    assert wide.stages_a_scales and not wide.promotes_in_pairs
+    assert wide.ab_bytes_per_stage() == (128 + 192) * 128 + 128 * 4
+    assert not config(schedule="cooperative", tile_n=128, block_scales=1).stages_a_scales  # pairs
+    assert not config(schedule="cooperative", tile_n=192, block_scales=128).stages_a_scales
+    assert not config(schedule="cooperative", tile_n=192).stages_a_scales
+    plain = config(schedule="cooperative", tile_n=192, block_scales=128)
+    for cfg in (wide, wide.replace(epi_stages=2), wide.replace(gated=True)):
+        ab, d = cfg.plan_stages()
+        used = ab * cfg.ab_bytes_per_stage() + d * cfg.d_bytes_per_stage() + A_SCALES_ALIGN_SLACK
+        assert used <= SM90_SMEM_BYTES - SMEM_RESERVED_BYTES
+    assert wide.plan_stages()[0] <= plain.plan_stages()[0]
+
+
+def test_staging_copies_a_scales_the_tma_cannot_read():
+    """The staged path's copy of a's 1 x 128 scales: M-contiguous, 16-byte strides and base, the
+    same values; scales that fit (and b's, any strides) pass as they are."""
+    from evtc.runtime.staging import layout_problem, stage_scales
+
+    a, b = _pairs(1001, 256, 640, 1)
+    kernel = evtc.compile(identity, {"a": a, "b": b}, arch="sm_90a")
+    spec = kernel.plan.a_scales_for(True)
+    assert spec.dims[spec.contiguous] == "M" and kernel.plan.a_scales.contiguous is None
+    m_major_pitched = torch.zeros(5, 1004)[:, :1001].t()
+    unaligned = torch.zeros(5 * 1001 + 1)[1:].view(5, 1001).t()
+    # K-major; M-major with a pitch of 1001 (not a 16-byte multiple); M-major off 16 bytes.
+    for scales in (a[1].contiguous(), a[1].t().contiguous().t(), unaligned):
+        scales.copy_(torch.rand(1001, 5))
+        (got, sb), problems = stage_scales(kernel.plan, (scales, b[1]))
+        assert problems and layout_problem(got, spec) is None and torch.equal(got, scales) and sb is b[1]
+    m_major_pitched.copy_(torch.rand(1001, 5))
+    (got, _), problems = stage_scales(kernel.plan, (m_major_pitched, b[1]))
+    assert not problems and got is m_major_pitched

@@ -60,6 +60,20 @@ def _dequantized_product(a_pair, b_pair, rows):
     return ad @ bd
 
 
+def _expected_path(kernel, a_pair, n):
+    """The path a call takes: staged where a's rows of K bytes are not 16-byte multiples (TMA's
+    rule, as without block scales), or where its launch brings a's 1 x 128 scales by TMA
+    (GemmConfig.stages_a_scales) and they are not M-contiguous with 16-byte strides; else the
+    kernel. ``n``: the output's columns."""
+    a, sa = a_pair
+    m, k = a.shape[-2:]
+    config, _ = kernel.launch_for(m, n, k, a.shape[0] if a.dim() == 3 else 1)
+    m_dim = sa.dim() - 2
+    scales_fit = (sa.stride(m_dim) == 1 and sa.data_ptr() % 16 == 0
+                  and all(st % 4 == 0 for i, st in enumerate(sa.stride()) if i != m_dim))
+    return "staged" if k % 16 or (config.stages_a_scales and not scales_fit) else "kernel"
+
+
 def _rel(got, ref):
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
@@ -82,8 +96,7 @@ def test_block_scales_against_float64(tmp_path, shape, rows):
     a, b = _inputs(m, n, k, rows)
     kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path)
     got = kernel(a, b)
-    # float8 rows of K bytes not a multiple of 16 are staged (TMA's rule), as without block scales.
-    assert kernel.last_path == ("kernel" if k % 16 == 0 else "staged") and got.dtype == torch.float32
+    assert kernel.last_path == _expected_path(kernel, a, n) and got.dtype == torch.float32
     ref = _dequantized_product(a, b, rows)
     err = _rel(got, ref)
     assert err < 1e-3, err
@@ -187,6 +200,48 @@ def test_block_scales_staged_and_strided_scales(tmp_path):
     assert _rel(got, _dequantized_product((a, sa_rows), (b, sb_sliced), 1)) < 1e-3
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_wide_tiles_bring_a_scales_with_the_stage(tmp_path, gated):
+    """Cooperative 128 x 192 tiles (one scratch accumulator) bring a's 1 x 128 scales into shared
+    memory by TMA with each A/B stage (GemmConfig.stages_a_scales). M-major scales with 16-byte
+    strides go to the kernel as they are; K-major ones, M-major ones whose pitch is not a 16-byte
+    multiple, and unaligned ones run on an aligned copy (the caller's tensor untouched), all with
+    the right result: ragged M (rows past M read as zeros), a split K, batches."""
+    fn = swiglu_scaled if gated else scaled_out
+    width = 2 if gated else 1
+    config = {"schedule": "cooperative", "tile_n": 192, "cluster": (2, 1), "split_k": True}
+    a, b = _inputs(512, width * 384, 1024, 1, seed=21)
+    kernel = evtc.compile(fn, {"a": a, "b": b}, cache_dir=tmp_path, config=config)
+    assert kernel.config.stages_a_scales and not kernel.config.promotes_in_pairs
+    finish = _swiglu if gated else (lambda x: x)
+    for m, n, k, splits in [(1000, 384, 1040, 1), (640, 576, 2048, 1), (333, 384, 1536, 3)]:
+        kernel.pin_splits(splits)
+        (x, sa), bb = _inputs(m, width * n, k, 1, seed=m + k)
+        ref = finish(_dequantized_product((x, sa), bb, 1))
+        pitch = -(-m // 4) * 4 + 4  # M-major in a buffer of a wider pitch: 16-byte strides, M kept
+        padded = torch.full((sa.shape[1], pitch), float("nan"), device="cuda")
+        padded[:, :m] = sa.t()
+        unaligned = torch.empty(sa.numel() + 1, device="cuda")[1:].view(sa.shape[1], m)
+        unaligned.copy_(sa.t())
+        layouts = {"m-major": sa, "m-major pitched": padded[:, :m].t(), "k-major": sa.contiguous(),
+                   "unaligned": unaligned.t()}
+        for name, scales in layouts.items():
+            before = scales.clone()
+            got = kernel((x, scales), bb)
+            assert torch.equal(scales.nan_to_num(7.0), before.nan_to_num(7.0)), name
+            assert kernel.last_path == _expected_path(kernel, (x, scales), n), (m, name)
+            want = "kernel" if name in ("m-major pitched",) or (name == "m-major" and m % 4 == 0) \
+                else "staged"
+            assert kernel.last_path == want, (m, name, kernel.last_path)
+            err = _rel(got, ref)
+            assert err < 1e-3, (m, n, k, splits, name, err)
+    a3, b3 = _inputs(300, width * 384, 640, 1, seed=22, batches=3)
+    batched = evtc.compile(fn, {"a": a3, "b": b3}, cache_dir=tmp_path, config=config)
+    got = batched(a3, b3)
+    assert batched.last_path == "kernel" and got.shape == (3, 300, 384)
+    assert _rel(got, finish(_dequantized_product(a3, b3, 1))) < 1e-3
+
+
 def test_block_scales_under_torch_compile(tmp_path):
     m, n, k = 256, 256, 1024
     a, b = _inputs(m, n, k, 1, seed=8)
@@ -231,7 +286,7 @@ def test_gated_block_scales_against_float64(tmp_path, shape, rows):
     # A one-row example compiles 1 x 128 blocks (a row each: the same scales), and says so.
     assert kernel.config.gated and kernel.config.block_scales == (1 if m == 1 else rows)
     got = kernel(a, b)
-    assert kernel.last_path == ("kernel" if k % 16 == 0 else "staged") and got.shape == (m, n // 2)
+    assert kernel.last_path == _expected_path(kernel, a, n // 2) and got.shape == (m, n // 2)
     ref = _swiglu(_dequantized_product(a, b, rows))
     assert _rel(got, ref) < 1e-3, _rel(got, ref)
 

@@ -84,6 +84,10 @@ SM90_SMEM_BYTES = 232448
 # aligned to 1024 B (the 128 B swizzle repeats every 1024 B), so a few hundred bytes may be lost per
 # buffer; 2 KiB covers A, B, D and two visitor buffers comfortably.
 SMEM_RESERVED_BYTES = 2048
+# Block-scaled float8 with A's scales staged (GemmConfig.stages_a_scales): float32 per row and K
+# tile, and the alignment slack of their buffer.
+A_SCALE_BYTES = 4
+A_SCALES_ALIGN_SLACK = 1024
 MIN_AB_STAGES = 2
 # Only 64 x 64 tiles reach it (13 stages of 16 KiB). At decode sizes a CTA streams its weights
 # through the pipeline, and the loads it keeps in flight bound its bandwidth: 13 stages instead of 8
@@ -234,6 +238,15 @@ class GemmConfig:
         return self.promotes and self.acc_regs <= PROMOTE_IN_PAIRS_MAX_ACC_REGS
 
     @property
+    def stages_a_scales(self) -> bool:
+        """Whether each A/B stage also brings A's 1 x 128 block scales for its K tile (one float32
+        per row of the tile, by TMA), read from shared memory before the K tile's wgmma is issued.
+        Per-row scales loaded from global memory after the issue cost about 9% of the kernel's time
+        at large M (docs/performance.md, "A's block scales with the A/B stage"); the small tiles
+        that promote in pairs hide those loads behind their second accumulator instead."""
+        return self.block_scales == 1 and not self.promotes_in_pairs
+
+    @property
     def acc_regs(self) -> int:
         """Accumulator registers per consumer thread (a warpgroup's share of the tile)."""
         return self.tile_m * self.tile_n // (128 * (2 // self.epi_groups))
@@ -294,7 +307,8 @@ class GemmConfig:
         return self.a_rows is None or m <= self.a_rows
 
     def ab_bytes_per_stage(self) -> int:
-        return (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.ab_dtype]
+        scales = self.tile_m * A_SCALE_BYTES if self.stages_a_scales else 0
+        return (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.ab_dtype] + scales
 
     def overlap_ab_stages(self) -> int:
         """The fewest A/B stages that epilogue buffers may leave: enough to hold OVERLAP_AB_BYTES
@@ -329,6 +343,8 @@ class GemmConfig:
         the D stage count returned is then that of the (unused) store ring, ``epi_stages`` or 2.
         """
         free = SM90_SMEM_BYTES - SMEM_RESERVED_BYTES - visitor_smem_bytes
+        if self.stages_a_scales:
+            free -= A_SCALES_ALIGN_SLACK  # the scales' buffer sits between the barriers and sA
         d_bytes = 0 if d_in_load_buffers else self.d_bytes_per_stage()
 
         def ab_fit(d_stages: int) -> int:

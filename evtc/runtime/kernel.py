@@ -30,7 +30,7 @@ from evtc.runtime.device import max_active_clusters
 from evtc.runtime.invoke import built_config, invoke
 from evtc.runtime.out_aliasing import unaliased
 from evtc.runtime.reductions import ReductionFinish
-from evtc.runtime.staging import stage_call
+from evtc.runtime.staging import stage_call, stage_scales
 
 if TYPE_CHECKING:
     from evtc.runtime.prebuild import Prebuild
@@ -559,6 +559,9 @@ class Kernel:
             outs = unaliased(targets, (a, b), ins)
         if stage:
             a, b, up, ins, outs, problems = stage_call(self.plan, a, b, up, ins, outs)
+            if scales is not None:
+                scales, scale_problems = stage_scales(self.plan, scales)
+                problems = problems + scale_problems
             if problems:
                 if self.interface.strict:
                     raise CallError(f"{'; '.join(problems)}. The kernel reads and writes by TMA, which "

@@ -119,6 +119,19 @@ def _gated_copy(b: torch.Tensor, spec) -> tuple[torch.Tensor, int]:
     return buffer.narrow(-1, 0, 2 * n), padded
 
 
+def stage_scales(plan, scales: tuple) -> tuple[tuple, list[str]]:
+    """Block scales as every kernel of ``plan`` takes them: a's 1 x 128 scales M-contiguous with
+    16-byte strides (the wide tiles' A/B stages bring them by TMA, ``GemmConfig.stages_a_scales``;
+    the others read any strides), copied where they are not; b's (and a's 128 x 128 ones) as they
+    are. Returns (a's, b's) and the problems staged, as :func:`stage_call` names them."""
+    a_scales, b_scales = scales
+    spec = plan.a_scales_for(plan.a_scale_rows == 1)
+    why = layout_problem(a_scales, spec)
+    if why is None:
+        return scales, []
+    return (aligned_copy(a_scales, spec), b_scales), [f"a's block scales: {why}"]
+
+
 def stage_call(plan, a, b, up, ins, targets):
     """A call's tensors as the kernel of ``plan`` can take them: aligned copies of the inputs whose
     layout it cannot take, padded buffers for the outputs it cannot write in place (the caller

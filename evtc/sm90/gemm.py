@@ -93,6 +93,8 @@ class Sm90GemmKernel:
         self.promotes_in_pairs = cfg.promotes_in_pairs
         # Block scales (float8): rows of A per scale (1 or 128; B's blocks are 128 x 128), 0 for none.
         self.block_scales = cfg.block_scales
+        # 1 x 128 block scales of A brought by TMA with each A/B stage (GemmConfig.stages_a_scales).
+        self.stages_a_scales = cfg.stages_a_scales
         self.tile_m = cfg.tile_m
         self.pingpong = cfg.schedule == "pingpong"
         # Gated (SwiGLU): B comes as two halves; tile n of the output loads block n of each into
@@ -234,6 +236,14 @@ class Sm90GemmKernel:
             self.shape.epi_tile,
         )
         epi_params = self.visitor.setup(self.shape, epi_args)
+        if cutlass.const_expr(self.stages_a_scales):
+            # A's scales, (M, KB, L) with M contiguous: one tile_m x 1 box per stage. Rows past M
+            # come in as zeros (their products are never stored).
+            a_scales_atom, a_scales_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), scales[0], cute.make_layout((self.tile_m, 1)),
+                (self.tile_m, 1),
+            )
+            scales = (*scales, a_scales_atom, a_scales_tma)  # the last two, after a gated kernel's n_half
 
         # Persistent grid: one z-slice per cluster, never more clusters than work units.
         sched = TileScheduler.for_problem(
@@ -274,6 +284,14 @@ class Sm90GemmKernel:
         fields = {
             "ab_barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
             "load_barriers": cute.struct.MemRange[cutlass.Int64, self.load_buffers * 2],
+        }
+        if self.stages_a_scales:
+            # Before sA: in the room its 1024-byte alignment leaves after the barriers
+            # (A_SCALES_ALIGN_SLACK covers the rest).
+            fields["sA_scales"] = cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self.tile_m * self.ab_stages], 128
+            ]
+        fields |= {
             "sA": cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], BUFFER_ALIGN
             ],
@@ -512,12 +530,13 @@ class Sm90GemmKernel:
 
     @cute.jit
     def _load_block_factors(self, factors: cute.Tensor, scales: tuple, tile_coord, kb: Int32,
-                            first_row: Int32, row_offsets: tuple, n_chunks: int):
+                            first_row: Int32, row_offsets: tuple, n_chunks: int, staged=None, stage=None):
         """Block scales: into ``factors``, the factor of each slot (:meth:`_scale_slots`) for K block
         ``kb`` of the tile at ``tile_coord``: A's scale of the row (1 x 128 blocks) or of the tile's
         128-row block, times B's scale of the chunk's 128 x 128 block. A gated tile's chunks are
         its gate half's columns of B, then its up half's, ``n_half`` (B's columns per half)
-        further along B.
+        further along B. Where the A/B stages bring A's scales (``stages_a_scales``), A's come from
+        ``staged`` (the stages' scales in shared memory) at ``stage``, the K tile's A/B stage.
 
         Every index is clamped to the last scale: a tile's rows past M, a chunk past N (the last
         128 x 192 tile of N = 4096 reaches column 4224) and whole tiles past the problem (the last
@@ -542,8 +561,11 @@ class Sm90GemmKernel:
                 factors[c] = a_scale * b_scales[c]
         else:
             for r in cutlass.range_constexpr(len(row_offsets)):
-                row = cutlass.min(m * self.tile_m + first_row + row_offsets[r], last_a)
-                a_scale = m_scales[(row, kb, batch)]
+                if cutlass.const_expr(self.stages_a_scales):
+                    a_scale = staged[(first_row + row_offsets[r], 0, stage)]
+                else:
+                    row = cutlass.min(m * self.tile_m + first_row + row_offsets[r], last_a)
+                    a_scale = m_scales[(row, kb, batch)]
                 for c in cutlass.range_constexpr(n_chunks):
                     factors[r * n_chunks + c] = a_scale * b_scales[c]
 
@@ -583,6 +605,8 @@ class Sm90GemmKernel:
             for atom in tma_atom_b:
                 cpasync.prefetch_descriptor(atom)
             cpasync.prefetch_descriptor(tma_atom_d)
+            if cutlass.const_expr(self.stages_a_scales):
+                cpasync.prefetch_descriptor(scales[-2])
 
         # ---- cluster position and multicast masks -------------------------------------------
         cluster_layout = cute.make_layout((self.cluster[0], self.cluster[1], 1))
@@ -604,7 +628,7 @@ class Sm90GemmKernel:
         b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
         ab_tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) * self.a_rows // self.tile_m + (
             cute.size_in_bytes(self.b_dtype, b_stage_layout)
-        )
+        ) + (self.tile_m * 4 if self.stages_a_scales else 0)
         # Every consumer warp releases a stage to each CTA that multicast into it (itself included).
         # A stage is read by both consumer warpgroups (cooperative) or by one (pingpong).
         consumer_warps = 4 if self.pingpong else 8
@@ -676,6 +700,16 @@ class Sm90GemmKernel:
                 cute.group_modes(gB, 0, 2),
             ))
 
+        # A's block scales: stage s of sA_scales holds the tile_m scales of the K tile in A/B stage s.
+        sA_scales = tSs_scales = tSg_scales = None
+        if cutlass.const_expr(self.stages_a_scales):
+            sA_scales = storage.sA_scales.get_tensor(cute.make_layout((self.tile_m, 1, self.ab_stages)))
+            # (bM, 1, tiles_m, KB, L)
+            g_scales = cute.local_tile(scales[-1], (self.tile_m, 1), (None, None, None))
+            tSs_scales, tSg_scales = cpasync.tma_partition(
+                scales[-2], 0, cute.make_layout(1),
+                cute.group_modes(sA_scales, 0, 2), cute.group_modes(g_scales, 0, 2),
+            )
         _, _, first_work = cute.arch.block_idx()
         _, _, work_stride = cute.arch.grid_dim()
         # The grid is the clusters that run at once wherever split-K splits only the tail, so the
@@ -719,6 +753,10 @@ class Sm90GemmKernel:
                         barrier = ab_pipeline.producer_get_barrier(state)
                         cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, state.index)],
                                   tma_bar_ptr=barrier, mcast_mask=a_mask)
+                        if cutlass.const_expr(self.stages_a_scales):
+                            # Not multicast: each CTA of the cluster loads its own 512 bytes.
+                            cute.copy(scales[-2], tSg_scales[(None, m, k, batch)],
+                                      tSs_scales[(None, state.index)], tma_bar_ptr=barrier)
                         for atom, (tBsB, tBgB) in zip(tma_atom_b, b_parts, strict=True):
                             cute.copy(atom, tBgB[(None, n, k, batch)], tBsB[(None, state.index)],
                                       tma_bar_ptr=barrier, mcast_mask=b_mask, cache_policy=b_policy)
@@ -985,6 +1023,12 @@ class Sm90GemmKernel:
                     # scratch accumulators taking turns measured slower (docs/fp8.md).
                     for _k in cutlass.range(0, k_count, unroll=1):
                         ab_pipeline.consumer_wait(read_state)
+                        if cutlass.const_expr(self.stages_a_scales):
+                            # A's scales from the stage: read before the wgmma is issued, while the
+                            # shared memory is not yet busy with its operands (after the issue they
+                            # queue behind them); B's, warp-uniform, load alongside.
+                            self._load_block_factors(factors, scales, tile_coord, k_first + _k, first_row,
+                                                     row_offsets, n_chunks, sA_scales, read_state.index)
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kb in cutlass.range_constexpr(k_blocks):
@@ -992,7 +1036,7 @@ class Sm90GemmKernel:
                             cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.block_scales):
+                        if cutlass.const_expr(self.block_scales and not self.stages_a_scales):
                             # Loaded while the wgmma runs: issued before it, the loads would hold up
                             # the wgmma fence until they land (1.5x the tensorwise kernel's time;
                             # loading them a K tile ahead measured slower again, docs/fp8.md).
