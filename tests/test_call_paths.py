@@ -251,3 +251,19 @@ def test_operands_of_another_float_dtype_than_compiled(cache):
     _close(got, (want[0].half(), want[1]), torch.float16)
     with pytest.raises(evtc.CallError, match="C must be torch.float16"):
         k(ex["a"], ex["b"], C=ex["C"].double(), bias=ex["bias"], alpha=0.5)
+
+
+def test_means_over_an_empty_dim_are_nan_on_the_torch_path():
+    """torch's mean over an empty dim is NaN; so is the torch path's (its 1/N literal raised
+    TypeError at N = 0 before: sympy's complex infinity)."""
+    def means(acc):
+        return acc.mean(-1), acc.mean(0)
+
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    k = evtc.compile(means, {"a": a, "b": b})
+    for m, n in [(16, 0), (0, 8)]:
+        got = k(a[:m], b[:, :n])
+        want = means(a[:m] @ b[:, :n])
+        assert k.last_path == "torch"
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and torch.equal(g.isnan(), w.isnan()) and g.isnan().all()

@@ -221,6 +221,23 @@ def test_empty_problem_returns_empty_outputs(cache_dir):
     assert out.shape == (0, 512)
 
 
+def test_means_over_an_empty_dim_are_nan_as_in_torch(cache_dir):
+    """A mean over N = 0 columns (or M = 0 rows) is NaN, as torch's: 1/N of the mean is then
+    infinite (it raised ZeroDivisionError before), and the empty sum times it NaN."""
+    def means(acc):
+        return acc.mean(-1), acc.mean(0)
+
+    a = torch.randn(64, 128, device="cuda").half()
+    b = torch.randn(128, 256, device="cuda").half()
+    k = evtc.compile(means, {"a": a, "b": b}, cache_dir=str(cache_dir))
+    for m, n in [(64, 0), (0, 256)]:
+        x, w = a[:m], b[:, :n]
+        rows, cols = k(x, w)
+        want_rows, want_cols = means(x.float() @ w.float())
+        assert rows.shape == want_rows.shape and cols.shape == want_cols.shape
+        assert torch.equal(rows.isnan(), want_rows.isnan()) and torch.equal(cols.isnan(), want_cols.isnan())
+
+
 # ---- cooperative schedule -----------------------------------------------------------------------
 # The default is the ping-pong schedule; these run the catalogue's harder entries under the other one
 # (where relu_lincomb_bias stages D in C's buffers).

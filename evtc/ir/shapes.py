@@ -7,6 +7,7 @@ rejected even when the example happens to have M == N (torch would silently broa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,7 +74,10 @@ def evaluate_value(expr: Any, sizes: dict[sympy.Symbol, Any]) -> Any:
     the sizes are symbolic (see :func:`evaluate_shape`)."""
     expr = sympy.sympify(expr)
     if all(type(v) is int for v in sizes.values()):
-        return float(expr.subs(sizes))
+        value = expr.subs(sizes)
+        # 1/N at N = 0 (a mean over an empty dim) is sympy's complex infinity: torch's mean is then
+        # NaN, its sum 0 times this.
+        return math.inf if value.is_infinite else float(value)
     return _arithmetic(expr, sizes)
 
 

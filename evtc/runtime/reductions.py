@@ -46,7 +46,16 @@ def _tiles(size: int, tile: int) -> int:
 def size_function(expr: str):
     """``expr`` (Python source over L, M, N, see :class:`evtc.plan.kernel_plan.KernelInput`) as a
     function of the problem size."""
-    return eval(f"lambda L, M, N: {expr}", {"math": math, "__builtins__": {}})  # noqa: S307 - our own plan
+    fn = eval(f"lambda L, M, N: {expr}", {"math": math, "__builtins__": {}})  # noqa: S307 - our own plan
+
+    def value(L, M, N):  # noqa: N803 - the plan's size names
+        try:
+            return fn(L, M, N)
+        except ZeroDivisionError:
+            # 1/N of a mean over an empty dim: torch's mean is then NaN (its sum 0 times this).
+            return math.inf
+
+    return value
 
 
 def _cast(value, dtype: torch.dtype):
