@@ -4,7 +4,8 @@ Roles of the 384 threads of a CTA:
 
 * warpgroup 0, the producer (registers cut to 40 with setmaxnreg):
     - warp 0 loads A and B tiles by TMA into a ring of ``ab_stages`` shared-memory stages
-      (multicast to the other CTA of a 2x1 / 1x2 cluster);
+      (multicast to the other CTA of a 2x1 / 1x2 cluster), and with them, for block-scaled
+      float8 on wide tiles (``GemmConfig.stages_a_scales``), A's 1 x 128 scales of the K tile;
     - warp 1 loads the epilogue visitor's full-tile inputs (C, ...) by TMA into a ring of
       ``load_stages`` subtile buffers, ahead of the consumers, so their latency hides behind the
       mainloop of the same tile;
