@@ -314,8 +314,8 @@ def test_the_per_call_check_agrees_with_the_named_one(tmp_path):
 
 
 def test_wide_tiles_stage_a_scales_and_the_planner_counts_them():
-    """1 x 128 scales come with the A/B stage on tiles that promote with one scratch accumulator;
-    small tiles (in pairs) and 128 x 128 blocks of A read them from global memory. The shared
+    """1 x 128 scales come with the A/B stage, on tiles with one scratch accumulator and on the
+    small ones that promote in pairs; 128 x 128 blocks of A are read from global memory. The shared
     memory planner counts the staged scales: what it plans fits the H100 with the scales' buffer."""
     from evtc.plan.config import A_SCALES_ALIGN_SLACK, SM90_SMEM_BYTES, SMEM_RESERVED_BYTES
 
@@ -325,11 +325,13 @@ def test_wide_tiles_stage_a_scales_and_the_planner_counts_them():
     wide = config(schedule="cooperative", tile_n=192, block_scales=1)
     assert wide.stages_a_scales and not wide.promotes_in_pairs
     assert wide.ab_bytes_per_stage() == (128 + 192) * 128 + 128 * 4
-    assert not config(schedule="cooperative", tile_n=128, block_scales=1).stages_a_scales  # pairs
+    pairs = config(schedule="cooperative", tile_n=128, block_scales=1)
+    assert pairs.promotes_in_pairs and pairs.stages_a_scales
     assert not config(schedule="cooperative", tile_n=192, block_scales=128).stages_a_scales
     assert not config(schedule="cooperative", tile_n=192).stages_a_scales
     plain = config(schedule="cooperative", tile_n=192, block_scales=128)
-    for cfg in (wide, wide.replace(epi_stages=2), wide.replace(gated=True)):
+    for cfg in (wide, wide.replace(epi_stages=2), wide.replace(gated=True), pairs,
+                config(schedule="pingpong", tile_m=64, tile_n=64, block_scales=1)):
         ab, d = cfg.plan_stages()
         used = ab * cfg.ab_bytes_per_stage() + d * cfg.d_bytes_per_stage() + A_SCALES_ALIGN_SLACK
         assert used <= SM90_SMEM_BYTES - SMEM_RESERVED_BYTES

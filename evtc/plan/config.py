@@ -240,11 +240,12 @@ class GemmConfig:
     @property
     def stages_a_scales(self) -> bool:
         """Whether each A/B stage also brings A's 1 x 128 block scales for its K tile (one float32
-        per row of the tile, by TMA), read from shared memory before the K tile's wgmma is issued.
-        Per-row scales loaded from global memory after the issue cost about 9% of the kernel's time
-        at large M (docs/performance.md, "A's block scales with the A/B stage"); the small tiles
-        that promote in pairs hide those loads behind their second accumulator instead."""
-        return self.block_scales == 1 and not self.promotes_in_pairs
+        per row of the tile, by TMA), read from shared memory before the K tile's wgmma fence:
+        every kernel with 1 x 128 blocks. Per-row scales loaded from global memory cost about 9%
+        of the kernel's time at large M, where one scratch accumulator waits for them, and held up
+        the next K tile's fence where two take turns (docs/performance.md, "A's block scales with
+        the A/B stage")."""
+        return self.block_scales == 1
 
     @property
     def acc_regs(self) -> int:

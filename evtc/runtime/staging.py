@@ -120,10 +120,10 @@ def _gated_copy(b: torch.Tensor, spec) -> tuple[torch.Tensor, int]:
 
 
 def stage_scales(plan, scales: tuple) -> tuple[tuple, list[str]]:
-    """Block scales as every kernel of ``plan`` takes them: a's 1 x 128 scales M-contiguous with
-    16-byte strides (the wide tiles' A/B stages bring them by TMA, ``GemmConfig.stages_a_scales``;
-    the others read any strides), copied where they are not; b's (and a's 128 x 128 ones) as they
-    are. Returns (a's, b's) and the problems staged, as :func:`stage_call` names them."""
+    """Block scales as the kernels of ``plan`` take them: a's 1 x 128 scales M-contiguous with
+    16-byte strides (the A/B stages bring them by TMA, ``GemmConfig.stages_a_scales``), copied
+    where they are not; b's (and a's 128 x 128 ones) as they are. Returns (a's, b's) and the
+    problems staged, as :func:`stage_call` names them."""
     a_scales, b_scales = scales
     spec = plan.a_scales_for(plan.a_scale_rows == 1)
     why = layout_problem(a_scales, spec)

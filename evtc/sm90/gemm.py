@@ -4,8 +4,8 @@ Roles of the 384 threads of a CTA:
 
 * warpgroup 0, the producer (registers cut to 40 with setmaxnreg):
     - warp 0 loads A and B tiles by TMA into a ring of ``ab_stages`` shared-memory stages
-      (multicast to the other CTA of a 2x1 / 1x2 cluster), and with them, for block-scaled
-      float8 on wide tiles (``GemmConfig.stages_a_scales``), A's 1 x 128 scales of the K tile;
+      (multicast to the other CTA of a 2x1 / 1x2 cluster), and with them, for float8 with
+      1 x 128 block scales (``GemmConfig.stages_a_scales``), A's scales of the K tile;
     - warp 1 loads the epilogue visitor's full-tile inputs (C, ...) by TMA into a ring of
       ``load_stages`` subtile buffers, ahead of the consumers, so their latency hides behind the
       mainloop of the same tile;
@@ -947,6 +947,9 @@ class Sm90GemmKernel:
                     # reading, not profiled: wgmma in conditional code is serialised), and helper
                     # methods cannot carry tiled_mma's accumulate flag across the DSL's loops.
                     ab_pipeline.consumer_wait(read_state)
+                    if cutlass.const_expr(self.stages_a_scales):
+                        self._load_block_factors(factors, scales, tile_coord, k_first, first_row,
+                                                 row_offsets, n_chunks, sA_scales, read_state.index)
                     warpgroup.fence()
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(k_blocks):
@@ -954,7 +957,7 @@ class Sm90GemmKernel:
                         cute.gemm(tiled_mma, acc_k, tCrA[coord], tCrB[coord], acc_k)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.block_scales):
+                    if cutlass.const_expr(self.block_scales and not self.stages_a_scales):
                         self._load_block_factors(factors, scales, tile_coord, k_first, first_row,
                                                  row_offsets, n_chunks)
                     read_state.advance()
@@ -964,6 +967,10 @@ class Sm90GemmKernel:
                             scratch_factors, previous_factors = \
                                 (factors2, factors) if half == 0 else (factors, factors2)
                             ab_pipeline.consumer_wait(read_state)
+                            if cutlass.const_expr(self.stages_a_scales):
+                                self._load_block_factors(scratch_factors, scales, tile_coord,
+                                                         k_first + 2 * pair + 1 + half, first_row,
+                                                         row_offsets, n_chunks, sA_scales, read_state.index)
                             warpgroup.fence()
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                             for kb in cutlass.range_constexpr(k_blocks):
@@ -971,7 +978,7 @@ class Sm90GemmKernel:
                                 cute.gemm(tiled_mma, scratch, tCrA[coord], tCrB[coord], scratch)
                                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                             warpgroup.commit_group()
-                            if cutlass.const_expr(self.block_scales):
+                            if cutlass.const_expr(self.block_scales and not self.stages_a_scales):
                                 self._load_block_factors(scratch_factors, scales, tile_coord,
                                                          k_first + 2 * pair + 1 + half, first_row,
                                                          row_offsets, n_chunks)
@@ -985,6 +992,10 @@ class Sm90GemmKernel:
                     if k_count % 2 == 0:
                         # The last K tile (odd) into acc_k2; then both retire.
                         ab_pipeline.consumer_wait(read_state)
+                        if cutlass.const_expr(self.stages_a_scales):
+                            self._load_block_factors(factors2, scales, tile_coord, k_first + k_count - 1,
+                                                     first_row, row_offsets, n_chunks, sA_scales,
+                                                     read_state.index)
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kb in cutlass.range_constexpr(k_blocks):
@@ -992,7 +1003,7 @@ class Sm90GemmKernel:
                             cute.gemm(tiled_mma, acc_k2, tCrA[coord], tCrB[coord], acc_k2)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.block_scales):
+                        if cutlass.const_expr(self.block_scales and not self.stages_a_scales):
                             self._load_block_factors(factors2, scales, tile_coord, k_first + k_count - 1,
                                                      first_row, row_offsets, n_chunks)
                         read_state.advance()
