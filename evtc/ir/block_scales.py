@@ -11,7 +11,8 @@ is (K, N); a leading L when batched), with KB = ceil(K / 128):
 * ``b``'s: (KB, ceil(N / 128)), 128 x 128 blocks (a weight ``w`` (N, K) with scales ``sw``
   (N / 128, KB) is passed as ``(w.t(), sw.t())``).
 
-Scales are float32 with any strides (M-major ``a`` scales read fastest). This module recognises
+Scales are float32 with any strides (the kernel reads ``a``'s 1 x 128 scales by TMA, M-major with
+a pitch of a multiple of 4; other layouts run on a copy). This module recognises
 the pairs, checks the scales' shapes and dequantizes: the accumulator of block-scaled inputs is
 the product of the dequantized ``a`` and ``b`` (:func:`evtc.ir.interpreter.accumulator`, so the
 reference, the interpreter and the torch path agree); the kernel applies the scales in its

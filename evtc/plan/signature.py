@@ -127,8 +127,9 @@ class KernelSignature:
 
     def set_block_scales(self, a_rows: int) -> None:
         """a and b come with float32 block scales (evtc.ir.block_scales): ``a_rows`` rows of a
-        per scale (1 or 128), b per 128 x 128 block. Any strides (the kernel reads them per K tile
-        with ordinary loads, not TMA)."""
+        per scale (1 or 128), b per 128 x 128 block. Any strides here: a kernel that brings a's
+        1 x 128 scales by TMA takes them M-contiguous (:meth:`KernelPlan.a_scales_for`), and calls
+        with another layout run on a copy; the others are read with ordinary loads."""
         rows = "M" if a_rows == 1 else "MB"
         a_batch = ("L",) if len(self.a.dims) == 3 else ()
         b_batch = ("L",) if len(self.b.dims) == 3 else ()

@@ -235,6 +235,13 @@ class Tuner:
                     if tunable(kernel, c, k)]
         # Scratch outputs with the strides of the real ones (staged calls pad their rows).
         scratch = [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device) for o in outs]
+        if scales is not None:
+            # The candidates take a's 1 x 128 scales by TMA: timed on a copy where the call's are in
+            # another layout (the call itself then runs on one too), rather than all refusing them
+            # and the rules' launch being stored untimed.
+            from evtc.runtime.staging import stage_scales
+
+            scales, _ = stage_scales(kernel.plan, scales)
         times: dict[str, float] = {}
         timed = []
         for launch in launches:
