@@ -69,8 +69,9 @@ def _expected_path(kernel, a_pair, n):
     m, k = a.shape[-2:]
     config, _ = kernel.launch_for(m, n, k, a.shape[0] if a.dim() == 3 else 1)
     m_dim = sa.dim() - 2
+    # The compiled function checks no stride of a dim of size 1 (K <= 128: one K block).
     scales_fit = (sa.stride(m_dim) == 1 and sa.data_ptr() % 16 == 0
-                  and all(st % 4 == 0 for i, st in enumerate(sa.stride()) if i != m_dim))
+                  and all(st % 4 == 0 for i, st in enumerate(sa.stride()) if i != m_dim and sa.shape[i] > 1))
     return "staged" if k % 16 or (config.stages_a_scales and not scales_fit) else "kernel"
 
 
