@@ -171,19 +171,12 @@ class KernelPlan:
     #: host outputs it stores, in the order of its arguments. Empty when the host finishes them (``finish``).
     kernel_finish: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: Block-scaled float8 (evtc.ir.block_scales): the float32 scales of a (dims M or MB, KB)
-    #: and of b (KB, NB), any strides (see :meth:`a_scales_for`); None without block scales.
+    #: and of b (KB, NB); a's 1 x 128 ones M-contiguous (the kernel reads them by TMA), the others
+    #: any strides; None without block scales.
     a_scales: TensorSpec | None = None
     b_scales: TensorSpec | None = None
 
     # ---- derived -----------------------------------------------------------------------------
-    def a_scales_for(self, stages_a_scales: bool) -> TensorSpec | None:
-        """a's block scales as a kernel takes them: M-contiguous, every other stride and the base
-        16-byte aligned, where its A/B stages bring them by TMA (``GemmConfig.stages_a_scales``);
-        otherwise :attr:`a_scales` (any strides)."""
-        if not stages_a_scales or self.a_scales is None:
-            return self.a_scales
-        return dataclasses.replace(self.a_scales, contiguous=self.a_scales.dims.index("M"))
-
     @property
     def a_scale_rows(self) -> int:
         """Rows of a per block scale: 1 (1 x 128 blocks) or 128; 0 without block scales."""

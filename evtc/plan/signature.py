@@ -127,13 +127,16 @@ class KernelSignature:
 
     def set_block_scales(self, a_rows: int) -> None:
         """a and b come with float32 block scales (evtc.ir.block_scales): ``a_rows`` rows of a
-        per scale (1 or 128), b per 128 x 128 block. Any strides here: a kernel that brings a's
-        1 x 128 scales by TMA takes them M-contiguous (:meth:`KernelPlan.a_scales_for`), and calls
-        with another layout run on a copy; the others are read with ordinary loads."""
+        per scale (1 or 128), b per 128 x 128 block. a's 1 x 128 scales are M-contiguous, every
+        other stride and the base 16-byte aligned: the kernel brings them with each A/B stage by
+        TMA (``GemmConfig.stages_a_scales``), and calls with another layout run on a copy. The
+        others take any strides (read with ordinary loads)."""
         rows = "M" if a_rows == 1 else "MB"
         a_batch = ("L",) if len(self.a.dims) == 3 else ()
         b_batch = ("L",) if len(self.b.dims) == 3 else ()
-        self.a_scales = TensorSpec("a's block scales", "float32", (*a_batch, rows, "KB"), None)
+        a_dims = (*a_batch, rows, "KB")
+        self.a_scales = TensorSpec("a's block scales", "float32", a_dims,
+                                   a_dims.index("M") if a_rows == 1 else None)
         self.b_scales = TensorSpec("b's block scales", "float32", (*b_batch, "KB", "NB"), None)
 
     def set_output_major(self, d_major: str) -> None:

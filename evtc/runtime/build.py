@@ -147,12 +147,11 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
         gate_input = {i.user: index for index, i in enumerate(plan.inputs) if i.half == 0}
         in_halves = [None if i.half is None else (i.half, gate_input[i.user]) for i in plan.inputs]
         scaled = bool(config.block_scales)
-        a_scales = plan.a_scales_for(config.stages_a_scales)
         launcher = entry_point(config.gated, config.split_k, scaled)(
             kernel, plan.a, plan.b, plan.outputs + plan.workspaces + plan.finish_args, in_specs,
             [i.view for i in plan.inputs], plan.batched, workspaces=len(plan.workspaces),
             finished=tuple(len(names) for _, names in plan.kernel_finish),
-            scale_specs=(a_scales, plan.b_scales) if scaled else (), in_halves=in_halves)
+            scale_specs=(plan.a_scales, plan.b_scales) if scaled else (), in_halves=in_halves)
         symbols = Symbols()
         fake_outs = tuple(fake_tensor(s, symbols) for s in plan.outputs + plan.workspaces + plan.finish_args)
         fake_ins = tuple(cutlass.Float32(1.0) if s is None
@@ -171,7 +170,7 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
             # A gated kernel takes b whole, then where its up half starts (GatedLauncher).
             fake_b = fake_tensor(whole_spec(plan.b) if config.gated else plan.b, symbols)
             if scaled:  # (tensor, block scales) pairs
-                fake_a = (fake_a, fake_tensor(a_scales, symbols))
+                fake_a = (fake_a, fake_tensor(plan.a_scales, symbols))
                 fake_b = (fake_b, fake_tensor(plan.b_scales, symbols))
             up_offset = (cutlass.Int64(0),) if config.gated else ()
             split = fake_split_args() if config.split_k else ()

@@ -133,8 +133,8 @@ def _example(value: Any, seen: set[int]) -> Any:
 
 def _operand_example(name: str, value: Any, seen: set[int]) -> Any:
     """An example input in the key: block-scaled ``a`` and ``b`` are (tensor, scales) pairs, whose
-    scales' strides do not change the kernel (a's 1 x 128 scales in another layout than the one
-    its TMA reads run on a copy; the others are read at any strides)."""
+    scales' strides do not change the kernel (a's 1 x 128 scales in another layout than its TMA
+    reads run on a copy; the others are read at any strides)."""
     if name in ("a", "b") and isinstance(value, tuple | list) and len(value) == 2 \
             and all(isinstance(v, torch.Tensor) for v in value):
         tensor, scales = value

@@ -45,17 +45,19 @@ def _tiles(size: int, tile: int) -> int:
 
 def size_function(expr: str):
     """``expr`` (Python source over L, M, N, see :class:`evtc.plan.kernel_plan.KernelInput`) as a
-    function of the problem size."""
+    function of the problem size (called per call: only a quotient pays for the zero guard)."""
     fn = eval(f"lambda L, M, N: {expr}", {"math": math, "__builtins__": {}})  # noqa: S307 - our own plan
+    if "/" not in expr:
+        return fn
 
-    def value(L, M, N):  # noqa: N803 - the plan's size names
+    def quotient(L, M, N):  # noqa: N803 - the plan's size names
         try:
             return fn(L, M, N)
         except ZeroDivisionError:
             # 1/N of a mean over an empty dim: torch's mean is then NaN (its sum 0 times this).
             return math.inf
 
-    return value
+    return quotient
 
 
 def _cast(value, dtype: torch.dtype):

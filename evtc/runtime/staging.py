@@ -122,14 +122,13 @@ def _gated_copy(b: torch.Tensor, spec) -> tuple[torch.Tensor, int]:
 def stage_scales(plan, scales: tuple) -> tuple[tuple, list[str]]:
     """Block scales as the kernels of ``plan`` take them: a's 1 x 128 scales M-contiguous with
     16-byte strides (the A/B stages bring them by TMA, ``GemmConfig.stages_a_scales``), copied
-    where they are not; b's (and a's 128 x 128 ones) as they are. Returns (a's, b's) and the
-    problems staged, as :func:`stage_call` names them."""
+    where they are not; b's (and a's 128 x 128 ones, any strides) as they are. Returns (a's, b's)
+    and the problems staged, as :func:`stage_call` names them."""
     a_scales, b_scales = scales
-    spec = plan.a_scales_for(plan.a_scale_rows == 1)
-    why = layout_problem(a_scales, spec)
+    why = layout_problem(a_scales, plan.a_scales)
     if why is None:
         return scales, []
-    return (aligned_copy(a_scales, spec), b_scales), [f"a's block scales: {why}"]
+    return (aligned_copy(a_scales, plan.a_scales), b_scales), [f"a's block scales: {why}"]
 
 
 def stage_call(plan, a, b, up, ins, targets):

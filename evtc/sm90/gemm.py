@@ -35,6 +35,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from evtc.plan.config import (
+    A_SCALE_BYTES,
     CONSUMER_REGS,
     NUM_THREADS,
     PRODUCER_REGS,
@@ -629,7 +630,7 @@ class Sm90GemmKernel:
         b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
         ab_tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) * self.a_rows // self.tile_m + (
             cute.size_in_bytes(self.b_dtype, b_stage_layout)
-        ) + (self.tile_m * 4 if self.stages_a_scales else 0)
+        ) + (self.tile_m * A_SCALE_BYTES if self.stages_a_scales else 0)
         # Every consumer warp releases a stage to each CTA that multicast into it (itself included).
         # A stage is read by both consumer warpgroups (cooperative) or by one (pingpong).
         consumer_warps = 4 if self.pingpong else 8
