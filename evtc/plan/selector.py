@@ -171,6 +171,15 @@ WAVE_FIT_ROUND_COST = 16
 # Up to this many waves of 128 x 128 tiles, a part-filled last round costs enough to choose the tile
 # width by it; beyond, the rounds are many and the compiled tile (or 128 x 256) runs.
 WAVE_FIT_MAX_WAVES = 5
+# How much faster per column a block-scaled tile with one scratch accumulator (128 x 192, A's
+# scales staged with the A/B stage) runs than the 128 x 128 tile in pairs, for :func:`_wave_fitted`.
+# Fitted on the H100 (docs/performance.md, "Block-scaled tiles by their rounds"): over 14 LLM
+# layers at M = 512, 1024 and 2048 the two tiles' measured speed ratio over their rounds' cost ratio
+# was 1.00-1.21, median 1.13; any factor from 1.09 to 1.15 picks the faster tile on all 42 rows.
+# From BLOCK_SCALED_WIDE_MIN_M rows only: at M = 128 the weight's stream sets the pace, and
+# 128 x 57344 x 8192 ran 0.96x torch's blockwise GEMM in 128 x 192 against 1.02x in 128 x 128.
+BLOCK_SCALED_WIDE_SPEED = 1.12
+BLOCK_SCALED_WIDE_MIN_M = 256
 
 
 def light_epilogue(epilogue_tiles: int, outputs: int, reductions: int) -> bool:
@@ -384,7 +393,9 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
     None where 128 columns are as good (the other rules then choose).
 
     A round of tiles of width W takes time in proportion to W (each tile's MMAs and loads scale with
-    it), plus :data:`WAVE_FIT_ROUND_COST`: the launch costs rounds x (W + that). A width must cost
+    it), plus :data:`WAVE_FIT_ROUND_COST`: the launch costs rounds x (W + that), divided by
+    :data:`BLOCK_SCALED_WIDE_SPEED` for a block-scaled tile that does not promote in pairs (from
+    :data:`BLOCK_SCALED_WIDE_MIN_M` rows). A width must cost
     strictly less than 128 columns; among those, equal costs go to the wider tile (fewer bytes from
     L2 per FLOP). On the H100 (docs/performance.md, "Tiles that make whole waves") this picked the
     measured best at all 17 shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128
@@ -396,6 +407,8 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
         if config is None:
             continue
         cost = ceil_div(_tiles(m, n, batches, config), slots) * (config.tile_n + WAVE_FIT_ROUND_COST)
+        if config.block_scales and not config.promotes_in_pairs and m >= BLOCK_SCALED_WIDE_MIN_M:
+            cost /= BLOCK_SCALED_WIDE_SPEED
         if width == 128:
             cost_128 = cost
         if best_cost is None or cost <= best_cost:
@@ -498,7 +511,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "FAMILY", "FILL",
+__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCALED_WIDE_MIN_M",
+           "BLOCK_SCALED_WIDE_SPEED", "FAMILY", "FILL",
            "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
            "PROMOTING_LONG_K_WAVES",
            "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_MIN_K_WITH_TILES",
