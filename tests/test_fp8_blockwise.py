@@ -63,6 +63,11 @@ def _product_by_blocks(a_pair, b_pair, rows):
     return out
 
 
+def _shared_words_read(ptx: str) -> int:
+    """32-bit values that the ld.shared instructions of ``ptx`` read (a .v2 reads two)."""
+    return sum(int(vector or 1) for vector in re.findall(r"ld\.shared(?:\.v(\d))?\.[bf]32", ptx))
+
+
 @pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
 def test_block_scales_compile_to_the_8_bit_wgmma_with_scaled_promotion(tmp_path, rows):
     a, b = _pairs(256, 384, 512, rows)
@@ -78,15 +83,21 @@ def test_block_scales_compile_to_the_8_bit_wgmma_with_scaled_promotion(tmp_path,
     assert len(re.findall(r"fma\.rn\.f32", loop)) >= 96
     # The scales: 128 x 128 blocks of A (one per tile) loaded from global memory after the wgmma
     # is issued; 1 x 128 ones come with the A/B stage by TMA (a third copy into shared memory,
-    # beside A's and B's) and are read from it, with B's from global memory, between the stage's
-    # wait and the wgmma's fence.
+    # beside A's and B's), B's with it by the producer warp's cp.async (tracked by the stage's
+    # barrier), and both are read from shared memory between the stage's wait and the wgmma's
+    # fence, with no global load there to hold the fence up.
     tma_loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::c\w+\.global", ptx)
     assert k.config.stages_a_scales == (rows == 1) and len(tma_loads) == (3 if rows == 1 else 2)
     if rows == 1:
         before = ptx[:ptx.index("wgmma.mma_async")]
         before = before[before.rindex("mbarrier.try_wait"):before.rindex("wgmma.fence")]
-        assert len(re.findall(r"ld\.shared\.[bf]32", before)) == 2  # the thread's two rows
-        assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", before)) == 3  # three 64-column chunks
+        # The thread's two rows, and B's three 64-column chunks.
+        assert _shared_words_read(before) == 2 + 3
+        assert not re.search(r"ld\.global", before)
+        # The producer warp: one 4-byte cp.async per chunk, whose landing the stage's barrier tracks.
+        assert re.search(r"cp\.async\.ca\.shared(::cta)?\.global(\.\w+)* \[[^]]+\], \[[^]]+\], 4", ptx)
+        assert re.search(r"cp\.async\.mbarrier\.arrive(\.shared(::cta)?)?\.b64", ptx)
+        assert not re.search(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)
     else:
         assert re.search(r"ld\.global(\.\w+)*\.[bf]32", loop)
 
@@ -130,14 +141,15 @@ def test_gated_block_scales_read_each_half_of_b_by_its_own_columns(tmp_path, row
     assert "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3" in k.ptx
     loop = k.ptx[k.ptx.index("wgmma.mma_async"):]
     loop = loop[:loop.index("wgmma.fence", 1)] if "wgmma.fence" in loop[1:] else loop
-    # Six chunks of B (three per half) from global memory, and A's scales: its 128-row block's from
-    # global memory after the wgmma is issued, or (1 x 128) its two rows' from the stage before it.
+    # Six chunks of B (three per half) and A's scales: with 128 x 128 blocks of A, its block's and
+    # B's from global memory after the wgmma is issued; with 1 x 128, its two rows' and B's six
+    # from the stage before it (the producer warp copies B's, six lanes).
     if rows == 1:
-        assert k.config.stages_a_scales
+        assert k.config.stages_a_scales and k.config.b_scale_chunks == 6
         before = k.ptx[:k.ptx.index("wgmma.mma_async")]
         before = before[before.rindex("mbarrier.try_wait"):before.rindex("wgmma.fence")]
-        assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", before)) == 6
-        assert len(re.findall(r"ld\.shared\.[bf]32", before)) == 2
+        assert not re.search(r"ld\.global", before)
+        assert _shared_words_read(before) == 2 + 6
     else:
         assert len(re.findall(r"ld\.global(\.\w+)*\.[bf]32", loop)) >= 6 + 1
 
@@ -324,7 +336,9 @@ def test_wide_tiles_stage_a_scales_and_the_planner_counts_them():
 
     wide = config(schedule="cooperative", tile_n=192, block_scales=1)
     assert wide.stages_a_scales and not wide.promotes_in_pairs
-    assert wide.ab_bytes_per_stage() == (128 + 192) * 128 + 128 * 4
+    # A's 128 rows' scales and B's three 64-column chunks'.
+    assert wide.b_scale_chunks == 3
+    assert wide.ab_bytes_per_stage() == (128 + 192) * 128 + (128 + 3) * 4
     pairs = config(schedule="cooperative", tile_n=128, block_scales=1)
     assert pairs.promotes_in_pairs and pairs.stages_a_scales
     assert not config(schedule="cooperative", tile_n=192, block_scales=128).stages_a_scales

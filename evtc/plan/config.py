@@ -308,7 +308,7 @@ class GemmConfig:
         return self.a_rows is None or m <= self.a_rows
 
     def ab_bytes_per_stage(self) -> int:
-        scales = self.tile_m * A_SCALE_BYTES if self.stages_a_scales else 0
+        scales = (self.tile_m + self.b_scale_chunks) * A_SCALE_BYTES if self.stages_a_scales else 0
         return (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.ab_dtype] + scales
 
     def overlap_ab_stages(self) -> int:
@@ -507,6 +507,12 @@ class GemmConfig:
         gated tile's up half starts N/2 columns into B, which need not be a multiple of 128: its
         chunks are :data:`GATED_SCALE_CHUNK` columns, and calls need N/2 to be a multiple of that."""
         return GATED_SCALE_CHUNK if self.gated else math.gcd(self.tile_n, SCALE_BLOCK)
+
+    @property
+    def b_scale_chunks(self) -> int:
+        """Block scales: the tile's column chunks (:attr:`scale_chunk` columns each, both halves of
+        a gated tile), each with one B scale per K tile; 0 without block scales."""
+        return self.tile_n // self.scale_chunk if self.block_scales else 0
 
     def replace(self, **changes) -> GemmConfig:
         return dataclasses.replace(self, **changes).validate()

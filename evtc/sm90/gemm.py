@@ -5,7 +5,8 @@ Roles of the 384 threads of a CTA:
 * warpgroup 0, the producer (registers cut to 40 with setmaxnreg):
     - warp 0 loads A and B tiles by TMA into a ring of ``ab_stages`` shared-memory stages
       (multicast to the other CTA of a 2x1 / 1x2 cluster), and with them, for float8 with
-      1 x 128 block scales (``GemmConfig.stages_a_scales``), A's scales of the K tile;
+      1 x 128 block scales (``GemmConfig.stages_a_scales``), A's scales of the K tile (TMA) and
+      B's (one cp.async per column chunk, lanes 0.., tracked by the stage's full barrier);
     - warp 1 loads the epilogue visitor's full-tile inputs (C, ...) by TMA into a ring of
       ``load_stages`` subtile buffers, ahead of the consumers, so their latency hides behind the
       mainloop of the same tile;
@@ -29,6 +30,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -97,6 +99,9 @@ class Sm90GemmKernel:
         self.block_scales = cfg.block_scales
         # 1 x 128 block scales of A brought by TMA with each A/B stage (GemmConfig.stages_a_scales).
         self.stages_a_scales = cfg.stages_a_scales
+        # With them, B's scales of the K tile (one per column chunk, GemmConfig.b_scale_chunks) come
+        # with the stage too: the producer warp copies them by cp.async, tracked by the stage's barrier.
+        self.b_scale_chunks = cfg.b_scale_chunks if cfg.stages_a_scales else 0
         self.tile_m = cfg.tile_m
         self.pingpong = cfg.schedule == "pingpong"
         # Gated (SwiGLU): B comes as two halves; tile n of the output loads block n of each into
@@ -292,6 +297,9 @@ class Sm90GemmKernel:
             # (A_SCALES_ALIGN_SLACK covers the rest).
             fields["sA_scales"] = cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, self.tile_m * self.ab_stages], 128
+            ]
+            fields["sB_scales"] = cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self.b_scale_chunks * self.ab_stages], 16
             ]
         fields |= {
             "sA": cute.struct.Align[
@@ -537,26 +545,22 @@ class Sm90GemmKernel:
         ``kb`` of the tile at ``tile_coord``: A's scale of the row (1 x 128 blocks) or of the tile's
         128-row block, times B's scale of the chunk's 128 x 128 block. A gated tile's chunks are
         its gate half's columns of B, then its up half's, ``n_half`` (B's columns per half)
-        further along B. Where the A/B stages bring A's scales (``stages_a_scales``), A's come from
-        ``staged`` (the stages' scales in shared memory) at ``stage``, the K tile's A/B stage.
+        further along B. Where the A/B stages bring the scales (``stages_a_scales``), both come from
+        ``staged`` (A's and B's scales in shared memory, by TMA and by the producer warp's
+        cp.async) at ``stage``, the K tile's A/B stage.
 
         Every index is clamped to the last scale: a tile's rows past M, a chunk past N (the last
         128 x 192 tile of N = 4096 reaches column 4224) and whole tiles past the problem (the last
         cluster of a ragged grid) read a scale that exists; their values are never stored."""
-        m_scales, n_scales = scales[0], scales[1]
+        m_scales = scales[0]
         m, n, batch = tile_coord
-        out_tile_n = self.shape.tile[1]
-        chunk = self.config.scale_chunk
-        last_b = n_scales.shape[0] - 1
         last_a = m_scales.shape[0] - 1
         b_scales = []
         for c in cutlass.range_constexpr(n_chunks):
-            if cutlass.const_expr(self.gated and c * chunk >= out_tile_n):
-                column = scales[2] + n * out_tile_n + c * chunk - out_tile_n
+            if cutlass.const_expr(self.stages_a_scales):
+                b_scales.append(staged[1][(c, stage)])
             else:
-                column = n * out_tile_n + c * chunk
-            block = cutlass.min(column // SCALE_BLOCK, last_b)
-            b_scales.append(n_scales[(block, kb, batch)])
+                b_scales.append(scales[1][self._b_scale_coord(scales, tile_coord, c, kb)])
         if cutlass.const_expr(self.block_scales == SCALE_BLOCK):
             a_scale = m_scales[(cutlass.min((m * self.tile_m) // SCALE_BLOCK, last_a), kb, batch)]
             for c in cutlass.range_constexpr(n_chunks):
@@ -564,12 +568,51 @@ class Sm90GemmKernel:
         else:
             for r in cutlass.range_constexpr(len(row_offsets)):
                 if cutlass.const_expr(self.stages_a_scales):
-                    a_scale = staged[(first_row + row_offsets[r], 0, stage)]
+                    a_scale = staged[0][(first_row + row_offsets[r], 0, stage)]
                 else:
                     row = cutlass.min(m * self.tile_m + first_row + row_offsets[r], last_a)
                     a_scale = m_scales[(row, kb, batch)]
                 for c in cutlass.range_constexpr(n_chunks):
                     factors[r * n_chunks + c] = a_scale * b_scales[c]
+
+    def _b_scale_coord(self, scales: tuple, tile_coord, c, kb):
+        """Where B's scale of column chunk ``c`` (static or dynamic) of the tile at ``tile_coord``
+        lies for K block ``kb``: (128-column block, kb, batch), clamped to the last block (see
+        :meth:`_load_block_factors`)."""
+        n, batch = tile_coord[1], tile_coord[2]
+        out_tile_n = self.shape.tile[1]
+        chunk = self.config.scale_chunk
+        column = n * out_tile_n + c * chunk
+        if cutlass.const_expr(self.gated):
+            # The up half's chunks: its columns of B start n_half (scales[2]) further along.
+            if cutlass.const_expr(isinstance(c, int)):
+                if cutlass.const_expr(c * chunk >= out_tile_n):
+                    column = column + scales[2] - out_tile_n
+            else:
+                column = cutlass.select_(c * chunk >= out_tile_n, column + scales[2] - out_tile_n, column)
+        return (cutlass.min(column // SCALE_BLOCK, scales[1].shape[0] - 1), kb, batch)
+
+    @cute.jit
+    def _copy_b_scales(self, scales: tuple, sB_scales: cute.Tensor, tile_coord, kb: Int32, stage: Int32,
+                       barrier) -> None:
+        """Producer warp: lane c copies B's scale of column chunk c for K block ``kb`` into stage
+        ``stage`` of ``sB_scales`` by cp.async (4 bytes: any strides and alignment do), and the
+        stage's full barrier tracks the copy (cp.async.mbarrier.arrive without .noinc adds one
+        pending arrival and makes it when the copy lands, so the barrier's count is unchanged).
+        Called before this stage's TMAs are issued: until they are, the barrier's transaction
+        count keeps its phase open, so the added arrival always belongs to this phase. Consumers
+        then read B's scales from shared memory before the wgmma fence; a global load there held
+        the fence up until it landed (about 10% of a 128 x 128 tile's time, docs/performance.md)."""
+        lane = cute.arch.lane_idx()
+        if lane < self.b_scale_chunks:
+            source = scales[1]
+            offset = cute.crd2idx(self._b_scale_coord(scales, tile_coord, lane, kb), source.layout)
+            src = cute.make_tensor(source.iterator + offset, cute.make_layout(1))
+            dst = cute.make_tensor(sB_scales.iterator + (lane + stage * self.b_scale_chunks),
+                                   cute.make_layout(1))
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32)
+            cute.copy(atom, src, dst)
+            nvvm.cp_async_mbarrier_arrive(barrier.llvm_ptr)
 
     def _promote(self, acc: cute.Tensor, partial: cute.Tensor, factors, factor_slot) -> None:
         """Add one K tile's float8 products ``partial`` into the float32 ``acc``: each value times
@@ -703,15 +746,19 @@ class Sm90GemmKernel:
             ))
 
         # A's block scales: stage s of sA_scales holds the tile_m scales of the K tile in A/B stage s.
-        sA_scales = tSs_scales = tSg_scales = None
+        sA_scales = sB_scales = tSs_scales = tSg_scales = None
         if cutlass.const_expr(self.stages_a_scales):
             sA_scales = storage.sA_scales.get_tensor(cute.make_layout((self.tile_m, 1, self.ab_stages)))
+            # B's: stage s holds the K tile's scale of each column chunk.
+            sB_scales = storage.sB_scales.get_tensor(cute.make_layout((self.b_scale_chunks, self.ab_stages)))
             # (bM, 1, tiles_m, KB, L)
             g_scales = cute.local_tile(scales[-1], (self.tile_m, 1), (None, None, None))
             tSs_scales, tSg_scales = cpasync.tma_partition(
                 scales[-2], 0, cute.make_layout(1),
                 cute.group_modes(sA_scales, 0, 2), cute.group_modes(g_scales, 0, 2),
             )
+        # What the consumers read each K tile's scales from (_load_block_factors).
+        staged_scales = (sA_scales, sB_scales)
         _, _, first_work = cute.arch.block_idx()
         _, _, work_stride = cute.arch.grid_dim()
         # The grid is the clusters that run at once wherever split-K splits only the tail, so the
@@ -753,6 +800,8 @@ class Sm90GemmKernel:
                         k = k_first + kk
                         ab_pipeline.producer_acquire(state)
                         barrier = ab_pipeline.producer_get_barrier(state)
+                        if cutlass.const_expr(self.stages_a_scales):
+                            self._copy_b_scales(scales, sB_scales, (m, n, batch), k, state.index, barrier)
                         cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, state.index)],
                                   tma_bar_ptr=barrier, mcast_mask=a_mask)
                         if cutlass.const_expr(self.stages_a_scales):
@@ -950,7 +999,7 @@ class Sm90GemmKernel:
                     ab_pipeline.consumer_wait(read_state)
                     if cutlass.const_expr(self.stages_a_scales):
                         self._load_block_factors(factors, scales, tile_coord, k_first, first_row,
-                                                 row_offsets, n_chunks, sA_scales, read_state.index)
+                                                 row_offsets, n_chunks, staged_scales, read_state.index)
                     warpgroup.fence()
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(k_blocks):
@@ -971,7 +1020,8 @@ class Sm90GemmKernel:
                             if cutlass.const_expr(self.stages_a_scales):
                                 self._load_block_factors(scratch_factors, scales, tile_coord,
                                                          k_first + 2 * pair + 1 + half, first_row,
-                                                         row_offsets, n_chunks, sA_scales, read_state.index)
+                                                         row_offsets, n_chunks, staged_scales,
+                                                         read_state.index)
                             warpgroup.fence()
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                             for kb in cutlass.range_constexpr(k_blocks):
@@ -995,7 +1045,7 @@ class Sm90GemmKernel:
                         ab_pipeline.consumer_wait(read_state)
                         if cutlass.const_expr(self.stages_a_scales):
                             self._load_block_factors(factors2, scales, tile_coord, k_first + k_count - 1,
-                                                     first_row, row_offsets, n_chunks, sA_scales,
+                                                     first_row, row_offsets, n_chunks, staged_scales,
                                                      read_state.index)
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -1037,11 +1087,11 @@ class Sm90GemmKernel:
                     for _k in cutlass.range(0, k_count, unroll=1):
                         ab_pipeline.consumer_wait(read_state)
                         if cutlass.const_expr(self.stages_a_scales):
-                            # A's scales from the stage: read before the wgmma is issued, while the
+                            # The scales from the stage: read before the wgmma is issued, while the
                             # shared memory is not yet busy with its operands (after the issue they
-                            # queue behind them); B's, warp-uniform, load alongside.
+                            # queue behind them).
                             self._load_block_factors(factors, scales, tile_coord, k_first + _k, first_row,
-                                                     row_offsets, n_chunks, sA_scales, read_state.index)
+                                                     row_offsets, n_chunks, staged_scales, read_state.index)
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kb in cutlass.range_constexpr(k_blocks):
