@@ -201,20 +201,21 @@ def test_promoting_kernels_run_many_tiles_in_128_by_128_tiles_in_pairs(tmp_path,
 
 
 @pytest.mark.parametrize("m,n,k,tile_n", [
-    # (M, N, K, the tile's width): rounds of 128 x 128 against rounds of 128 x 192 on 132 SMs
-    (2048, 4096, 4096, 192),  # 4 rounds of 128 against 3 of 192: 576 against 624 / 1.12 = 557
-    (2048, 3584, 18944, 192),  # 4 against 3
-    (1024, 8192, 8192, 192),  # 4 against 3
-    (1024, 10240, 8192, 128),  # 5 rounds (720) against 4 (832 / 1.12 = 743)
+    # (M, N, K, the tile's width) within WAVE_FIT_MAX_WAVES: rounds of 128 x 128 tiles against
+    # rounds of 128 x 192 on 132 SMs, the wider counted BLOCK_SCALED_WIDE_SPEED (0.9) as fast
+    (512, 6144, 4096, 192),  # 2 rounds of 128 (288) against 1 of 192 (208 / 0.9 = 231)
+    (512, 4608, 3584, 192),  # 2 against 1
+    (2048, 4608, 3584, 192),  # 5 (720) against 3 (693)
+    (1024, 6144, 4096, 128),  # 3 (432) against 2 (462)
+    (1024, 4608, 3584, 128),  # 3 against 2
     (1024, 4096, 4096, 128),  # 2 against 2
-    (512, 7168, 2048, 128),  # 2 against 2
-    (128, 57344, 8192, 128),  # 4 against 3, but at M = 128 the weight's stream sets the pace
+    (2048, 4096, 4096, 128),  # 4 (576) against 3 (693)
 ])
 def test_block_scaled_tiles_by_their_rounds(tmp_path, m, n, k, tile_n):
     """Within WAVE_FIT_MAX_WAVES, a block-scaled kernel runs 128 x 192 (one scratch accumulator)
-    where its rounds of tiles, counted BLOCK_SCALED_WIDE_SPEED times as fast per column, cost less
-    than 128 x 128's in pairs; from BLOCK_SCALED_WIDE_MIN_M rows only."""
-    from evtc.plan.selector import BLOCK_SCALED_WIDE_MIN_M, BLOCK_SCALED_WIDE_SPEED, WAVE_FIT_ROUND_COST
+    only where its rounds of tiles, counted BLOCK_SCALED_WIDE_SPEED times as fast per column, cost
+    less than 128 x 128's in pairs."""
+    from evtc.plan.selector import BLOCK_SCALED_WIDE_SPEED, WAVE_FIT_ROUND_COST
 
     blocks = {"a": (torch.empty(256, 256, dtype=E4M3), torch.empty(256, 2)),
               "b": (torch.empty(256, 256, dtype=E4M3).t(), torch.empty(2, 2).t())}
@@ -224,42 +225,46 @@ def test_block_scaled_tiles_by_their_rounds(tmp_path, m, n, k, tile_n):
     assert config.promotes_in_pairs == (tile_n == 128)
 
     def rounds(width: int) -> int:
-        ctas = kernel.slots(config.cluster)
+        ctas = kernel.slots((1, 1))
         return -(-(-(-m // 128) * -(-n // width)) // ctas)
 
     # The model restated independently of the selector's code.
     wide_cost = rounds(192) * (192 + WAVE_FIT_ROUND_COST) / BLOCK_SCALED_WIDE_SPEED
     square_cost = rounds(128) * (128 + WAVE_FIT_ROUND_COST)
-    assert (tile_n == 192) == (m >= BLOCK_SCALED_WIDE_MIN_M and wide_cost < square_cost)
+    assert (tile_n == 192) == (wide_cost < square_cost)
 
 
-@pytest.mark.parametrize("m,n,k,tile_n", [
-    (1024, 4096, 4096, 128),  # two waves of 128 x 128 in pairs, where 128 x 192 split K in two
-    (512, 8192, 8192, 128),
-    (256, 28672, 4096, 192),  # the 16-bit rules split this in two; three rounds of 192 beat four of 128
-    (256, 4608, 3584, 128),  # one round of cooperative 128 x 128, not two of ping-pong 128 x 64
-    (2048, 8192, 8192, 192),  # past WAVE_FIT_MAX_WAVES: 128 x 192 (the 16-bit rules split it in four)
-    (1024, 57344, 8192, 192),  # ... in four too
+@pytest.mark.parametrize("m,n,k,cluster", [
+    (1024, 4096, 4096, (1, 2)),  # two waves; 128 x 192 split K in two before the pairs
+    (512, 8192, 8192, (2, 1)),  # four rows of tiles: 2x1
+    (256, 28672, 4096, (2, 1)),  # the 16-bit rules split this in two
+    (2048, 8192, 8192, (1, 2)),  # past WAVE_FIT_MAX_WAVES
+    (1024, 57344, 8192, (1, 2)),
+    (8192, 57344, 8192, (1, 2)),  # MANY_WAVES: tensorwise float8 keeps 128 x 192 here
+    (8192, 3584, 18944, (1, 2)),  # LONG_K past PROMOTING_LONG_K_WAVES: the same
 ])
-def test_block_scaled_kernels_run_128_by_128_in_pairs_up_to_a_few_waves_and_never_split(tmp_path, m, n, k,
-                                                                                          tile_n):
+def test_block_scaled_kernels_run_128_by_128_in_pairs_and_never_split(tmp_path, m, n, k, cluster):
     """Block-scaled float8 (evtc.plan.selector, PROMOTING_LONG_K_WAVES's note and choose_launch):
-    cooperative 128 x 128 in pairs in 2x1 clusters up to WAVE_FIT_MAX_WAVES waves of them, 128 x 192
-    past that, and no split of K unless pinned (on the H100 the unsplit launch was as fast or faster
-    on every row the 16-bit rules split); pinned splits still split."""
+    cooperative 128 x 128 in pairs wherever the wave fit does not pick 128 x 192, at any number of
+    waves and K, in 1x2 clusters past four rows of tiles, and no split of K unless pinned (on the
+    H100 the unsplit launch was as fast or faster on every row the 16-bit rules split); pinned
+    splits still split."""
     from evtc.plan import split_k
-    from evtc.plan.selector import WAVE_FIT_MAX_WAVES
+    from evtc.plan.selector import LONG_K, MANY_WAVES, PROMOTING_LONG_K_WAVES
 
     blocks = {"a": (torch.empty(256, 256, dtype=E4M3), torch.empty(256, 2)),
               "b": (torch.empty(256, 256, dtype=E4M3).t(), torch.empty(2, 2).t())}
     kernel = evtc.compile(identity, blocks, out_dtypes=torch.bfloat16, arch="sm_90a", cache_dir=tmp_path)
     config, splits = kernel.launch_for(m, n, k)
     got = (config.schedule, config.tile_m, config.tile_n, config.cluster, splits)
-    assert got == ("cooperative", 128, tile_n, (2, 1), 1), config.short_name()
-    assert config.block_scales and config.promotes_in_pairs == (tile_n == 128)
-    if (m, n, k) != (256, 28672, 4096):  # (within five waves, 128 x 192 by its rounds: the next test)
-        assert (-(-m // 128) * -(-n // 128) <= WAVE_FIT_MAX_WAVES * 132) == (tile_n == 128)
-    if (m, n, k) in ((256, 28672, 4096), (2048, 8192, 8192), (1024, 57344, 8192)):
+    assert got == ("cooperative", 128, 128, cluster, 1), config.short_name()
+    assert config.block_scales and config.promotes_in_pairs
+    tiles = -(-m // 128) * -(-n // 128)
+    if (m, n, k) == (8192, 57344, 8192):
+        assert tiles >= MANY_WAVES * 132
+    if (m, n, k) == (8192, 3584, 18944):
+        assert k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * 132
+    if (m, n, k) == (256, 28672, 4096):
         # The rules every other kernel follows would split this launch.
         tiles, slots = split_k.cta_tile_grid(m, n, 1, config, config.cluster), kernel.slots(config.cluster)
         most = split_k.choose_splits(k, tiles, slots, config.tile_k)

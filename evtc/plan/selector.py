@@ -118,13 +118,13 @@ WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # against 0.89x); 128 x 192 kept its lead at 8192 x 57344 x 8192 (217 waves: 1.04x against 0.92x),
 # 8192 x 8192 x 28672 (31 waves, 0.99x against 0.76x) and 8192 x 3584 x 18944 (14 waves, 1.02x
 # against 0.97x), where 2048 x 8192 x 28672 (8 waves) ran 0.98x against 0.95x.
-# Block-scaled kernels run 128 x 128 in pairs only up to WAVE_FIT_MAX_WAVES (where the wave-fitted
-# widths found none better), and 128 x 192 past it: measured on the H100 against torch's blockwise
-# GEMM (14 LLM layers; docs/performance.md, "Block scales in pairs"), 128 x 128 in pairs ran 0.81x
-# at M = 8192 against 0.89x for 128 x 192, and at 2-5 waves of 128 x 128 tiles 0.86x against 0.69x
-# for the 128 x 192 tile that split K (M = 512 and 1024; 1024 x 4096 x 4096: 0.86x against 0.62x).
-# Those keep 2x1 clusters for many rows of tiles, not PROMOTING_MANY_ROWS_CLUSTER_COST's 1x2 (0.85x
-# against 0.83x at M = 1024, 0.84x against 0.81x at 2048).
+# Block-scaled kernels, since both tiles read their scales from the stage, run 128 x 128 in pairs
+# (1x2 clusters past four rows of tiles) at any number of waves and K, 128 x 192 only where the
+# wave fit (BLOCK_SCALED_WIDE_SPEED) picks it (docs/performance.md, "B's block scales with the
+# stage too": pinned, 128 x 128 in 1x2 clusters 1.04x torch's blockwise GEMM over 42 rows of
+# M = 512-2048 and 1.05x over 14 of M = 8192, worst 0.97x, against 0.86x and 0.96x for 128 x 192;
+# at M = 8192 it won the MANY_WAVES and LONG_K rows too, 8192 x 3584 x 18944 1.04x against 0.90x).
+# Before that they kept 128 x 192 past WAVE_FIT_MAX_WAVES, in 2x1 clusters ("Block scales in pairs").
 PROMOTING_LONG_K_WAVES = 10
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
@@ -171,15 +171,14 @@ WAVE_FIT_ROUND_COST = 16
 # Up to this many waves of 128 x 128 tiles, a part-filled last round costs enough to choose the tile
 # width by it; beyond, the rounds are many and the compiled tile (or 128 x 256) runs.
 WAVE_FIT_MAX_WAVES = 5
-# How much faster per column a block-scaled tile with one scratch accumulator (128 x 192, A's
-# scales staged with the A/B stage) runs than the 128 x 128 tile in pairs, for :func:`_wave_fitted`.
-# Fitted on the H100 (docs/performance.md, "Block-scaled tiles by their rounds"): over 14 LLM
-# layers at M = 512, 1024 and 2048 the two tiles' measured speed ratio over their rounds' cost ratio
-# was 1.00-1.21, median 1.13; any factor from 1.09 to 1.15 picks the faster tile on all 42 rows.
-# From BLOCK_SCALED_WIDE_MIN_M rows only: at M = 128 the weight's stream sets the pace, and
-# 128 x 57344 x 8192 ran 0.96x torch's blockwise GEMM in 128 x 192 against 1.02x in 128 x 128.
-BLOCK_SCALED_WIDE_SPEED = 1.12
-BLOCK_SCALED_WIDE_MIN_M = 256
+# How fast per column a block-scaled tile with one scratch accumulator (128 x 192) runs against
+# the 128 x 128 tile in pairs, for :func:`_wave_fitted`. Fitted on the H100 with both tiles reading
+# A's and B's scales from the stage (docs/performance.md, "B's block scales with the stage too"):
+# over 14 LLM layers at M = 512, 1024 and 2048 any factor from 0.88 to 0.95 makes the model pick
+# the faster of the two on all 42 rows (1.0 misses three: 1024 x 6144 x 4096 ran 1.08x torch's
+# blockwise GEMM in three rounds of 128 x 128 against 1.02x in two of 128 x 192); 128 x 192 still
+# wins where it makes whole rounds (512 x 4608 x 3584: one round, 1.26x against 1.21x).
+BLOCK_SCALED_WIDE_SPEED = 0.9
 
 
 def light_epilogue(epilogue_tiles: int, outputs: int, reductions: int) -> bool:
@@ -356,9 +355,9 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                 return wider
         if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
             return wide
-        if (square.promotes_in_pairs and square is not base and tiles < MANY_WAVES * slots
-                and not (k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots)
-                and not (square.block_scales and tiles > WAVE_FIT_MAX_WAVES * slots)):
+        long_k_waves = k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots
+        if (square.promotes_in_pairs and square is not base
+                and (square.block_scales or (tiles < MANY_WAVES * slots and not long_k_waves))):
             return square
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
@@ -394,8 +393,8 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
 
     A round of tiles of width W takes time in proportion to W (each tile's MMAs and loads scale with
     it), plus :data:`WAVE_FIT_ROUND_COST`: the launch costs rounds x (W + that), divided by
-    :data:`BLOCK_SCALED_WIDE_SPEED` for a block-scaled tile that does not promote in pairs (from
-    :data:`BLOCK_SCALED_WIDE_MIN_M` rows). A width must cost
+    :data:`BLOCK_SCALED_WIDE_SPEED` for a block-scaled tile that does not promote in pairs. A width
+    must cost
     strictly less than 128 columns; among those, equal costs go to the wider tile (fewer bytes from
     L2 per FLOP). On the H100 (docs/performance.md, "Tiles that make whole waves") this picked the
     measured best at all 17 shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128
@@ -407,7 +406,7 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
         if config is None:
             continue
         cost = ceil_div(_tiles(m, n, batches, config), slots) * (config.tile_n + WAVE_FIT_ROUND_COST)
-        if config.block_scales and not config.promotes_in_pairs and m >= BLOCK_SCALED_WIDE_MIN_M:
+        if config.block_scales and not config.promotes_in_pairs:
             cost /= BLOCK_SCALED_WIDE_SPEED
         if width == 128:
             cost_128 = cost
@@ -462,8 +461,7 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
-                                                # block-scaled: 2x1 (see PROMOTING_LONG_K_WAVES)
-                                                config.promotes_in_pairs and not config.block_scales))
+                                                config.promotes_in_pairs))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
@@ -511,8 +509,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCALED_WIDE_MIN_M",
-           "BLOCK_SCALED_WIDE_SPEED", "FAMILY", "FILL",
+__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCALED_WIDE_SPEED", "FAMILY",
+           "FILL",
            "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
            "PROMOTING_LONG_K_WAVES",
            "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_MIN_K_WITH_TILES",
