@@ -267,3 +267,30 @@ def test_means_over_an_empty_dim_are_nan_on_the_torch_path():
         assert k.last_path == "torch"
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and torch.equal(g.isnan(), w.isnan()) and g.isnan().all()
+
+
+def test_a_max_or_min_over_no_elements_is_refused_by_name():
+    """amax / amin over an empty reduced extent has no value (torch raises IndexError or
+    RuntimeError): evtc raises a CallError naming the reduction and the empty dim, on the torch path
+    here and on the kernel path's empty-problem branch (tests/test_compile_gpu.py). A max over a
+    dim that is not empty, of an empty problem, is an empty result as torch's."""
+    def stats(acc):
+        return acc.amax(-1), acc.abs().amax()
+
+    def column_min(acc):
+        return acc.amin(0)
+
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    k = evtc.compile(stats, {"a": a, "b": b})
+    with pytest.raises((IndexError, RuntimeError)):
+        stats(a[:0] @ b)  # torch itself
+    with pytest.raises(evtc.CallError, match=r"amax/max of the accumulator over an empty M \(L = 1, M = 0"):
+        k(a[:0], b)
+    with pytest.raises(evtc.CallError, match="over an empty N"):
+        k(a, b[:, :0])
+    c = evtc.compile(column_min, {"a": a, "b": b})
+    got = c(a, b[:, :0])  # the minimum of each of no columns: empty, as torch's
+    want = column_min(a @ b[:, :0])
+    assert got.shape == want.shape == (0,)
+    with pytest.raises(evtc.CallError, match="amin/min of the accumulator over an empty M"):
+        c(a[:0], b)

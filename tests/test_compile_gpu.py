@@ -238,6 +238,21 @@ def test_means_over_an_empty_dim_are_nan_as_in_torch(cache_dir):
         assert torch.equal(rows.isnan(), want_rows.isnan()) and torch.equal(cols.isnan(), want_cols.isnan())
 
 
+def test_a_max_over_no_elements_is_refused_by_name_on_the_kernel_path(cache_dir):
+    """An empty problem runs no kernel; a max over its empty extent is refused by name (it raised
+    torch's RuntimeError from the host finish before), as on the torch path."""
+    def stats(acc):
+        return acc, acc.abs().amax()
+
+    a = torch.randn(64, 128, device="cuda").half()
+    b = torch.randn(128, 256, device="cuda").half()
+    k = evtc.compile(stats, {"a": a, "b": b}, cache_dir=str(cache_dir))
+    with pytest.raises(evtc.CallError, match="over an empty M"):
+        k(a[:0], b)
+    _, top = k(a, b)  # and the kernel still runs where the problem is not empty
+    torch.testing.assert_close(top.float(), (a.float() @ b.float()).abs().amax(), rtol=1e-2, atol=1e-2)
+
+
 # ---- cooperative schedule -----------------------------------------------------------------------
 # The default is the ping-pong schedule; these run the catalogue's harder entries under the other one
 # (where relu_lincomb_bias stages D in C's buffers).

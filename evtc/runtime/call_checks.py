@@ -328,3 +328,22 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
     tensors += [(f"out[{i}]", t) for i, t in enumerate(outs)]
     for name, t in tensors:
         check_device(name, t, device)
+    refuse_empty_extremes(plan, sizes["M"], sizes["N"], sizes["L"])
+
+
+def refuse_empty_extremes(plan, m: int, n: int, batches: int) -> None:
+    """Raise a CallError where a max or min reduction of the epilogue would run over no elements
+    (M, N or the batch is 0 along a reduced dim): it has no value there, and torch raises too.
+    Checked only for empty problems (the kernel path) and on the slow path, so calls pay nothing."""
+    sizes = {"L": batches, "M": m, "N": n}
+    for r in plan.reductions:
+        if r.op not in ("max", "min"):
+            continue
+        empty = [d for d in ("L", "M", "N") if d not in r.dims and sizes[d] == 0]
+        if empty:
+            what = {"max": "amax/max", "min": "amin/min"}[r.op]
+            extents = ", ".join(f"{d} = {sizes[d]}" for d in ("L", "M", "N"))
+            raise CallError(f"{plan.name!r} takes the {what} of the accumulator over an empty "
+                            f"{' and '.join(empty)} ({extents}): "
+                            "a maximum or minimum of no elements has no value (torch raises here "
+                            "too); give the call at least one row and column, or reduce with sum")

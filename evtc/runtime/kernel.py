@@ -580,6 +580,7 @@ class Kernel:
         # The reductions' partials are laid out by the launched configuration's tiles.
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
         if empty:
+            call_checks.refuse_empty_extremes(self.plan, m, n, batches)
             return targets, workspaces, (m, n, batches, finisher)
         invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales, up)
         if outs is not targets:
