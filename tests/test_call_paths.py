@@ -294,3 +294,48 @@ def test_a_max_or_min_over_no_elements_is_refused_by_name():
     assert got.shape == want.shape == (0,)
     with pytest.raises(evtc.CallError, match="amin/min of the accumulator over an empty M"):
         c(a[:0], b)
+
+
+def test_torch_legal_broadcasts_run_as_views_of_the_compiled_shapes():
+    """A bias of (1, N) for an (N,) example, a device scalar as (1,) or (1, 1) for a 0-d one, and a
+    batch of 1 beside batches of 3 on a kernel compiled with equal batches give torch's result
+    (evtc.runtime.broadcasts), gradients included; broadcasts that would give torch's result more
+    dims stay refused by name."""
+    def scaled_bias(acc, bias, s):
+        return torch.relu(acc * s + bias)
+
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    bias, s = torch.randn(8), torch.tensor(0.5)
+    k = evtc.compile(scaled_bias, {"a": a, "b": b, "bias": bias, "s": s})
+    for call_bias, call_s in [(bias[None], s), (bias, s[None]), (bias[None], s.view(1, 1))]:
+        got = k(a, b, bias=call_bias, s=call_s)
+        want = scaled_bias(a.double() @ b.double(), call_bias.double(), call_s.double())
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(evtc.CallError, match=r"bias must be 1-d like its example \(N\), got shape \(1, 1, "):
+        k(a, b, bias=bias[None, None], s=s)  # torch's result would be (1, 16, 8)
+
+    # Gradients come back in the caller's shapes.
+    row = bias[None].clone().requires_grad_()
+    k(a, b, bias=row, s=s).sum().backward()
+    twin = bias[None].clone().requires_grad_()
+    scaled_bias(a @ b, twin, s).sum().backward()
+    assert row.grad.shape == (1, 8)
+    torch.testing.assert_close(row.grad, twin.grad)
+
+    def residual(acc, C):
+        return acc + C
+
+    A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
+    kb = evtc.compile(residual, {"a": A, "b": B, "C": C})
+    assert kb.plan.broadcast_batch is None
+    for x, w, c in [(A, B[:1], C), (A[:1], B, C), (A, B, C[:1]), (A[:1], B[:1], C)]:
+        got = kb(x, w, C=c)
+        want = residual(x.double() @ w.double(), c.double())
+        assert got.shape == want.shape == (3, 16, 8)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(evtc.CallError, match="C must be 3-d"):
+        kb(A, B, C=C[:1][None])
+    k2 = evtc.compile(residual, {"a": a, "b": b, "C": torch.randn(16, 8)})
+    with pytest.raises(evtc.CallError, match="C must be 2-d"):
+        k2(a, b, C=torch.randn(1, 16, 8))  # torch's result would be (1, 16, 8)

@@ -253,6 +253,41 @@ def test_a_max_over_no_elements_is_refused_by_name_on_the_kernel_path(cache_dir)
     torch.testing.assert_close(top.float(), (a.float() @ b.float()).abs().amax(), rtol=1e-2, atol=1e-2)
 
 
+def test_torch_legal_broadcasts_run_on_the_kernel(cache_dir):
+    """A bias of (1, N) for an (N,) example, a 0-d device scalar passed as (1,), and a batch of 1
+    beside batches of 3 (a kernel compiled with equal batches) run the kernel on views
+    (evtc.runtime.broadcasts), with torch's result; inputs unmodified."""
+    def scaled_bias(acc, bias, s):
+        return torch.relu(acc * s + bias)
+
+    a = torch.randn(128, 256, device="cuda").half()
+    b = torch.randn(256, 192, device="cuda").half()
+    bias, s = torch.randn(192, device="cuda").half(), torch.tensor(0.5, device="cuda")
+    k = evtc.compile(scaled_bias, {"a": a, "b": b, "bias": bias, "s": s}, cache_dir=str(cache_dir))
+    for call_bias, call_s in [(bias[None], s), (bias, s[None])]:
+        kept = (call_bias.clone(), call_s.clone())
+        got = k(a, b, bias=call_bias, s=call_s)
+        assert k.last_path in ("kernel", "staged")
+        want = scaled_bias(a.float() @ b.float(), call_bias.float(), call_s)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+        assert torch.equal(kept[0], call_bias) and torch.equal(kept[1], call_s)
+
+    def residual(acc, C):
+        return acc + C
+
+    A = torch.randn(3, 128, 256, device="cuda").half()
+    B = torch.randn(3, 256, 192, device="cuda").half()
+    C = torch.randn(3, 128, 192, device="cuda").half()
+    kb = evtc.compile(residual, {"a": A, "b": B, "C": C}, cache_dir=str(cache_dir))
+    for x, w, c in [(A, B[:1], C), (A[:1], B, C), (A, B, C[:1])]:
+        got = kb(x, w, C=c)
+        assert kb.last_path in ("kernel", "staged")
+        want = residual(x.float() @ w.float(), c.float())
+        assert got.shape == want.shape == (3, 128, 192)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 # ---- cooperative schedule -----------------------------------------------------------------------
 # The default is the ping-pong schedule; these run the catalogue's harder entries under the other one
 # (where relu_lincomb_bias stages D in C's buffers).

@@ -23,6 +23,7 @@ from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.runtime import call_checks, stream_buffers
+from evtc.runtime.broadcasts import to_compiled_shapes
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_spec import CallSpec
@@ -446,6 +447,9 @@ class Kernel:
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
+        views = to_compiled_shapes(self.plan, a, b, operands)
+        if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
+            a, b, operands = views
         result = self.op(a, b, *scales, *[operands[name] for name in spec.names])
         outs = [result] if len(spec.kernel_order) == 1 else list(result)
         if out is not None:
@@ -483,6 +487,9 @@ class Kernel:
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
+        views = to_compiled_shapes(self.plan, a, b, operands)
+        if views is not None:  # torch-legal broadcasts the compiled function refused, as views
+            a, b, operands = views
         reason = call_checks.torch_reason(spec, a, operands, b) if isinstance(a, torch.Tensor) else None
         if reason is None and self.interface.strict:
             # A wrong argument is named before any layout rule.

@@ -1,0 +1,78 @@
+"""Torch-legal broadcasts that a kernel does not take as they are, turned into views it does take.
+
+A kernel is compiled for its examples' ranks and batch sizes. A call may still pass operands that
+torch would broadcast to the same result: a bias of (1, N) where the example was (N,), a device
+scalar as (1,) where it was 0-d (or the other way round), or, for a kernel compiled with equal
+batches, a ``b`` or a batched operand of batch 1 beside an ``a`` of batch 3. Each of these is the
+same computation on a view: size-1 leading dims dropped or added, a batch of 1 expanded (stride 0;
+the staged path copies it where TMA cannot read it). The result's shape is torch's in every case
+handled here. A broadcast that would change the result's shape (a ``C`` of (1, M, N) for an
+(M, N) kernel makes torch's result 3-d) or an operand's kind (an (M, N) example with M = 1 was a
+row vector) is left alone, and the call's checks refuse it by name.
+
+Only the slow path of a call and the custom operator's path use this: a call whose tensors the
+compiled function takes as they are never gets here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from evtc.plan.kernel_plan import KernelPlan
+
+
+def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.Tensor | None:
+    """``t`` viewed with the rank of ``dims``, where the dims it lacks or has in excess are leading
+    size-1 dims and it has no more dims than the result (more would give torch's result more
+    dims); None where that is not so."""
+    extra = t.dim() - len(dims)
+    if 0 < extra and t.dim() <= result_rank and all(size == 1 for size in t.shape[:extra]):
+        return t.reshape(t.shape[extra:])
+    if extra < 0 and all(d == "1" for d in dims[:-extra]):
+        return t.reshape((1,) * -extra + tuple(t.shape))
+    return None
+
+
+def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any]):
+    """``(a, b, operands)`` with the broadcasts this module describes made into views, or None where
+    the call makes none of them (the caller then goes on with what it has)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    result_rank = 3 if 3 in (a.dim(), b.dim()) else 2
+    changed = False
+    operands = dict(operands)
+    batched: list[tuple[str, int]] = []  # (operand, its batch axis)
+    for kernel_input in plan.inputs:
+        if kernel_input.kind in ("arg", "literal") or kernel_input.half is not None:
+            continue
+        t = operands.get(kernel_input.user)
+        dims = kernel_input.spec.dims if kernel_input.spec is not None else None
+        if not isinstance(t, torch.Tensor) or dims is None:
+            continue
+        if t.dim() != len(dims):
+            viewed = _to_rank(t, dims, result_rank)
+            if viewed is None:
+                continue
+            operands[kernel_input.user], changed = viewed, True
+        if "L" in dims:
+            batched.append((kernel_input.user, dims.index("L")))
+    if plan.broadcast_batch is None and a.dim() == 3 and b.dim() == 3:
+        # A kernel compiled with equal batches: a batch of 1 anywhere broadcasts to the others'.
+        sizes = {a.shape[0], b.shape[0]} | {operands[name].shape[axis] for name, axis in batched}
+        if len(sizes) == 2 and 1 in sizes:
+            batches = max(sizes)
+            if a.shape[0] == 1:
+                a = a.expand(batches, *a.shape[1:])
+            if b.shape[0] == 1:
+                b = b.expand(batches, *b.shape[1:])
+            for name, axis in batched:
+                t = operands[name]
+                if t.shape[axis] == 1:
+                    operands[name] = t.expand(*t.shape[:axis], batches, *t.shape[axis + 1:])
+            changed = True
+    return (a, b, operands) if changed else None
+
+
+__all__ = ["to_compiled_shapes"]
