@@ -293,3 +293,25 @@ def test_the_float8_thin_round_rule_leaves_16_bit_cooperative_families_alone(tmp
     assert kernel.config.schedule == "cooperative"
     config = kernel.launch_for(65, 8704, 4096)[0]
     assert (config.schedule, config.tile_m, config.tile_n) == ("pingpong", 64, 256), config.short_name()
+
+
+@pytest.mark.parametrize("m,n,k,tile_n,cluster", [
+    (1024, 4096, 4096, 128, (2, 1)),  # in pairs up to five waves, in 2x1 clusters
+    (2048, 4096, 4096, 128, (2, 1)),
+    (2048, 8192, 8192, 192, (2, 1)),  # past five waves: 128 x 192
+    (8192, 3584, 18944, 192, (2, 1)),
+])
+def test_128_by_128_a_blocks_keep_the_earlier_launch_rules(tmp_path, m, n, k, tile_n, cluster):
+    """Kernels with 128 x 128 blocks of A read both operands' scales from global memory (nothing is
+    staged): the rules refitted for 1 x 128 blocks, whose scales come with the stage, do not apply
+    to them (128 x 128 in pairs in 2x1 clusters up to WAVE_FIT_MAX_WAVES, 128 x 192 past it)."""
+    from evtc.plan.selector import WAVE_FIT_MAX_WAVES
+
+    blocks = {"a": (torch.empty(256, 256, dtype=E4M3), torch.empty(2, 2)),
+              "b": (torch.empty(256, 256, dtype=E4M3).t(), torch.empty(2, 2).t())}
+    kernel = evtc.compile(identity, blocks, out_dtypes=torch.bfloat16, arch="sm_90a", cache_dir=tmp_path)
+    config, splits = kernel.launch_for(m, n, k)
+    assert config.block_scales == 128 and not config.stages_a_scales
+    got = (config.schedule, config.tile_m, config.tile_n, config.cluster, splits)
+    assert got == ("cooperative", 128, tile_n, cluster, 1), config.short_name()
+    assert (-(-m // 128) * -(-n // 128) <= WAVE_FIT_MAX_WAVES * 132) == (tile_n == 128)

@@ -118,13 +118,16 @@ WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # against 0.89x); 128 x 192 kept its lead at 8192 x 57344 x 8192 (217 waves: 1.04x against 0.92x),
 # 8192 x 8192 x 28672 (31 waves, 0.99x against 0.76x) and 8192 x 3584 x 18944 (14 waves, 1.02x
 # against 0.97x), where 2048 x 8192 x 28672 (8 waves) ran 0.98x against 0.95x.
-# Block-scaled kernels, since both tiles read their scales from the stage, run 128 x 128 in pairs
-# (1x2 clusters past four rows of tiles) at any number of waves and K, 128 x 192 only where the
-# wave fit (BLOCK_SCALED_WIDE_SPEED) picks it (docs/performance.md, "B's block scales with the
-# stage too": pinned, 128 x 128 in 1x2 clusters 1.04x torch's blockwise GEMM over 42 rows of
-# M = 512-2048 and 1.05x over 14 of M = 8192, worst 0.97x, against 0.86x and 0.96x for 128 x 192;
-# at M = 8192 it won the MANY_WAVES and LONG_K rows too, 8192 x 3584 x 18944 1.04x against 0.90x).
-# Before that they kept 128 x 192 past WAVE_FIT_MAX_WAVES, in 2x1 clusters ("Block scales in pairs").
+# Block-scaled kernels with 1 x 128 blocks of A (GemmConfig.stages_a_scales), since both tiles
+# read their scales from the stage, run 128 x 128 in pairs (1x2 clusters past four rows of tiles)
+# at any number of waves and K, 128 x 192 only where the wave fit (BLOCK_SCALED_WIDE_SPEED) picks
+# it (docs/performance.md, "B's block scales with the stage too": pinned, 128 x 128 in 1x2 clusters
+# 1.04x torch's blockwise GEMM over 42 rows of M = 512-2048 and 1.05x over 14 of M = 8192, worst
+# 0.97x, against 0.86x and 0.96x for 128 x 192; at M = 8192 it won the MANY_WAVES and LONG_K rows
+# too, 8192 x 3584 x 18944 1.04x against 0.90x). Those with 128 x 128 blocks of A read both
+# operands' scales from global memory after the wgmma's issue, were not measured again, and keep
+# the earlier rule: 128 x 128 in pairs in 2x1 clusters up to WAVE_FIT_MAX_WAVES, 128 x 192 past it
+# ("Block scales in pairs").
 PROMOTING_LONG_K_WAVES = 10
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
@@ -356,8 +359,13 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         if (tiles >= MANY_WAVES * slots or big_weight) and wide_fills:
             return wide
         long_k_waves = k >= LONG_K and tiles > PROMOTING_LONG_K_WAVES * slots
-        if (square.promotes_in_pairs and square is not base
-                and (square.block_scales or (tiles < MANY_WAVES * slots and not long_k_waves))):
+        if square.stages_a_scales:  # 1 x 128 block scales: in pairs at any waves and K
+            pairs = True
+        elif square.block_scales:  # 128 x 128 blocks of A, read from global memory: up to five waves
+            pairs = tiles <= WAVE_FIT_MAX_WAVES * slots
+        else:
+            pairs = tiles < MANY_WAVES * slots and not long_k_waves
+        if square.promotes_in_pairs and square is not base and pairs:
             return square
         return base
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
@@ -393,8 +401,8 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
 
     A round of tiles of width W takes time in proportion to W (each tile's MMAs and loads scale with
     it), plus :data:`WAVE_FIT_ROUND_COST`: the launch costs rounds x (W + that), divided by
-    :data:`BLOCK_SCALED_WIDE_SPEED` for a block-scaled tile that does not promote in pairs. A width
-    must cost
+    :data:`BLOCK_SCALED_WIDE_SPEED` for a tile with 1 x 128 block scales that does not promote in
+    pairs. A width must cost
     strictly less than 128 columns; among those, equal costs go to the wider tile (fewer bytes from
     L2 per FLOP). On the H100 (docs/performance.md, "Tiles that make whole waves") this picked the
     measured best at all 17 shapes of M = 256-2048 swept: 512 x 4608 x 3584 in 128 x 144 tiles (128
@@ -406,7 +414,7 @@ def _wave_fitted(m: int, n: int, batches: int, slots: int,
         if config is None:
             continue
         cost = ceil_div(_tiles(m, n, batches, config), slots) * (config.tile_n + WAVE_FIT_ROUND_COST)
-        if config.block_scales and not config.promotes_in_pairs:
+        if config.stages_a_scales and not config.promotes_in_pairs:
             cost /= BLOCK_SCALED_WIDE_SPEED
         if width == 128:
             cost_128 = cost
@@ -461,7 +469,9 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
-                                                config.promotes_in_pairs))
+                                                # 128 x 128 blocks of A: 2x1 (PROMOTING_LONG_K_WAVES)
+                                                config.promotes_in_pairs
+                                                and (config.stages_a_scales or not config.block_scales)))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
