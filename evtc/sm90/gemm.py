@@ -519,7 +519,6 @@ class Sm90GemmKernel:
         Plain Python on static thread indices: the wgmma layout gives every thread the same offsets
         and the same chunk per value (checked on a sample of threads here, at compile time), so each
         K tile loads one A scale per row slot and one B scale per chunk."""
-        tile_n = self.tile_shape_mnk[1]
         chunk = self.config.scale_chunk
         identity = cute.make_identity_tensor(self.tile_shape_mnk[:2])
 
@@ -534,7 +533,7 @@ class Sm90GemmKernel:
             if layout_of(t) != (offsets, chunks):
                 raise AssertionError(f"accumulator of thread {t} is not laid out like thread 0's")
         distinct = tuple(sorted(set(offsets)))
-        n_chunks = tile_n // chunk
+        n_chunks = self.config.b_scale_chunks  # the chunks the producer copies B's scales of
         return distinct, n_chunks, tuple(distinct.index(o) * n_chunks + c for o, c in zip(offsets, chunks,
                                                                                          strict=True))
 
