@@ -575,6 +575,8 @@ class Kernel:
                                     "needs these layouts; strict=True refuses the aligned copies evtc "
                                     "would otherwise make (docs/compile.md, 'Call paths')")
                 self._note_path("staged", "; ".join(problems))
+            else:  # the slow path's views (broadcasts) or checks found nothing to copy
+                self.last_path = "kernel"
         empty = m == 0 or n == 0 or batches == 0
         if not empty:
             launch_key = (m, n, k, batches, a.get_device())
