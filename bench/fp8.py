@@ -10,7 +10,9 @@ Per (layer, M), e4m3 a (M, K) and a K-major weight (b = w.t(), w (N, K)), bf16 r
 * ``rowwise``: ``acc * sa * sb`` with sa (M, 1) and sb (N,), against ``_scaled_mm``'s rowwise
   scaling (sa (M, 1), sb (1, N));
 * ``fused``: ``y = gelu(acc * sa * sb + bias)``, then ``(y * s).to(e4m3)`` and ``amax(|y|)``, one
-  evtc kernel, against rowwise ``_scaled_mm`` followed by the same epilogue in eager PyTorch.
+  evtc kernel, against rowwise ``_scaled_mm`` followed by the same epilogue in eager PyTorch;
+* ``dequant``: evtc's tensorwise call against an eager dequantization (bf16 copies of a and b times
+  their scalars) followed by a bf16 ``torch.matmul``.
 
 ``--accum promote`` (the default) compiles evtc's kernels as they come (each K tile's partial sums
 promoted into float32) and runs ``_scaled_mm`` without ``use_fast_accum`` (cuBLASLt promotes too);
@@ -61,6 +63,12 @@ def eager_fused(a, b, sa, sb_row, bias, s, fast: bool):
     y = F.gelu(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb_row, out_dtype=torch.bfloat16,
                                 use_fast_accum=fast) + bias)
     return (y * s).to(E4M3), y.abs().amax()
+
+
+def eager_dequant(a, b, sa, sb):
+    """The issue's other anchor: dequantize a and b in eager PyTorch (bf16 copies times their
+    scales), then a bf16 GEMM."""
+    return torch.matmul(a.to(torch.bfloat16) * sa, b.to(torch.bfloat16) * sb)
 
 
 def shapes(ms: list[int]) -> list[tuple[str, int, int, int]]:
@@ -137,6 +145,7 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast
                                          use_fast_accum=fast),
         "evtc_f": lambda: kf(a, b, sa=sa_r, sb=sb_r, bias=bias, s=one),
         "eager_f": lambda: eager_fused(a, b, sa_r, sb_row, bias, one, fast),
+        "dequant": lambda: eager_dequant(a, b, sa_t, sb_t),
     }
     times = time_calls(calls, samples, graphs)
     err_evtc = err_lt = math.nan
@@ -147,7 +156,8 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, fast
                                             use_fast_accum=fast), ref)
         del ref
     row = (name, m, n, k, times["lt_t"] / times["evtc_t"], times["lt_r"] / times["evtc_r"],
-           times["eager_f"] / times["evtc_f"], times["evtc_t"] * 1e3, err_evtc, err_lt)
+           times["eager_f"] / times["evtc_f"], times["dequant"] / times["evtc_t"], times["evtc_t"] * 1e3,
+           err_evtc, err_lt)
     return row
 
 
@@ -171,7 +181,8 @@ def row_selection(args: argparse.Namespace) -> tuple[list[int], list[str]]:
 def run_rows(ms: list[int], keep: list[str], measure_row, header: str, ratios_format: str) -> list[tuple]:
     """Measure every (layer, M) of :func:`shapes` (those whose name ends with one of ``keep``, if
     given, and whose a and b fit in memory) with ``measure_row(name, m, n, k)``, printing each row:
-    (name, M, N, K, three ratios, evtc's us, evtc's error, the baseline's error)."""
+    (name, M, N, K, the ratios (as many as ``ratios_format`` formats), evtc's us, evtc's error,
+    the baseline's error)."""
     rows = []
     planned = [(name, m, n, k) for name, m, n, k in shapes(ms)
                if (not keep or any(name.endswith(s) for s in keep)) and m * k + n * k <= 3 * 2**30]
@@ -183,20 +194,20 @@ def run_rows(ms: list[int], keep: list[str], measure_row, header: str, ratios_fo
     for name, m, n, k in planned:
         row = measure_row(name, m, n, k)
         rows.append(row)
-        print(f"{name:>34} {m:6d} {n:6d} {k:6d} | {ratios_format.format(*row[4:7])} | "
-              f"{row[7]:8.1f} {row[8]:9.2e} {row[9]:9.2e}", flush=True)
+        print(f"{name:>34} {m:6d} {n:6d} {k:6d} | {ratios_format.format(*row[4:-3])} | "
+              f"{row[-3]:8.1f} {row[-2]:9.2e} {row[-1]:9.2e}", flush=True)
     print(f"# all {len(rows)} rows measured", flush=True)
     return rows
 
 
-def print_summary(rows: list[tuple], ms: list[int], labels: tuple[str, str, str], errors: str) -> None:
-    """Geomean, per-M geomeans and the worst row of each ratio; the largest errors (``errors``
-    names the rows and the baseline)."""
+def print_summary(rows: list[tuple], ms: list[int], labels: tuple[str, ...], errors: str) -> None:
+    """Geomean, per-M geomeans and the worst row of each ratio (one label per ratio); the largest
+    errors (``errors`` names the rows and the baseline)."""
 
     def geomean(xs):
         return math.exp(statistics.fmean(math.log(x) for x in xs))
 
-    for i, what in zip((4, 5, 6), labels, strict=True):
+    for i, what in enumerate(labels, start=4):
         worst = min(rows, key=lambda r: r[i])
         print(f"{what}: geomean {geomean([r[i] for r in rows]):.3f} over {len(rows)} rows, worst "
               f"{worst[i]:.3f} ({worst[0]} M={worst[1]})")
@@ -204,10 +215,10 @@ def print_summary(rows: list[tuple], ms: list[int], labels: tuple[str, str, str]
             sel = [r[i] for r in rows if r[1] == m]
             if sel:
                 print(f"    M={m}: {geomean(sel):.3f}")
-    checked = [r for r in rows if not math.isnan(r[8])]
+    checked = [r for r in rows if not math.isnan(r[-2])]
     if checked:
         print(f"largest relative error vs float64 ({errors}, {len(checked)} rows): evtc "
-              f"{max(r[8] for r in checked):.2e}, baseline {max(r[9] for r in checked):.2e}")
+              f"{max(r[-2] for r in checked):.2e}, baseline {max(r[-1] for r in checked):.2e}")
 
 
 def main() -> None:
@@ -223,8 +234,10 @@ def main() -> None:
     rows = run_rows(ms, keep,
                     lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.accum == "fast",
                                                   knobs, args.graphs),
-                    f"{'tensorwise':>10} {'rowwise':>8} {'fused':>6}", "{:10.3f} {:8.3f} {:6.3f}")
-    print_summary(rows, ms, ("tensorwise", "rowwise", "fused (bias, GELU, e4m3 out, amax)"),
+                    f"{'tensorwise':>10} {'rowwise':>8} {'fused':>6} {'dequant':>7}",
+                    "{:10.3f} {:8.3f} {:6.3f} {:7.3f}")
+    print_summary(rows, ms, ("tensorwise", "rowwise", "fused (bias, GELU, e4m3 out, amax)",
+                             "tensorwise vs eager dequantization + bf16 GEMM"),
                   "tensorwise; baseline: cuBLASLt")
 
 

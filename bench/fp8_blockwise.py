@@ -12,7 +12,9 @@ Per (layer, M), e4m3 a (M, K) with float32 scales (M, K/128) and a weight w (N, 
 * ``bf16``: ``torch.matmul`` of bf16 a and w.t() over evtc's blockwise time (the speedup of going
   to float8);
 * ``fused``: ``y = gelu(acc + bias)``, ``(y * s).to(e4m3)`` and ``amax(|y|)`` in one evtc kernel,
-  against torch's blockwise GEMM followed by the same epilogue in eager PyTorch.
+  against torch's blockwise GEMM followed by the same epilogue in eager PyTorch;
+* ``dequant``: evtc's identity call against an eager dequantization (each 128-block of a and b
+  times its scale, in bf16) followed by a bf16 ``torch.matmul``.
 
 ``--swiglu`` times the gate/up layers (N: both halves) with a gated epilogue instead, each ratio
 torch's time over evtc's: ``silu(gate) * up`` in bf16 against torch's blockwise GEMM then the eager
@@ -86,6 +88,15 @@ def blocks(x: int) -> int:
     return -(-x // 128)
 
 
+def eager_dequant(a, sa, b, sb):
+    """The issue's other anchor: a and b dequantized in eager PyTorch (every element times its
+    block's scale, rounded to bf16), then a bf16 GEMM."""
+    k, n = b.shape
+    a_scales = sa.repeat_interleave(128, dim=1)[:, :k]
+    b_scales = sb.repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+    return torch.matmul((a.float() * a_scales).to(torch.bfloat16), (b.float() * b_scales).to(torch.bfloat16))
+
+
 def block_scaled(m: int, n: int, k: int) -> tuple:
     """e4m3 a (M, K) and b = w.t() with float32 scales, in the layouts torch's blockwise GEMM takes:
     a's (M, K/128) M-major, b's (K/128, N/128) K-major; and bf16 copies of a and b."""
@@ -124,12 +135,14 @@ def measure(name: str, m: int, n: int, k: int, kernels: dict, samples: int, grap
         "bf16": lambda: torch.matmul(a16, b16),
         "evtc_f": lambda: kf((a, sa), (b, sb), bias=bias, s=s),
         "eager_f": lambda: eager_fused(a, sa, b, sb, bias, s),
+        "dequant": lambda: eager_dequant(a, sa, b, sb),
     }
     times = time_calls(calls, samples, graphs)
     err_evtc, err_torch = errors(m, n, k, to_float32, k32,
                                  lambda: torch_blockwise(a, sa, b, sb, torch.float32), a, sa, b, sb)
     return (name, m, n, k, times["torch"] / times["evtc"], times["bf16"] / times["evtc"],
-            times["eager_f"] / times["evtc_f"], times["evtc"] * 1e3, err_evtc, err_torch)
+            times["eager_f"] / times["evtc_f"], times["dequant"] / times["evtc"], times["evtc"] * 1e3,
+            err_evtc, err_torch)
 
 
 def measure_swiglu(name: str, m: int, n: int, k: int, kernels: dict, samples: int,
@@ -174,9 +187,11 @@ def main() -> None:
         return
     rows = run_rows(ms, keep,
                     lambda name, m, n, k: measure(name, m, n, k, kernels, args.samples, args.graphs),
-                    f"{'torch':>6} {'bf16':>6} {'fused':>6}", "{:6.3f} {:6.3f} {:6.3f}")
+                    f"{'torch':>6} {'bf16':>6} {'fused':>6} {'dequant':>7}",
+                    "{:6.3f} {:6.3f} {:6.3f} {:7.3f}")
     print_summary(rows, ms, ("vs torch blockwise", "vs bf16 GEMM",
-                             "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager"),
+                             "fused (bias, GELU, e4m3 out, amax) vs torch blockwise + eager",
+                             "vs eager dequantization + bf16 GEMM"),
                   "float32 results; baseline: torch blockwise")
 
 
