@@ -38,8 +38,9 @@ def _blocks(extent: int) -> int:
 
 def is_pair(value: Any) -> bool:
     """Whether ``value`` is a (tensor, scales) pair."""
-    return isinstance(value, tuple | list) and len(value) == 2 and all(
-        isinstance(v, torch.Tensor) for v in value)
+    # Indexed rather than all(...) over a generator: it runs several times on every call.
+    return (isinstance(value, tuple | list) and len(value) == 2
+            and isinstance(value[0], torch.Tensor) and isinstance(value[1], torch.Tensor))
 
 
 def split_inputs(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, Any] | None]:

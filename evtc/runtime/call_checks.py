@@ -207,8 +207,11 @@ def scales_fit(spec: CallSpec, a, b, scales) -> bool:
 def refuse_grad(spec: CallSpec, a, b, operands) -> None:
     """A block-scaled kernel has no derivative: a call whose inputs need one is an error, not a
     result without gradients."""
-    tensors = [*(a if is_pair(a) else (a,)), *(b if is_pair(b) else (b,)), *operands.values()]
-    if any(getattr(t, "requires_grad", False) for t in tensors):
+    wants_grad = needs_grad(None, None, operands)
+    for value in (a, b):  # a pair's tensor and its scales, or a plain tensor (named later)
+        for tensor in value if is_pair(value) else (value,):
+            wants_grad = wants_grad or getattr(tensor, "requires_grad", False)
+    if wants_grad:
         raise CallError(f"{spec.plan.name!r} takes block-scaled float8 a and b, which have no autograd "
                         "formula, and an input requires grad; call it under torch.no_grad() or detach "
                         "the inputs (docs/fp8.md, 'Block scales')")
