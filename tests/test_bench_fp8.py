@@ -83,3 +83,17 @@ def test_graphs_time_each_call_from_a_cuda_graph_per_call(fp8, monkeypatch):
     assert captured == [fp8.GRAPH_CALLS] * 2 and all(f[0] == "replay" for f in timed[0][0])
     assert times == {"a": 2.0 / fp8.GRAPH_CALLS, "b": 4.0 / fp8.GRAPH_CALLS}
     assert fp8.time_calls(calls, 5) == {"a": 2.0, "b": 4.0} and timed[1][0] == list(calls.values())
+
+
+def test_rows_of_four_ratios_print_and_summarise(fp8, capsys):
+    """The benches that time the dequantization anchor too print and summarise four ratios: each
+    ratio's geomean and worst row, and the errors from the row's last two fields."""
+    def four(name, m, n, k):
+        return (name, m, n, k, 1.0, 2.0, 4.0, 0.5 if m == 64 else 2.0, 10.0, 1e-3, 2e-3)
+
+    rows = fp8.run_rows([64, 512], [], four, "ratios", "{:.2f} {:.2f} {:.2f} {:.2f}")
+    fp8.print_summary(rows, [64, 512], ("one", "two", "four", "dequant"), "test")
+    out = capsys.readouterr().out
+    assert " 1.00 2.00 4.00 0.50 |     10.0  1.00e-03  2.00e-03" in out
+    assert f"dequant: geomean 1.000 over {len(rows)} rows, worst 0.500" in out
+    assert "four: geomean 4.000" in out and "evtc 1.00e-03, baseline 2.00e-03" in out

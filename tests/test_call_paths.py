@@ -339,3 +339,86 @@ def test_torch_legal_broadcasts_run_as_views_of_the_compiled_shapes():
     k2 = evtc.compile(residual, {"a": a, "b": b, "C": torch.randn(16, 8)})
     with pytest.raises(evtc.CallError, match="C must be 2-d"):
         k2(a, b, C=torch.randn(1, 16, 8))  # torch's result would be (1, 16, 8)
+
+
+def test_broadcasts_that_would_change_an_output_are_refused_by_name():
+    """A broadcast is made into a view only where every output keeps torch's shape and values
+    (evtc.runtime.broadcasts.BroadcastRules): an output or a sum that reads only the expanded
+    batch of 1, or a reduction whose shape takes a scalar's extra dims, is refused by name rather
+    than computed over the expanded batch or in the compiled rank (which gave (3, M, N) for torch's
+    (1, M, N), sums three times torch's, and () for torch's (1,))."""
+    A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
+
+    def with_acc(acc, C):
+        return acc + C, acc
+
+    def with_c(acc, C):
+        return acc + C, C * 2
+
+    def with_sum(acc, C):
+        return acc + C, acc.sum()
+
+    def sums_apart(acc, C):
+        return (acc + C).sum() - acc.sum()
+
+    for fn, (x, w, c) in [(with_acc, (A[:1], B[:1], C)), (with_c, (A, B, C[:1])),
+                          (with_sum, (A[:1], B[:1], C)), (sums_apart, (A[:1], B[:1], C))]:
+        k = evtc.compile(fn, {"a": A, "b": B, "C": C})
+        kept = (x.clone(), w.clone(), c.clone())
+        with pytest.raises(evtc.CallError, match="inconsistent with a and b"):
+            k(x, w, C=c)
+        assert all(torch.equal(t, u) for t, u in zip(kept, (x, w, c), strict=True))
+
+    # Every output reads C (of the whole batch), the sum included: expanded, torch's result.
+    def both_read_c(acc, C):
+        return acc + C, (acc * C).sum()
+
+    k = evtc.compile(both_read_c, {"a": A, "b": B, "C": C})
+    got = k(A[:1], B, C=C)
+    want = both_read_c(A[:1].double() @ B.double(), C.double())
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-3)
+
+    # A scalar read by a reduction keeps its rank: torch's result would take its dims.
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+
+    def scaled_total(acc, s):
+        return acc * s, acc.sum() * s
+
+    ks = evtc.compile(scaled_total, {"a": a, "b": b, "s": torch.tensor(0.5)})
+    for s in (torch.tensor([0.5]), torch.tensor([[0.5]])):
+        with pytest.raises(evtc.CallError, match="s must be 0-d"):
+            ks(a, b, s=s)
+
+    # A scalar only full tiles read still changes rank freely, beside a reduction of acc alone.
+    def total_beside(acc, s):
+        return acc * s, acc.sum()
+
+    kt = evtc.compile(total_beside, {"a": a, "b": b, "s": torch.tensor(0.5)})
+    got = kt(a, b, s=torch.tensor([0.5]))
+    want = total_beside(a.double() @ b.double(), torch.tensor([0.5], dtype=torch.float64))
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-3)
+
+
+def test_the_operator_takes_the_compiled_batches_only():
+    """``k.op`` (what torch.compile sees; its shape function takes the batch of ``a``) makes no
+    batch broadcast into views: a direct call with a batch of 1 beside 3 is refused by name, while
+    ``k(...)`` makes the views before it calls the operator."""
+    A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
+
+    def residual(acc, C):
+        return acc + C
+
+    k = evtc.compile(residual, {"a": A, "b": B, "C": C})
+    with pytest.raises(evtc.CallError, match="inconsistent with a and b"):
+        k.op(A[:1], B[:1], C)
+    A1 = A[:1].clone().requires_grad_()
+    got = k(A1, B, C=C)  # autograd: the operator's path, views made first
+    assert got.shape == (3, 16, 8)
+    got.sum().backward()
+    twin = A[:1].clone().requires_grad_()
+    residual(twin @ B, C).sum().backward()
+    torch.testing.assert_close(A1.grad, twin.grad, rtol=1e-4, atol=1e-4)

@@ -112,6 +112,29 @@ def test_block_scales_take_mixed_formats_and_batches(tmp_path):
     assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 output
 
 
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+def test_a_batch_of_one_is_expanded_with_its_scales(tmp_path, rows):
+    """On a kernel compiled with equal batches, an ``a`` (or ``b``) of batch 1 beside a ``C`` of
+    batch 3 broadcasts as torch would: the tensor and its block scales are expanded together
+    (evtc.runtime.broadcasts); the error named a's scales against the expanded a before."""
+    a3, b3 = _pairs(130, 256, 300, rows, seed=5, batches=3)
+    C = torch.randn(3, 130, 256)
+
+    def residual(acc, C):
+        return acc + C
+
+    kernel = evtc.compile(residual, {"a": a3, "b": b3, "C": C}, cache_dir=tmp_path)
+    a1 = (a3[0][:1], a3[1][:1])
+    b1 = (b3[0][:1], b3[1][:1])
+    for a, b in [(a1, b3), (a3, b1)]:
+        with torch.no_grad():
+            got = kernel(a, b, C=C)
+        a_whole, b_whole = ((t.expand(3, *t.shape[1:]), s.expand(3, *s.shape[1:])) for t, s in (a, b))
+        ref = _product_by_blocks(a_whole, b_whole, rows) + C.double()
+        assert got.shape == ref.shape == (3, 130, 256)
+        assert (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 output
+
+
 @pytest.mark.parametrize(("rows", "shape"), [(1, (130, 200, 300)), (128, (300, 129, 257)), (1, (1, 64, 128))],
                          ids=["1x128", "128x128", "one-row"])
 def test_reference_and_torch_path_match_the_product_block_by_block(tmp_path, rows, shape):

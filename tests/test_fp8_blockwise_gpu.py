@@ -186,6 +186,26 @@ def test_block_scales_batched_and_mixed_formats(tmp_path):
     assert _rel(got, _dequantized_product(a, b, 128)) < 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+def test_a_batch_of_one_runs_expanded_with_its_scales(tmp_path, rows):
+    """An ``a`` or ``b`` of batch 1 beside a ``C`` of batch 3, on a kernel compiled with equal
+    batches: the tensor and its block scales are expanded (batch stride 0) and run on the kernel,
+    with torch's result (evtc.runtime.broadcasts)."""
+    a3, b3 = _inputs(256, 384, 512, rows, seed=9, batches=3)
+    C = torch.randn(3, 256, 384, device="cuda")
+
+    def residual(acc, C):
+        return acc + C
+
+    kernel = evtc.compile(residual, {"a": a3, "b": b3, "C": C}, cache_dir=tmp_path)
+    for a, b in [((a3[0][:1], a3[1][:1]), b3), (a3, (b3[0][:1], b3[1][:1]))]:
+        with torch.no_grad():
+            got = kernel(a, b, C=C)
+        assert kernel.last_path in ("kernel", "staged") and got.shape == (3, 256, 384)
+        whole = [(t.expand(3, *t.shape[1:]), sc.expand(3, *sc.shape[1:])) for t, sc in (a, b)]
+        assert _rel(got, _dequantized_product(*whole, rows) + C.double()) < 1e-2  # bf16 output
+
+
 def test_block_scales_staged_and_strided_scales(tmp_path):
     """An M-major a at the call is staged (a K-major copy); scales of any strides are read as they
     are (a row-major a-scale tensor here, a sliced b-scale one)."""

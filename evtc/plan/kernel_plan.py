@@ -22,7 +22,7 @@ from typing import Any
 from evtc.plan.tensor_spec import TensorSpec
 
 #: The version of this format; a manifest of another one is rebuilt.
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,11 @@ class KernelPlan:
     #: any strides; None without block scales.
     a_scales: TensorSpec | None = None
     b_scales: TensorSpec | None = None
+    #: For each output and each reduction, in graph order: the inputs it reads ("acc" for
+    #: ``a @ b``, else the operand's name) and whether it is a full tile (an output of (M, N), or
+    #: (L, M, N) batched). What decides which broadcasts keep torch's result
+    #: (:mod:`evtc.runtime.broadcasts`).
+    reads: tuple[tuple[tuple[str, ...], bool], ...] = ()
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -280,6 +285,7 @@ def _decode_plan(d: dict) -> KernelPlan:
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
         kernel_finish=_tuple(d["kernel_finish"]),
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),
+        reads=tuple((tuple(names), full) for names, full in d["reads"]),
     )
 
 
@@ -343,8 +349,23 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
         structure=OutputStructure(tree.kind, tuple(tree.names), tuple(tree.keys) if tree.keys else None),
         interface=interface, broadcast_batch=signature.broadcast_batch, class_name=emitted.class_name,
         kernel_finish=tuple((f.axis, tuple(f.outputs)) for f in emitted.finishes),
-        a_scales=signature.a_scales, b_scales=signature.b_scales,
+        a_scales=signature.a_scales, b_scales=signature.b_scales, reads=_reads(graph),
     )
+
+
+def _reads(graph) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """:attr:`KernelPlan.reads` of ``graph``."""
+    reads: dict[int, frozenset[str]] = {}
+    for node in graph:  # topological order: a node's inputs come before it
+        if node.op == "acc":
+            reads[node.id] = frozenset({"acc"})
+        elif node.op == "load":
+            reads[node.id] = frozenset({node.attrs["name"]})
+        else:
+            reads[node.id] = frozenset().union(*(reads[i.id] for i in node.inputs))
+    full = ("L", "M", "N") if graph.batched else ("M", "N")
+    return tuple((tuple(sorted(reads[node.id])), node.op == "store" and _dims(node.shape) == full)
+                 for node in graph if node.op in ("store", "reduce"))
 
 
 def _live(steps: list[FinishStep]) -> list[FinishStep]:

@@ -10,17 +10,49 @@ handled here. A broadcast that would change the result's shape (a ``C`` of (1, M
 (M, N) kernel makes torch's result 3-d) or an operand's kind (an (M, N) example with M = 1 was a
 row vector) is left alone, and the call's checks refuse it by name.
 
+The views are the same computation only under two conditions (:class:`BroadcastRules`). An
+operand changes rank only where full tiles alone read it: a reduction or an output of lower rank
+takes the extra dims of a (1, N) bias or a (1,) scalar into its shape. A batch of 1 is expanded
+only where every output and every reduction reads an input of the whole batch: an output ``acc``
+of an ``a`` and ``b`` of batch 1 beside a ``C`` of batch 3 is torch's (1, M, N), and a sum over
+the expanded batch would count it three times. Elsewhere nothing is viewed, and the checks
+refuse the call by name.
+
 Only the slow path of a call and the custom operator's path use this: a call whose tensors the
 compiled function takes as they are never gets here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from evtc.plan.kernel_plan import KernelPlan
+
+
+@dataclass(frozen=True)
+class BroadcastRules:
+    """Which broadcasts keep torch's result, from :attr:`KernelPlan.reads`: for each output and
+    each reduction, the inputs it reads and whether it is a full tile (a reduction never is)."""
+
+    reads: tuple[tuple[frozenset[str], bool], ...]
+
+    @classmethod
+    def of(cls, plan: KernelPlan) -> BroadcastRules:
+        return cls(tuple((frozenset(names), full) for names, full in plan.reads))
+
+    def may_change_rank(self, name: str) -> bool:
+        """Whether operand ``name`` may gain or lose leading size-1 dims: only full tiles read it
+        (a reduction or a smaller output would take the dims into its shape)."""
+        return all(full for reads, full in self.reads if name in reads)
+
+    def may_expand(self, whole: set[str]) -> bool:
+        """Whether inputs of batch 1 may be expanded beside ``whole`` (those of the whole batch):
+        every output and every reduction reads one of ``whole`` (a sum over an expanded batch
+        of 1 alone counts it again; an output of it alone is torch's batch of 1)."""
+        return all(reads & whole for reads, _ in self.reads)
 
 
 def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.Tensor | None:
@@ -35,9 +67,11 @@ def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.
     return None
 
 
-def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any]):
-    """``(a, b, operands)`` with the broadcasts this module describes made into views, or None where
-    the call makes none of them (the caller then goes on with what it has)."""
+def to_compiled_shapes(plan: KernelPlan, rules: BroadcastRules, a: Any, b: Any, operands: dict[str, Any],
+                       scales: tuple | None = None):
+    """``(a, b, operands, scales)`` with the broadcasts this module describes made into views (a
+    block-scaled ``a`` or ``b`` expanded to the batch with its scales), or None where the call makes
+    none of them (the caller then goes on with what it has, and its checks name what is wrong)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return None
     result_rank = 3 if 3 in (a.dim(), b.dim()) else 2
@@ -52,27 +86,45 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
         if not isinstance(t, torch.Tensor) or dims is None:
             continue
         if t.dim() != len(dims):
-            viewed = _to_rank(t, dims, result_rank)
+            viewed = _to_rank(t, dims, result_rank) if rules.may_change_rank(kernel_input.user) else None
             if viewed is None:
                 continue
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:
             batched.append((kernel_input.user, dims.index("L")))
     if plan.broadcast_batch is None and a.dim() == 3 and b.dim() == 3:
-        # A kernel compiled with equal batches: a batch of 1 anywhere broadcasts to the others'.
-        sizes = {a.shape[0], b.shape[0]} | {operands[name].shape[axis] for name, axis in batched}
-        if len(sizes) == 2 and 1 in sizes:
-            batches = max(sizes)
-            if a.shape[0] == 1:
-                a = a.expand(batches, *a.shape[1:])
-            if b.shape[0] == 1:
-                b = b.expand(batches, *b.shape[1:])
-            for name, axis in batched:
-                t = operands[name]
-                if t.shape[axis] == 1:
-                    operands[name] = t.expand(*t.shape[:axis], batches, *t.shape[axis + 1:])
-            changed = True
-    return (a, b, operands) if changed else None
+        expanded = _expand_batch(rules, a, b, operands, batched, scales)
+        if expanded is not None:
+            (a, b, operands, scales), changed = expanded, True
+    return (a, b, operands, scales) if changed else None
 
 
-__all__ = ["to_compiled_shapes"]
+def _expand_batch(rules: BroadcastRules, a, b, operands: dict, batched: list, scales: tuple | None):
+    """For a kernel compiled with equal batches: a batch of 1 (of ``a``, ``b`` or a batched
+    operand) beside a batch of L, expanded to L, where every output reads an input of batch L (so
+    that torch's result has the batch L too); None otherwise."""
+    sizes = {a.shape[0], b.shape[0]} | {operands[name].shape[axis] for name, axis in batched}
+    if len(sizes) != 2 or 1 not in sizes:
+        return None
+    batches = max(sizes)
+    whole = {name for name, axis in batched if operands[name].shape[axis] == batches}
+    if batches in (a.shape[0], b.shape[0]):
+        whole.add("acc")
+    if not rules.may_expand(whole):
+        return None
+    operands = dict(operands)
+    if a.shape[0] == 1:
+        a = a.expand(batches, *a.shape[1:])
+    if b.shape[0] == 1:
+        b = b.expand(batches, *b.shape[1:])
+    for name, axis in batched:
+        t = operands[name]
+        if t.shape[axis] == 1:
+            operands[name] = t.expand(*t.shape[:axis], batches, *t.shape[axis + 1:])
+    if scales is not None:  # block scales: (L, ...) each, expanded with their tensor
+        scales = tuple(s.expand(batches, *s.shape[1:]) if s.dim() == 3 and s.shape[0] == 1 else s
+                       for s in scales)
+    return a, b, operands, scales
+
+
+__all__ = ["BroadcastRules", "to_compiled_shapes"]

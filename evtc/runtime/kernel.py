@@ -23,7 +23,7 @@ from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.runtime import call_checks, stream_buffers
-from evtc.runtime.broadcasts import to_compiled_shapes
+from evtc.runtime.broadcasts import BroadcastRules, to_compiled_shapes
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_spec import CallSpec
@@ -73,6 +73,9 @@ class Kernel:
         self._family: tuple[GemmConfig, ...] = (config,) if config is not None else ()
         # Autotuning (evtc.runtime.autotune.Tuner): None unless this is the twin autotuned() returns.
         self._tuner = None
+        # Which torch-legal broadcasts keep torch's result (evtc.runtime.broadcasts); built on the
+        # first call that reaches them.
+        self._broadcast_rules: BroadcastRules | None = None
         self._autotuned_twin: Kernel | None = None
         self._variants: dict[GemmConfig, Kernel] = {}
         self._pinned_splits: int | None = None
@@ -428,8 +431,17 @@ class Kernel:
 
     def run(self, a, b, operands: dict[str, Any]) -> list[torch.Tensor]:
         """Run a call (the kernel, the staged or the torch path) and return its outputs in kernel
-        order (:attr:`plan` ``.output_order``): what :attr:`op` computes."""
-        return self._launch(a, b, None, operands)
+        order (:attr:`plan` ``.output_order``): what :attr:`op` computes. Its tensors have the
+        compiled ranks and batches (the operator's shape function assumes them): no broadcast is
+        made into views here, the caller (``__call__`` under autograd or torch.compile) made them."""
+        return self._launch(a, b, None, operands, broadcasts=False)
+
+    def _broadcast_views(self, a, b, operands, scales):
+        """``(a, b, operands, scales)`` with torch-legal broadcasts made into views of the compiled
+        shapes (:func:`evtc.runtime.broadcasts.to_compiled_shapes`), or None."""
+        if self._broadcast_rules is None:
+            self._broadcast_rules = BroadcastRules.of(self.plan)
+        return to_compiled_shapes(self.plan, self._broadcast_rules, a, b, operands, scales)
 
     def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;
@@ -447,9 +459,9 @@ class Kernel:
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
-        views = to_compiled_shapes(self.plan, a, b, operands)
+        views = self._broadcast_views(a, b, operands, scales)
         if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
-            a, b, operands = views
+            a, b, operands, scales = views
         result = self.op(a, b, *scales, *[operands[name] for name in spec.names])
         outs = [result] if len(spec.kernel_order) == 1 else list(result)
         if out is not None:
@@ -458,7 +470,7 @@ class Kernel:
             outs = call_checks.copy_into_given(spec, out, spec.kernel_order, outs)
         return spec.result(outs)
 
-    def _launch(self, a, b, out, operands) -> list[torch.Tensor]:
+    def _launch(self, a, b, out, operands, *, broadcasts: bool = True) -> list[torch.Tensor]:
         """Launch and return the outputs in kernel order.
 
         The fast path hands the tensors to the compiled function as they are (it checks their
@@ -480,16 +492,16 @@ class Kernel:
             else:
                 self.last_path = "kernel"
                 return outs + self._finish(out, workspaces, *problem, operands)
-        return self._launch_slow(a, b, out, operands, scales)
+        return self._launch_slow(a, b, out, operands, scales, broadcasts)
 
-    def _launch_slow(self, a, b, out, operands, scales=None) -> list[torch.Tensor]:
+    def _launch_slow(self, a, b, out, operands, scales=None, broadcasts: bool = True) -> list[torch.Tensor]:
         """A call the fast path did not take: a CallError for wrong arguments; the torch path where
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
-        views = to_compiled_shapes(self.plan, a, b, operands)
+        views = self._broadcast_views(a, b, operands, scales) if broadcasts else None
         if views is not None:  # torch-legal broadcasts the compiled function refused, as views
-            a, b, operands = views
+            a, b, operands, scales = views
         reason = call_checks.torch_reason(spec, a, operands, b) if isinstance(a, torch.Tensor) else None
         if reason is None and self.interface.strict:
             # A wrong argument is named before any layout rule.
