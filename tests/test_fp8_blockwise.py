@@ -394,3 +394,33 @@ def test_staging_copies_a_scales_the_tma_cannot_read():
     m_major_pitched.copy_(torch.rand(1001, 5))
     (got, _), problems = stage_scales(kernel.plan, (m_major_pitched, b[1]))
     assert not problems and got is m_major_pitched
+
+
+@pytest.mark.parametrize("rows", [1, 128], ids=["1x128", "128x128"])
+def test_the_fast_path_copies_a_scales_of_odd_m_itself(tmp_path, rows):
+    """M-major 1 x 128 scales of an M that is not a multiple of 4 (decode sizes) are copied on the
+    fast path, with no rejected launch and slow path (about 150 us a call on the H100's host):
+    the launch gets an aligned copy of the same values and the call says "staged"; scales that
+    fit (a pitch of a multiple of 4) and 128 x 128 ones (any strides) pass as they are. The
+    compiled function is stubbed: this machine has no GPU."""
+    from evtc.runtime.staging import layout_problem
+
+    a, b = _pairs(64, 256, 640, rows)
+    kernel = evtc.compile(identity, {"a": a, "b": b}, arch="sm_90a", cache_dir=tmp_path)
+    kernel._kernel_runs = True  # as on a Hopper GPU
+    launched = []
+    for m in (7, 8):
+        (x, sa), _ = _pairs(m, 256, 640, rows, seed=m)
+        if rows == 1:
+            sa = sa.t().contiguous().t()  # M-major, pitch M: torch's blockwise layout
+        kept = sa.clone()
+        kernel._launch_memo[(m, 256, 640, 1, -1)] = (
+            lambda a_pair, b_pair, *rest: launched.append(a_pair[1]), 1, None, kernel._finisher)
+        kernel((x, sa), b)
+        got = launched[-1]
+        assert torch.equal(got, sa) and torch.equal(sa, kept)
+        if rows == 1 and m == 7:
+            assert kernel.last_path == "staged" and got.data_ptr() != sa.data_ptr()
+            assert layout_problem(got, kernel.plan.a_scales) is None
+        else:
+            assert kernel.last_path == "kernel" and got is sa

@@ -206,6 +206,24 @@ def test_a_batch_of_one_runs_expanded_with_its_scales(tmp_path, rows):
         assert _rel(got, _dequantized_product(*whole, rows) + C.double()) < 1e-2  # bf16 output
 
 
+def test_decode_sizes_copy_a_scales_on_the_fast_path(tmp_path):
+    """M of 1, 3 and 7 with a's 1 x 128 scales M-major of pitch M (torch's blockwise layout, which
+    cuBLASLt refuses at these M): the call copies the scales itself and runs the kernel
+    ("staged"), with the dequantized product; strict=True refuses the copy by name."""
+    a, b = _inputs(64, 512, 384, 1, seed=11)
+    kernel = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path)
+    strict = evtc.compile(scaled_out, {"a": a, "b": b}, cache_dir=tmp_path, strict=True)
+    for m in (1, 3, 7):
+        x, sa = _inputs(m, 512, 384, 1, seed=m)[0]
+        assert sa.stride() == (1, m)
+        kept = sa.clone()
+        got = kernel((x, sa), b)
+        assert kernel.last_path == "staged" and torch.equal(sa, kept)
+        assert _rel(got, _dequantized_product((x, sa), b, 1)) < 1e-3
+        with pytest.raises(evtc.CallError, match="a's block scales"):
+            strict((x, sa), b)
+
+
 def test_block_scales_staged_and_strided_scales(tmp_path):
     """An M-major a at the call is staged (a K-major copy); scales of any strides are read as they
     are (a row-major a-scale tensor here, a sliced b-scale one)."""

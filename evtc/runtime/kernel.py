@@ -31,7 +31,7 @@ from evtc.runtime.device import max_active_clusters
 from evtc.runtime.invoke import built_config, invoke
 from evtc.runtime.out_aliasing import unaliased
 from evtc.runtime.reductions import ReductionFinish
-from evtc.runtime.staging import stage_call, stage_scales
+from evtc.runtime.staging import aligned_copy, layout_problem, stage_call, stage_scales
 
 if TYPE_CHECKING:
     from evtc.runtime.prebuild import Prebuild
@@ -485,12 +485,12 @@ class Kernel:
         if self._kernel_runs is None:
             self._kernel_runs = self.interface.torch_only is None and call_checks.gpu_problem() is None
         if self._kernel_runs and (not spec.tf32 or call_checks.tf32_allowed()):
+            self.last_path = "kernel"  # unless the call copies a's block scales (_fast_a_scales)
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
                 pass  # the slow path finds out what it was
             else:
-                self.last_path = "kernel"
                 return outs + self._finish(out, workspaces, *problem, operands)
         return self._launch_slow(a, b, out, operands, scales, broadcasts)
 
@@ -549,8 +549,11 @@ class Kernel:
         This is the per-call path: everything it needs was prepared from the plan in
         :class:`CallSpec`, and the launch is memoised per problem size."""
         spec = self.call_spec
-        if scales is not None and not call_checks.scales_fit(spec, a, b, scales):
-            raise ValueError("block scales of the wrong shape")  # validate names the problem
+        if scales is not None:
+            if not call_checks.scales_fit(spec, a, b, scales):
+                raise ValueError("block scales of the wrong shape")  # validate names the problem
+            if not stage:
+                scales = self._fast_a_scales(scales)
         a_shape = a.shape
         m = a_shape[-2]
         up = None
@@ -609,6 +612,24 @@ class Kernel:
                 if written is not target:
                     target.copy_(written)
         return targets, workspaces, (m, n, batches, finisher)
+
+    def _fast_a_scales(self, scales: tuple) -> tuple:
+        """``scales`` with a's 1 x 128 scales copied where the kernel's TMA cannot read them (M not
+        a multiple of 4 in the M-major layout torch's blockwise GEMM takes: decode sizes, which
+        cuBLASLt refuses), here rather than on the slow path, whose rejected launch and checks cost
+        about 150 us a call on the H100's host (docs/fp8.md, 'Block scales')."""
+        a_scales = scales[0]
+        if self.plan.a_scales.contiguous is None:
+            return scales  # any strides do (128 x 128 blocks)
+        if a_scales.stride(-2) == 1 and a_scales.stride(-1) % 4 == 0:
+            return scales  # the compiled function checks the rest
+        problem = layout_problem(a_scales, self.plan.a_scales)
+        if problem is None:
+            return scales
+        if self.interface.strict:
+            raise ValueError("strict: the slow path names the copy it refuses")
+        self._note_path("staged", f"a's block scales: {problem}")
+        return aligned_copy(a_scales, self.plan.a_scales), scales[1]
 
     def _first_launch(self, a, b, up, ins, outs, m, n, k, batches, scales, launch_key):
         """The launch of a problem size this kernel has not run yet (then memoised)."""

@@ -80,16 +80,20 @@ def empty_in_layout(shape: tuple[int, ...], dtype: torch.dtype, spec, device) ->
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, spec, device) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` in the layout of ``spec``: unit stride along
     ``spec.contiguous``, the other dims outside it in their order, the unit-stride dim's pitch
-    rounded up to 16 bytes (so every other stride and the base are 16-byte multiples)."""
+    rounded up to 16 bytes (so every other stride and the base are 16-byte multiples). One
+    ``torch.empty_strided`` (an empty buffer, a permute and a narrow cost three times its host time,
+    and this runs on decode calls' fast path: ``Kernel._fast_a_scales``)."""
     rank = len(shape)
     c = spec.contiguous if spec.contiguous is not None else rank - 1
     order = [i for i in range(rank) if i != c] + [c]  # outermost to innermost
     align = _align_elems(dtype)
-    physical = [shape[i] for i in order]
-    physical[-1] = max(align, -(-physical[-1] // align) * align)
-    buffer = torch.empty(physical, dtype=dtype, device=device)
-    inverse = [order.index(i) for i in range(rank)]
-    return buffer.permute(inverse).narrow(c, 0, shape[c])
+    strides = [0] * rank
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        extent = max(shape[d], 1)  # a dim of size 0 counts as 1, as torch counts it
+        step *= -(-extent // align) * align if d == c else extent
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 def aligned_copy(t: torch.Tensor, spec) -> torch.Tensor:
