@@ -422,3 +422,55 @@ def test_the_operator_takes_the_compiled_batches_only():
     twin = A[:1].clone().requires_grad_()
     residual(twin @ B, C).sum().backward()
     torch.testing.assert_close(A1.grad, twin.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_problems_check_their_arguments_on_the_kernel_path(tmp_path):
+    """An empty problem runs no kernel, so nothing compiled checks it: the call checks its
+    arguments itself (a wrong K, a bias of another N, a 3-d a for a 2-d kernel were returned
+    outputs), and no layout matters (an ``out=`` of no elements in any strides, under strict too).
+    The kernel path is forced, as on a Hopper GPU: an empty problem reaches no compiled function."""
+    def bias_stats(acc, bias):
+        y = acc + bias
+        return y, y.sum(-1)
+
+    a, b, bias = torch.randn(64, 32).half(), torch.randn(32, 128).half(), torch.randn(128).half()
+    for strict in (False, True):
+        k = evtc.compile(bias_stats, {"a": a, "b": b, "bias": bias}, arch="sm_90a", cache_dir=tmp_path,
+                         strict=strict)
+        k._kernel_runs = True
+        for call, match in [((a[:0], b[:16], bias), "K differs"),
+                            ((a[:0], b, bias[:64]), "bias has shape"),
+                            ((a[:0].expand(3, 0, 32), b, bias), "must be 2-d"),
+                            ((a[:0].float(), b, bias), "must be torch.float16")]:
+            with pytest.raises(evtc.CallError, match=match):
+                k(call[0], call[1], bias=call[2])
+        y, sums = k(a[:0], b, bias=bias)
+        assert y.shape == (0, 128) and sums.shape == (0,) and k.last_path == "kernel"
+        out = (torch.empty(64, 0, dtype=torch.float16), torch.empty(64, dtype=torch.float32))
+        y, sums = k(a, b[:, :0], bias=bias[:0], out=out)  # N = 0: sums of nothing are 0
+        assert y is out[0] and sums is out[1] and torch.equal(sums, torch.zeros(64))
+
+
+def test_a_batch_of_one_beside_a_batch_of_zero_is_torchs_empty_result():
+    """torch broadcasts a batch of 1 to a batch of 0; so does the call (it was refused)."""
+    def residual(acc, C):
+        return acc + C
+
+    A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
+    k = evtc.compile(residual, {"a": A, "b": B, "C": C})
+    for x, w, c in [(A[:0], B[:1], C[:0]), (A[:1], B[:0], C[:0]), (A[:1], B[:1], C[:0]),
+                    (A[:0], B[:0], C[:1])]:
+        got = k(x, w, C=c)
+        assert got.shape == residual(x @ w, c).shape == (0, 16, 8)
+
+
+def test_out_of_no_elements_may_have_stride_0():
+    """torch's own empty results can have strides of 0 (``torch.empty_like`` of a (2, 0, 1)
+    result): an ``out=`` with no elements shares no memory and is taken."""
+    def double(acc):
+        return acc * 2
+
+    A, B = torch.randn(2, 0, 32), torch.randn(2, 32, 1)
+    k = evtc.compile(double, {"a": torch.randn(2, 16, 32), "b": torch.randn(2, 32, 8)})
+    out = torch.empty_strided((2, 0, 1), (0, 1, 0))
+    assert k(A, B, out=out) is out

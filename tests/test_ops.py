@@ -187,6 +187,23 @@ def test_shape_arithmetic_stays_symbolic():
     assert "(1/N)" in str(graph)
 
 
+def test_powers_of_sizes_stay_symbolic():
+    """``acc.shape[-1] ** -0.5`` (an attention-style scale) and other powers of sizes are literals
+    of the size, as sums and quotients are; they raised a raw TypeError from the tracer before."""
+    def epilogue(acc):
+        return acc * acc.shape[-1] ** -0.5, acc.sum(-1) * (acc.shape[-2] ** 0.5), acc * 2 ** acc.shape[-2]
+
+    for m, n in ((4, 24), (6, 8)):
+        check_epilogue(epilogue, gemm_inputs(m, n, 8, None))
+    kernel = evtc.compile(epilogue, gemm_inputs(4, 24, 8, None), arch="sm_90a")
+    for m, n in ((4, 24), (6, 8)):  # another size than the example's: the literal follows it
+        inputs = gemm_inputs(m, n, 8, None)
+        got = kernel(inputs["a"], inputs["b"])
+        want = epilogue(inputs["a"].double() @ inputs["b"].double())
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
+
+
 def test_constant_tensors_made_in_the_epilogue_are_literals():
     def epilogue(acc):
         return acc * torch.tensor(0.5) + torch.tensor([2.0])

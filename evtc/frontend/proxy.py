@@ -99,6 +99,12 @@ class SymDim:
     def __rtruediv__(self, o: Any) -> Any:
         return self._binary(o, lambda a, b: b / a)
 
+    def __pow__(self, o: Any) -> Any:  # acc.shape[-1] ** -0.5, an attention-style scale
+        return self._binary(o, lambda a, b: a**b)
+
+    def __rpow__(self, o: Any) -> Any:
+        return self._binary(o, lambda a, b: b**a)
+
     def _no_python(self, *_: Any) -> Any:
         raise ControlFlowError(
             f"the problem size {self.expr} is only known at run time; evtc compiles one kernel for "

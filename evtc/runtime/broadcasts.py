@@ -106,7 +106,7 @@ def _expand_batch(rules: BroadcastRules, a, b, operands: dict, batched: list, sc
     sizes = {a.shape[0], b.shape[0]} | {operands[name].shape[axis] for name, axis in batched}
     if len(sizes) != 2 or 1 not in sizes:
         return None
-    batches = max(sizes)
+    batches = 0 if 0 in sizes else max(sizes)  # torch broadcasts a batch of 1 to 0 too
     whole = {name for name, axis in batched if operands[name].shape[axis] == batches}
     if batches in (a.shape[0], b.shape[0]):
         whole.add("acc")

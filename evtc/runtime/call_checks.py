@@ -91,7 +91,7 @@ def refuse_overlapping(label: str, t: torch.Tensor) -> None:
     """Refuse an ``out=`` tensor some of whose elements share memory (an expanded view, stride 0
     along a dim of extent > 1), as torch's own ops do: every tile would store into the same
     elements, and what is left there would be whichever store came last."""
-    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
+    if t.numel() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
         raise CallError(f"{label} has elements that share memory (strides {tuple(t.stride())} for shape "
                         f"{tuple(t.shape)}: an expanded view); pass a tensor with one element per value, "
                         f"e.g. torch.empty_like(...) or .clone() of it")

@@ -549,11 +549,9 @@ class Kernel:
         This is the per-call path: everything it needs was prepared from the plan in
         :class:`CallSpec`, and the launch is memoised per problem size."""
         spec = self.call_spec
-        if scales is not None:
-            if not call_checks.scales_fit(spec, a, b, scales):
-                raise ValueError("block scales of the wrong shape")  # validate names the problem
-            if not stage:
-                scales = self._fast_a_scales(scales)
+        if scales is not None and not call_checks.scales_fit(spec, a, b, scales):
+            raise ValueError("block scales of the wrong shape")  # validate names the problem
+        user_a, user_b = a, b
         a_shape = a.shape
         m = a_shape[-2]
         up = None
@@ -569,6 +567,10 @@ class Kernel:
             raise ValueError("K = 0 takes the torch path")
         if len(kernel_operands) != spec.kernel_name_count:
             raise KeyError("unknown arguments")
+        if m == 0 or n == 0 or batches == 0:
+            return self._empty_problem(user_a, user_b, out, operands, scales, m, n, batches)
+        if scales is not None and not stage:
+            scales = self._fast_a_scales(scales)
         ins = spec.inputs(kernel_operands, m, n, batches)
         if not stage and (m if spec.d_by_m else n) % spec.out_align:
             raise ValueError("output rows are not 16-byte multiples: staged")  # cheaper than the DSL's error
@@ -592,25 +594,38 @@ class Kernel:
                 self._note_path("staged", "; ".join(problems))
             else:  # the slow path's views (broadcasts) or checks found nothing to copy
                 self.last_path = "kernel"
-        empty = m == 0 or n == 0 or batches == 0
-        if not empty:
-            launch_key = (m, n, k, batches, a.get_device())
-            chosen = self._launch_memo.get(launch_key)
-            if chosen is None:
-                chosen = self._first_launch(a, b, up, ins, outs, m, n, k, batches, scales, launch_key)
-            fn, clusters, split, finisher = chosen
-        else:
-            finisher = self._finisher
+        launch_key = (m, n, k, batches, a.get_device())
+        chosen = self._launch_memo.get(launch_key)
+        if chosen is None:
+            chosen = self._first_launch(a, b, up, ins, outs, m, n, k, batches, scales, launch_key)
+        fn, clusters, split, finisher = chosen
         # The reductions' partials are laid out by the launched configuration's tiles.
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
-        if empty:
-            call_checks.refuse_empty_extremes(self.plan, m, n, batches)
-            return targets, workspaces, (m, n, batches, finisher)
         invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales, up)
         if outs is not targets:
             for written, target in zip(outs, targets, strict=True):
                 if written is not target:
                     target.copy_(written)
+        return targets, workspaces, (m, n, batches, finisher)
+
+    def _empty_problem(self, a, b, out, operands, scales, m: int, n: int, batches: int):
+        """An empty problem (M, N or the batch 0) runs no kernel: nothing compiled checks its
+        arguments, so the slow path's checks do (a wrong K, a bias of another N, a 3-d ``a`` for a
+        2-d kernel were returned outputs before), and no layout matters (no TMA reads or writes
+        anything: an ``out=`` of no elements takes any strides, under ``strict`` too). Its outputs
+        and the host finish of its reductions (sums 0, means NaN; a max or min is refused, as
+        torch refuses it) are what :meth:`_run_kernel` returns."""
+        spec = self.call_spec
+        call_checks.validate(spec, a, b, out, operands, scales)
+        call_checks.refuse_empty_extremes(self.plan, m, n, batches)
+        device = a.device
+        if out is None:
+            targets = spec.new_outputs(device, m, n, batches)
+        else:
+            targets = call_checks.given_outputs(spec, out, m, n, batches, layout=False)
+        finisher = self._finisher
+        workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
+        self.last_path = "kernel"
         return targets, workspaces, (m, n, batches, finisher)
 
     def _fast_a_scales(self, scales: tuple) -> tuple:

@@ -47,7 +47,7 @@ def size_function(expr: str):
     """``expr`` (Python source over L, M, N, see :class:`evtc.plan.kernel_plan.KernelInput`) as a
     function of the problem size (called per call: only a quotient pays for the zero guard)."""
     fn = eval(f"lambda L, M, N: {expr}", {"math": math, "__builtins__": {}})  # noqa: S307 - our own plan
-    if "/" not in expr:
+    if "/" not in expr and "**" not in expr:
         return fn
 
     def quotient(L, M, N):  # noqa: N803 - the plan's size names
@@ -55,6 +55,8 @@ def size_function(expr: str):
             return fn(L, M, N)
         except ZeroDivisionError:
             # 1/N of a mean over an empty dim: torch's mean is then NaN (its sum 0 times this).
+            # (A negative power of a size of 0 raises in Python, so torch's epilogue would too:
+            # its result has no elements to hold the value.)
             return math.inf
 
     return quotient
