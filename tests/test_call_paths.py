@@ -343,7 +343,7 @@ def test_torch_legal_broadcasts_run_as_views_of_the_compiled_shapes():
 
 def test_broadcasts_that_would_change_an_output_are_refused_by_name():
     """A broadcast is made into a view only where every output keeps torch's shape and values
-    (evtc.runtime.broadcasts.BroadcastRules): an output or a sum that reads only the expanded
+    (evtc.runtime.broadcasts, from KernelPlan.reads): an output or a sum that reads only the expanded
     batch of 1, or a reduction whose shape takes a scalar's extra dims, is refused by name rather
     than computed over the expanded batch or in the compiled rank (which gave (3, M, N) for torch's
     (1, M, N), sums three times torch's, and () for torch's (1,))."""

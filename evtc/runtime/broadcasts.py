@@ -10,13 +10,13 @@ handled here. A broadcast that would change the result's shape (a ``C`` of (1, M
 (M, N) kernel makes torch's result 3-d) or an operand's kind (an (M, N) example with M = 1 was a
 row vector) is left alone, and the call's checks refuse it by name.
 
-The views are the same computation only under two conditions (:class:`BroadcastRules`). An
-operand changes rank only where full tiles alone read it: a reduction or an output of lower rank
-takes the extra dims of a (1, N) bias or a (1,) scalar into its shape. A batch of 1 is expanded
-only where every output and every reduction reads an input of the whole batch: an output ``acc``
-of an ``a`` and ``b`` of batch 1 beside a ``C`` of batch 3 is torch's (1, M, N), and a sum over
-the expanded batch would count it three times. Elsewhere nothing is viewed, and the checks
-refuse the call by name.
+The views are the same computation only under two conditions, read from
+:attr:`KernelPlan.reads`. An operand changes rank only where full tiles alone read it: a
+reduction or an output of lower rank takes the extra dims of a (1, N) bias or a (1,) scalar into
+its shape. A batch of 1 is expanded only where every output and every reduction reads an input of
+the whole batch: an output ``acc`` of an ``a`` and ``b`` of batch 1 beside a ``C`` of batch 3 is
+torch's (1, M, N), and a sum over the expanded batch would count it three times. Elsewhere
+nothing is viewed, and the checks refuse the call by name.
 
 Only the slow path of a call and the custom operator's path use this: a call whose tensors the
 compiled function takes as they are never gets here.
@@ -24,7 +24,6 @@ compiled function takes as they are never gets here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,27 +31,17 @@ import torch
 from evtc.plan.kernel_plan import KernelPlan
 
 
-@dataclass(frozen=True)
-class BroadcastRules:
-    """Which broadcasts keep torch's result, from :attr:`KernelPlan.reads`: for each output and
-    each reduction, the inputs it reads and whether it is a full tile (a reduction never is)."""
+def _may_change_rank(plan: KernelPlan, name: str) -> bool:
+    """Whether operand ``name`` may gain or lose leading size-1 dims: only full tiles read it
+    (a reduction or a smaller output would take the dims into its shape; :attr:`KernelPlan.reads`)."""
+    return all(full for names, full in plan.reads if name in names)
 
-    reads: tuple[tuple[frozenset[str], bool], ...]
 
-    @classmethod
-    def of(cls, plan: KernelPlan) -> BroadcastRules:
-        return cls(tuple((frozenset(names), full) for names, full in plan.reads))
-
-    def may_change_rank(self, name: str) -> bool:
-        """Whether operand ``name`` may gain or lose leading size-1 dims: only full tiles read it
-        (a reduction or a smaller output would take the dims into its shape)."""
-        return all(full for reads, full in self.reads if name in reads)
-
-    def may_expand(self, whole: set[str]) -> bool:
-        """Whether inputs of batch 1 may be expanded beside ``whole`` (those of the whole batch):
-        every output and every reduction reads one of ``whole`` (a sum over an expanded batch
-        of 1 alone counts it again; an output of it alone is torch's batch of 1)."""
-        return all(reads & whole for reads, _ in self.reads)
+def _may_expand(plan: KernelPlan, whole: set[str]) -> bool:
+    """Whether inputs of batch 1 may be expanded beside ``whole`` (those of the whole batch):
+    every output and every reduction reads one of ``whole`` (a sum over an expanded batch of 1
+    alone counts it again; an output of it alone is torch's batch of 1)."""
+    return all(whole.intersection(names) for names, _ in plan.reads)
 
 
 def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.Tensor | None:
@@ -67,7 +56,7 @@ def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.
     return None
 
 
-def to_compiled_shapes(plan: KernelPlan, rules: BroadcastRules, a: Any, b: Any, operands: dict[str, Any],
+def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any],
                        scales: tuple | None = None):
     """``(a, b, operands, scales)`` with the broadcasts this module describes made into views (a
     block-scaled ``a`` or ``b`` expanded to the batch with its scales), or None where the call makes
@@ -86,20 +75,20 @@ def to_compiled_shapes(plan: KernelPlan, rules: BroadcastRules, a: Any, b: Any, 
         if not isinstance(t, torch.Tensor) or dims is None:
             continue
         if t.dim() != len(dims):
-            viewed = _to_rank(t, dims, result_rank) if rules.may_change_rank(kernel_input.user) else None
+            viewed = _to_rank(t, dims, result_rank) if _may_change_rank(plan, kernel_input.user) else None
             if viewed is None:
                 continue
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:
             batched.append((kernel_input.user, dims.index("L")))
     if plan.broadcast_batch is None and a.dim() == 3 and b.dim() == 3:
-        expanded = _expand_batch(rules, a, b, operands, batched, scales)
+        expanded = _expand_batch(plan, a, b, operands, batched, scales)
         if expanded is not None:
             (a, b, operands, scales), changed = expanded, True
     return (a, b, operands, scales) if changed else None
 
 
-def _expand_batch(rules: BroadcastRules, a, b, operands: dict, batched: list, scales: tuple | None):
+def _expand_batch(plan: KernelPlan, a, b, operands: dict, batched: list, scales: tuple | None):
     """For a kernel compiled with equal batches: a batch of 1 (of ``a``, ``b`` or a batched
     operand) beside a batch of L, expanded to L, where every output reads an input of batch L (so
     that torch's result has the batch L too); None otherwise."""
@@ -110,7 +99,7 @@ def _expand_batch(rules: BroadcastRules, a, b, operands: dict, batched: list, sc
     whole = {name for name, axis in batched if operands[name].shape[axis] == batches}
     if batches in (a.shape[0], b.shape[0]):
         whole.add("acc")
-    if not rules.may_expand(whole):
+    if not _may_expand(plan, whole):
         return None
     operands = dict(operands)
     if a.shape[0] == 1:
@@ -127,4 +116,4 @@ def _expand_batch(rules: BroadcastRules, a, b, operands: dict, batched: list, sc
     return a, b, operands, scales
 
 
-__all__ = ["BroadcastRules", "to_compiled_shapes"]
+__all__ = ["to_compiled_shapes"]

@@ -23,7 +23,7 @@ from evtc.plan.clusters import planned_clusters
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import CallInterface, KernelPlan
 from evtc.runtime import call_checks, stream_buffers
-from evtc.runtime.broadcasts import BroadcastRules, to_compiled_shapes
+from evtc.runtime.broadcasts import to_compiled_shapes
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_spec import CallSpec
@@ -31,7 +31,7 @@ from evtc.runtime.device import max_active_clusters
 from evtc.runtime.invoke import built_config, invoke
 from evtc.runtime.out_aliasing import unaliased
 from evtc.runtime.reductions import ReductionFinish
-from evtc.runtime.staging import aligned_copy, layout_problem, stage_call, stage_scales
+from evtc.runtime.staging import stage_call, stage_scales
 
 if TYPE_CHECKING:
     from evtc.runtime.prebuild import Prebuild
@@ -73,9 +73,6 @@ class Kernel:
         self._family: tuple[GemmConfig, ...] = (config,) if config is not None else ()
         # Autotuning (evtc.runtime.autotune.Tuner): None unless this is the twin autotuned() returns.
         self._tuner = None
-        # Which torch-legal broadcasts keep torch's result (evtc.runtime.broadcasts); built on the
-        # first call that reaches them.
-        self._broadcast_rules: BroadcastRules | None = None
         self._autotuned_twin: Kernel | None = None
         self._variants: dict[GemmConfig, Kernel] = {}
         self._pinned_splits: int | None = None
@@ -436,13 +433,6 @@ class Kernel:
         made into views here, the caller (``__call__`` under autograd or torch.compile) made them."""
         return self._launch(a, b, None, operands, broadcasts=False)
 
-    def _broadcast_views(self, a, b, operands, scales):
-        """``(a, b, operands, scales)`` with torch-legal broadcasts made into views of the compiled
-        shapes (:func:`evtc.runtime.broadcasts.to_compiled_shapes`), or None."""
-        if self._broadcast_rules is None:
-            self._broadcast_rules = BroadcastRules.of(self.plan)
-        return to_compiled_shapes(self.plan, self._broadcast_rules, a, b, operands, scales)
-
     def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;
         sizes may be symbolic, for fake tensors)."""
@@ -459,7 +449,7 @@ class Kernel:
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
-        views = self._broadcast_views(a, b, operands, scales)
+        views = to_compiled_shapes(self.plan, a, b, operands, scales)
         if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
             a, b, operands, scales = views
         result = self.op(a, b, *scales, *[operands[name] for name in spec.names])
@@ -499,7 +489,7 @@ class Kernel:
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
-        views = self._broadcast_views(a, b, operands, scales) if broadcasts else None
+        views = to_compiled_shapes(self.plan, a, b, operands, scales) if broadcasts else None
         if views is not None:  # torch-legal broadcasts the compiled function refused, as views
             a, b, operands, scales = views
         reason = call_checks.torch_reason(spec, a, operands, b) if isinstance(a, torch.Tensor) else None
@@ -638,13 +628,12 @@ class Kernel:
             return scales  # any strides do (128 x 128 blocks)
         if a_scales.stride(-2) == 1 and a_scales.stride(-1) % 4 == 0:
             return scales  # the compiled function checks the rest
-        problem = layout_problem(a_scales, self.plan.a_scales)
-        if problem is None:
-            return scales
-        if self.interface.strict:
-            raise ValueError("strict: the slow path names the copy it refuses")
-        self._note_path("staged", f"a's block scales: {problem}")
-        return aligned_copy(a_scales, self.plan.a_scales), scales[1]
+        staged, problems = stage_scales(self.plan, scales)
+        if problems:
+            if self.interface.strict:
+                raise ValueError("strict: the slow path names the copy it refuses")
+            self._note_path("staged", "; ".join(problems))
+        return staged
 
     def _first_launch(self, a, b, up, ins, outs, m, n, k, batches, scales, launch_key):
         """The launch of a problem size this kernel has not run yet (then memoised)."""
