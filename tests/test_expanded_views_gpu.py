@@ -101,3 +101,40 @@ def test_out_with_overlapping_elements_is_refused(cache):
     zero = torch.zeros(n, device="cuda")
     got = kernel(a, b, C=shared, bias=zero, out=whole)  # as an input it is fine
     assert got is whole and _rel(whole, _ref(residual, a, b, C=shared, bias=zero)) < 1e-2
+
+
+def _double_ref(fn, a, b, **ops):
+    return fn(a.double() @ b.double(), **{k: v.double() for k, v in ops.items()})
+
+
+@pytest.mark.parametrize("knobs,splits", [
+    ({"schedule": "pingpong", "cluster": (1, 1)}, 3),
+    ({"schedule": "cooperative", "cluster": (1, 2)}, 2),
+    # More than one wave of 64 x 64 tiles in 2x1 clusters: only the tail is split.
+    ({"schedule": "pingpong", "tile_m": 64, "tile_n": 64, "cluster": (2, 1)}, 4),
+], ids=["pingpong-c1x1", "cooperative-c1x2", "tail-c2x1"])
+def test_batch_stride_zero_under_split_k_and_clusters(cache, knobs, splits):
+    """A weight, activations and C shared by every batch (batch stride 0) go to TMA as they are.
+    With K split (the partials of each batch combined apart) and multi-CTA clusters, each batch
+    must still read its own problem: equal to float64 on the same values, batch by batch."""
+    batches, m, n, k = 3, 640, 1800, 1000
+    ex = dict(a=torch.empty(batches, 64, 64, dtype=torch.bfloat16, device="meta"),
+              b=torch.empty(batches, 64, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2),
+              C=torch.empty(batches, 64, 64, dtype=torch.bfloat16, device="meta"),
+              bias=torch.empty(64, device="meta"))
+    kernel = evtc.compile(residual, ex, config={"split_k": True, **knobs}, cache_dir=cache, strict=True)
+    kernel.pin_splits(splits)
+    try:
+        w = randn(n, k, dtype=torch.bfloat16) * k ** -0.5
+        shared_b = w.t().unsqueeze(0).expand(batches, k, n)
+        a = randn(batches, m, k, dtype=torch.bfloat16)
+        a_shared = randn(1, m, k, dtype=torch.bfloat16).expand(batches, m, k)
+        C = randn(1, m, n, dtype=torch.bfloat16).expand(batches, m, n)
+        bias = torch.randn(n, device="cuda")
+        for a_in in (a, a_shared):
+            got = kernel(a_in, shared_b, C=C, bias=bias)
+            want = _double_ref(residual, a_in, shared_b, C=C, bias=bias)
+            for i in range(batches):
+                assert _rel(got[i], want[i]) < 2e-2, (i, knobs, splits)
+    finally:
+        kernel.pin_splits(None)
