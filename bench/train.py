@@ -4,6 +4,7 @@ PyTorch and torch.compile (issue "Training").
     python3 bench/train.py                        # M = 8192 tokens, hidden 4096, intermediate 14336
     python3 bench/train.py --tokens 2048 --no-compile
     python3 bench/train.py --profile             # and where each step spends its GPU time
+    python3 bench/train.py --gaps                # and how long the GPU idles within steps run back to back
 
 The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T``;
 ``y = x + a @ W_down^T``. A step is the forward and ``y.backward(dy)`` with a fixed random ``dy``
@@ -107,6 +108,9 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--profile", action="store_true",
                    help="also print where one step of each variant spends its GPU time (torch.profiler)")
+    p.add_argument("--gaps", action="store_true",
+                   help="also run 5 steps of each variant back to back under torch.profiler and print "
+                        "per step: the wall time, the GPU's busy time and its idle time between kernels")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
@@ -157,6 +161,11 @@ def main() -> None:
     if args.profile:
         for n in names:
             profile_step(n, step(variants[n]))
+    if args.gaps:
+        print("\nback-to-back steps under torch.profiler (5 steps; per step):")
+        for n in names:
+            wall, busy = idle_gaps(step(variants[n]))
+            print(f"  {n:14s} wall {wall:7.3f} ms  GPU busy {busy:7.3f} ms  idle {wall - busy:6.3f} ms")
 
 
 def profile_step(name: str, run) -> None:
@@ -170,6 +179,33 @@ def profile_step(name: str, run) -> None:
         torch.cuda.synchronize()
     print(f"\n{name}: GPU time by kernel (one step)")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=70))
+
+
+def idle_gaps(run, steps: int = 5) -> tuple[float, float]:
+    """(wall ms, GPU-busy ms) per step of ``steps`` steps of ``run`` launched back to back: busy is
+    the union of the kernels' and copies' intervals, so wall - busy is time the GPU waited for the
+    host (a synchronisation or a slow launch) rather than time it ran slower."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU tracing: it slows the host
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, last_end = 0.0, None
+    for start, end in spans:
+        if last_end is None or start > last_end:
+            busy += end - start
+            last_end = end
+        elif end > last_end:
+            busy += end - last_end
+            last_end = end
+    wall = spans[-1][1] - spans[0][0]
+    return wall / steps / 1e3, busy / steps / 1e3
 
 
 if __name__ == "__main__":
