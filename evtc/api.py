@@ -141,4 +141,4 @@ def reference(
     for name in sig.params:
         value = inputs[name] if name in inputs else sig.defaults[name]
         kwargs[name] = value.to(dtype) if isinstance(value, torch.Tensor) else value
-    return user_fn(acc, **kwargs)
+    return sig.call(user_fn, acc, kwargs)

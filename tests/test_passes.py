@@ -130,7 +130,9 @@ def test_cse_does_not_merge_different_params_or_non_commutative_ops():
         (lambda acc: acc ** -1, ["pow"], ["reciprocal"]),
         (lambda acc: 2 ** acc, ["pow"], ["exp2"]),
         (lambda acc: 10.0 ** (acc * 0.1), ["pow"], ["exp2"]),
-        (lambda acc: acc * 2.0 * 3.0 - 1.0 + 1.0, ["sub", "add"], ["mul"]),
+        (lambda acc: acc * 2.0 * 3.0 + 1.0 + 2.0, ["sub"], ["mul"]),
+        (lambda acc: (acc + 1e8) - 1e8, [], ["add"]),  # opposite signs: not regrouped
+        (lambda acc: 1.0 ** acc, ["exp2"], ["pow"]),
         (lambda acc: acc.float(), ["cast"], []),
     ],
 )
@@ -155,6 +157,33 @@ def test_fold_scalar_chains_are_hoisted_out_of_the_tile():
     literals = [float(n.attrs["value"]) for n in out.nodes if n.op == "literal"]
     assert 3.0 in literals  # 1.0 + 2.0 folded
     assert_equivalent(g, out, inputs)
+
+
+def test_fold_regroups_only_where_rounding_is_all_that_changes():
+    """Literal chains regroup into one literal only where that changes float32 rounding alone:
+    not a product that underflows or overflows, not a sum of opposite signs; 1 ** x is 1 at inf."""
+    cases = [
+        (lambda acc: acc * 2.0 * 3.0 + 1.0 + 2.0, {"mul": 1, "add": 1}),
+        (lambda acc: (acc * 1e-30) * 1e-30, {"mul": 2}),
+        (lambda acc: (acc * 1e30) * 1e30, {"mul": 2}),
+        (lambda acc: (acc + 1e8) - 1e8, {"add": 2}),
+    ]
+    for fn, counts in cases:
+        g, inputs = raw(fn)
+        out = eliminate_dead_code(fold_constants(g).graph).graph
+        for op, count in counts.items():
+            assert out.count(op) == count, (op, str(out))
+    # acc = a @ b with b = 1: these values exactly, and torch in float32 step by step as the reference.
+    a = torch.tensor([3.0e15, -7.0, float("inf"), 0.25, 1e-12]).reshape(1, 5, 1)
+    b = torch.ones(1, 1, 1)
+    for fn in (lambda acc: (acc * 1e-30) * 1e-30, lambda acc: (acc + 1e8) - 1e8,
+               lambda acc: 1.0 ** acc, lambda acc: (acc * 1e-20) * 1e30):
+        g, _ = raw(fn)
+        got = optimize(g).evaluate({"a": a, "b": b}, cast_outputs=False)
+        want = fn(a @ b)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (got, want)
+        finite = want.isfinite()
+        assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=0), (got, want)
 
 
 def test_fold_keeps_nan_semantics():

@@ -161,9 +161,14 @@ def _class_name(name: str) -> str:
     return camel + "Epilogue"
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _float_text(value: float) -> str:
     if math.isnan(value):
         return 'float("nan")'
+    if abs(value) > _FLOAT32_MAX:  # a float32 literal: +-inf, as torch makes it (acc * 1e39)
+        value = math.copysign(math.inf, value)
     if math.isinf(value):
         return 'float("inf")' if value > 0 else '-float("inf")'
     return repr(float(value))

@@ -41,6 +41,15 @@ class Signature:
     acc_name: str
     params: list[str]
     defaults: dict[str, Any]
+    #: How many leading parameters (acc included) are positional-only (``def f(acc, C, /)``).
+    positional_only: int = 0
+
+    def call(self, fn: Callable[..., Any], acc: Any, operands: Mapping[str, Any]) -> Any:
+        """``fn(acc, **operands)``, passing the positional-only parameters by position."""
+        names = [self.acc_name, *self.params]
+        values = {self.acc_name: acc, **operands}
+        head = [values[n] for n in names[:self.positional_only]]
+        return fn(*head, **{n: values[n] for n in names[self.positional_only:]})
 
 
 def read_signature(fn: Callable[..., Any]) -> Signature:
@@ -66,7 +75,8 @@ def read_signature(fn: Callable[..., Any]) -> Signature:
                 loc,
             )
     defaults = {p.name: p.default for p in params[1:] if p.default is not p.empty}
-    return Signature(acc_name=names[0], params=names[1:], defaults=defaults)
+    positional_only = sum(p.kind == p.POSITIONAL_ONLY for p in params)
+    return Signature(acc_name=names[0], params=names[1:], defaults=defaults, positional_only=positional_only)
 
 
 def check_example_keys(fn: Callable[..., Any], sig: Signature, example: Mapping[str, Any]) -> None:

@@ -17,6 +17,7 @@ from ..errors import DTypeError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import CAST_DTYPES, short_name
 from ..ir.infer import promote
 from ..ir.shapes import ONE, N
+from .proxy import SymDim
 from .source import user_location
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def _add_sub(op: str) -> Handler:
         # torch computes input + alpha * other in float32 and rounds once, to the dtype the plain
         # sum would have: alpha * other is never rounded to a 16-bit other's dtype on its own.
         want = promote((t.node_of(input), t.node_of(other)))
-        if getattr(other, "dtype", torch.float32) != torch.float32:
+        if t.node_of(other).dtype != torch.float32:
             other = t.emit("cast", (other,), {"dtype": torch.float32})
         result = t.emit(op, (input, t.emit("mul", (alpha, other))))
         return result if result.dtype == want else t.emit("cast", (result,), {"dtype": want})
@@ -131,6 +132,11 @@ def _gelu(t: Tracer, input: Any, approximate: str = "none") -> Any:
     if approximate == "tanh":
         return t.emit("gelu_tanh", (input,))
     raise UnsupportedOpError(f"gelu(approximate={approximate!r}) is not a gelu variant", user_location())
+
+
+def _logical_xor(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
+    _reject_out(kwargs, "logical_xor")
+    return t.emit("ne", (t.emit("ne", (input, 0)), t.emit("ne", (other, 0))))
 
 
 def _square(t: Tracer, input: Any, **kwargs: Any) -> Any:
@@ -208,7 +214,7 @@ def _reduction(kind: str, mean: bool = False) -> Handler:
         if dtype not in (None, torch.float32):
             raise DTypeError(f"reductions accumulate in float32; dtype={dtype} is not supported",
                              user_location())
-        return t.reduce(input, kind, dim, keepdim, mean=mean)
+        return t.reduce(input, kind, dim, keepdim, mean=mean, dtype=dtype)
 
     return handler
 
@@ -253,6 +259,8 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
     _last_dim(t, input, dim, "split")
     half = t.problem.sizes[N] // 2
     size = split_size_or_sections
+    if isinstance(size, SymDim) and size.expr in (sympy.floor(N / 2), N / 2):
+        size = half  # acc.shape[-1] // 2: half of whatever N the kernel runs
     even = t.problem.sizes[N] % 2 == 0
     if not (even and (size == half or (isinstance(size, list | tuple) and list(size) == [half, half]))):
         raise UnsupportedOpError(
@@ -269,7 +277,12 @@ def _cast_to(t: Tracer, input: Any, dtype: torch.dtype) -> Any:
         allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
         raise DTypeError(f"cast to {dtype} is not supported; epilogue values may be cast to {allowed}",
                          user_location())
-    return t.emit("cast", (input,), {"dtype": dtype})
+    result = t.emit("cast", (input,), {"dtype": dtype})
+    if getattr(input, "dtype", None) == dtype:
+        # torch returns the tensor itself (no copy): an in-place op on the result would change
+        # the input too, which the graph cannot say. (The cast stays: it sets an output's dtype.)
+        result._aliases_input = True
+    return result
 
 
 def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
@@ -358,6 +371,7 @@ register([torch.eq], ["eq"], _binary("eq"), inplace=False)
 register([torch.ne, torch.not_equal], ["ne", "not_equal"], _binary("ne"), inplace=False)
 register([torch.logical_and], ["logical_and"], _binary("logical_and"))
 register([torch.logical_or], ["logical_or"], _binary("logical_or"))
+register([torch.logical_xor], ["logical_xor"], _logical_xor)
 register([torch.square], ["square"], _square)
 register([torch.clamp, torch.clip], ["clamp", "clip"], _clamp)
 register([torch.clamp_min], ["clamp_min"], _clamp_min)

@@ -105,6 +105,11 @@ class SymDim:
     def __rpow__(self, o: Any) -> Any:
         return self._binary(o, lambda a, b: b**a)
 
+    def __floordiv__(self, o: Any) -> Any:  # acc.shape[-1] // 2, the width of a gated half
+        if isinstance(o, int) and not isinstance(o, bool) and o > 0:
+            return SymDim(sympy.floor(self.expr / o))
+        return self._no_python()
+
     def _no_python(self, *_: Any) -> Any:
         raise ControlFlowError(
             f"the problem size {self.expr} is only known at run time; evtc compiles one kernel for "
@@ -113,6 +118,7 @@ class SymDim:
         )
 
     __int__ = __index__ = __float__ = __bool__ = _no_python
+    __rfloordiv__ = __mod__ = __rmod__ = _no_python
     __lt__ = __le__ = __gt__ = __ge__ = _no_python
 
     def __eq__(self, other: object) -> bool:
@@ -127,13 +133,19 @@ class SymDim:
 class TracedValue:
     """A value of the epilogue while it is traced (a tensor or a runtime Python scalar)."""
 
-    __slots__ = ("_tracer", "_node", "_input_name")
+    __slots__ = ("_tracer", "_node", "_input_name", "_stored_dtype", "_aliases_input")
 
-    def __init__(self, tracer: Tracer, node: Node, input_name: str | None = None) -> None:
+    def __init__(self, tracer: Tracer, node: Node, input_name: str | None = None,
+                 stored_dtype: torch.dtype | None = None) -> None:
         self._tracer = tracer
         self._node = node
         #: Set for the values the epilogue receives (acc and operands): those may not be mutated.
         self._input_name = input_name
+        #: An operand's own dtype (float16 for a float16 C), which ``.dtype`` reports as torch
+        #: would, although its value computes widened to float32 (``(acc + C).to(C.dtype)``).
+        self._stored_dtype = stored_dtype
+        #: Set on ``x.to(x.dtype)``, which torch returns as ``x`` itself: no in-place op on it.
+        self._aliases_input = False
 
     # --- torch's entry points --------------------------------------------------------------
     @classmethod
@@ -150,7 +162,7 @@ class TracedValue:
     # --- metadata ----------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self._node.dtype
+        return self._stored_dtype or self._node.dtype
 
     @property
     def shape(self) -> tuple[SymDim, ...]:
@@ -177,16 +189,25 @@ class TracedValue:
     # --- rebinding for in-place ops on intermediates ----------------------------------------------
     def _assign(self, result: TracedValue, op_name: str) -> TracedValue:
         """Make an in-place op on this value take effect: every alias of it sees the new value."""
+        if self._input_name is not None and self._node.is_python_scalar:
+            # A Python number is immutable: `alpha += 1.0` only rebinds the name, as in Python.
+            return result
+        if self._aliases_input:
+            raise InPlaceError(
+                f"in-place {op_name} on a cast to the value's own dtype (x.float() of a float32 x), "
+                "which torch returns as the same tensor, so the op would change x as well: use the "
+                "out-of-place op", user_location())
         if self._input_name is not None:
             raise InPlaceError(
                 f"in-place {op_name} on input {self._input_name!r}: evtc never modifies its inputs; "
                 f"write `{self._input_name} = ...` with the out-of-place op, or use a new name",
                 user_location(),
             )
-        if result.dtype != self.dtype and self.dtype.is_floating_point:
+        own = self._node.dtype
+        if result._node.dtype != own and own.is_floating_point:
             # In place, torch writes the result into this value's dtype (a float16 `v += acc`
             # stays float16): round it there.
-            result = self._tracer.emit("cast", (result,), {"dtype": self.dtype})
+            result = self._tracer.emit("cast", (result,), {"dtype": own})
         self._node = result._node
         return self
 
@@ -252,19 +273,35 @@ class TracedValue:
         return self._op("ne", self, o)
 
     def __and__(self, o: Any) -> Any:
-        return self._op("logical_and", self, o)
+        return self._tracer.bitwise("logical_and", (self, o))
 
     def __rand__(self, o: Any) -> Any:
-        return self._op("logical_and", o, self)
+        return self._tracer.bitwise("logical_and", (o, self))
 
     def __or__(self, o: Any) -> Any:
-        return self._op("logical_or", self, o)
+        return self._tracer.bitwise("logical_or", (self, o))
 
     def __ror__(self, o: Any) -> Any:
-        return self._op("logical_or", o, self)
+        return self._tracer.bitwise("logical_or", (o, self))
 
     def __invert__(self) -> Any:
-        return self._op("logical_not", self)
+        return self._tracer.bitwise("logical_not", (self,))
+
+    def __xor__(self, o: Any) -> Any:
+        return self._op("logical_xor", self, o)
+
+    def __rxor__(self, o: Any) -> Any:
+        return self._op("logical_xor", o, self)
+
+    def _no_integer_op(self, *_: Any) -> Any:
+        raise UnsupportedOpError(
+            "//, %, divmod(), round() and shifts on a traced value are not supported in epilogues "
+            "(docs/epilogues.md lists the ops)",
+            user_location(),
+        )
+
+    __floordiv__ = __rfloordiv__ = __ifloordiv__ = __mod__ = __rmod__ = __imod__ = _no_integer_op
+    __divmod__ = __rdivmod__ = __round__ = __lshift__ = __rshift__ = _no_integer_op
 
     __hash__ = object.__hash__
 

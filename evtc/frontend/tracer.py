@@ -9,9 +9,10 @@ import sympy
 import torch
 from torch.overrides import resolve_name
 
-from ..errors import EpilogueError, InputError, OutputError, ReductionError, UnsupportedOpError
+from ..errors import DTypeError, EpilogueError, InputError, OutputError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
+from ..ir.shapes import L, varying_dims
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .proxy import SymDim, TracedValue, unsupported
@@ -32,7 +33,15 @@ class Tracer:
             if value._tracer is not self:
                 raise UnsupportedOpError("a traced value from another trace was used", user_location())
             return value._node
-        if isinstance(value, bool | int | float):
+        if isinstance(value, bool):
+            # torch keeps `mask | True` a mask but makes `x * True` a number: evtc's literals are
+            # float32 numbers, so a bool literal would silently change one or the other.
+            raise DTypeError(
+                f"the Python bool {value} in an epilogue expression: write 1.0 / 0.0 for a number, or "
+                "build masks from comparisons (acc > 0) and combine them with &, |, ~",
+                user_location(),
+            )
+        if isinstance(value, int | float):
             return self.builder.literal(value, user_location())
         if isinstance(value, SymDim):
             return self.builder.literal(value.expr, user_location())
@@ -52,12 +61,51 @@ class Tracer:
             user_location(),
         )
 
-    def wrap(self, node: Node, input_name: str | None = None) -> TracedValue:
-        return TracedValue(self, node, input_name)
+    def wrap(self, node: Node, input_name: str | None = None,
+             stored_dtype: torch.dtype | None = None) -> TracedValue:
+        return TracedValue(self, node, input_name, stored_dtype)
 
     def emit(self, op: str, args: tuple[Any, ...], attrs: dict[str, Any] | None = None) -> TracedValue:
         inputs = tuple(self.node_of(a) for a in args)
+        op, inputs = self._mask_rules(op, inputs)
         return self.wrap(self.builder.add(op, inputs, attrs, loc=user_location()))
+
+    def _mask_rules(self, op: str, inputs: tuple[Node, ...]) -> tuple[str, tuple[Node, ...]]:
+        """torch's rules for boolean masks in arithmetic: on two masks, + and maximum are "or", *
+        and minimum "and", and the result stays a mask (True + True is True, not 2); - and unary -
+        refuse a mask; logical ops read any other value as ``value != 0``; where's condition must
+        be a mask."""
+        masks = [n.dtype == torch.bool for n in inputs]
+        loc = user_location()
+        if op in ("sub", "neg") and any(masks):
+            raise DTypeError(
+                "subtraction or negation of a boolean mask, which torch refuses: invert a mask with ~ "
+                "or torch.logical_not, or convert it with .float() first", loc)
+        if len(inputs) == 2 and all(masks) and op in _MASK_PAIRS:
+            return _MASK_PAIRS[op], inputs
+        if op == "logical_xor":  # a != b on masks (Python's ^ on two masks)
+            if not all(masks):
+                raise DTypeError("^ on a value that is not a boolean mask: torch's ^ is bitwise, which "
+                                 "floats do not have; use torch.logical_xor", loc)
+            return "ne", inputs
+        if op in ("logical_and", "logical_or", "logical_not") and not all(masks):
+            zero = self.builder.literal(0, loc)
+            inputs = tuple(n if n.dtype == torch.bool else self.builder.add("ne", (n, zero), None, loc=loc)
+                           for n in inputs)
+        if op == "where" and not masks[0]:
+            raise DTypeError(f"torch.where's condition is {inputs[0].dtype}, not a boolean mask (torch "
+                             "refuses it): compare it, e.g. torch.where(x != 0, ...)", loc)
+        return op, inputs
+
+    def bitwise(self, op: str, args: tuple[Any, ...]) -> TracedValue:
+        """Python's & | ~ on traced values: logical on masks, as torch's bitwise ops are; torch has
+        no bitwise op on floats, so anything else is refused."""
+        inputs = tuple(self.node_of(a) for a in args)
+        if any(n.dtype != torch.bool for n in inputs):
+            symbol = {"logical_and": "&", "logical_or": "|", "logical_not": "~"}[op]
+            raise DTypeError(f"{symbol} on a value that is not a boolean mask: torch's {symbol} is bitwise, "
+                             f"which floats do not have; use torch.{op}", user_location())
+        return self.emit(op, args)
 
     def assign(self, target: Any, result: TracedValue, op_name: str) -> TracedValue:
         if not isinstance(target, TracedValue):
@@ -91,7 +139,8 @@ class Tracer:
         return self.emit(op, args)
 
     # --- reductions -------------------------------------------------------------------------------
-    def reduce(self, value: Any, kind: str, dim: Any, keepdim: bool, mean: bool = False) -> Any:
+    def reduce(self, value: Any, kind: str, dim: Any, keepdim: bool, mean: bool = False,
+               dtype: torch.dtype | None = None) -> Any:
         node = self.node_of(value)
         rank = len(node.shape)
         name = "mean" if mean else {"sum": "sum", "max": "amax", "min": "amin"}[kind]
@@ -102,6 +151,14 @@ class Tracer:
             raise ReductionError(
                 f"{name} of a value of shape {list(node.shape)}: reductions apply to values that "
                 "vary over the whole (M, N) tile",
+                user_location(),
+            )
+        if self.problem.batched and L not in varying_dims(node.shape):
+            # The kernel reduces per batch, each batch's tiles seeing this value again: it would be
+            # counted once per batch, where torch counts it once.
+            raise ReductionError(
+                f"{name} of a value that is the same in every batch (it reads neither acc nor a "
+                "per-batch operand) in a batched epilogue: compute it outside the kernel",
                 user_location(),
             )
         dims = _normalize_dims(dim, rank, name)
@@ -121,13 +178,24 @@ class Tracer:
                 user_location(),
             )
         loc = user_location()
+        # torch sums a 16-bit value in float32 and rounds once at the end: a mean divides first,
+        # and dtype=torch.float32 never rounds.
+        narrow = node.dtype if node.dtype != torch.float32 and kind == "sum" else None
+        if narrow is not None:
+            node = self.builder.add("cast", (node,), {"dtype": torch.float32}, loc=loc)
         result = self.builder.add("reduce", (node,), {"reduce": kind, "axis": axis,
                                                       "keepdim": bool(keepdim)}, loc=loc)
         if mean:
             count = sympy.Mul(*(node.shape[d] for d in sorted(dims)))
             scale = self.builder.literal(1 / count, loc)
             result = self.builder.add("mul", (result, scale), loc=loc)
+        if narrow is not None and dtype is None:
+            result = self.builder.add("cast", (result,), {"dtype": narrow}, loc=loc)
         return self.wrap(result)
+
+
+#: torch on two boolean masks: + and maximum are "or", * and minimum are "and".
+_MASK_PAIRS = {"add": "logical_or", "maximum": "logical_or", "mul": "logical_and", "minimum": "logical_and"}
 
 
 def _normalize_dims(dim: Any, rank: int, name: str) -> set[int]:
@@ -176,6 +244,12 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
     operands: dict[str, Operand] = {}
     for name in sig.params:
         value = example[name] if name in example else sig.defaults[name]
+        if isinstance(value, torch.Tensor) and name not in example:
+            raise InputError(
+                f"parameter {name!r} has a tensor default: a kernel loads its tensors from the call, "
+                f"so pass {name!r} in the example inputs and in every call (or make the default None)",
+                def_loc,
+            )
         if isinstance(value, torch.Tensor):
             operand = classify_tensor(name, value, problem, def_loc)
             operands[name] = operand
@@ -185,7 +259,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             # Values compute in float32 from the moment they are loaded, as in the reference.
             value_node = load if load.dtype == COMPUTE_DTYPE else builder.add(
                 "cast", (load,), {"dtype": COMPUTE_DTYPE, "implicit": True}, loc=def_loc)
-            call_args[name] = tracer.wrap(value_node, name)
+            call_args[name] = tracer.wrap(value_node, name, stored_dtype=load.dtype)
         elif isinstance(value, bool) or value is None:
             # Flags and absent optionals specialise the trace, so `if flag:` in the epilogue works.
             call_args[name] = value
@@ -203,7 +277,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             )
 
     try:
-        returned = fn(**call_args)
+        returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
 

@@ -6,6 +6,7 @@ the same random inputs, and the whole pipeline by comparing with the epilogue ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,10 +101,9 @@ def _evaluate_node(
     # torch.tensor would: a copy cannot be captured in a CUDA graph (the backward of evtc.linear
     # evaluates its graph here, inside captured training steps).
     if op == "arg":
-        return torch.full((), float(inputs[node.attrs["name"]]), dtype=compute_dtype, device=acc.device)
+        return _scalar(float(inputs[node.attrs["name"]]), compute_dtype, acc.device)
     if op == "literal":
-        value = evaluate_value(node.attrs["value"], sizes)
-        return torch.full((), value, dtype=compute_dtype, device=acc.device)
+        return _scalar(evaluate_value(node.attrs["value"], sizes), compute_dtype, acc.device)
     if op == "cast":
         return _cast(args[0], node.dtype, compute_dtype)
     if op == "store":
@@ -126,6 +126,18 @@ def _evaluate_node(
     if not definition.boolean:
         result = _cast(result, node.dtype, compute_dtype)
     return result
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _scalar(value: Any, compute_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A number as a 0-d tensor of ``compute_dtype``. Beyond float32's range it is +-inf, as torch
+    makes a Python number it combines with a float32 tensor (``acc * 1e39``); torch.full refuses."""
+    if compute_dtype == torch.float32 and isinstance(value, float) and math.isfinite(value) \
+            and abs(value) > _FLOAT32_MAX:
+        value = math.copysign(math.inf, value)
+    return torch.full((), value, dtype=compute_dtype, device=device)
 
 
 def _cast(value: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.Tensor:

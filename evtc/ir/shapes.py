@@ -77,7 +77,9 @@ def evaluate_value(expr: Any, sizes: dict[sympy.Symbol, Any]) -> Any:
         value = expr.subs(sizes)
         # 1/N at N = 0 (a mean over an empty dim) is sympy's complex infinity: torch's mean is then
         # NaN, its sum 0 times this.
-        return math.inf if value.is_infinite else float(value)
+        if value.is_infinite:  # -oo is a literal -inf; oo and zoo (1/0) are +inf
+            return -math.inf if value == sympy.S.NegativeInfinity else math.inf
+        return float(value)
     return _arithmetic(expr, sizes)
 
 

@@ -6,10 +6,15 @@ Rules (x any value, c a constant, s a uniform value: one that does not vary over
   x * -1, 0 - x, -(-x)       -> -x, -x, x
   x / c                      -> x * (1/c)      (1/c rounded once; error at most about 1 ulp)
   x ** 2, x ** 0.5, x ** -0.5, x ** -1    -> x * x, sqrt, rsqrt, reciprocal
-  c ** x  (c > 0)            -> exp2(x * log2(c))
+  c ** x  (c > 0, c != 1)    -> exp2(x * log2(c))   (1 ** x stays: it is 1 even where x is inf or NaN)
   (x * s1) * s2              -> x * (s1 * s2)   (so s1 * s2 is computed once, not per element;
-                                                 also (x * c1) * c2 -> x * (c1 * c2) for any x)
-  (x + s1) + s2              -> x + (s1 + s2)
+                                                 literals c1, c2 only where c1 * c2 is a normal
+                                                 float32 number: a product that overflows or
+                                                 underflows would turn finite results into inf,
+                                                 NaN or 0)
+  (x + c1) + c2              -> x + (c1 + c2)   (literals of the same sign only: with opposite
+                                                 signs the regrouped sum differs by far more than
+                                                 rounding, as (acc + 1e8) - 1e8 is not acc)
   x.to(d) where x is d       -> x
 Nothing that changes NaN/inf behaviour is folded (x * 0 stays, x - x stays).
 """
@@ -170,7 +175,7 @@ class _Simplifier:
                 return rewrites[value]()
             return None
         cb = consts[0]
-        if cb is not None and cb.is_Number and float(cb) > 0:
+        if cb is not None and cb.is_Number and float(cb) > 0 and float(cb) != 1:
             base = float(cb)
             if base == 2:
                 return self.make("exp2", (e,), node, b)
@@ -179,7 +184,8 @@ class _Simplifier:
         return None
 
     def reassociate(self, op: str, inputs: tuple[Node, ...], node: Node, b: GraphBuilder) -> Node | None:
-        """(x op s1) op s2 -> x op (s1 op s2) when s1, s2 are uniform and the inner node is ours."""
+        """(x op s1) op s2 -> x op (s1 op s2) when s1, s2 are uniform and the inner node is ours, within
+        the limits of the module docstring."""
         if node.dtype != COMPUTE_DTYPE:
             return None
         for outer_idx in (0, 1):
@@ -191,12 +197,39 @@ class _Simplifier:
                 continue
             for inner_idx in (0, 1):
                 x, s1 = inner.inputs[inner_idx], inner.inputs[1 - inner_idx]
-                hoists = _uniform(s1) and not _uniform(x)
-                folds = _const(s1) is not None and _const(s2) is not None
-                if hoists or folds:
+                c1, c2 = _const(s1), _const(s2)
+                if op == "add":
+                    regroups = _same_sign_numbers(c1, c2)
+                elif c1 is not None and c2 is not None:
+                    regroups = _normal_float32_product(c1, c2)
+                else:
+                    regroups = _uniform(s1) and not _uniform(x)
+                if regroups:
                     combined = self.make(op, (s1, s2), node, b)
                     return self.make(op, (x, combined), node, b)
         return None
+
+
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+def _normal_float32_product(c1: sympy.Expr | None, c2: sympy.Expr | None) -> bool:
+    """Whether c1 and c2 are literals whose product is a normal float32 value, or expressions of
+    the sizes (so x * c1 * c2 and x * (c1 * c2) differ by rounding only)."""
+    if c1 is None or c2 is None:
+        return False
+    if not (c1.is_Number and c2.is_Number):
+        return True  # sizes (1/N of a mean): kept exact by sympy, rounded once when evaluated
+    product = abs(float(c1) * float(c2))
+    return _FLOAT32.tiny <= product <= _FLOAT32.max
+
+
+def _same_sign_numbers(c1: sympy.Expr | None, c2: sympy.Expr | None) -> bool:
+    """Whether c1 and c2 are finite numbers of one sign (their sum cancels nothing)."""
+    if c1 is None or c2 is None or not (c1.is_Number and c2.is_Number):
+        return False
+    v1, v2 = float(c1), float(c2)
+    return math.isfinite(v1 + v2) and (v1 >= 0) == (v2 >= 0)
 
 
 def _params(op: str, node: Node) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""Epilogues where torch's own rules are easy to get wrong: masks in arithmetic, 16-bit reductions,
+literals at the edges of float32, regrouped constants, aliases, and Python forms (positional-only
+parameters, sizes divided by //, rebinding a runtime scalar). Each is checked against torch on the
+same values: on the CPU through the graph (tests/test_torch_semantics.py), on the GPU through the
+kernel (tests/test_torch_semantics_gpu.py). Every case returns float32 outputs (explicit casts), so
+the comparison sees the epilogue's own rounding, not the output's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def neg_inf_literal(acc):
+    return torch.where(acc > 0, acc, float("-inf")).float()
+
+
+def masks_added_and_multiplied(acc):
+    up, down = acc > 0.5, acc < 1.0
+    return ((up + down) * acc).float(), ((up * down) * acc).float(), (torch.maximum(up, down) * 1.0).float()
+
+
+def masks_xor_and_logical_of_floats(acc):
+    return ((acc > 0) ^ (acc > 1)).float(), torch.logical_and(acc, acc - 1.0).float(), \
+        torch.logical_not(acc - 1.0).float()
+
+
+def half_mean_and_float_sum(acc):
+    h = (acc * 3000.0).half()
+    return h.mean(-1).float(), h.sum(-1, dtype=torch.float32), h.mean(-2).float()
+
+
+def bfloat16_mean_all(acc):
+    return (acc * 512.0).bfloat16().mean().float()
+
+
+def sums_not_regrouped(acc):
+    return ((acc + 1e8) - 1e8).float()
+
+
+def products_not_underflowing(acc):
+    # The literals' products 1e-60 and 1e60 are not float32 numbers: never folded into one.
+    return ((acc * 1e-30) * 1e-30).float(), ((acc * 1e30) * 1e30).float()
+
+
+def one_to_the_power(acc):
+    return (1.0 ** (acc * float("inf"))).float()
+
+
+def literal_beyond_float32(acc):
+    return (acc * 1e39).float()
+
+
+def rebinding_a_scalar(acc, alpha: float):
+    alpha += 1.0
+    alpha *= 2.0
+    return (acc * alpha).float()
+
+
+def cast_to_operand_dtype(acc, C):
+    return (acc + C).to(C.dtype)
+
+
+def split_by_half_the_width(acc):
+    gate, up = acc.split(acc.shape[-1] // 2, -1)
+    return (F.silu(gate) * up).float()
+
+
+def positional_only(acc, C, /, bias):
+    return (acc * C + bias).float()
+
+
+#: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
+CASES = {
+    "neg_inf_literal": (neg_inf_literal, {}),
+    "masks_added_and_multiplied": (masks_added_and_multiplied, {}),
+    "masks_xor_and_logical_of_floats": (masks_xor_and_logical_of_floats, {}),
+    "half_mean_and_float_sum": (half_mean_and_float_sum, {}),
+    "bfloat16_mean_all": (bfloat16_mean_all, {}),
+    "sums_not_regrouped": (sums_not_regrouped, {}),
+    "products_not_underflowing": (products_not_underflowing, {}),
+    "one_to_the_power": (one_to_the_power, {}),
+    "literal_beyond_float32": (literal_beyond_float32, {}),
+    "rebinding_a_scalar": (rebinding_a_scalar, {"alpha": 0.25}),
+    "cast_to_operand_dtype": (cast_to_operand_dtype, {"C": "MN"}),
+    "split_by_half_the_width": (split_by_half_the_width, {}),
+    "positional_only": (positional_only, {"C": "MN", "bias": "N"}),
+}
+
+
+def operands(spec: dict, m: int, n: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """The operands of a case: tiles and row vectors of ``dtype``, numbers as they are."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, what in spec.items():
+        if what == "MN":
+            out[name] = torch.randn(m, n, generator=g, device=device).to(dtype)
+        elif what == "N":
+            out[name] = torch.randn(n, generator=g, device=device).to(dtype)
+        else:
+            out[name] = what
+    return out
+
+
+def torch_reference(fn, acc: torch.Tensor, ops: dict):
+    """The function itself on the accumulator (float32) and the operands widened to float32, as
+    evtc computes them: torch's rules from there."""
+    ops = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}
+    return fn(acc, **ops) if fn is not positional_only else fn(acc, ops["C"], bias=ops["bias"])

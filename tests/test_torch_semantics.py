@@ -1,0 +1,137 @@
+"""The graph means what the function means in torch: the cases of tests/semantics_cases.py traced
+and evaluated on the CPU against the function run by torch on the same accumulator, and the
+forms torch itself refuses refused with an evtc error at the user's line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from semantics_cases import CASES, operands, torch_reference
+from support import flatten
+
+import evtc
+
+M, N, K = 24, 32, 16
+
+
+def _inputs(spec, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g).half()
+    b = torch.randn(K, N, generator=g).half()
+    return a, b, operands(spec, M, N, torch.float16, "cpu", seed)
+
+
+def _same(got, want):
+    got, want = got.float(), want.float()
+    assert got.shape == want.shape and got.dtype == want.dtype or got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.equal(got.isinf() & (got > 0), want.isinf() & (want > 0)), (got, want)
+    assert torch.equal(got.isinf() & (got < 0), want.isinf() & (want < 0)), (got, want)
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=2e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_graph_matches_torch(name):
+    fn, spec = CASES[name]
+    a, b, ops = _inputs(spec)
+    graph = evtc.trace(fn, {"a": a, "b": b, **ops})
+    got = graph.evaluate({"a": a, "b": b, **ops}, cast_outputs=True)
+    acc = a.float() @ b.float()
+    want = torch_reference(fn, acc, ops)
+    for (_, g), (_, w) in zip(flatten(got), flatten(want), strict=True):
+        if name == "cast_to_operand_dtype":
+            # torch: float32 acc + float16 C is float32, cast back to C's float16
+            assert g.dtype == torch.float16
+            w = (acc + ops["C"].float()).to(torch.float16)
+        _same(g, w)
+
+
+def test_half_mean_rounds_once():
+    """A 16-bit mean is summed and divided in float32 and rounded once, as torch does: a sum
+    rounded to float16 first overflows to inf for these rows."""
+    a = torch.full((2, 4), 1.0).half()
+    b = torch.full((4, 64), 1.0).half()  # acc = 4 everywhere; * 3000 = 12000, a row sums to 768000
+    graph = evtc.trace(CASES["half_mean_and_float_sum"][0], {"a": a, "b": b})
+    mean, total, _ = graph.evaluate({"a": a, "b": b}, cast_outputs=True)
+    assert torch.equal(mean, torch.full((2,), 12000.0))
+    assert torch.equal(total, torch.full((2,), 768000.0)) and total.dtype == torch.float32
+
+
+def test_operand_reports_its_own_dtype():
+    seen = {}
+
+    def fn(acc, C):
+        seen["dtype"] = C.dtype
+        return acc + C
+
+    a, b, ops = _inputs({"C": "MN"})
+    evtc.trace(fn, {"a": a, "b": b, **ops})
+    assert seen["dtype"] == torch.float16
+
+
+def _refused(fn, match, **ops):
+    a, b, _ = _inputs({})
+    with pytest.raises(evtc.EpilogueError, match=match) as info:
+        evtc.trace(fn, {"a": a, "b": b, **ops})
+    assert "test_torch_semantics.py" in str(info.value)  # the user's file and line
+
+
+def test_what_torch_refuses_is_refused():
+    _refused(lambda acc: acc - (acc > 0), "subtraction or negation of a boolean mask")
+    _refused(lambda acc: -(acc > 0), "subtraction or negation of a boolean mask")
+    _refused(lambda acc: torch.where(acc, acc, 0.0), "condition is torch.float32, not a boolean mask")
+    _refused(lambda acc: acc & (acc > 0), "not a boolean mask")
+    _refused(lambda acc: (acc > 0) ^ acc, "not a boolean mask")
+
+
+def test_unsupported_python_forms_are_named():
+    _refused(lambda acc: acc // 2, "//, %")
+    _refused(lambda acc: acc % 2, "//, %")
+    _refused(lambda acc: round(acc), "round")
+    _refused(lambda acc: torch.where(acc > 0, True, False), "Python bool True")
+    _refused(lambda acc: acc * (acc.shape[-1] % 2), "only known at run time")
+
+
+def test_tensor_default_is_refused():
+    def fn(acc, bias=torch.ones(N)):  # noqa: B008 (the point of the test)
+        return acc + bias
+
+    a, b, _ = _inputs({})
+    with pytest.raises(evtc.InputError, match="tensor default"):
+        evtc.trace(fn, {"a": a, "b": b})
+
+
+def test_in_place_on_an_alias_is_refused():
+    def fn(acc):
+        y = acc.float()  # torch: acc itself
+        y += 1.0
+        return y * acc
+
+    _refused(fn, "value's own dtype")
+
+
+def test_reference_takes_positional_only_parameters():
+    fn, spec = CASES["positional_only"]
+    a, b, ops = _inputs(spec)
+    got = evtc.reference(fn, {"a": a, "b": b, **ops})
+    want = fn(a.float() @ b.float(), ops["C"].float(), bias=ops["bias"].float())
+    torch.testing.assert_close(got, want)
+
+
+def test_reduction_of_a_value_shared_by_every_batch_is_refused():
+    """In a batched problem, (C * 2).sum() of a C shared by every batch counts C once in torch; the
+    kernel reduces per batch and would count it once per batch: refused at the user's line."""
+    def shared(acc, C):
+        return acc, (C * 2).sum(-1)
+
+    ex = {"a": torch.randn(3, 8, 16).half(), "b": torch.randn(3, 16, 32).half(),
+          "C": torch.randn(8, 32).half()}
+    with pytest.raises(evtc.ReductionError, match="same in every batch") as info:
+        evtc.trace(shared, ex)
+    assert "test_torch_semantics.py" in str(info.value)
+    # Per batch through acc it is fine.
+    graph = evtc.trace(lambda acc, C: (acc * C).sum(-1), ex)
+    got = graph.evaluate(ex, cast_outputs=True)
+    want = ((ex["a"].float() @ ex["b"].float()) * ex["C"].float()).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
