@@ -179,13 +179,41 @@ class Linear:
             self._check_leading_dims(x.dim(), weight.shape[0], operands)
         lead = tuple(x.shape[:-1])
         flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
-        if out is not None:
-            try:
-                out = self._per_output(kernel, out, lambda t: t.reshape(-1, *t.shape[len(lead):]))
-            except (TypeError, ValueError, KeyError, IndexError, AttributeError):
-                pass  # not the epilogue's structure: the kernel's own check says what is wrong
-        result = kernel(x.reshape(-1, x.shape[-1]), weight.t(), out=out, **flat)
-        return self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
+        x2 = x.reshape(-1, x.shape[-1])
+        if out is None:
+            result = kernel(x2, weight.t(), **flat)
+            return self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
+        try:
+            # Views only: a reshape that copied would have the kernel write the copy, not `out`.
+            flat_out = self._per_output(kernel, out, lambda t: t.view(-1, *t.shape[len(lead):]))
+        except RuntimeError:
+            # Leading dims that no single stride spans (a slice of a longer cache, a transposed
+            # (S, B, N) buffer): the kernel writes new tensors, copied into `out`.
+            result = kernel(x2, weight.t(), **flat)
+            shaped = self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
+            self._copy_into(kernel, shaped, out)
+            return out
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            flat_out = out  # not the epilogue's structure: the kernel's own check says what is wrong
+        kernel(x2, weight.t(), out=flat_out, **flat)
+        return out
+
+    @staticmethod
+    def _copy_into(kernel: Kernel, result: Any, out: Any) -> None:
+        """Copy ``result`` (``kernel``'s output structure) into ``out``, whose tensors must have the
+        same shapes and dtypes (no broadcast, no conversion: as ``out=`` everywhere else)."""
+        structure = kernel.plan.structure
+        got, given = structure.flatten(result, lambda _: True), structure.flatten(out, lambda _: True)
+        if given is None:
+            raise CallError(f"evtc.linear: out must have the structure of the epilogue's result "
+                            f"({', '.join(got)}), got {type(out).__name__}")
+        for name, r in got.items():
+            o = given[name]
+            if not isinstance(o, torch.Tensor) or o.shape != r.shape or o.dtype != r.dtype:
+                what = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
+                raise CallError(f"evtc.linear: out {name!r} must be {tuple(r.shape)} {r.dtype}, got {what}")
+        for name, r in got.items():
+            given[name].copy_(r)
 
     @staticmethod
     def _per_output(kernel: Kernel, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:

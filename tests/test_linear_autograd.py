@@ -398,3 +398,41 @@ def test_used_modules_deepcopy_and_pickle():
         twin.zero_grad(set_to_none=True)
         mine.sum().backward()
         assert all(q.grad is not None for q in twin.parameters())
+
+
+def test_out_is_written_whatever_its_leading_strides():
+    """``out=`` of (batch, seq, N) that is a slice of a longer cache, or a transposed (seq, batch)
+    buffer, cannot be flattened into (M, N) without a copy: the results are copied into it, and
+    the call returns ``out`` itself. The other outputs of a tuple get theirs the same way."""
+    def with_row_sums(acc, bias):
+        y = torch.tanh(acc + bias)
+        return y, y.square().sum(-1)
+
+    w, bias = torch.randn(24, 16), torch.randn(24)
+    x = torch.randn(2, 5, 16)
+    lin = evtc.linear(with_row_sums, {"x": x, "weight": w, "bias": bias})
+    want_y, want_s = with_row_sums(x @ w.t(), bias)
+    cache = torch.full((2, 9, 24), float("nan"))
+    rows = torch.full((2, 9), float("nan"))
+    out = (cache[:, :5], rows[:, :5])  # leading strides (216, 24) and (9, 1): no (M, N) view
+    with torch.no_grad():
+        got = lin(x, w, bias=bias, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    _close(cache[:, :5], want_y, "sliced cache")
+    _close(rows[:, :5], want_s, "sliced rows")
+    assert cache[:, 5:].isnan().all() and rows[:, 5:].isnan().all()  # nothing past the slice
+    seq_major = torch.full((5, 2, 24), float("nan")).transpose(0, 1)
+    seq_rows = torch.full((5, 2), float("nan")).t()
+    with torch.no_grad():
+        lin(x, w, bias=bias, out=(seq_major, seq_rows))
+    _close(seq_major, want_y, "transposed buffer")
+    _close(seq_rows, want_s, "transposed rows")
+    with pytest.raises(evtc.CallError, match="out 'D1' must be"):
+        with torch.no_grad():
+            lin(x, w, bias=bias, out=(cache[:, :5], torch.empty(2, 9)[:, :4]))
+    # A flattenable out is written in place too, and returned as given.
+    flat = torch.empty(2, 5, 24)
+    with torch.no_grad():
+        got = lin(x, w, bias=bias, out=(flat, torch.empty(2, 5)))
+    assert got[0] is flat
+    _close(flat, want_y, "contiguous out")

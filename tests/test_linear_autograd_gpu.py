@@ -260,3 +260,35 @@ def test_float32_modules_under_autocast_run_the_bf16_kernels():
                for k in (lin.kernel, lin._saving) if isinstance(k, evtc.Kernel)]
     assert kernels and all(k.last_path in ("kernel", "") for k in kernels)
     assert any(k.last_path == "kernel" for k in kernels)
+
+
+def test_out_slices_of_a_cache_are_written():
+    """The kernel path of ``out=``: a (batch, seq, N) slice of a longer cache and a transposed
+    buffer (copied into, no (M, N) view exists), a contiguous one (written directly); each call
+    returns ``out`` and leaves the cache past the slice untouched."""
+    def with_row_sums(acc, bias):
+        y = torch.tanh(acc + bias)
+        return y, y.float().square().sum(-1)
+
+    w = torch.randn(256, 128, device="cuda").bfloat16()
+    bias = torch.randn(256, device="cuda").bfloat16()
+    x = torch.randn(3, 40, 128, device="cuda").bfloat16()
+    lin = evtc.linear(with_row_sums, {"x": x, "weight": w, "bias": bias})
+    want_y, want_s = with_row_sums(x.float() @ w.float().t(), bias.float())
+    cache = torch.full((3, 64, 256), float("nan"), device="cuda").bfloat16()
+    rows = torch.full((3, 64), float("nan"), device="cuda")
+    with torch.no_grad():
+        got = lin(x, w, bias=bias, out=(cache[:, :40], rows[:, :40]))
+    assert got[0].data_ptr() == cache.data_ptr() and got[1].data_ptr() == rows.data_ptr()
+    _norm_close(cache[:, :40], want_y, "sliced cache")
+    _norm_close(rows[:, :40], want_s, "sliced rows")
+    assert cache[:, 40:].isnan().all() and rows[:, 40:].isnan().all()
+    seq_major = torch.full((40, 3, 256), float("nan"), device="cuda").bfloat16().transpose(0, 1)
+    seq_rows = torch.full((40, 3), float("nan"), device="cuda").t()
+    flat_y, flat_s = torch.empty_like(want_y, dtype=torch.bfloat16), torch.empty_like(want_s)
+    with torch.no_grad():
+        lin(x, w, bias=bias, out=(seq_major, seq_rows))
+        assert lin(x, w, bias=bias, out=(flat_y, flat_s))[0] is flat_y
+    for got_y, got_s, what in ((seq_major, seq_rows, "transposed"), (flat_y, flat_s, "contiguous")):
+        _norm_close(got_y, want_y, what)
+        _norm_close(got_s, want_s, what)

@@ -112,6 +112,15 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
         check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout)
         refuse_overlapping(label, t)
         tensors.append(t)
+    # The reductions' outputs are copied in after the kernel: checked now, so that a refused call
+    # has written none of out='s tensors.
+    dims = {"M": m, "N": n, "L": batches, "1": 1}
+    for name, host in zip(spec.kernel_order[len(plan.outputs):], spec.host_outputs, strict=True):
+        shape, dtype = tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)
+        target = given[name]
+        if not isinstance(target, torch.Tensor) or tuple(target.shape) != shape or target.dtype != dtype:
+            raise CallError(f"out[{name!r}] must be a {dtype} tensor of shape {shape}")
+        refuse_overlapping(f"out[{name!r}]", target)
     return tensors
 
 

@@ -152,7 +152,7 @@ class CallSpec:
     # ---- per call --------------------------------------------------------------------------------
     def inputs(self, kernel_operands: dict, m: int, n: int, batches: int) -> list:
         """The kernel's epilogue inputs in its order: tensors as passed, scalars as floats."""
-        return [kernel_operands[what] if kind == TENSOR else float(kernel_operands[what]) if kind == SCALAR
+        return [kernel_operands[what] if kind == TENSOR else _number(kernel_operands[what]) if kind == SCALAR
                 else float(what(batches, m, n)) for kind, what in self.getters]
 
     def new_outputs(self, device, m: int, n: int, batches: int) -> list[torch.Tensor]:
@@ -194,3 +194,14 @@ class CallSpec:
 
 
 __all__ = ["LITERAL", "SCALAR", "TENSOR", "CallSpec", "NotPlainGated", "halves"]
+
+
+def _number(value) -> float:
+    """A runtime scalar as the kernel takes it. Only a Python float or int (float() would also
+    take a string, or a tensor at the cost of a device synchronisation): anything else is a
+    TypeError, which sends the call to the slow path to be named."""
+    if type(value) is float:
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    raise TypeError("a runtime scalar must be a Python float or int")
