@@ -130,15 +130,34 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         return kernel
 
 
-def _retrace(fn, example_inputs, out_dtypes):
-    """The kernel's graph, traced again (for ``k.graph`` and the torch path of a kernel loaded
-    through its front record)."""
+def graph_digest(graph) -> str:
+    """A digest of a kernel graph's structure (ops, edges, attributes, dtypes, shapes, stages), which
+    a front record keeps to check a graph traced again later."""
+    from evtc.ir.passes.result import fingerprint
+
+    return hashlib.sha256(repr(fingerprint(graph)).encode()).hexdigest()
+
+
+def _retrace(fn, example_inputs, out_dtypes, digest: str):
+    """The kernel's graph, traced again (for ``k.graph``, the torch path and the backward of a
+    kernel loaded through its front record). It must be the graph the kernel was compiled from: a
+    global, closure value or helper the epilogue reads may have changed since ``evtc.compile``
+    (which the front key, computed at that time, could not see), and the torch path and the
+    gradients would then compute another function than the kernel."""
+    example_inputs = dict(example_inputs)  # the caller may reuse its dict for other compiles
 
     def graph():
         from evtc.api import trace
         from evtc.ir.passes.gated import kernel_graph
 
-        return kernel_graph(trace(fn, example_inputs, out_dtypes=out_dtypes))
+        traced = kernel_graph(trace(fn, example_inputs, out_dtypes=out_dtypes))
+        if graph_digest(traced) != digest:
+            raise CompileError(
+                f"{traced.name!r} no longer traces to the graph its kernel was compiled from: a global, "
+                "closure value or helper that the epilogue reads changed after evtc.compile returned. "
+                "The kernel computes the function as it was then; compile it again for the function "
+                "as it is now")
+        return traced
 
     return graph
 
@@ -154,6 +173,7 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
         plan = KernelPlan.from_json(record["plan"])
         config = GemmConfig(**record["config"])
         key, signature, chooses = record["key"], record["signature"], bool(record["clusters"])
+        digest = record["graph"]
         family = tuple(GemmConfig(**c).validate() for c in record.get("family", [record["config"]]))
         if family[0] != config:
             return None
@@ -170,7 +190,7 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
         log.warning("disk cache entry %s does not load (%s); rebuilding it", entry["dir"], exc)
         return None
     built.origin = "disk"
-    retrace = _retrace(fn, example_inputs, out_dtypes)
+    retrace = _retrace(fn, example_inputs, out_dtypes, digest)
     kernel = Kernel(plan, config, key, cache, built, retrace=retrace)
     log.info("disk cache hit: %r loaded from %s by its front record, without tracing", plan.name, built.path)
     if chooses:
@@ -294,7 +314,8 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     described = signature.describe()
     kernel = kernel_for(plan, emitted.source, described, cfg, arch, cache_dir, graph=graph)
     family = _tile_family(cfg, knobs, emitted, signature, plan)
-    record = {"key": kernel.key, "plan": plan.to_json(), "config": dataclasses.asdict(cfg),
+    record = {"key": kernel.key, "graph": graph_digest(graph), "plan": plan.to_json(),
+              "config": dataclasses.asdict(cfg),
               "clusters": "cluster" not in knobs, "signature": described,
               "family": [dataclasses.asdict(c) for c in family]}
     if "cluster" in knobs:

@@ -466,3 +466,112 @@ def test_epilogues_with_many_outputs_get_smaller_tiles_or_a_clear_error(tmp_path
     # A choice the user made is kept: the error says what to shrink.
     with pytest.raises(evtc.CompileError, match="use a smaller tile_n, epi_tile_n or epi_stages"):
         evtc.compile(outputs(4), ex, config={"epi_tile_n": 32, "schedule": "pingpong"}, cache_dir=tmp_path)
+
+
+_SCALE = 2.0
+
+
+def _scaled_by_global(acc):
+    return acc * _SCALE
+
+
+def test_a_front_record_kernel_refuses_a_function_changed_since(tmp_path, caplog, monkeypatch):
+    """A kernel loaded through its front record traces its graph only when first needed (the
+    torch path, the backward). If a global the epilogue reads changed after evtc.compile, that
+    graph is another function than the kernel's: an error, never the new function on one path and
+    the old one on another."""
+    ex = dict(a=torch.randn(16, 32).half(), b=torch.randn(32, 24).half())
+    evtc.compile(_scaled_by_global, ex, cache_dir=tmp_path)
+    clear_memory_cache()
+    with caplog.at_level("INFO", logger="evtc"):
+        k = evtc.compile(_scaled_by_global, ex, cache_dir=tmp_path)
+    assert "by its front record" in caplog.text
+    monkeypatch.setitem(_scaled_by_global.__globals__, "_SCALE", 3.0)
+    with pytest.raises(evtc.CompileError, match="no longer traces to the graph its kernel was compiled"):
+        k(ex["a"], ex["b"])  # CPU tensors: the torch path, which evaluates the graph
+    # Unchanged, the same record's kernel runs the function it was compiled from.
+    monkeypatch.setitem(_scaled_by_global.__globals__, "_SCALE", 2.0)
+    clear_memory_cache()
+    k = evtc.compile(_scaled_by_global, ex, cache_dir=tmp_path)
+    ex["b"] = torch.randn(32, 24).half()  # the example dict reused: the kernel kept its own
+    torch.testing.assert_close(k(ex["a"], ex["b"]).float(), 2.0 * (ex["a"].float() @ ex["b"].float()),
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_front_keys_only_for_what_the_digest_sees_through():
+    """The front key maps a compile call to a kernel without tracing, so it must change whenever
+    the traced function could: values it cannot digest give no key (the full path, every time)."""
+    import types
+
+    import torch.nn.functional as F
+
+    from evtc.runtime.front_key import front_key
+
+    ex = dict(a=torch.empty(8, 16, dtype=torch.float16, device="meta"),
+              b=torch.empty(16, 8, dtype=torch.float16, device="meta"))
+
+    def key(fn):
+        return front_key(fn, ex, None, None, "sm_90a", False)
+
+    user_module = types.ModuleType("user_cfg")
+    user_module.SCALE = 2.0
+    leaky = torch.nn.LeakyReLU(0.2)
+    gelu = torch.nn.GELU()
+    cases = {
+        "a user module's attribute": lambda acc: acc * user_module.SCALE,
+        "a bound method of a torch module": lambda acc: leaky.forward(acc),
+        "a torch module instance": lambda acc: gelu(acc),
+    }
+    for what, fn in cases.items():
+        assert key(fn) is None, what
+    assert key(lambda acc: F.gelu(torch.relu(acc))) is not None  # library functions: by name
+
+    def with_attribute(acc):
+        return acc * with_attribute.scale
+
+    with_attribute.scale = 2.0
+    first = key(with_attribute)
+    with_attribute.scale = 3.0
+    assert first is not None and key(with_attribute) != first
+
+
+def test_front_key_of_a_set_constant_is_the_same_in_every_process():
+    """``x in {...}`` compiles to a frozenset constant, whose repr's order follows the process's
+    hash seed: the key must not, or no other process ever finds the front record."""
+    code = (
+        "import torch\n"
+        "from evtc.runtime.front_key import front_key\n"
+        "def fn(acc, mode: str = 'x'):\n"
+        "    return acc * 2.0 if mode in {'alpha', 'beta', 'gamma', 'delta'} else acc\n"
+        "ex = dict(a=torch.empty(8, 16, dtype=torch.float16, device='meta'),\n"
+        "          b=torch.empty(16, 8, dtype=torch.float16, device='meta'))\n"
+        "print(front_key(fn, ex, None, None, 'sm_90a', False))\n"
+    )
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+            for seed in (1, 2, 3)}
+    assert len(keys) == 1 and "None" not in keys, keys
+
+
+def test_an_entry_whose_manifest_lists_no_kernel_file_is_not_loaded(tmp_path):
+    """Only files the manifest checksums are loaded: a manifest without the library and the
+    object file (edited, or from a damaged write) is an entry that does not load (rebuilt)."""
+    from evtc.runtime.build import load
+    from evtc.runtime.cache import DiskCache
+
+    def relu_plus(acc):
+        return torch.relu(acc) + 1.0
+
+    ex = dict(a=torch.empty(64, 32, dtype=torch.float16, device="meta"),
+              b=torch.empty(32, 64, dtype=torch.float16, device="meta"))
+    k = evtc.compile(relu_plus, ex, cache_dir=tmp_path, arch="sm_90a")
+    cache = DiskCache(tmp_path)
+    manifest_path = cache.entry(k.key) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"] = {n: d for n, d in manifest["files"].items() if n not in ("kernel.so", "kernel.o")}
+    assert manifest["files"]
+    manifest_path.write_text(json.dumps(manifest))
+    entry = cache.load(k.key)
+    assert entry is not None  # what it lists verifies
+    with pytest.raises(RuntimeError, match="lists neither"):
+        load(entry)

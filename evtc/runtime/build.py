@@ -83,8 +83,11 @@ def load(entry: dict) -> Built:
     """The kernel of a verified cache entry (:meth:`DiskCache.load`)."""
     path = Path(entry["dir"])
     function = entry["function"]
-    fn = _load_library(path / LIBRARY, function) if LIBRARY in entry.get("files", {}) else None
+    files = entry.get("files", {})
+    fn = _load_library(path / LIBRARY, function) if LIBRARY in files else None
     if fn is None:
+        if OBJECT not in files:  # only files the manifest checksums are ever loaded
+            raise RuntimeError(f"the manifest lists neither {LIBRARY} nor {OBJECT}")
         import cutlass.cute as cute
 
         module = cute.runtime.load_module(str(path / OBJECT), enable_tvm_ffi=True)

@@ -8,8 +8,12 @@ functions), the example inputs' dtypes, shapes and strides, ``out_dtypes``, ``co
 the architecture and the versions of evtc's sources, the CuTe DSL, tvm_ffi, torch and Python. A
 front record in the cache maps it to the kernel's entry and plan (:mod:`evtc.runtime.cache`).
 
-Anything the digest cannot see through (an arbitrary object in a closure or a global, a tensor
-captured by the function) gives no front key: such a compile takes the full path, every time.
+Anything the digest cannot see through gives no front key: such a compile takes the full path,
+every time. That is an arbitrary object in a closure or a global, a tensor captured by the function,
+a module other than torch's and the standard library's (its attributes may change), a bound method
+(its object's state), a library object that is not a function or a class (an ``nn.Module``
+instance), a function with attributes or any other wrapper than ``@evtc.epilogue`` and
+``functools.lru_cache``.
 """
 
 from __future__ import annotations
@@ -64,11 +68,19 @@ def versions() -> dict[str, str]:
 
 
 def _code(code: types.CodeType, seen: set[int]) -> tuple:
-    consts = tuple(_code(c, seen) if isinstance(c, types.CodeType) else ("c", type(c).__name__, repr(c))
-                   for c in code.co_consts)
+    consts = tuple(_code(c, seen) if isinstance(c, types.CodeType)
+                   else ("c", type(c).__name__, _const_repr(c)) for c in code.co_consts)
     return (code.co_filename, code.co_firstlineno, code.co_code, code.co_linetable, consts, code.co_names,
             code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount, code.co_kwonlyargcount,
             code.co_flags)
+
+
+def _const_repr(value: Any) -> str:
+    """A constant of the bytecode; a frozenset (``x in {1, 2}``) in a fixed order, as its repr's
+    order changes with each process's hash seed."""
+    if isinstance(value, frozenset):
+        return repr(sorted(map(repr, value)))
+    return repr(value)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -92,8 +104,9 @@ def _function(fn: types.FunctionType, seen: set[int]) -> tuple:
         elif hasattr(builtins, name):
             globals_read.append((name, "builtin"))
     annotations = tuple(sorted((k, repr(v)) for k, v in getattr(fn, "__annotations__", {}).items()))
+    attributes = _value(dict(fn.__dict__), seen) if fn.__dict__ else None  # fn.scale read in fn
     return ("function", _code(code, seen), _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen),
-            closure, tuple(globals_read), annotations)
+            closure, tuple(globals_read), annotations, attributes)
 
 
 def _value(value: Any, seen: set[int]) -> Any:
@@ -106,23 +119,44 @@ def _value(value: Any, seen: set[int]) -> Any:
     if isinstance(value, dict):
         return ("dict", tuple((repr(k), _value(v, seen)) for k, v in value.items()))
     if isinstance(value, types.ModuleType):
-        return ("module", value.__name__)
+        if _library_name(value.__name__):
+            return ("module", value.__name__)
+        raise _Opaque(f"module {value.__name__}")  # a user module: its attributes may change
     if isinstance(value, types.FunctionType):
         return _function(value, seen)
     if isinstance(value, functools.partial):
         return ("partial", _value(value.func, seen), _value(value.args, seen), _value(value.keywords, seen))
-    if callable(value) and _is_library(value):
+    if _is_library_callable(value):
         return ("named", getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
-    wrapped = getattr(value, "__wrapped__", None)  # @evtc.epilogue, functools.wraps
-    if isinstance(wrapped, types.FunctionType):
+    wrapped = getattr(value, "__wrapped__", None)  # @evtc.epilogue, functools.lru_cache
+    if isinstance(wrapped, types.FunctionType) and _is_plain_wrapper(value):
         return ("wrapped", type(value).__qualname__, _function(wrapped, seen))
     raise _Opaque(type(value).__name__)
 
 
-def _is_library(value: Any) -> bool:
-    """A callable of torch or the standard library (its identity is its name)."""
-    module = getattr(value, "__module__", None) or ""
+def _library_name(module: str) -> bool:
     return module.split(".")[0] in ("torch", "math", "operator", "builtins", "functools")
+
+
+_NAMED_KINDS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
+                types.ClassMethodDescriptorType, type)
+
+
+def _is_library_callable(value: Any) -> bool:
+    """A function or class of torch or the standard library, whose identity is its name: not a
+    bound method (``module.forward``, ``MyFunction.apply``, a tensor's method: the object's state
+    counts) and not an object (an ``nn.Module`` instance)."""
+    if not isinstance(value, _NAMED_KINDS) or not _library_name(getattr(value, "__module__", None) or ""):
+        return False
+    owner = getattr(value, "__self__", None)
+    return owner is None or isinstance(owner, types.ModuleType)
+
+
+def _is_plain_wrapper(value: Any) -> bool:
+    """A wrapper whose only state is the function it wraps: ``@evtc.epilogue``, functools.lru_cache."""
+    from evtc.frontend.epilogue import Epilogue
+
+    return type(value) is Epilogue or isinstance(value, functools._lru_cache_wrapper)
 
 
 def _example(value: Any, seen: set[int]) -> Any:
