@@ -292,3 +292,58 @@ def test_what_is_saved():
 
     # SwiGLU: both halves need values of their own: the pre-activation they come from.
     assert torch.allclose(saved_value(swiglu_bias, {"bias": inputs["bias"]}), acc + inputs["bias"].double())
+
+
+def _grads_through_kernel(fn, b_values, **operands):
+    """Gradients of sum(fn(acc, ...)) by evtc (a compiled kernel on CPU tensors: its autograd
+    formula evaluates the derived backward graph) and by torch.autograd, at acc = b exactly
+    (a = I), so the values sit exactly on the kinks."""
+    a = torch.eye(b_values.shape[0])
+    b = b_values.clone().requires_grad_()
+    ops = {k: v.clone().requires_grad_() for k, v in operands.items()}
+    k = evtc.compile(fn, {"a": a, "b": b, **ops})
+    got = torch.autograd.grad(k(a, b, **ops).float().sum(), [b, *ops.values()])
+    b2 = b_values.clone().requires_grad_()
+    ops2 = {k: v.clone().requires_grad_() for k, v in operands.items()}
+    want = torch.autograd.grad(fn(a @ b2, **ops2).float().sum(), [b2, *ops2.values()])
+    return got, want
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("clamp tensor bounds", lambda acc, lo, hi: acc.clamp(lo, hi)),
+    ("clamp_min tensor", lambda acc, lo, hi: torch.clamp_min(acc, lo) + hi),
+    ("clip numbers", lambda acc, lo, hi: acc.clip(0.0, 1.0) + lo + hi),
+    ("relu6", lambda acc, lo, hi: F.relu6(acc) + lo + hi),
+    ("hardtanh", lambda acc, lo, hi: F.hardtanh(acc, -1.0, 1.0) + lo + hi),
+    ("hardswish", lambda acc, lo, hi: F.hardswish(acc) + lo + hi),
+    ("relu", lambda acc, lo, hi: torch.relu(acc) + lo + hi),
+])
+def test_gradients_at_the_kinks_follow_torch(name, fn):
+    """At a bound exactly (padding rows with a zero bias reach them): clamp gives the input the
+    whole gradient and its tensor bound none; hardtanh and relu6 give none at either bound;
+    hardswish's pieces at -3 and 3 are torch's."""
+    b = torch.tensor([[0.0, 1.0, 6.0, -1.0, 3.0, -3.0], [0.5, -0.5, 7.0, 1.0, 2.0, 0.0]])
+    lo = torch.tensor([0.0, 0.0, 6.0, 0.0, 3.0, -3.0])
+    # (Not lo == hi with x below both: torch then gives neither bound a gradient, evtc gives lo one.)
+    hi = torch.tensor([1.0, 1.0, 6.0, 1.0, 4.0, 0.0])
+    got, want = _grads_through_kernel(fn, b, lo=lo, hi=hi)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, msg=name)
+
+
+def test_a_saturating_float8_cast_passes_the_gradient_as_torch_does():
+    def fn(acc):
+        return (acc * 100.0).to(torch.float8_e4m3fn).float()
+
+    got, want = _grads_through_kernel(fn, torch.tensor([[1.0, 3.0, 5.0, -6.0, -2.0]]))
+    torch.testing.assert_close(got[0], want[0])
+
+
+def test_a_reduction_times_a_one_element_operand_has_a_backward():
+    """y.sum(-1) * scale with scale of shape (1,): as () works, so does (1,) (torch broadcasts it)."""
+    def fn(acc, scale):
+        return acc.sum(-1) * scale
+
+    got, want = _grads_through_kernel(fn, torch.randn(4, 6), scale=torch.tensor([0.5]))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)

@@ -52,7 +52,8 @@ _DTYPE_NAME = {
     torch.float8_e5m2: "float8_e5m2",
 }
 _CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
-    "pow", "abs", "reciprocal", "minimum", "maximum", "sqrt", "rsqrt", "exp", "exp2", "expm1", "log",
+    "pow", "abs", "reciprocal", "minimum", "maximum", "clamp_min", "clamp_max", "hardtanh", "sqrt",
+    "rsqrt", "exp", "exp2", "expm1", "log",
     "log2", "log1p", "sin", "cos", "tanh", "erf", "sigmoid", "relu", "leaky_relu", "elu", "gelu",
     "gelu_tanh", "silu", "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "where",
 }
@@ -406,7 +407,7 @@ class _Emitter:
             args = [self.arg(node.inputs[0], want_float=False)] + [self.arg(i) for i in node.inputs[1:]]
         else:
             args = [self.arg(i) for i in node.inputs]
-        params = [f"{p}={node.attrs[p]!r}" for p in definition.params]
+        params = [f"{p}={_float_text(node.attrs[p])}" for p in definition.params]
         if op == "neg":
             expr = f"-{args[0]}"
         elif op == "logical_and":

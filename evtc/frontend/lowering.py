@@ -152,9 +152,9 @@ def _clamp(t: Tracer, input: Any, min: Any = None, max: Any = None, **kwargs: An
     # hi where lo > hi, as torch documents.
     result = input
     if min is not None:
-        result = t.emit("maximum", (result, min))
+        result = t.emit("clamp_min", (result, min))
     if max is not None:
-        result = t.emit("minimum", (result, max))
+        result = t.emit("clamp_max", (result, max))
     return result
 
 
@@ -168,11 +168,16 @@ def _clamp_max(t: Tracer, input: Any, max: Any) -> Any:
 
 def _hardtanh(t: Tracer, input: Any, min_val: float = -1.0, max_val: float = 1.0,
               inplace: bool = False) -> Any:
-    return _maybe_inplace(t, input, _clamp(t, input, min_val, max_val), inplace, "hardtanh")
+    for name, value in (("min_val", min_val), ("max_val", max_val)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise UnsupportedOpError(f"hardtanh: {name} must be a Python number, got {type(value).__name__}",
+                                     user_location())
+    bounds = {"min_val": float(min_val), "max_val": float(max_val)}
+    return _maybe_inplace(t, input, t.emit("hardtanh", (input,), bounds), inplace, "hardtanh")
 
 
 def _relu6(t: Tracer, input: Any, inplace: bool = False) -> Any:
-    return _maybe_inplace(t, input, _clamp(t, input, 0.0, 6.0), inplace, "relu6")
+    return _hardtanh(t, input, 0.0, 6.0, inplace)
 
 
 def _where(t: Tracer, condition: Any, input: Any = None, other: Any = None, **kwargs: Any) -> Any:

@@ -16,8 +16,8 @@ rule in :data:`RULES`, written as graph nodes; the rules follow torch's conventi
 derivative is not defined everywhere (relu' = 0 at 0, ties of maximum and minimum share the
 gradient, ties of an amax or amin reduction share it evenly), so that the result equals
 ``torch.autograd`` on the same function (tests/test_autodiff.py checks it in float64 over the
-catalogue and random programs). Rounding casts pass the gradient through unchanged (float8 casts,
-which saturate, pass it only where the value is in range), as torch's ``.to(dtype)`` does.
+catalogue and random programs). Rounding casts pass the gradient through unchanged (float8 casts
+that saturate too), as torch's ``.to(dtype)`` does.
 
 Not derived: Python-number arguments and literals (constants of the call), and boolean values.
 """
@@ -32,7 +32,6 @@ import sympy
 import torch
 
 from ..errors import EpilogueError
-from .dtypes import is_float8
 from .graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from .infer import reduced_shape
 from .ops import ELEMENTWISE
@@ -107,6 +106,26 @@ class _Ops:
 Rule = Callable[[_Ops, Node, Sequence[Node], Node], Sequence[Node | None]]
 
 
+def _clamp_bound(keeps: str, passes: str):
+    """clamp_min / clamp_max (torch.clamp's halves): the input keeps the gradient where it is within
+    the bound, the bound included; the bound gets it only where the input is strictly beyond it
+    (torch's clamp backward, unlike maximum's half to each on a tie)."""
+
+    def rule(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
+        x, bound = ins
+        return o.where(o.op(keeps, x, bound), g, o.zero()), o.where(o.op(passes, x, bound), g, o.zero())
+
+    return rule
+
+
+def _hardtanh(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
+    """torch's hardtanh backward: the gradient strictly inside the bounds, none at them."""
+    x = ins[0]
+    inside = o.op("logical_and", o.op("gt", x, o.const(node.attrs["min_val"])),
+                  o.op("lt", x, o.const(node.attrs["max_val"])))
+    return (o.where(inside, g, o.zero()),)
+
+
 def _sign(o: _Ops, x: Node) -> Node:
     return o.where(o.op("gt", x, o.zero()), o.one(), o.where(o.op("lt", x, o.zero()), o.const(-1), o.zero()))
 
@@ -175,7 +194,8 @@ def _mish(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
 def _hardswish(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
     (x,) = ins
     middle = o.mul(g, o.add(o.div(x, o.const(3)), o.const(0.5)))
-    return (o.where(o.op("lt", x, o.const(-3)), o.zero(), o.where(o.op("le", x, o.const(3)), middle, g)),)
+    # torch: 0 up to -3 included, x/3 + 1/2 below 3, 1 from 3 on.
+    return (o.where(o.op("le", x, o.const(-3)), o.zero(), o.where(o.op("lt", x, o.const(3)), middle, g)),)
 
 
 def _hardsigmoid(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
@@ -195,6 +215,9 @@ RULES: dict[str, Rule] = {
     "reciprocal": lambda o, n, i, g: (o.neg(o.mul(g, n, n)),),
     "minimum": _extremum("lt"),
     "maximum": _extremum("gt"),
+    "clamp_min": _clamp_bound("ge", "lt"),
+    "clamp_max": _clamp_bound("le", "gt"),
+    "hardtanh": _hardtanh,
     "sqrt": lambda o, n, i, g: (o.div(g, o.mul(o.const(2), n)),),
     "rsqrt": lambda o, n, i, g: (o.mul(o.const(-0.5), g, n, n, n),),
     "exp": lambda o, n, i, g: (o.mul(g, n),),
@@ -209,7 +232,8 @@ RULES: dict[str, Rule] = {
     "erf": lambda o, n, i, g: (o.mul(g, o.const(2 / math.sqrt(math.pi)),
                                      o.op("exp", o.neg(o.mul(i[0], i[0])))),),
     "sigmoid": lambda o, n, i, g: (o.mul(g, n, o.sub(o.one(), n)),),
-    "relu": lambda o, n, i, g: (o.where(o.op("gt", n, o.zero()), g, o.zero()),),
+    # torch's threshold_backward: zero where the output is <= 0, so a NaN passes the gradient on.
+    "relu": lambda o, n, i, g: (o.where(o.op("le", n, o.zero()), o.zero(), g),),
     "leaky_relu": lambda o, n, i, g: (o.where(o.op("gt", i[0], o.zero()), g,
                                               o.mul(g, o.const(n.attrs["negative_slope"]))),),
     "elu": lambda o, n, i, g: (o.where(o.op("gt", i[0], o.zero()), g,
@@ -349,8 +373,9 @@ def _check_squeezed_use(graph: Graph, node: Node) -> None:
         if user.op == "store":
             continue
         for other in user.inputs:
-            if other is node or len(other.shape) == 0:
-                continue
+            if other is node or all(sympy.sympify(d) == 1 for d in other.shape) \
+                    and len(other.shape) <= len(node.shape) + 1:
+                continue  # a scalar, or a one-element value such as a (1,) operand
             if other.op == "reduce" and other.attrs["axis"] == node.attrs["axis"] \
                     and not other.attrs["keepdim"]:
                 continue
@@ -373,10 +398,7 @@ def _kept_shape(node: Node, ins: tuple[Node, ...]) -> Shape:
 
 
 def _cast_rule(o: _Ops, node: Node, ins: Sequence[Node], g: Node) -> Node:
-    if is_float8(node.dtype):
-        limit = o.const(float(torch.finfo(node.dtype).max))
-        inside = o.op("le", o.op("abs", ins[0]), limit)
-        return o.where(inside, g, o.zero())
+    # Every cast passes the gradient through, as torch's does (a float8 cast that saturates too).
     return g
 
 

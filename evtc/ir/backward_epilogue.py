@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import keyword
 import linecache
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ _CALLS: dict[str, Callable[[list[str], dict[str, Any]], str]] = {
     "hardsigmoid": lambda a, p: f"F.hardsigmoid({a[0]})",
     "gelu": lambda a, p: f"F.gelu({a[0]})",
     "gelu_tanh": lambda a, p: f"F.gelu({a[0]}, approximate='tanh')",
-    "leaky_relu": lambda a, p: f"F.leaky_relu({a[0]}, {p['negative_slope']!r})",
-    "elu": lambda a, p: f"F.elu({a[0]}, {p['alpha']!r})",
-    "softplus": lambda a, p: f"F.softplus({a[0]}, beta={p['beta']!r}, threshold={p['threshold']!r})",
+    "leaky_relu": lambda a, p: f"F.leaky_relu({a[0]}, {_number(p['negative_slope'])})",
+    "hardtanh": lambda a, p: f"F.hardtanh({a[0]}, {_number(p['min_val'])}, {_number(p['max_val'])})",
+    "elu": lambda a, p: f"F.elu({a[0]}, {_number(p['alpha'])})",
+    "softplus": lambda a, p: (f"F.softplus({a[0]}, beta={_number(p['beta'])}, "
+                              f"threshold={_number(p['threshold'])})"),
 }
 
 _counter = itertools.count()
@@ -197,8 +200,15 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _number(value: Any) -> str:
+    """A number in the generated source: inf and NaN as float('inf') etc., not bare names."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    return repr(value)
+
+
 def _text(value: Any) -> str:
-    return repr(value) if isinstance(value, bool | float | int) else value
+    return _number(value) if isinstance(value, bool | float | int) else value
 
 
 def _call(op: str, args: list[str], params: dict[str, Any], constant: list[bool]) -> str:

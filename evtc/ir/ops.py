@@ -49,6 +49,11 @@ _TABLE: list[OpDef] = [
     OpDef("reciprocal", 1, torch.reciprocal),
     OpDef("minimum", 2, torch.minimum, commutative=True),
     OpDef("maximum", 2, torch.maximum, commutative=True),
+    # clamp's halves and hardtanh: the values of maximum / minimum, but torch's gradients at the
+    # bounds (the input's gradient where x == bound, none to a bound there; hardtanh's none at either).
+    OpDef("clamp_min", 2, torch.clamp_min),
+    OpDef("clamp_max", 2, torch.clamp_max),
+    OpDef("hardtanh", 1, F.hardtanh, params=("min_val", "max_val")),
     # transcendental
     OpDef("sqrt", 1, torch.sqrt),
     OpDef("rsqrt", 1, torch.rsqrt),

@@ -72,6 +72,18 @@ def maximum(x, y):
     return cute.math.max(x, y, propagate_nan=True)
 
 
+def clamp_min(x, lo):
+    return maximum(x, lo)
+
+
+def clamp_max(x, hi):
+    return minimum(x, hi)
+
+
+def hardtanh(x, min_val: float, max_val: float):
+    return minimum(maximum(x, min_val), max_val)
+
+
 # ---- transcendental ------------------------------------------------------------------------------
 
 
