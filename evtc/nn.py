@@ -95,9 +95,10 @@ class FusedLinear(nn.Module):
         from evtc.linear import linear
 
         weight = self.weight if weight is None else weight
+        # An operand's kind (tile, row, column, scalar) follows which of its dims are 1: part of the key.
         key = (x.dtype, x.device, x.dim(), weight.dtype,
-               tuple((name, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (name, type(v))
-                     for name, v in operands.items()))
+               tuple((name, v.dtype, tuple(s == 1 for s in v.shape)) if isinstance(v, torch.Tensor)
+                     else (name, type(v)) for name, v in operands.items()))
         lin = self._compiled.get(key)
         if lin is None:
             example = {"x": x.detach(), "weight": weight.detach(),

@@ -436,3 +436,22 @@ def test_out_is_written_whatever_its_leading_strides():
         got = lin(x, w, bias=bias, out=(flat, torch.empty(2, 5)))
     assert got[0] is flat
     _close(flat, want_y, "contiguous out")
+
+
+def test_fused_linear_compiles_per_operand_kind():
+    """One module called with a tile, a column, a row and a scalar operand of the same rank: each is
+    another kernel (the operand's kind), each with PyTorch's values and gradients."""
+    def scaled(acc, bias, s):
+        return torch.tanh(acc * s + bias)
+
+    layer = evtc.nn.FusedLinear(6, 8, scaled)
+    x = torch.randn(5, 6)
+    for shape in [(5, 8), (5, 1), (1, 8), (8,), (1,)]:
+        s = (torch.rand(shape) + 0.5).requires_grad_()
+        got = layer(x, s=s)
+        (g,) = torch.autograd.grad(got.sum(), [s])
+        s2 = s.detach().requires_grad_()
+        want = scaled(x @ layer.weight.detach().t(), layer.bias.detach(), s2)
+        (w,) = torch.autograd.grad(want.sum(), [s2])
+        _close(got, want, str(shape))
+        _close(g, w, f"grad {shape}")
