@@ -331,6 +331,17 @@ def test_gradients_at_the_kinks_follow_torch(name, fn):
         torch.testing.assert_close(g, w, msg=name)
 
 
+def test_maximum_and_minimum_with_nan_and_ties_follow_torch():
+    def fn(acc, lo, hi):
+        return torch.maximum(acc, acc * 0.5) + torch.minimum(acc, lo) + hi
+
+    b = torch.tensor([[float("nan"), 1.0, 0.0, -2.0], [3.0, float("nan"), -1.0, 0.0]])
+    got, want = _grads_through_kernel(fn, b, lo=torch.tensor([0.0, 1.0, 0.0, -3.0]),
+                                      hi=torch.zeros(4))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, equal_nan=True)
+
+
 def test_a_saturating_float8_cast_passes_the_gradient_as_torch_does():
     def fn(acc):
         return (acc * 100.0).to(torch.float8_e4m3fn).float()

@@ -140,15 +140,16 @@ def _pow(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
 
 
 def _extremum(pick: str):
-    """maximum / minimum: the gradient goes to the input picked, half to each on a tie (torch)."""
+    """maximum / minimum: the gradient goes to the input picked, half to each on a tie, and as
+    torch writes it (zero where the other input wins), so a NaN passes it to both."""
+    loses = "lt" if pick == "gt" else "gt"
 
     def rule(o: _Ops, node: Node, ins: Sequence[Node], g: Node):
         x, y = ins
         half = o.mul(g, o.const(0.5))
         tie = o.op("eq", x, y)
-        x_wins, y_wins = o.op(pick, x, y), o.op(pick, y, x)
-        dx = o.where(x_wins, g, o.where(tie, half, o.zero()))
-        dy = o.where(y_wins, g, o.where(tie, half, o.zero()))
+        dx = o.where(tie, half, o.where(o.op(loses, x, y), o.zero(), g))
+        dy = o.where(tie, half, o.where(o.op(loses, y, x), o.zero(), g))
         return dx, dy
 
     return rule
