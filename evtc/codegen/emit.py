@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from evtc.errors import CompileError
-from evtc.ir.dtypes import short_name
+from evtc.ir.dtypes import as_float32_literal, short_name
 from evtc.ir.graph import Graph, Node
 from evtc.ir.ops import ELEMENTWISE
 from evtc.ir.printer import format_literal, node_names
@@ -162,14 +162,10 @@ def _class_name(name: str) -> str:
     return camel + "Epilogue"
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def _float_text(value: float) -> str:
     if math.isnan(value):
         return 'float("nan")'
-    if abs(value) > _FLOAT32_MAX:  # a float32 literal: +-inf, as torch makes it (acc * 1e39)
-        value = math.copysign(math.inf, value)
+    value = as_float32_literal(value)
     if math.isinf(value):
         return 'float("inf")' if value > 0 else '-float("inf")'
     return repr(float(value))

@@ -6,6 +6,8 @@ dtype of every traced value, so that a graph means exactly what the same functio
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: All compute nodes take and produce this (or bool): explicit casts are the only dtype changers.
@@ -65,3 +67,15 @@ def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         limit = torch.finfo(dtype).max
         values = values.clamp(-limit, limit)
     return values.to(dtype).to(values.dtype)
+
+
+#: The largest finite float32 value.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def as_float32_literal(value: float) -> float:
+    """A Python number as a float32 literal takes it: +-inf beyond float32's range, as torch
+    makes a number it combines with a float32 tensor (``acc * 1e39``)."""
+    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        return math.copysign(math.inf, value)
+    return value

@@ -6,7 +6,6 @@ the same random inputs, and the whole pipeline by comparing with the epilogue ru
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +13,7 @@ import sympy
 import torch
 
 from .block_scales import dequantized, is_pair, scale_problem, split_inputs
-from .dtypes import COMPUTE_DTYPE, round_to
+from .dtypes import COMPUTE_DTYPE, as_float32_literal, round_to
 from .graph import Graph, Node
 from .ops import ELEMENTWISE, REDUCE_FUNCS
 from .shapes import L, M, N, evaluate_shape, evaluate_value
@@ -128,15 +127,11 @@ def _evaluate_node(
     return result
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
 def _scalar(value: Any, compute_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A number as a 0-d tensor of ``compute_dtype``. Beyond float32's range it is +-inf, as torch
     makes a Python number it combines with a float32 tensor (``acc * 1e39``); torch.full refuses."""
-    if compute_dtype == torch.float32 and isinstance(value, float) and math.isfinite(value) \
-            and abs(value) > _FLOAT32_MAX:
-        value = math.copysign(math.inf, value)
+    if compute_dtype == torch.float32 and isinstance(value, float):
+        value = as_float32_literal(value)
     return torch.full((), value, dtype=compute_dtype, device=device)
 
 

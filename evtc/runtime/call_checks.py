@@ -116,12 +116,16 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     # has written none of out='s tensors.
     dims = {"M": m, "N": n, "L": batches, "1": 1}
     for name, host in zip(spec.kernel_order[len(plan.outputs):], spec.host_outputs, strict=True):
-        shape, dtype = tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)
-        target = given[name]
-        if not isinstance(target, torch.Tensor) or tuple(target.shape) != shape or target.dtype != dtype:
-            raise CallError(f"out[{name!r}] must be a {dtype} tensor of shape {shape}")
-        refuse_overlapping(f"out[{name!r}]", target)
+        _check_given(name, given[name], tuple(dims[d] for d in host.dims), torch_dtype(host.dtype))
     return tensors
+
+
+def _check_given(name: str, target: Any, shape: tuple, dtype: torch.dtype) -> None:
+    """Refuse an ``out=`` tensor that a result of ``shape`` and ``dtype`` is copied into, unless it
+    is one of that shape and dtype whose elements do not share memory."""
+    if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(shape) or target.dtype != dtype:
+        raise CallError(f"out[{name!r}] must be a {dtype} tensor of shape {tuple(shape)}")
+    refuse_overlapping(f"out[{name!r}]", target)
 
 
 def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
@@ -131,11 +135,8 @@ def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
     if given is None:
         raise CallError(f"out= must have the structure the epilogue returns ({spec.describe_tree()})")
     for name, value in zip(names, values, strict=True):
-        target = given[name]
-        if not isinstance(target, torch.Tensor) or target.shape != value.shape or target.dtype != value.dtype:
-            raise CallError(f"out[{name!r}] must be a {value.dtype} tensor of shape {tuple(value.shape)}")
-        refuse_overlapping(f"out[{name!r}]", target)
-        target.copy_(value)
+        _check_given(name, given[name], tuple(value.shape), value.dtype)
+        given[name].copy_(value)
     return [given[name] for name in names]
 
 

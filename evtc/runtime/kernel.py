@@ -385,7 +385,7 @@ class Kernel:
         compiler sees as one opaque op with a shape function: no graph break."""
         spec = self.call_spec
         if out is not None and torch.is_grad_enabled():
-            _refuse_out_requiring_grad(out)
+            _refuse_out_requiring_grad(spec, out)
         if spec.scale_rows and torch.is_grad_enabled():
             call_checks.refuse_grad(spec, a, b, operands)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled()
@@ -397,7 +397,7 @@ class Kernel:
         except EpilogueError as err:
             raise err.with_traceback(None) from None
         if out is not None:
-            _bump_versions(out)
+            _bump_versions(spec, out)
         return outs[0] if spec.single_output else spec.result(outs)
 
     @property
@@ -697,25 +697,24 @@ class Kernel:
         return call_checks.copy_into_given(self.call_spec, out, [h.name for h in host_outputs], results)
 
 
-def _out_tensors(out) -> list[torch.Tensor]:
-    """The tensors of an ``out=`` structure (a tensor, a tuple or list, or a dict of them)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    values = out.values() if isinstance(out, dict) else out if isinstance(out, tuple | list) else ()
-    return [t for t in values if isinstance(t, torch.Tensor)]
+def _out_tensors(spec: CallSpec, out) -> list[torch.Tensor]:
+    """The tensors of an ``out=`` of the epilogue's structure (none if it is not one: the call's
+    checks name that)."""
+    given = spec.tree.flatten(out, call_checks.is_tensor)
+    return [] if given is None else [t for t in given.values() if isinstance(t, torch.Tensor)]
 
 
-def _refuse_out_requiring_grad(out) -> None:
+def _refuse_out_requiring_grad(spec: CallSpec, out) -> None:
     """torch refuses ``out=`` a tensor that requires grad while grad mode is on: the write could
     not be differentiated."""
-    if any(t.requires_grad for t in _out_tensors(out)):
+    if any(t.requires_grad for t in _out_tensors(spec, out)):
         raise CallError("out= a tensor that requires grad: a call into out= is not differentiable "
                         "(torch refuses it too); call under torch.no_grad(), or without out=")
 
 
-def _bump_versions(out) -> None:
+def _bump_versions(spec: CallSpec, out) -> None:
     """The kernel writes ``out`` through its pointer, which autograd does not see: count the
     write in each tensor's version, as torch's own out= does, so that a backward that saved one
     of them raises instead of reading the new values."""
-    for t in _out_tensors(out):
+    for t in _out_tensors(spec, out):
         torch.autograd.graph.increment_version(t)

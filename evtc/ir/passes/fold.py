@@ -27,7 +27,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..dtypes import COMPUTE_DTYPE, round_to
+from ..dtypes import COMPUTE_DTYPE, FLOAT32_MAX, round_to
 from ..graph import Graph, GraphBuilder, Node, rewrite
 from ..ops import ELEMENTWISE
 from ..shapes import varying_dims
@@ -210,9 +210,6 @@ class _Simplifier:
         return None
 
 
-_FLOAT32 = torch.finfo(torch.float32)
-
-
 def _normal_float32_product(c1: sympy.Expr | None, c2: sympy.Expr | None) -> bool:
     """Whether c1 and c2 are literals whose product is a normal float32 value, or expressions of
     the sizes (so x * c1 * c2 and x * (c1 * c2) differ by rounding only)."""
@@ -221,7 +218,7 @@ def _normal_float32_product(c1: sympy.Expr | None, c2: sympy.Expr | None) -> boo
     if not (c1.is_Number and c2.is_Number):
         return True  # sizes (1/N of a mean): kept exact by sympy, rounded once when evaluated
     product = abs(float(c1) * float(c2))
-    return _FLOAT32.tiny <= product <= _FLOAT32.max
+    return torch.finfo(torch.float32).tiny <= product <= FLOAT32_MAX
 
 
 def _same_sign_numbers(c1: sympy.Expr | None, c2: sympy.Expr | None) -> bool:
