@@ -113,6 +113,42 @@ def test_store_rejects_split_counts_out_of_range(tmp_path):
         assert autotune.Store(tmp_path, "gpu", "k").get("b") is None, splits
 
 
+def test_store_rejects_records_of_other_types(tmp_path):
+    """2.0 and true compare equal to 2 and 1 in Python, but a record that holds them was not written
+    by evtc and would name a kernel no rule builds: it is timed again, never run."""
+    good = {"ab_dtype": "bfloat16", "tile_n": 128, "cluster": [1, 2], "split_k": False}
+    store = autotune.Store(tmp_path, "gpu", "k")
+    store.put("b", (GemmConfig(**good), 1), {})
+    assert autotune.Store(tmp_path, "gpu", "k").get("b") == (GemmConfig(**good), 1)
+    for bad, splits in [({"tile_n": 128.0}, 1), ({"cluster": [1, 2.0]}, 1), ({"cluster": [True, 2]}, 1),
+                        ({"split_k": 0}, 1), ({"tile_m": None}, 1), ({"raster": 1}, 1), ({}, True),
+                        ({}, 2.0), ({"unknown": 1}, 1)]:
+        store.path.write_text(json.dumps({"b": {"config": good | bad, "splits": splits}}))
+        assert autotune.Store(tmp_path, "gpu", "k").get("b") is None, (bad, splits)
+
+
+def test_cache_clear_forgets_tuned_launches(tmp_path):
+    from evtc.runtime.cache import DiskCache
+
+    store = autotune.Store(tmp_path, "gpu", "k")
+    store.put("b", (BASE, 1), {"x": 1.0})
+    assert store.path.exists()
+    DiskCache(tmp_path).clear()
+    assert not store.path.exists()
+
+
+def test_candidates_load_only_the_rows_a_short_problem_has():
+    """At M <= 32 the rules launch tiles that load only A's rows (GemmConfig.a_rows); every
+    candidate is timed that way too, and its name says so."""
+    default = (BASE.replace(a_rows=16), 1)
+    cands = autotune.candidates(8, 4096, 4096, 1, FAMILY, lambda c: 132, True, default)
+    assert all(c.a_rows is not None and c.a_rows >= 8 for c, _ in cands if c.a_major == "k")
+    names = [autotune.describe(c) for c in cands]
+    assert len(names) == len(set(names)) and all(" a" in name for name in names)
+    assert all(c.a_rows is None for c, _ in autotune.candidates(4096, 4096, 4096, 1, FAMILY, lambda c: 132,
+                                                                True, (BASE, 1)))
+
+
 def test_pinning_splits_forgets_tuned_launches(tmp_path):
     tuned = evtc.compile(_identity, EX, arch="sm_90a", cache_dir=tmp_path, autotune=True)
     size = autotune.bucket(16, 4096, 4096, 1)

@@ -90,3 +90,23 @@ def test_tuning_a_staged_call(tmp_path):
     ref = torch.relu(x.double() @ w.double().t() + C.double() + bias.double())
     assert _rel(k(x, w.t(), C=C, bias=bias), ref) < 1e-2
     assert k.last_path == "staged" and autotune.bucket(48, 1001, 640, 1) in k.tuner.tuned
+
+
+def test_a_call_on_unaligned_tensors_is_tuned_on_its_aligned_copies(tmp_path):
+    """K = 1001 halves: a's rows are 2002 bytes, which TMA cannot read, so no launch runs on the
+    call's own tensors. The tuner must not store the rules' launch untimed as the winner: it times
+    the candidates on the aligned copies the call then runs on."""
+    ex = {"a": _meta(8, 64, dtype=torch.float16), "b": _meta(64, 64, dtype=torch.float16).t(),
+          "C": _meta(8, 64, dtype=torch.float16), "bias": _meta(64, dtype=torch.float32)}
+    k = evtc.compile(residual_relu, ex, cache_dir=tmp_path, autotune=True)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(64, 1001, device="cuda", generator=g).half()
+    w = torch.randn(512, 1001, device="cuda", generator=g).half()
+    C = torch.randn(64, 512, device="cuda", generator=g).half()
+    bias = torch.randn(512, device="cuda", generator=g)
+    ref = torch.relu(x.double() @ w.double().t() + C.double() + bias.double())
+    assert _rel(k(x, w.t(), C=C, bias=bias), ref) < 1e-2
+    assert k.last_path == "staged"
+    entry = json.loads(k.tuner.store.path.read_text())[autotune.bucket(64, 512, 1001, 1)]
+    assert len(entry["us"]) > 1, entry  # timed, not the rules' launch stored untimed
+    assert _rel(k(x, w.t(), C=C, bias=bias), ref) < 1e-2

@@ -16,6 +16,7 @@ is never tuned: it takes the selector's choice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from evtc.plan.clusters import ceil_div
 from evtc.plan.config import GemmConfig
-from evtc.plan.selector import is_one_wave_twin, with_cluster_for
+from evtc.plan.selector import is_one_wave_twin, with_a_rows_for, with_cluster_for
 from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, splits_within_k, tail_split_limit
 from evtc.runtime.invoke import invoke
 
@@ -73,6 +74,8 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
     for config in family:
         if choose_cluster:
             config = with_cluster_for(config, m, n, batches, slots_of)
+        if len(family) > 1:  # as the rules launch it: only the rows of A a short problem has
+            config = with_a_rows_for(config, m)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)
         slots = slots_of(config.cluster)
         # A one-wave twin (evtc.plan.selector.one_wave_twins) runs as the rules run it: one wave of
@@ -139,17 +142,21 @@ class Store:
         return self._entries
 
     def get(self, size: str) -> tuple[GemmConfig, int] | None:
+        """The record of ``size``, or None where it is absent or not one this code wrote (a
+        damaged record is timed again, never run)."""
         entry = self._load().get(size)
         try:
-            config, splits = GemmConfig(**entry["config"]).validate(), entry["splits"]
+            fields, splits = entry["config"], entry["splits"]
+            if not _written_by_us(fields):
+                return None
+            config = GemmConfig(**fields).validate()
         except (TypeError, KeyError, ValueError):
             return None
-        if not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+        if type(splits) is not int or not 1 <= splits <= MAX_SPLITS:
             return None
         return config, splits
 
     def put(self, size: str, launch: tuple[GemmConfig, int], times: dict[str, float]) -> None:
-        import dataclasses
         import tempfile
 
         self._entries = None  # merge with what other processes wrote since we read it
@@ -166,12 +173,41 @@ class Store:
             pass  # a read-only cache: tuned again in the next process
 
 
+def _written_by_us(fields) -> bool:
+    """Whether ``fields`` (a record's configuration) has exactly the JSON types that
+    ``dataclasses.asdict`` of a :class:`GemmConfig` gives: ``2.0`` or ``true`` where an int belongs
+    compare equal to 2 and 1 in Python but would build another kernel than any the rules name."""
+    if not isinstance(fields, dict):
+        return False
+    kinds = {f.name: f.type for f in dataclasses.fields(GemmConfig)}
+    for name, value in fields.items():
+        kind = kinds.get(name)
+        if kind is None:
+            return False
+        if value is None:
+            if "None" not in kind:
+                return False
+        elif kind.startswith("bool"):
+            if type(value) is not bool:
+                return False
+        elif kind.startswith("tuple"):
+            if not isinstance(value, list | tuple) or any(type(v) is not int for v in value):
+                return False
+        elif kind.startswith("int"):
+            if type(value) is not int:
+                return False
+        elif not isinstance(value, str):
+            return False
+    return True
+
+
 def describe(launch: tuple[GemmConfig, int]) -> str:
     config, splits = launch
     # A one-wave twin (evtc.plan.selector.one_wave_twins) differs from its tile only in these.
     twin = "" if config.epi_stages is None else f" d{config.epi_stages} l{config.load_stages}"
+    rows = "" if config.a_rows is None else f" a{config.a_rows}"
     return (f"{config.schedule} {config.tile_m}x{config.tile_n} {config.cluster[0]}x{config.cluster[1]} "
-            f"S{splits}{twin}")
+            f"S{splits}{twin}{rows}")
 
 
 def tunable(kernel: Kernel, launch: tuple[GemmConfig, int], k: int) -> bool:
@@ -221,11 +257,21 @@ class Tuner:
                     launch = None  # a record this kernel may not run: tuned again
                 if launch is None:
                     launch = self._time(kernel, a, b, ins, outs, m, n, k, batches, size, scales, up)
+                    if launch is None:
+                        # The rules' own launch could not run on these tensors (a layout TMA cannot
+                        # read: the call goes on to aligned copies, which are tuned then).
+                        return kernel.launch_for(m, n, k, batches)
                 self.tuned[size] = launch
         return launch
 
+    def settled(self, m: int, n: int, k: int, batches: int) -> bool:
+        """Whether the size bucket of an (L, M, N, K) problem has its launch (timed or stored)."""
+        return bucket(m, n, k, batches) in self.tuned
+
     def _time(self, kernel: Kernel, a, b, ins, outs, m, n, k, batches, size: str,
-              scales=None, up=None) -> tuple[GemmConfig, int]:
+              scales=None, up=None) -> tuple[GemmConfig, int] | None:
+        """The fastest candidate, stored; None where the rules' own launch (the first candidate)
+        does not run on these tensors, so that nothing untimed is stored as a winner."""
         import torch
 
         name = kernel.plan.name
@@ -259,11 +305,16 @@ class Tuner:
             try:
                 us = time_us(run)
             except (RuntimeError, ValueError, TypeError) as exc:
+                if launch == default:
+                    log.debug("%r: not autotuned on these tensors: %s", name, exc)
+                    return None
                 log.warning("%r: autotuning skips %s: %s", name, describe(launch), exc)
                 continue
             times[describe(launch)] = round(us, 2)
             timed.append((launch, us))
-        best = fastest(timed) if timed else default
+        if not timed:
+            return None
+        best = fastest(timed)
         if kernel.pinned_splits is None:  # a choice limited by a pinned split count stays in memory
             self.store.put(size, best, times)
         log.info("%r: autotuned %s: %s (%d candidates; the rules chose %s)", name, size,

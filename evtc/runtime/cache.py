@@ -104,11 +104,13 @@ class DiskCache:
         return sorted(found, key=lambda m: m["mtime"], reverse=True)
 
     def clear(self) -> int:
-        """Remove every entry, lock file and unfinished build; returns the number of entries removed."""
+        """Remove every entry, front record, tuned launch, lock file and unfinished build; returns
+        the number of entries removed."""
         count = len(self.entries())
         if self.root.is_dir():
             for child in self.root.iterdir():
-                if child.is_dir() and (len(child.name) == 2 or child.name in ("locks", "front", "devices")
+                kept_dirs = ("locks", "front", "devices", "autotune")
+                if child.is_dir() and (len(child.name) == 2 or child.name in kept_dirs
                                        or child.name.startswith("build-")):
                     shutil.rmtree(child, ignore_errors=True)
         return count

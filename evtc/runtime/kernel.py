@@ -654,7 +654,8 @@ class Kernel:
             chosen = self._launch_choice(m, n, k, batches)
         if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
             self._launch_memo.clear()
-        if not (self._tuner is not None and capturing):  # a tuning kernel tunes this size when eager
+        if self._tuner is None or (not capturing and self._tuner.settled(m, n, k, batches)):
+            # A tuning kernel tunes this size when eager, on tensors its launches can read.
             self._launch_memo[launch_key] = chosen
         return chosen
 
