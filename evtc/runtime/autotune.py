@@ -46,6 +46,8 @@ SPLIT_COUNTS = (1, 2, 3, 4, 6, 8)
 WARMUP = 2
 SAMPLES = 5
 REPS = 3
+# GPU clock cycles (about 0.2 ms on an H100) to spin before each sample while its launches queue.
+QUEUE_CYCLES = 350_000
 
 
 def enabled_by_env() -> bool:
@@ -104,6 +106,10 @@ def time_us(run: Callable[[], object]) -> float:
     samples = []
     for _ in range(SAMPLES):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # The GPU spins while the host queues the sample's launches, so that they run back to
+        # back: a decode-sized kernel takes less time than its launch's host side, and the gaps
+        # between launches would otherwise be timed instead of the kernel.
+        torch.cuda._sleep(QUEUE_CYCLES)
         start.record()
         for _ in range(REPS):
             run()
