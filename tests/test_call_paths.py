@@ -474,3 +474,28 @@ def test_out_of_no_elements_may_have_stride_0():
     k = evtc.compile(double, {"a": torch.randn(2, 16, 32), "b": torch.randn(2, 32, 8)})
     out = torch.empty_strided((2, 0, 1), (0, 1, 0))
     assert k(A, B, out=out) is out
+
+
+def test_out_of_memory_reaches_the_caller_as_it_is(cache, monkeypatch):
+    """A CUDA out-of-memory error in the launch is the caller's to handle (free memory, a smaller
+    batch): it is neither retried on staged copies, which need more memory, nor turned into a
+    CallError that blames the arguments."""
+    def identity(acc):
+        return acc
+
+    ex = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    k = evtc.compile(identity, ex, arch="sm_90a", cache_dir=cache)
+    attempts = []
+
+    def out_of_memory(*args, stage, **kwargs):
+        attempts.append(stage)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(k, "_run_kernel", out_of_memory)
+    monkeypatch.setattr(k, "_kernel_runs", True)  # as on a Hopper GPU
+    a = torch.randn(8, 64).bfloat16()
+    b = torch.randn(64, 64).bfloat16()
+    with pytest.raises(torch.OutOfMemoryError):
+        k(a, b)
+    assert attempts == [False]

@@ -149,8 +149,41 @@ def test_a_pin_applies_to_every_handle_of_one_kernel(tmp_path):
     try:
         assert second is first and second.pinned_splits == 3 and second.splits_for(64, 1024, 8192) == 3
         assert other is not first and other.pinned_splits is None
+        # The autotuned handle is the same kernel: one pin for both, set through either.
+        tuned = first.autotuned()
+        assert tuned.pinned_splits == 3 and tuned.splits_for(64, 1024, 8192) == 3
+        tuned.pin_splits(2)
+        assert first.pinned_splits == 2 and first.splits_for(64, 1024, 8192) == 2
+        assert other.pinned_splits is None
     finally:
         first.pin_splits(None)
+    assert first.autotuned().pinned_splits is None
+
+
+def test_split_launches_run_on_the_clusters_they_were_planned_for(tmp_path, monkeypatch):
+    """Four-CTA clusters: the selector counts on fewer than the occupancy API reports
+    (evtc.plan.clusters.planned_clusters), and a split launch's tiles and waits assume that grid, so
+    the kernel gets that grid; an unsplit launch keeps every resident cluster."""
+    from evtc.plan.clusters import planned_clusters
+    from evtc.runtime import kernel as kernel_module
+
+    def identity(acc):
+        return acc
+
+    ex = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    k = evtc.compile(identity, ex, config={"cluster": (1, 4), "split_k": True}, arch="sm_90a",
+                     cache_dir=tmp_path)
+    monkeypatch.setattr(kernel_module, "max_active_clusters", lambda size, root: 33)
+    monkeypatch.setattr(k, "_variant", lambda config: k)
+    assert k.slots((1, 4)) == 4 * planned_clusters(4, 33) < 4 * 33
+    tile_k = k.config.tile_k
+    _, clusters, split, _ = k.resolve(k.config, 4, 512, 4096, 64 * tile_k, 1)
+    assert split[0] == 4 and clusters == planned_clusters(4, 33)
+    plain = evtc.compile(identity, ex, config={"cluster": (1, 4)}, arch="sm_90a", cache_dir=tmp_path)
+    monkeypatch.setattr(plain, "_variant", lambda config: plain)
+    _, clusters, split, _ = plain.resolve(plain.config, 1, 512, 4096, 64 * tile_k, 1)
+    assert split is None and clusters == 33
 
 
 def test_split_counts_never_exceed_k_tiles(tmp_path, monkeypatch):

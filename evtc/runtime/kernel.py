@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("evtc")
 
 
+class _SplitPin:
+    """The split count :meth:`Kernel.pin_splits` fixed, shared by the handles of one kernel (the
+    kernel and its autotuned twin), which forget their memoised launches when it changes."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.splits: int | None = None
+        self.handles: list[Kernel] = [kernel]
+
+
 class Kernel:
     """A compiled fused GEMM + epilogue. Call it like the epilogue's math:
     ``k(a, b, **operands, out=None)`` returns what the epilogue returns."""
@@ -75,7 +84,7 @@ class Kernel:
         self._tuner = None
         self._autotuned_twin: Kernel | None = None
         self._variants: dict[GemmConfig, Kernel] = {}
-        self._pinned_splits: int | None = None
+        self._pin = _SplitPin(self)
         self._variant_lock = threading.Lock()
         self._op = None
         self._backward = None  # the epilogue's backward graph, derived on first use
@@ -138,6 +147,7 @@ class Kernel:
         twin._variant_factory = factory
         twin._family = tuple(family) or (self.config,)
         twin._variants = {self.config: self}
+        twin._pin = _SplitPin(twin)
         twin._variant_lock = threading.Lock()
         twin._launch_memo = {}
         twin._op = None
@@ -159,6 +169,7 @@ class Kernel:
                 twin._tuner = Tuner()
                 twin._launch_memo = {}
                 twin._op = None
+                self._pin.handles.append(twin)  # one pin for both handles
                 self._autotuned_twin = twin
         return self._autotuned_twin
 
@@ -252,7 +263,7 @@ class Kernel:
                 return tuned
         config, splits = choose_launch(m, n, k, batches, self._family, self.slots,
                                        choose_cluster=self._variant_factory is not None,
-                                       pinned_splits=self._pinned_splits,
+                                       pinned_splits=self._pin.splits,
                                        epilogue_tiles=self.plan.epilogue_tiles)
         if not self.can_split:
             splits = 1
@@ -280,15 +291,16 @@ class Kernel:
         if splits is not None and splits > 1 and not self.can_split:
             raise ValueError("pin_splits: this kernel has a fixed configuration without split-K; compile "
                              "it with config={'split_k': True} (or without a cluster knob)")
-        self._pinned_splits = splits
-        self._launch_memo.clear()
-        if self._tuner is not None:
-            self._tuner.tuned.clear()  # tuned under the previous rule
+        self._pin.splits = splits
+        for handle in self._pin.handles:  # this kernel and its autotuned twin
+            handle._launch_memo.clear()
+            if handle._tuner is not None:
+                handle._tuner.tuned.clear()  # tuned under the previous rule
 
     @property
     def pinned_splits(self) -> int | None:
         """The split count :meth:`pin_splits` fixed, or None (chosen per problem)."""
-        return self._pinned_splits
+        return self._pin.splits
 
     def prebuild(self, shapes: Iterable[Sequence[int]], *, wait: bool = True) -> Prebuild:
         """Build now the variants that calls on ``shapes`` will launch, so that those calls compile
@@ -482,6 +494,8 @@ class Kernel:
             self.last_path = "kernel"  # unless the call copies a's block scales (_fast_a_scales)
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
+            except torch.OutOfMemoryError:
+                raise  # the caller's to handle (free memory, a smaller batch): not an argument problem
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
                 pass  # the slow path finds out what it was
             else:
@@ -503,7 +517,7 @@ class Kernel:
         if reason is None:
             try:
                 outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True, scales=scales)
-            except CallError:
+            except (CallError, torch.OutOfMemoryError):
                 raise
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError) as exc:
                 # Staging copies whatever it is given: the compiled function then rejects a wrong
@@ -683,6 +697,9 @@ class Kernel:
         clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
         if not config.split_k:
             return kernel._fn, clusters, None, kernel._finisher
+        # A split launch runs on the clusters its split count was chosen for (Kernel.slots): the
+        # tiles it splits, and every split's wait on another cluster, assume that grid.
+        clusters = planned_clusters(cluster[0] * cluster[1], clusters)
         numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
         return kernel._fn, clusters, (splits, *numels), kernel._finisher
 
