@@ -304,3 +304,28 @@ def test_split_partials_are_kept_per_stream_and_grow(monkeypatch):
     assert stream_buffers.partials(cpu, 100, ("dev0", "s2")) is not grown
     captured = stream_buffers.partials(cpu, 100, None)
     assert captured is not grown and stream_buffers.partials(cpu, 100, None) is not captured
+
+
+def test_kept_buffers_grow_to_exactly_the_need_when_doubling_runs_out_of_memory():
+    """Kept per-stream buffers grow by doubling; where the doubled size does not fit, the old
+    buffer is freed and exactly the launch's need allocated (an out-of-memory error only when even
+    that does not fit)."""
+    from evtc.runtime.stream_buffers import _grown
+
+    limit = {"numel": 1000}
+    made = []
+
+    def make(size):
+        if size > limit["numel"]:
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({size} elements)")
+        made.append(size)
+        return torch.zeros(size)
+
+    store: dict = {}
+    cpu = torch.device("cpu")
+    assert _grown(store, "k", cpu, 400, make).numel() == 400
+    assert _grown(store, "k", cpu, 500, make).numel() == 800  # doubled
+    assert _grown(store, "k", cpu, 900, make).numel() == 900  # 1600 does not fit: exactly 900
+    assert made == [400, 800, 900] and store["k"].numel() == 900
+    with pytest.raises(torch.OutOfMemoryError):
+        _grown(store, "k", cpu, 1001, make)

@@ -79,7 +79,16 @@ def _grown(store: dict, key, device: torch.device, numel: int, make) -> torch.Te
     if buffer is None or buffer.numel() < numel:
         size = numel if buffer is None else max(numel, 2 * buffer.numel())
         with kept(device):
-            buffer = store[key] = make(size)
+            try:
+                buffer = store[key] = make(size)
+            except torch.OutOfMemoryError:
+                if size == numel:
+                    raise
+                # No room to double: free the old buffer (launches queued on this stream that use
+                # it still run first: the allocator reuses its memory in stream order) and take
+                # exactly what this launch needs.
+                del store[key], buffer
+                buffer = store[key] = make(numel)
     return buffer
 
 
