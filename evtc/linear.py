@@ -183,19 +183,27 @@ class Linear:
         if out is None:
             result = kernel(x2, weight.t(), **flat)
             return self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
+        if torch.compiler.is_compiling():
+            # Under torch.compile the kernel is a functional operator whose results are copied into
+            # out= in any case; and a view of `out` that fails (below) cannot be caught while tracing.
+            return self._written_into(kernel, x2, weight, flat, lead, out)
         try:
             # Views only: a reshape that copied would have the kernel write the copy, not `out`.
             flat_out = self._per_output(kernel, out, lambda t: t.view(-1, *t.shape[len(lead):]))
         except RuntimeError:
             # Leading dims that no single stride spans (a slice of a longer cache, a transposed
             # (S, B, N) buffer): the kernel writes new tensors, copied into `out`.
-            result = kernel(x2, weight.t(), **flat)
-            shaped = self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
-            self._copy_into(kernel, shaped, out)
-            return out
+            return self._written_into(kernel, x2, weight, flat, lead, out)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError):
             flat_out = out  # not the epilogue's structure: the kernel's own check says what is wrong
         kernel(x2, weight.t(), out=flat_out, **flat)
+        return out
+
+    def _written_into(self, kernel: Kernel, x2, weight, flat, lead, out):
+        """``kernel`` on new tensors, then copied into ``out``; returns ``out``."""
+        result = kernel(x2, weight.t(), **flat)
+        shaped = self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
+        self._copy_into(kernel, shaped, out)
         return out
 
     @staticmethod
@@ -349,12 +357,12 @@ def _with_accumulator(fn: Callable[..., Any], gated: bool) -> Callable[..., Any]
     epilogue) as the last leaves of a tuple: ``(*fn's outputs, acc)``. Its signature is ``fn``'s
     (``functools.wraps``), so it traces with the same inputs."""
     import functools
-    import inspect
 
     from evtc.frontend.epilogue import unwrap
+    from evtc.frontend.inputs import read_signature
 
     user = unwrap(fn)
-    acc_name = next(iter(inspect.signature(user).parameters))
+    acc_name = read_signature(user).acc_name
 
     @functools.wraps(user)
     def with_accumulator(*args, **kwargs):

@@ -140,8 +140,13 @@ class MLPOperator:
                                       if isinstance(v, torch.Tensor)]]
             # The residual's gradient is the incoming one itself: an operator's output may not share
             # storage with its inputs (the compiler may reuse or update either buffer in place).
-            return [x.new_empty(0) if g is None else g
-                    for g in distinct_outputs(wanted, (*grads, x, w1, w2, h, *saved, *tensors))]
+            distinct = distinct_outputs(wanted, (*grads, x, w1, w2, h, *saved, *tensors))
+            # An input whose gradient is wanted gets one of its shape, as the fake says, zeros where
+            # the epilogue gives it none (a where's mask); the others an empty placeholder.
+            flags = [needs[0], needs[1], needs[2],
+                     *[n for n, v in zip(needs[3:], values, strict=True) if isinstance(v, torch.Tensor)]]
+            return [(torch.zeros_like(t) if g is None else g) if need else x.new_empty(0)
+                    for g, t, need in zip(distinct, [x, w1, w2, *tensors], flags, strict=True)]
 
         def backward_fake(grads, x, w1, w2, h, saved, *rest):
             *values, needs = rest

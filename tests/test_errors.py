@@ -321,3 +321,29 @@ def test_python_math_on_a_runtime_scalar_says_so():
     err = _trace_error(epilogue, EX | {"alpha": 0.5}, evtc.ControlFlowError)
     assert "runtime scalar 'alpha'" in str(err)
     _assert_points_at_marked_line(err, epilogue)
+
+
+def test_a_torch_call_with_arguments_it_does_not_take_is_named_at_its_line():
+    """torch's own TypeError (torch.add given one argument) reached the user raw, from deep in the
+    tracer; it is an UnsupportedOpError at the user's line, with torch's message."""
+    def epilogue(acc, C):
+        y = acc * 2
+        return torch.add(y)  # error here
+
+    err = _trace_error(epilogue, EX, evtc.UnsupportedOpError)
+    assert "add()" in str(err) and "does not take the arguments" in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+    with pytest.raises(evtc.UnsupportedOpError, match="add"):  # a builtin epilogue needing more
+        evtc.trace(torch.add, gemm_inputs(16, 24, 8, None))
+
+
+@pytest.mark.parametrize("builtin", [torch.relu, torch.sigmoid, torch.tanh, F.gelu, F.silu],
+                         ids=lambda f: f.__name__)
+def test_a_torch_function_of_the_accumulator_is_an_epilogue(builtin, tmp_path):
+    """torch.relu or F.gelu as the epilogue itself (as an evtc.nn activation): builtins have no
+    signature to read, and were refused; they are functions of the accumulator alone."""
+    inputs = gemm_inputs(16, 24, 8, None, dtype=torch.float32)
+    k = evtc.compile(builtin, inputs, arch="sm_90a", cache_dir=tmp_path)
+    a, b = rand(16, 8, seed=3), rand(8, 24, seed=4)
+    want = builtin(a.double() @ b.double())
+    assert torch.allclose(k(a, b).double(), want, atol=1e-5, rtol=1e-5)

@@ -269,6 +269,33 @@ def test_mlp_block_under_torch_compile_fullgraph():
         torch.compile(loss, backend="aot_eager", fullgraph=True)(x[0], residual[0])
 
 
+def _masked(acc, mask):
+    return torch.where(mask > 0, acc, 0.0)
+
+
+def test_mlp_operand_without_a_gradient_under_torch_compile():
+    """A second-layer operand that requires grad but that the epilogue reads only through a
+    comparison: its backward operator returned an empty placeholder where its fake promised a
+    tensor of the operand's shape, and the compiled backward failed. Now zeros (torch's eager
+    gradient is None: the where's condition has none)."""
+    torch.manual_seed(0)
+    block = evtc.nn.MLP(16, 12, F.gelu, _masked)
+    x = torch.randn(6, 16, requires_grad=True)
+    mask = torch.randn(6, 16, requires_grad=True)
+
+    def loss(x, mask):
+        return block(x, mask=mask).square().sum()
+
+    loss(x, mask).backward()  # eager: builds the kernels and registers the operators
+    xr, mr = x.detach().double().requires_grad_(), mask.detach().double().requires_grad_()
+    w1, w2 = block.up.weight.detach().double(), block.down.weight.detach().double()
+    want = torch.autograd.grad(_masked(F.gelu(xr @ w1.t()) @ w2.t(), mr).square().sum(), [xr])[0]
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    dx, dmask = torch.autograd.grad(compiled(x, mask), [x, mask], allow_unused=True)
+    _close(dx, want, "x")
+    assert dmask is None or (dmask.shape == mask.shape and not dmask.any())
+
+
 def _rows_max(acc, bias):
     y = torch.tanh(acc + bias)
     return y, y.amax(0)

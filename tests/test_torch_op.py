@@ -124,3 +124,96 @@ def test_linear_takes_the_weight_as_it_is_and_any_leading_dims(tmp_path):
             residual=torch.randn(4, 96).half())
     with pytest.raises(evtc.CallError, match="needs 'x'"):
         evtc.linear(residual_gelu, dict(a=meta(8, 64), b=meta(64, 96)), cache_dir=tmp_path)
+
+
+# ---- batch broadcasts under torch.compile (CPU tensors: the torch path, traced as the GPU's) ------
+
+
+def _resid(acc, C):
+    return acc + C
+
+
+def _relu(acc):
+    return torch.relu(acc)
+
+
+def _bias_gelu(acc, bias):
+    return torch.nn.functional.gelu(acc + bias)
+
+
+@pytest.mark.parametrize("a_shape", [(8, 32), (1, 8, 32)])
+def test_fake_result_has_the_broadcast_batch(a_shape, tmp_path):
+    """A kernel compiled with a 2-d a (or one of batch 1) beside a b of batch 3: the fake gives
+    torch's (3, M, N), as the real operator does. It gave (M, M, N) or (1, M, N), so inductor either
+    failed its size checks or, with them off, read memory it never wrote."""
+    a, b, bias = torch.randn(*a_shape), torch.randn(3, 32, 16), torch.randn(16)
+    k = evtc.compile(_bias_gelu, dict(a=a, b=b, bias=bias), cache_dir=tmp_path)
+    with FakeTensorMode() as mode:
+        fake = k.op(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(bias))
+    assert tuple(fake.shape) == tuple(k.op(a, b, bias).shape) == (3, 8, 16)
+    want = _bias_gelu(a.double() @ b.double(), bias.double())
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, bias: k(a, b, bias=bias) * 2, backend="aot_eager", fullgraph=True)
+    a_ = a.clone().requires_grad_()
+    got = f(a_, b, bias)
+    got.sum().backward()
+    assert torch.allclose(got.double(), want * 2, atol=1e-4, rtol=1e-4)
+    a64 = a.double().requires_grad_()
+    (_bias_gelu(a64 @ b.double(), bias.double()) * 2).sum().backward()
+    assert torch.allclose(a_.grad.double(), a64.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_batch_one_broadcasts_under_torch_compile(dynamic, tmp_path):
+    """A batch of 1 beside a batch of L (C, a or b) under torch.compile, dynamic shapes included:
+    symbolic batch sizes were tested with ``in``, which dynamo answers False for an equal
+    constant, and the call was refused."""
+    M, N, K = 8, 16, 32
+    k = evtc.compile(_resid, dict(a=torch.randn(3, M, K), b=torch.randn(3, K, N), C=torch.randn(3, M, N)),
+                     cache_dir=tmp_path)
+    kr = evtc.compile(_relu, dict(a=torch.randn(4, M, K), b=torch.randn(4, K, N)), cache_dir=tmp_path)
+    cases = [(k, (torch.randn(3, M, K), torch.randn(3, K, N)), {"C": torch.randn(1, M, N)}, _resid),
+             (kr, (torch.randn(1, M, K), torch.randn(4, K, N)), {}, _relu),
+             (kr, (torch.randn(4, M, K), torch.randn(1, K, N)), {}, _relu)]
+    for kern, (a, b), ops, fn in cases:
+        want = fn(a.double() @ b.double(), **{n: v.double() for n, v in ops.items()})
+        torch._dynamo.reset()
+        f = torch.compile(lambda a, b, ops, kern=kern: kern(a, b, **ops), fullgraph=True, dynamic=dynamic,
+                          backend="aot_eager")
+        got = f(a, b, ops)
+        assert got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_batches_compile_once(tmp_path):
+    """Batched calls under dynamic=True keep the batch symbolic (the sizes were put in a set,
+    which specialised them: one graph per batch size)."""
+    from torch._dynamo.utils import counters
+
+    M, N, K = 8, 16, 32
+    k = evtc.compile(_resid, dict(a=torch.randn(3, M, K), b=torch.randn(3, K, N), C=torch.randn(3, M, N)),
+                     cache_dir=tmp_path)
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda a, b, C: k(a, b, C=C), fullgraph=True, dynamic=True, backend="eager")
+    for batch in (3, 5, 7):
+        a, b, C = torch.randn(batch, M, K), torch.randn(batch, K, N), torch.randn(batch, M, N)
+        assert torch.allclose(f(a, b, C), a @ b + C, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_linear_out_without_a_flat_view_under_torch_compile(tmp_path):
+    """evtc.linear's out= whose leading dims no single stride spans (a (2, 3, N) view of an (S, B, N)
+    buffer) is written by a copy under torch.compile too (its view's error cannot be caught while
+    tracing)."""
+    K, N = 32, 16
+    x, w, res = torch.randn(2, 3, K), torch.randn(N, K), torch.randn(2, 3, N)
+    lin = evtc.linear(_resid, dict(x=x, weight=w, C=res), cache_dir=tmp_path)
+    buf = torch.zeros(3, 2, N).transpose(0, 1)
+
+    def g(x, w, res, buf):
+        lin(x, w, C=res, out=buf)
+        return buf.sum()
+
+    torch._dynamo.reset()
+    torch.compile(g, fullgraph=True, backend="aot_eager")(x, w, res, buf)
+    assert torch.allclose(buf, x @ w.t() + res, atol=1e-5)

@@ -57,6 +57,10 @@ def read_signature(fn: Callable[..., Any]) -> Signature:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
+        if callable(fn):
+            # A builtin without a readable signature (torch.relu, F.gelu): a function of the
+            # accumulator alone, passed by position.
+            return Signature("acc", [], {}, positional_only=1)
         raise InputError(f"cannot read the signature of {fn!r}: {exc}", loc) from None
     params = list(sig.parameters.values())
     for p in params:

@@ -34,3 +34,16 @@ def definition_location(fn: object) -> SourceLoc | None:
         return None
     return SourceLoc(code.co_filename, code.co_firstlineno, linecache.getline(code.co_filename,
                                                                                 code.co_firstlineno))
+
+
+def traceback_location(tb) -> SourceLoc | None:
+    """The innermost frame of the caller's code in traceback ``tb``: the user's line that called
+    what raised."""
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        filename = os.path.abspath(code.co_filename)
+        if not filename.startswith(_SKIPPED) and not code.co_filename.startswith("<frozen"):
+            found = SourceLoc(code.co_filename, tb.tb_lineno, linecache.getline(filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return found

@@ -16,7 +16,7 @@ from ..ir.shapes import L, varying_dims
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .proxy import SymDim, TracedValue, unsupported
-from .source import definition_location, user_location
+from .source import definition_location, traceback_location, user_location
 
 
 class Tracer:
@@ -280,6 +280,12 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
+    except TypeError as err:
+        # A torch function given arguments it does not take (torch.add(acc), or a builtin used
+        # as the epilogue that needs more than the accumulator): torch's message, at the user's line.
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise UnsupportedOpError(f"{name}: a call does not take the arguments it was given: {err}",
+                                 traceback_location(err.__traceback__) or def_loc) from None
 
     tree, values = _flatten_outputs(returned, def_loc)
     ab_dtype = problem.ab_dtype

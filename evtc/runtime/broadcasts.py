@@ -92,12 +92,16 @@ def _expand_batch(plan: KernelPlan, a, b, operands: dict, batched: list, scales:
     """For a kernel compiled with equal batches: a batch of 1 (of ``a``, ``b`` or a batched
     operand) beside a batch of L, expanded to L, where every output reads an input of batch L (so
     that torch's result has the batch L too); None otherwise."""
-    sizes = {a.shape[0], b.shape[0]} | {operands[name].shape[axis] for name, axis in batched}
-    if len(sizes) != 2 or 1 not in sizes:
+    # Compared one by one, never hashed or tested with ``in``: under torch.compile(dynamic=True)
+    # the sizes are symbolic, which a set would specialise (a graph per batch size) and ``in`` gets
+    # wrong (it tests identity first and finds no equal constant).
+    sizes = [a.shape[0], b.shape[0], *(operands[name].shape[axis] for name, axis in batched)]
+    others = [size for size in sizes if size != 1]  # a batch of 1 broadcasts to 0 too, as in torch
+    if not others or len(others) == len(sizes) or any(size != others[0] for size in others[1:]):
         return None
-    batches = 0 if 0 in sizes else max(sizes)  # torch broadcasts a batch of 1 to 0 too
+    batches = others[0]
     whole = {name for name, axis in batched if operands[name].shape[axis] == batches}
-    if batches in (a.shape[0], b.shape[0]):
+    if a.shape[0] == batches or b.shape[0] == batches:
         whole.add("acc")
     if not _may_expand(plan, whole):
         return None

@@ -96,7 +96,10 @@ def register(kernel: Kernel):
             return outs[0] if single else tuple(outs)
 
         def fake(a, b, *operands):
-            batches = a.shape[0] if plan.batched else 1
+            # The batch of the result: a 2-d ``a`` beside a batched ``b``, or a batch of 1 beside
+            # one of L, broadcast as torch does (the real call takes such batches too).
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) if plan.batched else ()
+            batches = batch[0] if batch else 1
             meta = kernel.output_meta(a.shape[-2], b.shape[-1], batches)
             outs = [a.new_empty(shape, dtype=dt) for shape, dt in meta]
             if plan.d_major == "m":  # column-major D, as the kernel allocates it
