@@ -499,3 +499,29 @@ def test_out_of_memory_reaches_the_caller_as_it_is(cache, monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         k(a, b)
     assert attempts == [False]
+
+
+def test_out_tensors_that_share_memory_are_refused_before_any_is_written(cache):
+    """Two outputs into one tensor (or overlapping views of one buffer) would each hold whichever
+    was stored last: refused by name. With an input that requires grad (the operator's path, which
+    copies into out= after the kernel) a refused out= has written none of its tensors either."""
+    def two(acc, C):
+        return acc + C, acc * 2
+
+    a, b, C = torch.randn(16, 32), torch.randn(32, 8), torch.randn(16, 8)
+    k = evtc.compile(two, {"a": a, "b": b, "C": C}, cache_dir=cache)
+    buf = torch.full((16, 16), 7.0)
+    with pytest.raises(evtc.CallError, match="share memory"):
+        k(a, b, C=C, out=(buf[:, :8], buf[:, 4:12]))
+    assert (buf == 7).all()
+    same = torch.full((16, 8), 7.0)
+    with pytest.raises(evtc.CallError, match="share memory"):
+        k(a, b, C=C, out=(same, same))
+    assert (same == 7).all()
+    first, second = buf[:, :8], buf[:, 8:]  # side by side in one buffer: taken
+    k(a, b, C=C, out=(first, second))
+    assert torch.allclose(first, a @ b + C, atol=1e-5) and torch.allclose(second, (a @ b) * 2, atol=1e-5)
+    good, bad = torch.full((16, 8), 7.0), torch.full((16, 4), 7.0)
+    with pytest.raises(evtc.CallError):
+        k(a.requires_grad_(), b, C=C, out=(good, bad))
+    assert (good == 7).all()

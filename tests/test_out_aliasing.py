@@ -25,3 +25,28 @@ def test_outputs_over_gemm_inputs_or_part_of_an_operand_are_redirected():
     assert fresh.untyped_storage().data_ptr() != wide.untyped_storage().data_ptr()
     # Disjoint halves of one buffer stay in place.
     assert unaliased([wide[:4]], (a, b), [wide[4:]])[0].data_ptr() == wide[:4].data_ptr()
+
+
+def _addresses(t):
+    """Every byte address of ``t``'s elements, by brute force (the independent reference)."""
+    grids = torch.meshgrid(*[torch.arange(s) for s in t.shape], indexing="ij")
+    index = torch.stack(grids, -1).reshape(-1, t.dim())
+    starts = t.data_ptr() + (index * torch.tensor(t.stride())).sum(-1) * t.element_size()
+    return {int(s) + i for s in starts for i in range(t.element_size())}
+
+
+def test_overlap_is_exact():
+    from evtc.runtime.out_aliasing import overlap
+
+    buf = torch.zeros(12, 16)
+    other = torch.zeros(12, 16)
+    half = torch.zeros(12, 16, dtype=torch.float16)
+    pairs = [(buf[:, :8], buf[:, 8:]), (buf[:, :8], buf[:, 4:12]), (buf, buf), (buf[:, ::2], buf[:, 1::2]),
+             (buf.t(), buf[:, :3]), (buf[:6], buf[6:]), (buf[:, 7:9], buf[:, 8:10]), (buf, other),
+             (buf[:, :0], buf), (buf[:1].expand(5, 16), buf[1:]), (buf[:1].expand(5, 16), buf[0, 3:4]),
+             (buf.view(-1)[1:144].view(13, 11)[:, :5], buf[:, 8:]),
+             (half[:, :8], half.view(-1)[4:].view(-1, 2)), (half[:, 1:2], half[:, :1]),
+             (buf.view(torch.float16)[:, :1], buf[:, 1:]), (buf.view(torch.float16)[:, 1:2], buf[:, :1])]
+    for x, y in pairs:
+        want = bool(_addresses(x) & _addresses(y)) if x.numel() and y.numel() else False
+        assert overlap(x, y) == want == overlap(y, x), (x.shape, x.stride(), y.shape, y.stride())

@@ -117,7 +117,25 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     dims = {"M": m, "N": n, "L": batches, "1": 1}
     for name, host in zip(spec.kernel_order[len(plan.outputs):], spec.host_outputs, strict=True):
         _check_given(name, given[name], tuple(dims[d] for d in host.dims), torch_dtype(host.dtype))
+    refuse_shared_targets(given)
     return tensors
+
+
+def refuse_shared_targets(given: dict) -> None:
+    """Refuse ``out=`` tensors (by output name) whose memory overlaps another's: each would hold
+    whichever output was stored last."""
+    if len(given) < 2:
+        return
+    tensors = [(name, t) for name, t in given.items() if isinstance(t, torch.Tensor) and t.numel()]
+    if len({t.untyped_storage().data_ptr() for _, t in tensors}) == len(tensors):
+        return  # the common case: every target in a storage of its own
+    from evtc.runtime.out_aliasing import overlap
+
+    for i, (name, t) in enumerate(tensors):
+        for other, u in tensors[i + 1:]:
+            if overlap(t, u):
+                raise CallError(f"out[{name!r}] and out[{other!r}] share memory: each output needs a "
+                                "tensor of its own")
 
 
 def _check_given(name: str, target: Any, shape: tuple, dtype: torch.dtype) -> None:
@@ -134,8 +152,10 @@ def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
     given = spec.tree.flatten(out, is_tensor)
     if given is None:
         raise CallError(f"out= must have the structure the epilogue returns ({spec.describe_tree()})")
-    for name, value in zip(names, values, strict=True):
+    for name, value in zip(names, values, strict=True):  # all checked before any is written
         _check_given(name, given[name], tuple(value.shape), value.dtype)
+    refuse_shared_targets({name: given[name] for name in names})
+    for name, value in zip(names, values, strict=True):
         given[name].copy_(value)
     return [given[name] for name in names]
 

@@ -10,11 +10,33 @@ from __future__ import annotations
 import torch
 
 
-def _memory_span(t: torch.Tensor) -> tuple[int, int]:
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) of ``t``'s elements (non-negative strides, as torch's)."""
     start = t.data_ptr()
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return start, start + (last + 1) * t.element_size()
+
+
+def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two tensors share an element's memory, exactly: side by side views of one buffer
+    (its left and right columns) interleave in address but share nothing. Where their spans meet,
+    each byte of ``x`` is marked in a scratch mask over the spans and ``y``'s bytes are read."""
+    if x.device != y.device or not x.numel() or not y.numel():
+        return False
+    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+        return False
+    (x_lo, x_hi), (y_lo, y_hi) = memory_span(x), memory_span(y)
+    if not (x_lo < y_hi and y_lo < x_hi):
+        return False
+    base = min(x_lo, y_lo)
+    mask = torch.zeros(max(x_hi, y_hi) - base, dtype=torch.uint8, device=x.device)
+
+    def bytes_of(t: torch.Tensor) -> torch.Tensor:
+        size = t.element_size()
+        return mask.as_strided((*t.shape, size), (*(s * size for s in t.stride()), 1), t.data_ptr() - base)
+
+    bytes_of(x).fill_(1)
+    return bool(bytes_of(y).any())
 
 
 def unaliased(targets: list, gemm_inputs, operands) -> list:
@@ -30,12 +52,12 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
               for t in group if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages]
     if not shared:
         return targets
-    spans = [(t, _memory_span(t), gemm) for t, gemm in shared if t.numel()]
+    spans = [(t, memory_span(t), gemm) for t, gemm in shared if t.numel()]
     outs = []
     for target in targets:
         fresh = target
         if target.numel():
-            lo, hi = _memory_span(target)
+            lo, hi = memory_span(target)
             for t, (t_lo, t_hi), gemm in spans:
                 if t.device != target.device or not (t_lo < hi and lo < t_hi):
                     continue
@@ -48,4 +70,4 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
     return outs
 
 
-__all__ = ["unaliased"]
+__all__ = ["memory_span", "overlap", "unaliased"]
