@@ -102,7 +102,10 @@ class FusedLinear(nn.Module):
                      else (name, type(v)) for name, v in operands.items()))
         lin = self._compiled.get(key)
         if lin is None:
-            example = {"x": x.detach(), "weight": weight.detach(),
+            # A K-major x, as nn.Linear inputs are: a first call with a transposed x would otherwise
+            # compile for it, and every later (contiguous) call under this key take the torch path.
+            x_example = x.detach() if x.stride(-1) == 1 else x.detach().contiguous()
+            example = {"x": x_example, "weight": weight.detach(),
                        **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}}
             lin = self._compiled[key] = linear(self.epilogue, example, **self._options)
         return lin

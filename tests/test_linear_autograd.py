@@ -482,3 +482,19 @@ def test_fused_linear_compiles_per_operand_kind():
         (w,) = torch.autograd.grad(want.sum(), [s2])
         _close(got, want, str(shape))
         _close(g, w, f"grad {shape}")
+
+
+def test_fused_linear_compiles_for_a_k_major_x_whatever_the_first_call():
+    """A first call with a transposed x compiled an M-major a (float32: never a kernel), and every
+    later call of that module took the torch path: the module compiles for K-major x, as nn.Linear
+    inputs are, and still takes the transposed one (staged on the GPU)."""
+    def gelu_bias(acc, bias):
+        return F.gelu(acc + bias)
+
+    layer = evtc.nn.FusedLinear(32, 16, gelu_bias)
+    x_t = torch.randn(32, 8).t()
+    got = layer(x_t)
+    (lin,) = layer._compiled.values()
+    assert lin.kernel.plan.a.contiguous == 1 and lin.kernel.interface.torch_only is None
+    want = F.gelu(x_t.double() @ layer.weight.detach().double().t() + layer.bias.detach().double())
+    _close(got, want, "transposed x")
