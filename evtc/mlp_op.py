@@ -33,11 +33,16 @@ _LOCK = threading.Lock()
 
 def signature(x: torch.Tensor, ops1: dict[str, Any], ops2: dict[str, Any]) -> tuple:
     """What a block's operator is registered for: x's dtype and rank, and each operand's name with
-    its dtype and rank (a tensor) or its type (a Python number)."""
+    its dtype and rank (a tensor) or its type (a Python number: int and float alike, which the
+    operator takes as a float; the kind of a tensor operand of one rank is the Linear's to tell)."""
+
+    def kind(v):
+        if isinstance(v, torch.Tensor):
+            return v.dtype, v.dim()
+        return "float" if isinstance(v, int | float) and not isinstance(v, bool) else type(v).__name__
 
     def part(ops):
-        return tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, type(v).__name__)
-                     for n, v in ops.items())
+        return tuple((n, *kind(v)) if isinstance(v, torch.Tensor) else (n, kind(v)) for n, v in ops.items())
     return (x.dtype, x.dim(), part(ops1), part(ops2))
 
 

@@ -498,3 +498,19 @@ def test_fused_linear_compiles_for_a_k_major_x_whatever_the_first_call():
     assert lin.kernel.plan.a.contiguous == 1 and lin.kernel.interface.torch_only is None
     want = F.gelu(x_t.double() @ layer.weight.detach().double().t() + layer.bias.detach().double())
     _close(got, want, "transposed x")
+
+
+def test_mlp_under_torch_compile_takes_an_int_where_a_float_was_registered():
+    """The block's operator takes its scalars as floats: alpha=1 after an eager call with
+    alpha=0.5 is the same operator (it was refused as a signature no eager call registered)."""
+    torch.manual_seed(0)
+    block = evtc.nn.MLP(32, 24, swiglu, _residual_scaled)
+    x = torch.randn(7, 32, requires_grad=True)
+    residual = torch.randn(7, 32)
+    block(x, residual=residual, alpha=0.5)[0].sum().backward()  # registers the operator
+    compiled = torch.compile(lambda x, r: block(x, residual=r, alpha=1)[0], backend="aot_eager",
+                             fullgraph=True)
+    got = compiled(x, residual)
+    w1, w2 = block.up.weight.detach().double(), block.down.weight.detach().double()
+    acc = swiglu(x.detach().double() @ w1.t()) @ w2.t()
+    _close(got, acc * 1 + residual.double(), "alpha=1")
