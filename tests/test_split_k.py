@@ -329,3 +329,24 @@ def test_kept_buffers_grow_to_exactly_the_need_when_doubling_runs_out_of_memory(
     assert made == [400, 800, 900] and store["k"].numel() == 900
     with pytest.raises(torch.OutOfMemoryError):
         _grown(store, "k", cpu, 1001, make)
+
+
+def test_pinned_splits_keep_the_partials_within_32_bit_offsets(tmp_path, monkeypatch):
+    """A pinned count whose partials would pass 2^31 elements (the kernel's 32-bit offsets) runs
+    with as many splits as they reach."""
+    from evtc.plan.split_k import workspace_numels
+    from evtc.runtime import kernel as kernel_module
+
+    def identity(acc):
+        return acc
+
+    ex = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+          "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    k = evtc.compile(identity, ex, config={"split_k": True}, arch="sm_90a", cache_dir=tmp_path)
+    monkeypatch.setattr(kernel_module, "max_active_clusters", lambda size, root: 66)
+    monkeypatch.setattr(k, "_variant", lambda config: k)
+    m, n, kk = 1024, 8192, 4096 * 64
+    _, clusters, split, _ = k.resolve(k.config, 4096, m, n, kk, 1)
+    assert 1 < split[0] < 4096 and split[1] <= kernel_module.INT32_MAX
+    one_more = workspace_numels(m, n, 1, k.config, k.config.cluster, split[0] + 1, clusters)[0]
+    assert one_more > kernel_module.INT32_MAX

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("evtc")
 
 
+#: The most elements a 32-bit offset reaches (the kernel's index of split-K's partials).
+INT32_MAX = (1 << 31) - 1
+
+
 class _SplitPin:
     """The split count :meth:`Kernel.pin_splits` fixed, shared by the handles of one kernel (the
     kernel and its autotuned twin), which forget their memoised launches when it changes."""
@@ -701,6 +705,12 @@ class Kernel:
         # tiles it splits, and every split's wait on another cluster, assume that grid.
         clusters = planned_clusters(cluster[0] * cluster[1], clusters)
         numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
+        if numels[0] > INT32_MAX:
+            # The kernel indexes the partials with 32-bit offsets: a pinned count that needs more
+            # slots than they reach runs with as many as they do.
+            slot = numels[0] // (splits - 1)
+            splits = 1 + INT32_MAX // slot
+            numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
         return kernel._fn, clusters, (splits, *numels), kernel._finisher
 
     def _finish(self, out, workspaces, m, n, batches, finisher, operands) -> list[torch.Tensor]:
