@@ -38,6 +38,22 @@ def sums_not_regrouped(acc):
     return ((acc + 1e8) - 1e8).float()
 
 
+def sums_cancelling_before_a_literal(acc):
+    # (acc * 0 - 1) + 1 is 0, then + 1e-12: regrouped, 1 + 1e-12 is 1 in float32 and log(0) -inf.
+    return torch.log((acc * 0.0 - 1.0) + 1.0 + 1e-12).float()
+
+
+def signs_of_zero(acc):
+    # -0.0 literals keep their sign; x + 0.0 and 0.0 - x are +0.0 at a zero x (1 / them: +inf).
+    return ((1.0 / torch.where(acc > 1e30, acc, -0.0)).float(), (1.0 / (acc * -0.0)).float(),
+            (1.0 / (acc * 0.0 + 0.0)).float(), (1.0 / (0.0 - acc * 0.0)).float())
+
+
+def power_of_a_literal_base(acc):
+    # 10 ** 30 by pow, not exp2(30 * log2(10)), which is about 35 float32 ulps off.
+    return (10.0 ** (acc * 0.0 + 30.0)).float(), (10.0 ** (acc * 0.0 + 2.0)).float()
+
+
 def products_not_underflowing(acc):
     # The literals' products 1e-60 and 1e60 are not float32 numbers: never folded into one.
     return ((acc * 1e-30) * 1e-30).float(), ((acc * 1e30) * 1e30).float()
@@ -79,6 +95,9 @@ CASES = {
     "bfloat16_mean_all": (bfloat16_mean_all, {}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),
+    "sums_cancelling_before_a_literal": (sums_cancelling_before_a_literal, {}),
+    "signs_of_zero": (signs_of_zero, {}),
+    "power_of_a_literal_base": (power_of_a_literal_base, {}),
     "one_to_the_power": (one_to_the_power, {}),
     "literal_beyond_float32": (literal_beyond_float32, {}),
     "rebinding_a_scalar": (rebinding_a_scalar, {"alpha": 0.25}),

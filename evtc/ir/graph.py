@@ -22,6 +22,7 @@ pass easy to check: evaluate the graph before and after on the same inputs.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,6 +257,10 @@ class GraphBuilder:
         return node
 
     def literal(self, value: Any, loc: SourceLoc | None = None) -> Node:
+        if isinstance(value, float) and value == 0 and math.copysign(1.0, value) < 0:
+            # sympy has no negative zero; -(+0.0) keeps its sign everywhere (1 / -0.0 is -inf).
+            zero = self.add("literal", (), {"value": sympy.Integer(0), "python_scalar": True}, loc=loc)
+            return self.add("neg", (zero,), {}, loc=loc)
         return self.add("literal", (), {"value": sympy.sympify(value), "python_scalar": True}, loc=loc)
 
 

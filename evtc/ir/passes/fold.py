@@ -1,22 +1,26 @@
 """Constant folding and algebraic simplification.
 
 Rules (x any value, c a constant, s a uniform value: one that does not vary over the tile):
-  ops on constants only      -> the constant (sympy keeps sizes like 1/N exact)
-  x + 0, x - 0, x * 1, x / 1, x ** 1      -> x
-  x * -1, 0 - x, -(-x)       -> -x, -x, x
-  x / c                      -> x * (1/c)      (1/c rounded once; error at most about 1 ulp)
+  ops on constants only      -> the constant (sympy keeps sizes like 1/N exact; a result of -0.0,
+                                which sympy cannot hold, is left unfolded)
+  x - 0, x * 1, x / 1, x ** 1          -> x
+  x * -1, -(-x)              -> -x, x
+  x - c                      -> x + (-c)
+  x / c                      -> x * (1/c)      (where 1/c is a normal float32 number: rounded once,
+                                                 at most about 1 ulp apart, as torch's CUDA
+                                                 division by a scalar does)
   x ** 2, x ** 0.5, x ** -0.5, x ** -1    -> x * x, sqrt, rsqrt, reciprocal
-  c ** x  (c > 0, c != 1)    -> exp2(x * log2(c))   (1 ** x stays: it is 1 even where x is inf or NaN)
+  2 ** x                     -> exp2(x)         (other bases stay pow, which is exact where
+                                                 exp2(x * log2(c)) is not: 10 ** 2 is 100)
   (x * s1) * s2              -> x * (s1 * s2)   (so s1 * s2 is computed once, not per element;
                                                  literals c1, c2 only where c1 * c2 is a normal
                                                  float32 number: a product that overflows or
                                                  underflows would turn finite results into inf,
                                                  NaN or 0)
-  (x + c1) + c2              -> x + (c1 + c2)   (literals of the same sign only: with opposite
-                                                 signs the regrouped sum differs by far more than
-                                                 rounding, as (acc + 1e8) - 1e8 is not acc)
   x.to(d) where x is d       -> x
-Nothing that changes NaN/inf behaviour is folded (x * 0 stays, x - x stays).
+Nothing that changes NaN/inf behaviour or the sign of a zero is folded: x * 0 and x - x stay;
+x + 0 and 0 - x stay (-0.0 + 0.0 and 0 - 0.0 are +0.0); sums are never regrouped, since
+(x + c1) + c2 may cancel x against c1 first ((acc + 1.0) + 1e-12 at acc = -1 is 1e-12, not 0).
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ class _Simplifier:
         # 1. Constants only: fold.
         if all(c is not None for c in consts):
             if op in _SYMPY_OPS:
+                if all(c.is_Number for c in consts) and _negative_zero(op, consts):
+                    return None  # -0.0, which a literal cannot hold: the node keeps it
                 return b.literal(sympy.simplify(_SYMPY_OPS[op](*consts)), loc)
             if op == "pow" and all(c.is_Number for c in consts):
                 base, exp = (float(c) for c in consts)
@@ -115,18 +121,13 @@ class _Simplifier:
             return fresh or (x.shape == node.shape and x.dtype == node.dtype)
 
         if op == "add":
-            x, y = inputs
-            if _is(y, 0) and same(x):
-                return x
-            if _is(x, 0) and same(y):
-                return y
-            return self.reassociate("add", inputs, node, b)
+            # x + 0.0 is not x: -0.0 + 0.0 is +0.0 (and 1 / it +inf); sums are not regrouped either,
+            # as x + c1 + c2 may cancel x against c1 first ((acc + 1.0) + 1e-12 at acc = -1).
+            return None
         if op == "sub":
             x, y = inputs
             if _is(y, 0) and same(x):
-                return x
-            if _is(x, 0):
-                return self.make("neg", (y,), node, b)
+                return x  # x - 0.0 is x, -0.0 included (0 - x is not -x: 0 - 0.0 is +0.0)
             if consts[1] is not None:
                 return self.make("add", (x, b.literal(-consts[1], loc)), node, b)
             return None
@@ -147,8 +148,8 @@ class _Simplifier:
             if c is not None:
                 if c.is_Number and float(c) == 1 and same(x):
                     return x
-                if c.is_Number and (float(c) == 0 or not math.isfinite(float(c))):
-                    return None
+                if c.is_Number and not _normal_float32(1 / float(c)):
+                    return None  # 1/c would be 0, inf or subnormal: x / c is not x * (1/c) then
                 return self.make("mul", (x, b.literal(1 / c, loc)), node, b)
             return None
         if op == "neg":
@@ -175,12 +176,9 @@ class _Simplifier:
                 return rewrites[value]()
             return None
         cb = consts[0]
-        if cb is not None and cb.is_Number and float(cb) > 0 and float(cb) != 1:
-            base = float(cb)
-            if base == 2:
-                return self.make("exp2", (e,), node, b)
-            scaled = self.make("mul", (e, b.literal(math.log2(base), node.loc)), node, b)
-            return self.make("exp2", (scaled,), node, b)
+        if cb is not None and cb.is_Number and float(cb) == 2:
+            return self.make("exp2", (e,), node, b)
+        # Other bases stay pow: exp2(x * log2(c)) is not exact where pow is (10 ** 2 is 100).
         return None
 
     def reassociate(self, op: str, inputs: tuple[Node, ...], node: Node, b: GraphBuilder) -> Node | None:
@@ -198,9 +196,7 @@ class _Simplifier:
             for inner_idx in (0, 1):
                 x, s1 = inner.inputs[inner_idx], inner.inputs[1 - inner_idx]
                 c1, c2 = _const(s1), _const(s2)
-                if op == "add":
-                    regroups = _same_sign_numbers(c1, c2)
-                elif c1 is not None and c2 is not None:
+                if c1 is not None and c2 is not None:
                     regroups = _normal_float32_product(c1, c2)
                 else:
                     regroups = _uniform(s1) and not _uniform(x)
@@ -221,12 +217,19 @@ def _normal_float32_product(c1: sympy.Expr | None, c2: sympy.Expr | None) -> boo
     return torch.finfo(torch.float32).tiny <= product <= FLOAT32_MAX
 
 
-def _same_sign_numbers(c1: sympy.Expr | None, c2: sympy.Expr | None) -> bool:
-    """Whether c1 and c2 are finite numbers of one sign (their sum cancels nothing)."""
-    if c1 is None or c2 is None or not (c1.is_Number and c2.is_Number):
+def _normal_float32(value: float) -> bool:
+    return torch.finfo(torch.float32).tiny <= abs(value) <= FLOAT32_MAX
+
+
+def _negative_zero(op: str, consts: list[sympy.Expr]) -> bool:
+    """Whether ``op`` on these numbers gives -0.0 in floating point (sympy would give 0)."""
+    values = [float(c) for c in consts]
+    try:
+        result = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+                  "div": lambda a, b: a / b, "neg": lambda a: -a}[op](*values)
+    except ZeroDivisionError:
         return False
-    v1, v2 = float(c1), float(c2)
-    return math.isfinite(v1 + v2) and (v1 >= 0) == (v2 >= 0)
+    return result == 0 and math.copysign(1.0, result) < 0
 
 
 def _params(op: str, node: Node) -> dict[str, Any]:
