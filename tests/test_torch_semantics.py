@@ -135,3 +135,21 @@ def test_reduction_of_a_value_shared_by_every_batch_is_refused():
     got = graph.evaluate(ex, cast_outputs=True)
     want = ((ex["a"].float() @ ex["b"].float()) * ex["C"].float()).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda acc: torch.pow(acc, exponent=2).float(),
+    lambda acc: acc.pow(exponent=3.0).float(),
+    lambda acc: torch.pow(self=2.0, exponent=acc * 0.1).float(),
+    lambda acc, C: torch.max(acc, other=C).float(),
+    lambda acc, C: torch.min(acc, other=C).float(),
+], ids=["pow_exponent", "method_pow_exponent", "pow_self", "max_other", "min_other"])
+def test_keyword_spellings_torch_accepts(fn):
+    """Keyword forms of torch's signatures: ``exponent=`` (and ``self=``) of pow, ``other=`` of
+    max and min were refused ("argument(s) other not supported")."""
+    spec = {"C": "MN"} if fn.__code__.co_argcount == 2 else {}
+    a, b, ops = _inputs(spec)
+    ops = {k: v.float() for k, v in ops.items()}
+    graph = evtc.trace(fn, {"a": a, "b": b, **ops})
+    got = graph.evaluate({"a": a, "b": b, **ops}, cast_outputs=False)
+    _same(got, fn(a.float() @ b.float(), **ops))

@@ -100,6 +100,17 @@ def _binary(op: str) -> Handler:
     return handler
 
 
+def _pow(t: Tracer, input: Any = None, exponent: Any = None, **kwargs: Any) -> Any:
+    """torch.pow(input, exponent), either by keyword (``torch.pow(acc, exponent=2)``)."""
+    if "self" in kwargs:  # torch.pow(self=2.0, exponent=x): a number to a tensor's power
+        input = kwargs.pop("self")
+    _reject_out(kwargs, "pow")
+    if input is None or exponent is None:
+        raise UnsupportedOpError("pow takes a base and an exponent: torch.pow(x, 2.0) or x ** 2.0",
+                                 user_location())
+    return t.emit("pow", (input, exponent))
+
+
 def _add_sub(op: str) -> Handler:
     def handler(t: Tracer, input: Any, other: Any, *, alpha: Any = 1, **kwargs: Any) -> Any:
         _reject_out(kwargs, op)
@@ -194,10 +205,13 @@ def _where(t: Tracer, condition: Any, input: Any = None, other: Any = None, **kw
 def _max_min(kind: str) -> Handler:
     elementwise = "maximum" if kind == "max" else "minimum"
 
-    def handler(t: Tracer, input: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
+    def handler(t: Tracer, input: Any, dim: Any = None, keepdim: bool = False, *, other: Any = None,
+                **kwargs: Any) -> Any:
         from .proxy import TracedValue
 
         _reject_out(kwargs, kind)
+        if other is not None:  # torch.max(x, other=y)
+            return t.emit(elementwise, (input, other))
         if isinstance(dim, TracedValue):  # torch.max(x, y): the elementwise form
             return t.emit(elementwise, (input, dim))
         if dim is not None:
@@ -365,7 +379,7 @@ register([torch.add], ["add", "__add__"], _add_sub("add"))
 register([torch.sub, torch.subtract], ["sub", "subtract"], _add_sub("sub"))
 register([torch.mul, torch.multiply], ["mul", "multiply"], _binary("mul"))
 register([torch.div, torch.divide, torch.true_divide], ["div", "divide", "true_divide"], _div)
-register([torch.pow], ["pow"], _binary("pow"))
+register([torch.pow], ["pow"], _pow)
 register([torch.minimum], ["minimum"], _binary("minimum"))
 register([torch.maximum], ["maximum"], _binary("maximum"))
 register([torch.gt, torch.greater], ["gt", "greater"], _binary("gt"), inplace=False)
