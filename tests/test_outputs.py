@@ -88,7 +88,7 @@ def test_output_structures():
     tup = evtc.trace(lambda acc: (acc, acc * 2), ex)
     assert isinstance(tup.evaluate(ex), tuple) and len(tup.evaluate(ex)) == 2
     lst = evtc.trace(lambda acc: [acc, acc + 1], ex)
-    assert isinstance(lst.evaluate(ex), tuple)
+    assert isinstance(lst.evaluate(ex), list)  # as the function returns it
     dct = evtc.trace(lambda acc: {"out": acc, "amax": acc.abs().amax()}, ex)
     assert list(dct.evaluate(ex)) == ["out", "amax"]
 
@@ -126,3 +126,31 @@ def test_epilogue_decorator_is_callable_on_real_tensors():
     named = evtc.epilogue(name="other")(lambda acc: acc)
     assert named.name == "other"
     check_epilogue(fused, _inputs(SHAPES[1], "bias"))
+
+
+def test_a_list_comes_back_a_list_on_every_path(tmp_path):
+    """An epilogue returning a list gets a list from a call, the reference, out=, autograd, the
+    custom operator under torch.compile and evtc.linear (it was a tuple)."""
+    def as_list(acc, C):
+        return [acc + C, (acc * 2).sum(-1)]
+
+    a, b, C = rand(8, 16, seed=1), rand(16, 12, seed=2), rand(8, 12, seed=3)
+    k = evtc.compile(as_list, dict(a=a, b=b, C=C), cache_dir=tmp_path)
+    want = as_list(a.double() @ b.double(), C.double())
+
+    def check(got):
+        assert isinstance(got, list) and len(got) == 2
+        for g, w in zip(got, want, strict=True):
+            assert torch.allclose(g.double(), w, atol=1e-4, rtol=1e-4)
+
+    check(k(a, b, C=C))
+    check(evtc.reference(as_list, dict(a=a, b=b, C=C)))
+    out = [torch.empty(8, 12), torch.empty(8)]
+    got = k(a, b, C=C, out=out)
+    check(got)
+    assert got[0] is out[0]
+    check(k(a.clone().requires_grad_(), b, C=C))
+    torch._dynamo.reset()
+    check(torch.compile(lambda a, b, C: k(a, b, C=C), backend="aot_eager", fullgraph=True)(a, b, C))
+    w = b.t().contiguous()
+    check(evtc.linear(as_list, dict(x=a, weight=w, C=C), cache_dir=tmp_path)(a, w, C=C))

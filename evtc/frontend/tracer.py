@@ -328,7 +328,8 @@ def _flatten_outputs(returned: Any, loc: Any) -> tuple[OutputTree, list[tuple[st
     if isinstance(returned, tuple | list):
         if not returned:
             raise OutputError("the epilogue returns an empty tuple", loc)
-        return OutputTree("tuple", []), [(f"D{i}", v) for i, v in enumerate(returned)]
+        kind = "list" if isinstance(returned, list) else "tuple"
+        return OutputTree(kind, []), [(f"D{i}", v) for i, v in enumerate(returned)]
     return OutputTree("single", []), [("D", returned)]
 
 

@@ -138,7 +138,7 @@ class OutputTree:
     Leaves are output names (the `name` attribute of store nodes).
     """
 
-    kind: str  # "single" | "tuple" | "dict"
+    kind: str  # "single" | "tuple" | "list" | "dict"
     names: list[str]
     keys: list[str] | None = None
 
@@ -147,6 +147,8 @@ class OutputTree:
             return values[self.names[0]]
         if self.kind == "tuple":
             return tuple(values[n] for n in self.names)
+        if self.kind == "list":
+            return [values[n] for n in self.names]
         assert self.keys is not None
         return {k: values[n] for k, n in zip(self.keys, self.names, strict=True)}
 

@@ -85,9 +85,9 @@ class FinishStep:
 
 @dataclass(frozen=True)
 class OutputStructure:
-    """What the epilogue returns: one tensor, a tuple or a dict of outputs (by output name)."""
+    """What the epilogue returns: one tensor, a tuple, a list or a dict of outputs (by output name)."""
 
-    kind: str  # single | tuple | dict
+    kind: str  # single | tuple | list | dict
     names: tuple[str, ...]
     keys: tuple[str, ...] | None = None
 
@@ -96,13 +96,15 @@ class OutputStructure:
             return values[self.names[0]]
         if self.kind == "tuple":
             return tuple(values[n] for n in self.names)
+        if self.kind == "list":
+            return [values[n] for n in self.names]
         return {k: values[n] for k, n in zip(self.keys or (), self.names, strict=True)}
 
     def flatten(self, out: Any, is_tensor) -> dict[str, Any] | None:
         """``out`` (the structure the epilogue returns) by output name, or None if it is not one."""
         if self.kind == "single":
             return {self.names[0]: out} if is_tensor(out) else None
-        if self.kind == "tuple":
+        if self.kind in ("tuple", "list"):
             if not isinstance(out, tuple | list) or len(out) != len(self.names):
                 return None
             return dict(zip(self.names, out, strict=True))
@@ -113,8 +115,8 @@ class OutputStructure:
     def describe(self) -> str:
         if self.kind == "single":
             return "one tensor"
-        if self.kind == "tuple":
-            return f"a tuple of {len(self.names)} tensors"
+        if self.kind in ("tuple", "list"):
+            return f"a {self.kind} of {len(self.names)} tensors"
         return f"a dict with keys {list(self.keys or ())}"
 
 

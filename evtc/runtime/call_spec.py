@@ -79,7 +79,7 @@ class CallSpec:
         position = {name: i for i, name in enumerate(self.kernel_order)}
         self._result_index = [position[name] for name in plan.structure.names]
         self._result_keys = tuple(plan.structure.keys or ())
-        self._result_is_tuple = plan.structure.kind == "tuple"
+        self._result_kind = plan.structure.kind
         #: Whether a call may pass parameters the kernel does not take (unused ones, constants).
         self.accepts_more = bool(interface.unused or interface.constants)
         #: The compiled dtype of each tensor operand, by the name the user passes.
@@ -185,8 +185,10 @@ class CallSpec:
         if self.single_output:
             return outs[0]
         returned = [outs[i] for i in self._result_index]
-        if self._result_is_tuple:
+        if self._result_kind == "tuple":
             return tuple(returned)
+        if self._result_kind == "list":
+            return returned
         return dict(zip(self._result_keys, returned, strict=True))
 
     def describe_tree(self) -> str:

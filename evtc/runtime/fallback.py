@@ -40,7 +40,7 @@ def run(graph: Graph, a: Any, b: Any, operands: dict[str, Any]) -> dict[str, tor
     names = graph.outputs.names
     if graph.outputs.kind == "single":
         return {names[0]: result}
-    if graph.outputs.kind == "tuple":
+    if graph.outputs.kind in ("tuple", "list"):
         return dict(zip(names, result, strict=True))
     return {name: result[key] for name, key in zip(names, graph.outputs.keys, strict=True)}
 
