@@ -124,7 +124,7 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
 def refuse_shared_targets(given: dict) -> None:
     """Refuse ``out=`` tensors (by output name) whose memory overlaps another's: each would hold
     whichever output was stored last."""
-    if len(given) < 2:
+    if len(given) < 2 or torch.compiler.is_compiling():  # fake tensors while tracing: no memory
         return
     tensors = [(name, t) for name, t in given.items() if isinstance(t, torch.Tensor) and t.numel()]
     if len({t.untyped_storage().data_ptr() for _, t in tensors}) == len(tensors):
