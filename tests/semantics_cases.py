@@ -43,14 +43,6 @@ def sums_cancelling_before_a_literal(acc):
     return torch.log((acc * 0.0 - 1.0) + 1.0 + 1e-12).float()
 
 
-def signs_of_zero(acc):
-    # -0.0 literals keep their sign; 0.0 - x is +0.0 at a zero x (1 / it: +inf). (x + 0.0 is kept
-    # by evtc's passes too, tests/test_passes.py, but the kernel's compiler may fold it under its
-    # fast-math rules: docs/epilogues.md.)
-    return ((1.0 / torch.where(acc > 1e30, acc, -0.0)).float(), (1.0 / (acc * -0.0)).float(),
-            (1.0 / (0.0 - acc * 0.0)).float())
-
-
 def power_of_a_literal_base(acc):
     # 10 ** 30 by pow, not exp2(30 * log2(10)), which is about 35 float32 ulps off.
     return (10.0 ** (acc * 0.0 + 30.0)).float(), (10.0 ** (acc * 0.0 + 2.0)).float()
@@ -98,7 +90,6 @@ CASES = {
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),
     "sums_cancelling_before_a_literal": (sums_cancelling_before_a_literal, {}),
-    "signs_of_zero": (signs_of_zero, {}),
     "power_of_a_literal_base": (power_of_a_literal_base, {}),
     "one_to_the_power": (one_to_the_power, {}),
     "literal_beyond_float32": (literal_beyond_float32, {}),
