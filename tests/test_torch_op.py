@@ -217,3 +217,20 @@ def test_linear_out_without_a_flat_view_under_torch_compile(tmp_path):
     torch._dynamo.reset()
     torch.compile(g, fullgraph=True, backend="aot_eager")(x, w, res, buf)
     assert torch.allclose(buf, x @ w.t() + res, atol=1e-5)
+
+
+def test_the_operator_runs_the_kernel_object_that_called_it_last(tmp_path):
+    """Kernel objects of one compiled code share one operator (an evtc.Linear's twin is compiled
+    from a new wrapper each time): each call through one of them runs that one, so that its
+    last_path (and saved accumulators) are those its caller reads."""
+    def make():
+        return lambda acc, C: acc + C
+
+    a, b, C = torch.randn(8, 16), torch.randn(16, 12), torch.randn(8, 12)
+    first = evtc.compile(make(), dict(a=a, b=b, C=C), cache_dir=tmp_path / "one")
+    second = evtc.compile(make(), dict(a=a, b=b, C=C), cache_dir=tmp_path / "two")
+    assert first is not second and first.op is second.op  # second registered last
+    first.last_path = second.last_path = ""
+    got = first(a.requires_grad_(), b, C=C)  # the operator's path (autograd)
+    assert first.last_path == "torch" and second.last_path == ""
+    assert torch.allclose(got, a @ b + C)

@@ -427,6 +427,10 @@ class Kernel:
             from evtc.runtime.torch_op import register
 
             self._op = register(self)
+        else:
+            # Kernel objects of one compiled code share the operator, which runs the one that
+            # called it last (its last_path and saved accumulators are the ones its caller reads).
+            self._op_binding[self._op_name] = self
         return self._op
 
     def backward_graph(self):

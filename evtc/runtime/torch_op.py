@@ -77,6 +77,7 @@ def register(kernel: Kernel):
     time); the operator runs the one that asked for it last, so that its ``last_path`` and
     ``saved_accumulators`` are the ones its caller reads."""
     name = op_name(kernel)
+    kernel._op_name, kernel._op_binding = name, _BOUND  # Kernel.op binds it again on later uses
     with _LOCK:
         _BOUND[name] = kernel
         op = _OPS.get(name)
