@@ -36,14 +36,20 @@ def signature(x: torch.Tensor, ops1: dict[str, Any], ops2: dict[str, Any]) -> tu
     its dtype and rank (a tensor) or its type (a Python number: int and float alike, which the
     operator takes as a float; the kind of a tensor operand of one rank is the Linear's to tell)."""
 
-    def kind(v):
-        if isinstance(v, torch.Tensor):
-            return v.dtype, v.dim()
+    def number(v):
         return "float" if isinstance(v, int | float) and not isinstance(v, bool) else type(v).__name__
 
     def part(ops):
-        return tuple((n, *kind(v)) if isinstance(v, torch.Tensor) else (n, kind(v)) for n, v in ops.items())
+        return tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, number(v))
+                     for n, v in ops.items())
     return (x.dtype, x.dim(), part(ops1), part(ops2))
+
+
+def _gradient_inputs(x, w1, w2, values, needs) -> list[tuple[torch.Tensor, bool]]:
+    """The backward operator's inputs that get a gradient slot (x, the weights, the tensor
+    operands), each with whether its gradient is wanted."""
+    pairs = [(x, needs[0]), (w1, needs[1]), (w2, needs[2])]
+    return pairs + [(v, n) for v, n in zip(values, needs[3:], strict=True) if isinstance(v, torch.Tensor)]
 
 
 class _Shape:
@@ -148,18 +154,14 @@ class MLPOperator:
             distinct = distinct_outputs(wanted, (*grads, x, w1, w2, h, *saved, *tensors))
             # An input whose gradient is wanted gets one of its shape, as the fake says, zeros where
             # the epilogue gives it none (a where's mask); the others an empty placeholder.
-            flags = [needs[0], needs[1], needs[2],
-                     *[n for n, v in zip(needs[3:], values, strict=True) if isinstance(v, torch.Tensor)]]
+            slots = _gradient_inputs(x, w1, w2, values, needs)
             return [(torch.zeros_like(t) if g is None else g) if need else x.new_empty(0)
-                    for g, t, need in zip(distinct, [x, w1, w2, *tensors], flags, strict=True)]
+                    for g, (t, need) in zip(distinct, slots, strict=True)]
 
         def backward_fake(grads, x, w1, w2, h, saved, *rest):
             *values, needs = rest
-            inputs = [x, w1, w2, *[v for v in values if isinstance(v, torch.Tensor)]]
-            flags = [needs[0], needs[1], needs[2],
-                     *[n for n, v in zip(needs[3:], values, strict=True) if isinstance(v, torch.Tensor)]]
-            return [t.new_empty(t.shape) if need else x.new_empty(0) for t, need in zip(inputs, flags,
-                                                                                      strict=True)]
+            return [t.new_empty(t.shape) if need else x.new_empty(0)
+                    for t, need in _gradient_inputs(x, w1, w2, values, needs)]
 
         for device in ("CUDA", "CPU"):
             _LIBRARY.impl(f"{self.name}_backward", backward, device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def memory_span(t: torch.Tensor) -> tuple[int, int]:
+def _memory_span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) of ``t``'s elements (non-negative strides, as torch's)."""
     start = t.data_ptr()
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
@@ -46,7 +46,7 @@ def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
         return False
     if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         return False
-    (x_lo, x_hi), (y_lo, y_hi) = memory_span(x), memory_span(y)
+    (x_lo, x_hi), (y_lo, y_hi) = _memory_span(x), _memory_span(y)
     if not (x_lo < y_hi and y_lo < x_hi):
         return False
     (xs, x_len), (ys, y_len) = _pieces(x), _pieces(y)
@@ -73,12 +73,12 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
               for t in group if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages]
     if not shared:
         return targets
-    spans = [(t, memory_span(t), gemm) for t, gemm in shared if t.numel()]
+    spans = [(t, _memory_span(t), gemm) for t, gemm in shared if t.numel()]
     outs = []
     for target in targets:
         fresh = target
         if target.numel():
-            lo, hi = memory_span(target)
+            lo, hi = _memory_span(target)
             for t, (t_lo, t_hi), gemm in spans:
                 if t.device != target.device or not (t_lo < hi and lo < t_hi):
                     continue
@@ -91,4 +91,4 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
     return outs
 
 
-__all__ = ["memory_span", "overlap", "unaliased"]
+__all__ = ["overlap", "unaliased"]

@@ -223,10 +223,8 @@ def _normal_float32(value: float) -> bool:
 
 def _negative_zero(op: str, consts: list[sympy.Expr]) -> bool:
     """Whether ``op`` on these numbers gives -0.0 in floating point (sympy would give 0)."""
-    values = [float(c) for c in consts]
     try:
-        result = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-                  "div": lambda a, b: a / b, "neg": lambda a: -a}[op](*values)
+        result = _SYMPY_OPS[op](*[float(c) for c in consts])  # the same operators, on Python floats
     except ZeroDivisionError:
         return False
     return result == 0 and math.copysign(1.0, result) < 0
