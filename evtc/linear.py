@@ -17,6 +17,7 @@ import torch
 
 from evtc.compile import compile as _compile_kernel
 from evtc.errors import CallError, EpilogueError
+from evtc.runtime.call_checks import refuse_shared_targets
 from evtc.runtime.kernel import Kernel
 
 if TYPE_CHECKING:
@@ -220,6 +221,8 @@ class Linear:
             if not isinstance(o, torch.Tensor) or o.shape != r.shape or o.dtype != r.dtype:
                 what = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
                 raise CallError(f"evtc.linear: out {name!r} must be {tuple(r.shape)} {r.dtype}, got {what}")
+        # Two targets sharing memory would each hold whichever output was copied last.
+        refuse_shared_targets({name: given[name] for name in got})
         for name, r in got.items():
             given[name].copy_(r)
 

@@ -465,6 +465,28 @@ def test_out_is_written_whatever_its_leading_strides():
     _close(flat, want_y, "contiguous out")
 
 
+def test_out_copied_into_refuses_shared_targets():
+    """On the copy path (an ``out=`` whose leading dims no stride spans), two targets that share
+    memory are refused before anything is written, as on the kernel path: each would otherwise
+    hold whichever output was copied last."""
+    def two_tiles(acc):
+        return torch.relu(acc), acc * 2
+
+    w, x = torch.randn(24, 16), torch.randn(2, 5, 16)
+    lin = evtc.linear(two_tiles, {"x": x, "weight": w})
+    shared = torch.full((5, 2, 24), float("nan")).transpose(0, 1)
+    with pytest.raises(evtc.CallError, match="share memory"):
+        with torch.no_grad():
+            lin(x, w, out=(shared, shared))
+    assert shared.isnan().all()  # refused before any copy
+    other = torch.full((5, 2, 24), float("nan")).transpose(0, 1)
+    with torch.no_grad():
+        lin(x, w, out=(shared, other))
+    want = x @ w.t()
+    _close(shared, torch.relu(want), "first target")
+    _close(other, want * 2, "second target")
+
+
 def test_fused_linear_compiles_per_operand_kind():
     """One module called with a tile, a column, a row and a scalar operand of the same rank: each is
     another kernel (the operand's kind), each with PyTorch's values and gradients."""
