@@ -80,6 +80,14 @@ def positional_only(acc, C, /, bias):
     return (acc * C + bias).float()
 
 
+def narrow_values_compared_with_numbers(acc, alpha: float):
+    # torch compares a float16 or bfloat16 value with a Python number (a literal or a runtime
+    # scalar) in that dtype, the number rounded to it: in float32 every mask here would flip.
+    h = (acc * 0.0 + 0.1).half()
+    b = (acc * 0.0 + 0.1).bfloat16()
+    return ((h == 0.1) * 1.0 + (h >= 0.1) * 2.0 + (b > alpha) * 4.0 + (b != 0.1) * 8.0).float()
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -97,6 +105,7 @@ CASES = {
     "cast_to_operand_dtype": (cast_to_operand_dtype, {"C": "MN"}),
     "split_by_half_the_width": (split_by_half_the_width, {}),
     "positional_only": (positional_only, {"C": "MN", "bias": "N"}),
+    "narrow_values_compared_with_numbers": (narrow_values_compared_with_numbers, {"alpha": 0.1}),
 }
 
 

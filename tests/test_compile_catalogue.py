@@ -101,6 +101,20 @@ def test_generated_source_reads_like_the_epilogue():
     compile(src, "<generated>", "exec")
 
 
+def _quoting_source_line(acc):
+    return acc * 2 + 0 * len("""x""")  # a path in a comment: C:\Users\me\notes.txt
+
+
+def test_generated_source_quotes_any_source_line():
+    """The docstring of the generated file quotes the graph, with the user's source lines: a
+    backslash or a triple quote on one must neither end the docstring nor become an escape."""
+    a, b = torch.randn(64, 32).half(), torch.randn(32, 64).half()
+    src = emit(evtc.trace(_quoting_source_line, {"a": a, "b": b})).source
+    module = compile(src, "<generated>", "exec")
+    doc = module.co_consts[0]
+    assert 'len("""x""")' in doc and "C:\\Users\\me\\notes.txt" in doc
+
+
 def test_uniform_values_are_computed_once_per_tile():
     e = next(x for x in CATALOGUE if x.name == "uniform_stage")
     g = evtc.trace(e.fn, make_inputs(e, 256, 512, 128, None, torch.float16))

@@ -12,6 +12,7 @@ from torch.overrides import resolve_name
 from ..errors import DTypeError, EpilogueError, InputError, OutputError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
+from ..ir.infer import promote
 from ..ir.shapes import L, varying_dims
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
@@ -68,7 +69,24 @@ class Tracer:
     def emit(self, op: str, args: tuple[Any, ...], attrs: dict[str, Any] | None = None) -> TracedValue:
         inputs = tuple(self.node_of(a) for a in args)
         op, inputs = self._mask_rules(op, inputs)
+        if op in _COMPARISONS:
+            inputs = self._compared_in(inputs)
         return self.wrap(self.builder.add(op, inputs, attrs, loc=user_location()))
+
+    def _compared_in(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
+        """torch compares in the promoted dtype: a value cast to float16 against a Python number
+        (or a runtime scalar, or a 0-dim tensor) compares against that number rounded to float16
+        (``h == 0.1`` is True for ``h = torch.tensor(0.1).half()``). Where the promoted dtype is
+        narrower than float32, the other side is cast to it; evtc's values are held in float32, so
+        the comparison itself is then exact."""
+        if len(inputs) != 2 or any(n.dtype == torch.bool for n in inputs):
+            return inputs
+        dtype = promote(inputs)
+        if not dtype.is_floating_point or dtype.itemsize >= 4:
+            return inputs
+        loc = user_location()
+        return tuple(n if n.dtype == dtype else self.builder.add("cast", (n,), {"dtype": dtype}, loc=loc)
+                     for n in inputs)
 
     def _mask_rules(self, op: str, inputs: tuple[Node, ...]) -> tuple[str, tuple[Node, ...]]:
         """torch's rules for boolean masks in arithmetic: on two masks, + and maximum are "or", *
@@ -193,6 +211,9 @@ class Tracer:
             result = self.builder.add("cast", (result,), {"dtype": narrow}, loc=loc)
         return self.wrap(result)
 
+
+#: The comparisons, which torch computes in the promoted dtype of their two sides.
+_COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
 #: torch on two boolean masks: + and maximum are "or", * and minimum are "and".
 _MASK_PAIRS = {"add": "logical_or", "maximum": "logical_or", "mul": "logical_and", "minimum": "logical_and"}
