@@ -114,6 +114,30 @@ def test_cpu_tensors_take_the_torch_path(cache, caplog):
         assert torch.equal(ex[name], t), name
 
 
+def _operand_and_twice(acc, C):
+    y = acc * 2
+    return C, y, y
+
+
+def test_torch_path_outputs_are_new_tensors(cache):
+    """The torch path returns tensors of their own, as the kernel does: torch hands back ``C``
+    itself for ``return C`` and one tensor for ``return y, y``, so that writing into one output
+    changed the caller's C or the other output."""
+    a, b = torch.randn(16, 8), torch.randn(8, 24)
+    C = torch.randn(16, 24)
+    k = evtc.compile(_operand_and_twice, {"a": a, "b": b, "C": C}, out_dtypes=torch.float32,
+                     cache_dir=cache)
+    kept = C.clone()
+    c_out, y1, y2 = k(a, b, C=C)
+    assert k.last_path == "torch"
+    pointers = {t.untyped_storage().data_ptr() for t in (c_out, y1, y2, C)}
+    assert len(pointers) == 4
+    c_out.zero_()
+    y1.zero_()
+    assert torch.equal(C, kept)
+    torch.testing.assert_close(y2, (a @ b) * 2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors on a machine without a GPU")
 def test_strict_refuses_the_torch_path(cache):
     ex = _inputs() | {"alpha": 0.5}
