@@ -88,6 +88,11 @@ def narrow_values_compared_with_numbers(acc, alpha: float):
     return ((h == 0.1) * 1.0 + (h >= 0.1) * 2.0 + (b > alpha) * 4.0 + (b != 0.1) * 8.0).float()
 
 
+def division_by_zero(acc):
+    # Legal torch (inf, -inf, NaN at 0): 1 / 0 is not folded into a multiplication.
+    return (acc / 0.0).float(), torch.div(acc, acc.shape[-1] - acc.shape[-1]).float()
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -106,6 +111,7 @@ CASES = {
     "split_by_half_the_width": (split_by_half_the_width, {}),
     "positional_only": (positional_only, {"C": "MN", "bias": "N"}),
     "narrow_values_compared_with_numbers": (narrow_values_compared_with_numbers, {"alpha": 0.1}),
+    "division_by_zero": (division_by_zero, {}),
 }
 
 

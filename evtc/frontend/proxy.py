@@ -68,6 +68,21 @@ class SymDim:
     def __init__(self, expr: sympy.Expr) -> None:
         self.expr = sympy.sympify(expr)
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # A size where a torch function takes a number (torch.div(acc, acc.shape[-1])): torch's
+        # argument parser reaches here when the size comes first; the traced value beside it
+        # traces the call as a literal of the size.
+        kwargs = kwargs or {}
+        try:
+            _find_tracer(args, kwargs)
+        except RuntimeError:
+            name = getattr(func, "__name__", str(func))
+            raise ControlFlowError(
+                f"{name} of a problem size alone: sizes are only known at run time; use them in "
+                "arithmetic with the epilogue's values (acc / acc.shape[-1])", user_location()) from None
+        return TracedValue.__torch_function__(func, types, args, kwargs)
+
     def _binary(self, other: Any, fn: Any) -> Any:
         if isinstance(other, SymDim):
             return SymDim(fn(self.expr, other.expr))

@@ -148,7 +148,7 @@ class _Simplifier:
             if c is not None:
                 if c.is_Number and float(c) == 1 and same(x):
                     return x
-                if c.is_Number and not _normal_float32(1 / float(c)):
+                if c.is_Number and (float(c) == 0 or not _normal_float32(1 / float(c))):
                     return None  # 1/c would be 0, inf or subnormal: x / c is not x * (1/c) then
                 return self.make("mul", (x, b.literal(1 / c, loc)), node, b)
             return None
