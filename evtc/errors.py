@@ -6,7 +6,13 @@ message points at the line of the epilogue that caused it, not at evtc's interna
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+
+#: While an epilogue runs to be traced: every EpilogueError made meanwhile (see :func:`made_during`).
+_made: ContextVar[list | None] = ContextVar("evtc_errors_made", default=None)
 
 
 @dataclass(frozen=True)
@@ -29,11 +35,27 @@ class EpilogueError(Exception):
         self.message = message
         self.loc = loc
         super().__init__(self._render())
+        made = _made.get()
+        if made is not None:
+            made.append(self)
 
     def _render(self) -> str:
         if self.loc is None:
             return self.message
         return f"{self.message}\n  at {self.loc}"
+
+
+@contextmanager
+def made_during() -> Iterator[list[EpilogueError]]:
+    """The EpilogueErrors made inside the block, in order. The tracer runs the user's function in
+    one: an error evtc raised into it that the function caught itself (``try: ... except
+    Exception:``) would otherwise leave a graph of the fallback branch, which torch never takes."""
+    made: list[EpilogueError] = []
+    token = _made.set(made)
+    try:
+        yield made
+    finally:
+        _made.reset(token)
 
 
 class UnsupportedOpError(EpilogueError):

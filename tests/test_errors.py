@@ -347,3 +347,61 @@ def test_a_torch_function_of_the_accumulator_is_an_epilogue(builtin, tmp_path):
     a, b = rand(16, 8, seed=3), rand(8, 24, seed=4)
     want = builtin(a.double() @ b.double())
     assert torch.allclose(k(a, b).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _caught_by_the_epilogue(acc):
+    try:
+        return torch.special.ndtr(acc)  # error here
+    except Exception:
+        return 0.5 * (1 + torch.erf(acc))
+
+
+def _data_dependent_branch_caught(acc, C):
+    try:
+        if C.sum() > 0:  # error here
+            return acc + C
+    except Exception:
+        pass
+    return acc
+
+
+@pytest.mark.parametrize("fn, error", [(_caught_by_the_epilogue, evtc.UnsupportedOpError),
+                                       (_data_dependent_branch_caught, evtc.ControlFlowError)])
+def test_errors_the_epilogue_catches_itself_still_fail_the_trace(fn, error):
+    """An evtc error that the function's own try/except swallows would leave a graph of the
+    branch torch never takes (the except), silently: the trace fails with the first such error,
+    at its line."""
+    err = _trace_error(fn, EX, error)
+    assert err.loc is not None and err.loc.lineno == _marked_line(fn)
+    assert "caught this error itself" in str(err)
+
+
+_GLOBAL_SCALE = torch.tensor(2.0)
+_LEARNED = torch.nn.Parameter(torch.tensor(0.5))
+
+
+def _global_scale(acc):
+    return acc * _GLOBAL_SCALE  # error here
+
+
+def _learned_scale(acc):
+    return acc * (_LEARNED * 2)  # error here
+
+
+@pytest.mark.parametrize("fn", [_global_scale, _learned_scale])
+def test_one_element_tensors_from_outside_are_inputs_not_constants(fn):
+    """A one-element tensor from outside the function (a global, a module's parameter, or one
+    computed from it) is refused like any other: as a constant it would keep today's value after
+    an optimizer step or a fill_, and get no gradient."""
+    err = _trace_error(fn, EX, evtc.InputError)
+    assert err.loc.lineno == _marked_line(fn) and "not one of its inputs" in str(err)
+
+
+def test_constants_made_in_the_epilogue_are_literals():
+    def made(acc):
+        return acc * torch.tensor(2.0) + torch.sqrt(torch.ones(()) * 4.0)
+
+    a, b = EX["a"], EX["b"]
+    got = evtc.trace(made, {"a": a, "b": b}).evaluate({"a": a, "b": b})
+    want = made(a.float() @ b.float())
+    torch.testing.assert_close(got.float(), want.half().float(), rtol=0, atol=0)

@@ -7,9 +7,17 @@ from typing import Any
 
 import sympy
 import torch
-from torch.overrides import resolve_name
+from torch.overrides import TorchFunctionMode, resolve_name
 
-from ..errors import DTypeError, EpilogueError, InputError, OutputError, ReductionError, UnsupportedOpError
+from ..errors import (
+    DTypeError,
+    EpilogueError,
+    InputError,
+    OutputError,
+    ReductionError,
+    UnsupportedOpError,
+    made_during,
+)
 from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from ..ir.infer import promote
@@ -26,6 +34,8 @@ class Tracer:
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
         self.builder = GraphBuilder(problem.batched)
+        #: The tensors the function makes itself while it runs (torch.tensor(2.0)).
+        self.made = MadeTensors()
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -46,15 +56,25 @@ class Tracer:
             return self.builder.literal(value, user_location())
         if isinstance(value, SymDim):
             return self.builder.literal(value.expr, user_location())
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu" \
-                and value.dtype.is_floating_point:
-            # A constant made in the epilogue (torch.tensor(2.0)): a literal like a Python number.
-            return self.builder.literal(float(value), user_location())
+        if isinstance(value, torch.Tensor) and self.made.holds(value):
+            if value.numel() == 1 and value.dim() <= 1 and value.device.type == "cpu" \
+                    and value.dtype.is_floating_point:
+                # A constant made in the epilogue (torch.tensor(2.0)): a literal like a Python number
+                # (one of shape (1,) broadcasts against the tile as a number does).
+                return self.builder.literal(float(value), user_location())
+            raise UnsupportedOpError(
+                f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device} made in the "
+                "epilogue: constants are Python numbers or one-element float tensors on the CPU of "
+                "at most one dim (torch.tensor(2.0))", user_location())
         if isinstance(value, torch.Tensor):
+            # From outside the function (a global, a closure variable, a module's parameter), or
+            # made from one: a constant would keep its value of today, where torch reads the
+            # tensor as it is at each call (after an optimizer step, a fill_), and would give it
+            # no gradient.
             raise InputError(
-                "the epilogue uses a tensor that is not one of its inputs (a global or a closure "
-                f"variable of shape {tuple(value.shape)}): pass it as a parameter so the kernel "
-                "can load it",
+                "the epilogue uses a tensor that is not one of its inputs (a global, a closure "
+                f"variable or a module's parameter, of shape {tuple(value.shape)}): pass it as a "
+                "parameter so the kernel reads it at each call",
                 user_location(),
             )
         raise UnsupportedOpError(
@@ -212,6 +232,38 @@ class Tracer:
         return self.wrap(result)
 
 
+class MadeTensors(TorchFunctionMode):
+    """While the epilogue runs: the tensors that torch functions make from numbers alone
+    (``torch.tensor(2.0)``, ``torch.ones(()) * 3``), which are constants of the function. A tensor
+    computed from one that comes from outside it is not one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: dict[int, torch.Tensor] = {}  # by id, kept alive so that no id is reused
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return self._made.get(id(t)) is t
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and all(self.holds(t) for t in _tensors_in((args, kwargs))):
+            self._made[id(result)] = result
+        return result
+
+
+def _tensors_in(value: Any):
+    """The torch tensors in ``value`` (arguments: nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+
+
 #: The comparisons, which torch computes in the promoted dtype of their two sides.
 _COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
@@ -298,7 +350,8 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             )
 
     try:
-        returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
+        with made_during() as made, tracer.made:
+            returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
     except TypeError as err:
@@ -308,6 +361,11 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         raise UnsupportedOpError(f"{name}: a call does not take the arguments it was given: {err}",
                                  traceback_location(err.__traceback__) or def_loc) from None
 
+    if made:
+        # The function returned although evtc raised an error into it: its own try/except took it.
+        first = made[0]
+        raise type(first)(f"{first.message} (the epilogue caught this error itself, in a try/except; "
+                          "evtc cannot trace past it: remove the try/except)", first.loc)
     tree, values = _flatten_outputs(returned, def_loc)
     ab_dtype = problem.ab_dtype
     names: list[str] = []
