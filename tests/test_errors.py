@@ -405,3 +405,53 @@ def test_constants_made_in_the_epilogue_are_literals():
     got = evtc.trace(made, {"a": a, "b": b}).evaluate({"a": a, "b": b})
     want = made(a.float() @ b.float())
     torch.testing.assert_close(got.float(), want.half().float(), rtol=0, atol=0)
+
+
+def _add_if_tensor(x, bias):
+    return x + bias if torch.is_tensor(bias) else x  # error here
+
+
+def _is_tensor_in_a_helper(acc, bias):
+    return F.gelu(_add_if_tensor(acc, bias))
+
+
+def _isinstance_of_an_operand(acc, bias):
+    if isinstance(bias, torch.Tensor):  # error here
+        return acc + bias
+    return acc
+
+
+def _isinstance_of_a_runtime_scalar(acc, alpha: float):
+    return acc * alpha if isinstance(alpha, float) else acc  # error here
+
+
+@pytest.mark.parametrize("fn", [_is_tensor_in_a_helper, _isinstance_of_an_operand,
+                                _isinstance_of_a_runtime_scalar])
+def test_type_checks_on_traced_values_are_refused(fn):
+    """While tracing, tensors and runtime scalars are stand-ins: isinstance or torch.is_tensor on
+    one would take the other branch than torch (a kernel without the bias), so it is refused at
+    the line of the check."""
+    inputs = EX | {"alpha": 0.5}
+    err = _trace_error(fn, inputs, evtc.UnsupportedOpError)
+    assert err.loc is not None and err.loc.lineno == _marked_line(
+        _add_if_tensor if fn is _is_tensor_in_a_helper else fn)
+    assert "on a traced value" in str(err)
+
+
+_SCALE_HOLDER = type("Holder", (), {"scale": 2.0})()
+
+
+def _type_checks_on_other_values(acc, bias=None, s=2.0):
+    y = acc * _SCALE_HOLDER.scale if isinstance(_SCALE_HOLDER.scale, float) else acc
+    y = y * s if isinstance(s, float) else y
+    y = y + 1.0 if isinstance(acc.shape, tuple) else y
+    return y + bias if isinstance(bias, torch.Tensor) else y - 1.0
+
+
+def test_type_checks_on_other_values_trace():
+    """Type checks on what is not a stand-in (None, a constant default, an attribute of a global,
+    acc's shape) answer as in torch."""
+    a, b = EX["a"], EX["b"]
+    got = evtc.trace(_type_checks_on_other_values, {"a": a, "b": b}).evaluate({"a": a, "b": b})
+    want = _type_checks_on_other_values(a.float() @ b.float())
+    torch.testing.assert_close(got.float(), want.half().float())

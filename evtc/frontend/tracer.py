@@ -26,6 +26,7 @@ from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .proxy import SymDim, TracedValue, unsupported
 from .source import definition_location, traceback_location, user_location
+from .type_checks import TypeChecks
 
 
 class Tracer:
@@ -350,7 +351,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             )
 
     try:
-        with made_during() as made, tracer.made:
+        with made_during() as made, tracer.made, TypeChecks():
             returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
