@@ -455,3 +455,51 @@ def test_type_checks_on_other_values_trace():
     got = evtc.trace(_type_checks_on_other_values, {"a": a, "b": b}).evaluate({"a": a, "b": b})
     want = _type_checks_on_other_values(a.float() @ b.float())
     torch.testing.assert_close(got.float(), want.half().float())
+
+
+def _half_changed_then_base_read(acc):
+    y = acc * 1.0
+    gate, up = y.chunk(2, -1)
+    gate.mul_(0.0)  # error here
+    return y
+
+
+def _base_changed_then_half_read(acc):
+    y = acc * 1.0
+    gate, up = y.chunk(2, -1)
+    y.mul_(2.0)  # error here
+    return gate * up
+
+
+def _half_of_acc_changed(acc):
+    gate, up = acc.split(acc.shape[-1] // 2, -1)
+    gate *= 2.0  # error here
+    return gate * up
+
+
+def _cast_changed_then_base_read(acc):
+    y = acc * 2.0
+    z = y.float()
+    y.add_(1.0)  # error here
+    return z
+
+
+@pytest.mark.parametrize("fn", [_half_changed_then_base_read, _base_changed_then_half_read,
+                                _half_of_acc_changed, _cast_changed_then_base_read])
+def test_inplace_on_values_that_share_memory(fn):
+    """chunk/split halves are views of what was split, and x.float() of a float32 x is x: torch's
+    in-place op on one changes the others, which a graph of values cannot say (it silently read
+    the old values), so it is refused at its line."""
+    err = _trace_error(fn, EX, evtc.InPlaceError)
+    assert err.loc.lineno == _marked_line(fn) and "shares" in str(err)
+
+
+def test_a_copying_cast_may_be_changed_in_place():
+    def epilogue(acc):
+        y = acc.to(torch.float32, copy=True)
+        y.mul_(2.0)
+        return y + acc
+
+    a, b = EX["a"], EX["b"]
+    got = evtc.trace(epilogue, {"a": a, "b": b}).evaluate({"a": a, "b": b})
+    torch.testing.assert_close(got.float(), epilogue(a.float() @ b.float()).half().float())

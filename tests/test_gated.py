@@ -40,6 +40,7 @@ def test_reference_is_torch_on_the_halves():
     lambda acc: torch.chunk(acc, 2, -1),
     lambda acc: acc.split(128, dim=-1),
     lambda acc: torch.split(acc, [128, 128], dim=1),
+    lambda acc: torch.split(acc, [acc.shape[-1] // 2, acc.shape[-1] // 2], -1),
 ])
 def test_every_spelling_of_the_split(split):
     def fn(acc):

@@ -17,11 +17,10 @@ from ..errors import DTypeError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import CAST_DTYPES, short_name
 from ..ir.infer import promote
 from ..ir.shapes import ONE, N
-from .proxy import SymDim
+from .proxy import SymDim, TracedValue
 from .source import user_location
 
 if TYPE_CHECKING:
-    from .proxy import TracedValue
     from .tracer import Tracer
 
 Handler = Callable[..., Any]
@@ -243,7 +242,15 @@ def _halves(t: Tracer, input: Any, what: str) -> tuple[Any, Any]:
     """(gate, up): the two halves of the last dim, each a node of its own (op "half")."""
     node = t.node_of(input)
     loc = user_location()
-    return tuple(t.wrap(t.builder.add("half", (node,), {"index": i}, loc=loc)) for i in (0, 1))
+    halves = tuple(t.wrap(t.builder.add("half", (node,), {"index": i}, loc=loc)) for i in (0, 1))
+    # The halves are views of `input`: an in-place op on any of the three would change the others.
+    for value in (input, *halves):
+        if isinstance(value, TracedValue) and value._input_name is None:
+            value._shares_memory = f"a value split by {what} or one of its halves"
+    for value in halves:
+        if isinstance(input, TracedValue) and input._input_name is not None:
+            value._shares_memory = f"a half of input {input._input_name!r} ({what})"
+    return halves
 
 
 def _last_dim(t: Tracer, input: Any, dim: Any, what: str) -> None:
@@ -277,9 +284,13 @@ def _chunk(t: Tracer, input: Any, chunks: Any, dim: Any = 0) -> Any:
 def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> Any:
     _last_dim(t, input, dim, "split")
     half = t.problem.sizes[N] // 2
+    def concrete(size: Any) -> Any:
+        if isinstance(size, SymDim) and size.expr in (sympy.floor(N / 2), N / 2):
+            return half  # acc.shape[-1] // 2: half of whatever N the kernel runs
+        return size
+
     size = split_size_or_sections
-    if isinstance(size, SymDim) and size.expr in (sympy.floor(N / 2), N / 2):
-        size = half  # acc.shape[-1] // 2: half of whatever N the kernel runs
+    size = [concrete(s) for s in size] if isinstance(size, list | tuple) else concrete(size)
     even = t.problem.sizes[N] % 2 == 0
     if not (even and (size == half or (isinstance(size, list | tuple) and list(size) == [half, half]))):
         raise UnsupportedOpError(
@@ -291,23 +302,25 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
 
 
 # --- casts ------------------------------------------------------------------------------------
-def _cast_to(t: Tracer, input: Any, dtype: torch.dtype) -> Any:
+def _cast_to(t: Tracer, input: Any, dtype: torch.dtype, copy: bool = False) -> Any:
     if dtype not in CAST_DTYPES:
         allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
         raise DTypeError(f"cast to {dtype} is not supported; epilogue values may be cast to {allowed}",
                          user_location())
     result = t.emit("cast", (input,), {"dtype": dtype})
-    if getattr(input, "dtype", None) == dtype:
-        # torch returns the tensor itself (no copy): an in-place op on the result would change
-        # the input too, which the graph cannot say. (The cast stays: it sets an output's dtype.)
-        result._aliases_input = True
+    if getattr(input, "dtype", None) == dtype and not copy:
+        # torch returns the tensor itself (no copy): an in-place op on either would change the
+        # other too, which the graph cannot say. (The cast stays: it sets an output's dtype.)
+        result._shares_memory = "a cast to the value's own dtype (x.float() of a float32 x)"
+        if isinstance(input, TracedValue) and input._input_name is None:
+            input._shares_memory = "a value cast to its own dtype (x.float() of a float32 x)"
     return result
 
 
 def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
     dtype = kwargs.pop("dtype", None)
-    for key in ("non_blocking", "copy"):
-        kwargs.pop(key, None)
+    copy = bool(kwargs.pop("copy", False))
+    kwargs.pop("non_blocking", None)
     rest: list[Any] = []
     for a in args:
         if isinstance(a, torch.dtype) and dtype is None:
@@ -322,7 +335,7 @@ def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
         )
     if dtype is None:
         raise UnsupportedOpError(".to() needs a dtype", user_location())
-    return _cast_to(t, input, dtype)
+    return _cast_to(t, input, dtype, copy)
 
 
 def _fixed_cast(dtype: torch.dtype) -> Handler:

@@ -148,7 +148,7 @@ class SymDim:
 class TracedValue:
     """A value of the epilogue while it is traced (a tensor or a runtime Python scalar)."""
 
-    __slots__ = ("_tracer", "_node", "_input_name", "_stored_dtype", "_aliases_input")
+    __slots__ = ("_tracer", "_node", "_input_name", "_stored_dtype", "_shares_memory")
 
     def __init__(self, tracer: Tracer, node: Node, input_name: str | None = None,
                  stored_dtype: torch.dtype | None = None) -> None:
@@ -159,8 +159,10 @@ class TracedValue:
         #: An operand's own dtype (float16 for a float16 C), which ``.dtype`` reports as torch
         #: would, although its value computes widened to float32 (``(acc + C).to(C.dtype)``).
         self._stored_dtype = stored_dtype
-        #: Set on ``x.to(x.dtype)``, which torch returns as ``x`` itself: no in-place op on it.
-        self._aliases_input = False
+        #: Why torch would hold this value in memory it shares with another (``x.to(x.dtype)`` is
+        #: ``x`` itself; chunk and split halves are views of what was split), or None. An in-place
+        #: op on either would change both, which a graph of values cannot say: it is refused.
+        self._shares_memory: str | None = None
 
     # --- torch's entry points --------------------------------------------------------------
     @classmethod
@@ -207,11 +209,11 @@ class TracedValue:
         if self._input_name is not None and self._node.is_python_scalar:
             # A Python number is immutable: `alpha += 1.0` only rebinds the name, as in Python.
             return result
-        if self._aliases_input:
+        if self._shares_memory is not None:
             raise InPlaceError(
-                f"in-place {op_name} on a cast to the value's own dtype (x.float() of a float32 x), "
-                "which torch returns as the same tensor, so the op would change x as well: use the "
-                "out-of-place op", user_location())
+                f"in-place {op_name} on {self._shares_memory}, which torch holds in memory it shares "
+                "with another value, so the op would change that one as well: use the out-of-place op",
+                user_location())
         if self._input_name is not None:
             raise InPlaceError(
                 f"in-place {op_name} on input {self._input_name!r}: evtc never modifies its inputs; "
