@@ -503,3 +503,20 @@ def test_a_copying_cast_may_be_changed_in_place():
     a, b = EX["a"], EX["b"]
     got = evtc.trace(epilogue, {"a": a, "b": b}).evaluate({"a": a, "b": b})
     torch.testing.assert_close(got.float(), epilogue(a.float() @ b.float()).half().float())
+
+
+def _string_default(acc, mode="relu"):
+    return acc.relu() if mode == "relu" else acc
+
+
+def test_a_default_that_is_not_a_number_is_named():
+    err = _trace_error(_string_default, EX, evtc.InputError)
+    assert "'mode' defaults to a str" in str(err) and "close over it" in str(err)
+
+
+def test_a_reduction_dim_given_twice_is_refused():
+    def epilogue(acc):
+        return acc.sum((-1, -1))  # error here
+
+    err = _trace_error(epilogue, EX, evtc.ReductionError)
+    assert "more than once" in str(err) and err.loc.lineno == _marked_line(epilogue)

@@ -284,6 +284,9 @@ def _normalize_dims(dim: Any, rank: int, name: str) -> set[int]:
         if not -rank <= d < rank:
             raise ReductionError(f"{name}: dim {d} is out of range for a value of rank {rank}",
                                  user_location())
+        if d % rank in result:
+            raise ReductionError(f"{name}: dim {d} appears more than once in {dim!r} (torch refuses it)",
+                                 user_location())
         result.add(d % rank)
     if not result:
         return set(range(rank))
@@ -343,6 +346,14 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             call_args[name] = tracer.wrap(node, name)
         elif isinstance(value, int | float):
             call_args[name] = value  # an unlisted default: a compile-time constant
+        elif name not in example:
+            raise InputError(
+                f"parameter {name!r} defaults to a {type(value).__name__} ({value!r}): a parameter left "
+                "out of the example inputs is a compile-time constant, which evtc takes as a Python "
+                "number, a bool or None; for another constant, close over it (def make(mode): "
+                "def epilogue(acc): ...) or use it in the function's body",
+                def_loc,
+            )
         else:
             raise InputError(
                 f"example input {name!r} is a {type(value).__name__}; epilogue inputs are tensors, "
