@@ -66,11 +66,14 @@ def _override_dtypes(graph: Graph, out_dtypes: OutDtypes, fn: Callable[..., Any]
         if unknown:
             raise OutputError(f"out_dtypes names unknown output(s) {unknown}; outputs are {names}", loc)
         wanted = dict(out_dtypes)
-    else:
-        seq = list(out_dtypes)  # type: ignore[arg-type]
+    elif isinstance(out_dtypes, list | tuple):
+        seq = list(out_dtypes)
         if len(seq) != len(names):
             raise OutputError(f"out_dtypes has {len(seq)} entries for {len(names)} outputs", loc)
         wanted = dict(zip(names, seq, strict=True))
+    else:
+        raise OutputError(f"out_dtypes must be a torch.dtype, a list or tuple of them in output order, or "
+                          f"a dict by output name; got a {type(out_dtypes).__name__}", loc)
     for name, dtype in wanted.items():
         if dtype not in CAST_DTYPES:
             allowed = ", ".join(short_name(d) for d in CAST_DTYPES)

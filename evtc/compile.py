@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from evtc.errors import CallError, CompileError, EpilogueError
-from evtc.plan.config import GemmConfig
+from evtc.errors import CallError, CompileError, EpilogueError, InputError
+from evtc.plan.config import ConfigError, GemmConfig, check_user_knobs
 from evtc.plan.kernel_plan import CallInterface, KernelPlan, plan_kernel
 from evtc.runtime.build import SOURCE, load
 from evtc.runtime.cache import DiskCache
@@ -101,6 +101,7 @@ def compile(  # noqa: A001 - the public name, as torch.compile
 
 def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) -> Kernel:
     arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
+    _check_arguments(fn, example_inputs, config, arch)
     fkey = front_key(fn, example_inputs, out_dtypes, config, arch, strict)
     if fkey is None:
         kernel, _ = _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
@@ -160,6 +161,33 @@ def _retrace(fn, example_inputs, out_dtypes, digest: str):
         return traced
 
     return graph
+
+
+#: The architectures evtc compiles for: Hopper's, with its warpgroup MMA and TMA.
+ARCHES = ("sm_90a",)
+
+
+def _check_arguments(fn, example_inputs, config, arch) -> None:
+    """What :func:`compile` takes besides the epilogue, checked before anything is keyed or traced:
+    each mistake named here rather than failing deep in the cache key or the DSL."""
+    from evtc.frontend.source import definition_location
+
+    loc = definition_location(fn) if callable(fn) else None
+    if not isinstance(example_inputs, Mapping):
+        raise InputError(f"example inputs must be a dict of name -> tensor or scalar, got "
+                         f"{type(example_inputs).__name__}", loc)
+    if arch is not None and arch not in ARCHES:
+        raise CompileError(f"arch={arch!r}: evtc compiles Hopper kernels (SM90: warpgroup MMA and TMA); "
+                           f"arch must be one of {ARCHES} or None for the GPU present", loc)
+    if config is None or isinstance(config, GemmConfig):
+        return
+    if not isinstance(config, Mapping):
+        raise CompileError(f"config must be a dict of knobs or a GemmConfig, got {type(config).__name__}",
+                           loc)
+    try:
+        check_user_knobs(config)
+    except ConfigError as exc:
+        raise CompileError(f"configuration: {exc}", loc) from None
 
 
 def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) -> Kernel | None:

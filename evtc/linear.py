@@ -245,6 +245,11 @@ def _requires_grad(x, weight, operands: Mapping[str, Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, *operands.values()))
 
 
+def _describe_arg(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+        else f"a {type(value).__name__}"
+
+
 def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
     """(*lead, n) -> (prod(lead), n); anything else unchanged."""
     if isinstance(value, torch.Tensor) and len(lead) != 1 and value.dim() == len(lead) + 1 \
@@ -336,11 +341,19 @@ def linear(
         a :class:`Linear`: ``lin(x, weight, **operands, out=None)``.
     """
     try:
+        if not isinstance(example_inputs, Mapping):
+            raise CallError(f"evtc.linear: example_inputs must be a dict with 'x', 'weight' and the "
+                            f"operands, got {type(example_inputs).__name__}")
         example = dict(example_inputs)
         if "x" not in example or "weight" not in example:
             raise CallError("evtc.linear: example_inputs needs 'x' (..., in_features) and 'weight' "
                             "(out_features, in_features)")
         x, weight = example.pop("x"), example.pop("weight")
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 1 \
+                or weight.dim() != 2:
+            raise CallError("evtc.linear: example x must be a (..., in_features) tensor and weight an "
+                            "(out_features, in_features) one; got "
+                            f"{_describe_arg(x)} and {_describe_arg(weight)}")
         lead = tuple(x.shape[:-1])
         operands = example
         example = {name: _flatten_like(v, lead) for name, v in example.items()}

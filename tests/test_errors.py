@@ -349,6 +349,20 @@ def test_a_torch_function_of_the_accumulator_is_an_epilogue(builtin, tmp_path):
     assert torch.allclose(k(a, b).double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_module_is_an_epilogue(tmp_path):
+    """An activation module (nn.GELU()) is called through __call__(*args, **kwargs), and was
+    refused for those; its forward names its parameters. Two modules of one class that differ in
+    their attributes are two kernels (a module is not digested into the cache's quick key)."""
+    inputs = gemm_inputs(16, 24, 8, None, dtype=torch.float32)
+    a, b = rand(16, 8, seed=3), rand(8, 24, seed=4)
+    acc = a.double() @ b.double()
+    for module in (torch.nn.GELU(), torch.nn.GELU(approximate="tanh"),
+                   torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Tanh())):
+        k = evtc.compile(module, inputs, arch="sm_90a", cache_dir=tmp_path)
+        assert torch.allclose(k(a, b).double(), module(acc), atol=1e-6, rtol=1e-6), module
+    assert evtc.trace(torch.nn.GELU(), inputs).name == "GELU"
+
+
 def _caught_by_the_epilogue(acc):
     try:
         return torch.special.ndtr(acc)  # error here
@@ -520,3 +534,38 @@ def test_a_reduction_dim_given_twice_is_refused():
 
     err = _trace_error(epilogue, EX, evtc.ReductionError)
     assert "more than once" in str(err) and err.loc.lineno == _marked_line(epilogue)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"config": {"split_k": 4}}, "knob split_k must be True or False"),
+    ({"config": {"tile_n": 128.0}}, "knob tile_n must be an int"),
+    ({"config": {"cluster": 2}}, "knob cluster must be a pair"),
+    ({"config": {"tile": 128}}, "unknown knob 'tile'"),
+    ({"config": {"a_major": "n"}}, "a_major is not a knob"),
+    ({"config": "fast"}, "config must be a dict"),
+    ({"arch": "sm_80"}, "arch='sm_80'"),
+    ({"out_dtypes": 5}, "out_dtypes must be"),
+])
+def test_compile_arguments_are_checked_by_name(kwargs, match, tmp_path):
+    """Wrong knobs, architectures and out_dtypes are named before anything is traced (a float
+    tile_n, an int split_k or an unknown arch failed deep in the DSL or the cache key)."""
+    def two(acc):
+        return acc, acc * 2
+
+    with pytest.raises(evtc.EpilogueError, match=match):
+        evtc.compile(two, gemm_inputs(16, 24, 8, None), cache_dir=tmp_path, **({"arch": "sm_90a"} | kwargs))
+
+
+@pytest.mark.parametrize("examples", [None, [1, 2]])
+def test_example_inputs_that_are_not_a_dict(examples, tmp_path):
+    with pytest.raises(evtc.InputError, match="example inputs must be a dict"):
+        evtc.compile(lambda acc: acc, examples, arch="sm_90a", cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="example_inputs must be a dict"):
+        evtc.linear(lambda acc: acc, examples, arch="sm_90a", cache_dir=tmp_path)
+
+
+def test_operands_passed_by_position_are_named(tmp_path):
+    ex = gemm_inputs(16, 24, 8, None) | {"C": rand(16, 24, seed=1)}
+    k = evtc.compile(lambda acc, C: acc + C, ex, arch="sm_90a", cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="operands by name"):
+        k(ex["a"], ex["b"], ex["C"])

@@ -55,7 +55,8 @@ class Signature:
 def read_signature(fn: Callable[..., Any]) -> Signature:
     loc = definition_location(fn)
     try:
-        sig = inspect.signature(fn)
+        # A module (nn.GELU()) is called through __call__(*args, **kwargs): its forward names them.
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
     except (TypeError, ValueError) as exc:
         if callable(fn):
             # A builtin without a readable signature (torch.relu, F.gelu): a function of the

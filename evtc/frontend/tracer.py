@@ -395,7 +395,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         names.append(out_name)
     tree.names = names
     return Graph(
-        name=getattr(fn, "__name__", "epilogue"),
+        name=getattr(fn, "__name__", None) or type(fn).__name__,
         nodes=builder.nodes,
         operands=operands,
         outputs=tree,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Names we accept for dtypes.  Strings keep the config hashable, printable and free of any import of
 # cutlass or torch; :mod:`evtc.sm90.dtypes` maps them to both.
@@ -110,6 +112,44 @@ CONSUMER_REGS = 232
 
 class ConfigError(ValueError):
     """A GemmConfig (or a problem handed to a compiled kernel) that the engine does not support."""
+
+
+
+#: The knobs a user may set in ``evtc.compile(config=...)``, and what each takes.
+USER_KNOBS = {
+    "tile_m": "int", "tile_n": "int", "cluster": "pair", "epi_tile_n": "int", "epi_stages": "int?",
+    "load_stages": "int?", "ab_stages": "int?", "raster": "str", "swizzle": "int", "schedule": "str",
+    "split_k": "bool", "pdl": "bool", "fast_accum": "bool", "d_major": "str",
+    "a_rows": "int?", "block_scales": "int",  # refused by compile with their own reasons
+}
+#: Fields evtc sets from the example inputs and the epilogue.
+DERIVED_FIELDS = ("ab_dtype", "d_dtype", "b_dtype", "a_major", "b_major", "gated", "store_d")
+
+
+def check_user_knobs(knobs: Mapping[str, Any]) -> None:
+    """Refuse a knob ``evtc.compile(config=...)`` does not take, or a value of the wrong type,
+    naming it (a float tile_n passed ``128.0 in TILE_NS`` and failed deep in the DSL)."""
+    for name, value in knobs.items():
+        kind = USER_KNOBS.get(name)
+        if name in DERIVED_FIELDS:
+            raise ConfigError(f"{name} is not a knob: evtc sets it from the example inputs and the epilogue")
+        if kind is None:
+            raise ConfigError(f"unknown knob {name!r}; the knobs are {', '.join(sorted(USER_KNOBS))}")
+        if kind == "int?" and value is None:
+            continue
+        if kind in ("int", "int?"):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind == "str":
+            ok = isinstance(value, str)
+        else:  # a pair of ints
+            ok = isinstance(value, tuple | list) and len(value) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if not ok:
+            want = {"int": "an int", "int?": "an int or None", "bool": "True or False", "str": "a string",
+                    "pair": "a pair of ints, e.g. (1, 2)"}[kind]
+            raise ConfigError(f"knob {name} must be {want}, got {value!r}")
 
 
 @dataclass(frozen=True)

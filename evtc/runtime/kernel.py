@@ -393,13 +393,17 @@ class Kernel:
         self._finisher = (ReductionFinish(self.plan, self.config.tile_m, self.config.out_tile_n)
                           if self.plan.reductions and self.config is not None else None)
 
-    def __call__(self, a, b, *, out=None, **operands):
+    def __call__(self, a, b, *positional, out=None, **operands):
         """``D = k(a, b, C=C, alpha=0.7, ...)``: the epilogue of ``a @ b``, launched on the current CUDA
         stream. ``out`` (the same structure as the result) receives the outputs instead of new tensors.
 
         Under ``torch.compile`` the call is the kernel's custom operator (:attr:`op`), which the
         compiler sees as one opaque op with a shape function: no graph break."""
         spec = self.call_spec
+        if positional:
+            raise CallError(f"{self.plan.name!r} takes a and b by position and its operands by name "
+                            f"(k(a, b, C=..., alpha=...)); got {len(positional)} more positional "
+                            f"argument(s)")
         if out is not None and torch.is_grad_enabled():
             _refuse_out_requiring_grad(spec, out)
         if spec.scale_rows and torch.is_grad_enabled():
