@@ -569,3 +569,13 @@ def test_operands_passed_by_position_are_named(tmp_path):
     k = evtc.compile(lambda acc, C: acc + C, ex, arch="sm_90a", cache_dir=tmp_path)
     with pytest.raises(evtc.CallError, match="operands by name"):
         k(ex["a"], ex["b"], ex["C"])
+
+
+def test_operands_compiled_from_one_element_examples_say_so(tmp_path):
+    """With M = N = 1 examples, a (1, 1) C is a one-element scalar operand: a later call with an
+    (M, N) C is refused, and the message says where the scalar came from."""
+    ex = gemm_inputs(1, 1, 8, None) | {"C": rand(1, 1, seed=1)}
+    k = evtc.compile(lambda acc, C: acc + C, ex, arch="sm_90a", cache_dir=tmp_path)
+    big = gemm_inputs(16, 24, 8, None)
+    with pytest.raises(evtc.CallError, match="compiled as a one-element scalar operand"):
+        k(big["a"], big["b"], C=rand(16, 24, seed=2))

@@ -62,8 +62,14 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
     if tuple(t.shape) != want:
         dims = ", ".join(spec.dims)
+        hint = ""
+        if all(d in ("1", "L") for d in spec.dims) and t.numel() > max(want, default=1):
+            # A one-element example is a scalar operand whatever its rank: examples of M = 1 or
+            # N = 1 make a (M, N) or (N,) example one.
+            hint = (f" ({name} was compiled as a one-element scalar operand, from its example's shape: "
+                    "give examples with M and N above 1 for a tile, row or column operand)")
         raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
-                        f"{want}")
+                        f"{want}{hint}")
     if layout and spec.contiguous is not None:
         strides = t.stride()
         c = spec.contiguous
