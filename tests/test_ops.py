@@ -212,6 +212,21 @@ def test_constant_tensors_made_in_the_epilogue_are_literals():
     assert graph.count("load") == 0
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct")  # torch's, from the reference run
+def test_tensors_made_from_traced_values():
+    """torch.tensor / torch.as_tensor of an epilogue value (a runtime scalar, acc) are that value
+    (torch.tensor a copy that in-place ops may change without touching acc); torch.max of a
+    value and a made tensor is the elementwise maximum."""
+    def epilogue(acc, alpha: float):
+        scaled = acc * torch.tensor(alpha) + torch.as_tensor(acc)
+        copy = torch.tensor(acc)
+        copy.mul_(2.0)
+        return torch.max(scaled + copy, torch.tensor(0.0)) + acc * torch.tensor(alpha, dtype=torch.bfloat16)
+
+    graph = check_epilogue(epilogue, gemm_inputs(16, 8, 8, None) | {"alpha": 0.3})
+    assert graph.count("load") == 0
+
+
 def _float64_equal(fn, inputs):
     """The traced graph, evaluated in float64, equals the function run in float64 (casts included)."""
     graph = evtc.trace(fn, inputs, out_dtypes=torch.float32)

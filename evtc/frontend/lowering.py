@@ -211,7 +211,7 @@ def _max_min(kind: str) -> Handler:
         _reject_out(kwargs, kind)
         if other is not None:  # torch.max(x, other=y)
             return t.emit(elementwise, (input, other))
-        if isinstance(dim, TracedValue):  # torch.max(x, y): the elementwise form
+        if isinstance(dim, TracedValue | torch.Tensor):  # torch.max(x, y): the elementwise form
             return t.emit(elementwise, (input, dim))
         if dim is not None:
             raise ReductionError(
@@ -302,7 +302,7 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
 
 
 # --- casts ------------------------------------------------------------------------------------
-def _cast_to(t: Tracer, input: Any, dtype: torch.dtype, copy: bool = False) -> Any:
+def cast_to(t: Tracer, input: Any, dtype: torch.dtype, copy: bool = False) -> Any:
     if dtype not in CAST_DTYPES:
         allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
         raise DTypeError(f"cast to {dtype} is not supported; epilogue values may be cast to {allowed}",
@@ -335,12 +335,12 @@ def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
         )
     if dtype is None:
         raise UnsupportedOpError(".to() needs a dtype", user_location())
-    return _cast_to(t, input, dtype, copy)
+    return cast_to(t, input, dtype, copy)
 
 
 def _fixed_cast(dtype: torch.dtype) -> Handler:
     def handler(t: Tracer, input: Any) -> Any:
-        return _cast_to(t, input, dtype)
+        return cast_to(t, input, dtype)
 
     return handler
 
@@ -348,7 +348,7 @@ def _fixed_cast(dtype: torch.dtype) -> Handler:
 def _type(t: Tracer, input: Any, dtype: Any = None) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedOpError(".type() needs a torch dtype in an epilogue", user_location())
-    return _cast_to(t, input, dtype)
+    return cast_to(t, input, dtype)
 
 
 # --- the table --------------------------------------------------------------------------------

@@ -247,10 +247,28 @@ class MadeTensors(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _FROM_DATA and args and isinstance(args[0], TracedValue):
+            return _from_traced(func, args[0], **kwargs)
         result = func(*args, **kwargs)
         if isinstance(result, torch.Tensor) and all(self.holds(t) for t in _tensors_in((args, kwargs))):
             self._made[id(result)] = result
         return result
+
+
+#: torch's functions that make a tensor from data: on a traced value (torch.tensor(alpha)), the value.
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
+
+
+def _from_traced(func: Any, value: TracedValue, dtype: torch.dtype | None = None, device: Any = None,
+                 requires_grad: bool = False, **_: Any) -> TracedValue:
+    """``torch.tensor(alpha)`` or ``torch.as_tensor(acc)`` of a traced value (a device is the
+    kernel's business). torch.tensor copies (a new value, which in-place ops may change);
+    torch.as_tensor of a tensor is that tensor."""
+    if dtype is not None and dtype != value.dtype:
+        return lowering.cast_to(value._tracer, value, dtype)
+    if func is torch.as_tensor:
+        return value
+    return value._tracer.wrap(value._node)
 
 
 def _tensors_in(value: Any):
