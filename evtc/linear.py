@@ -245,6 +245,17 @@ def _requires_grad(x, weight, operands: Mapping[str, Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, *operands.values()))
 
 
+def _parameter_names(fn: Callable[..., Any]) -> list[str]:
+    """The epilogue's parameter names (acc first), or none where they cannot be read."""
+    import inspect
+
+    try:
+        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        return list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def _describe_arg(value: Any) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
         else f"a {type(value).__name__}"
@@ -354,6 +365,14 @@ def linear(
             raise CallError("evtc.linear: example x must be a (..., in_features) tensor and weight an "
                             "(out_features, in_features) one; got "
                             f"{_describe_arg(x)} and {_describe_arg(weight)}")
+        if x.shape[-1] != weight.shape[1]:
+            raise CallError(f"evtc.linear: example x has {x.shape[-1]} input features, weight "
+                            f"{weight.shape[1]} (weight is (out_features, in_features) = "
+                            f"{tuple(weight.shape)})")
+        clash = [p for p in _parameter_names(fn)[1:] if p in ("x", "weight")]
+        if clash:
+            raise CallError(f"evtc.linear: the epilogue has a parameter named {clash[0]!r}, which is "
+                            "evtc.linear's own input (x @ weight.t() is its accumulator): rename it")
         lead = tuple(x.shape[:-1])
         operands = example
         example = {name: _flatten_like(v, lead) for name, v in example.items()}

@@ -579,3 +579,17 @@ def test_operands_compiled_from_one_element_examples_say_so(tmp_path):
     big = gemm_inputs(16, 24, 8, None)
     with pytest.raises(evtc.CallError, match="compiled as a one-element scalar operand"):
         k(big["a"], big["b"], C=rand(16, 24, seed=2))
+
+
+def test_linear_examples_are_named_in_its_own_terms(tmp_path):
+    """evtc.linear names x and weight (not the GEMM's a and b) for a K mismatch, and refuses an
+    epilogue parameter that shadows them."""
+    x, w = rand(2, 5, 8, seed=1), rand(24, 9, seed=2)
+    with pytest.raises(evtc.CallError, match="x has 8 input features, weight 9"):
+        evtc.linear(lambda acc: acc, {"x": x, "weight": w}, arch="sm_90a", cache_dir=tmp_path)
+
+    def shadowing(acc, x):
+        return acc + x
+
+    with pytest.raises(evtc.CallError, match="parameter named 'x'"):
+        evtc.linear(shadowing, {"x": x, "weight": rand(24, 8, seed=3)}, arch="sm_90a", cache_dir=tmp_path)
