@@ -593,3 +593,20 @@ def test_linear_examples_are_named_in_its_own_terms(tmp_path):
 
     with pytest.raises(evtc.CallError, match="parameter named 'x'"):
         evtc.linear(shadowing, {"x": x, "weight": rand(24, 8, seed=3)}, arch="sm_90a", cache_dir=tmp_path)
+
+
+def test_type_checks_of_libraries_on_traced_values_pass():
+    """The standard library's and installed packages' own checks (inspect.isfunction(acc), typing,
+    torch.compile's frame analysis when a kernel is built inside a compiled region) see a stand-in
+    as they see any object: only the user's code is refused."""
+    import inspect as inspect_module
+
+    def epilogue(acc, bias):
+        assert not inspect_module.isfunction(acc)
+        return F.gelu(acc + bias)
+
+    a, b = EX["a"], EX["b"]
+    ex = {"a": a, "b": b, "bias": EX["bias"]}
+    got = evtc.trace(epilogue, ex).evaluate(ex)
+    want = epilogue(a.float() @ b.float(), EX["bias"].float())
+    torch.testing.assert_close(got.float(), want.half().float())

@@ -21,6 +21,7 @@ import builtins
 import dis
 import os
 import sys
+import sysconfig
 from types import CodeType, FrameType
 from typing import Any
 
@@ -32,6 +33,12 @@ from .source import user_location
 
 _EVTC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+#: Code that is not the user's: evtc, torch, the standard library and installed packages (their
+#: own type checks see a proxy as they see any object: inspect.isfunction(acc), typing's checks,
+#: torch.compile's frame analysis).
+_LIBRARY_DIRS = [os.path.abspath(path) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (path := sysconfig.get_paths().get(key))]
+_NOT_USERS = tuple(dict.fromkeys([_EVTC_DIR, _TORCH_DIR, *_LIBRARY_DIRS]))
 
 #: The builtins whose answer on a proxy differs from torch's on a tensor.
 _BUILTIN_CHECKS = {id(builtins.isinstance): "isinstance"}
@@ -84,7 +91,7 @@ def _refuse(what: str) -> None:
 
 def _is_users(code: CodeType) -> bool:
     filename = os.path.abspath(code.co_filename)
-    return not filename.startswith((_EVTC_DIR, _TORCH_DIR)) and not code.co_filename.startswith("<frozen")
+    return not filename.startswith(_NOT_USERS) and not code.co_filename.startswith("<frozen")
 
 
 def _first_argument(frame: FrameType, name: str) -> Any:
