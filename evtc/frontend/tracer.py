@@ -7,7 +7,7 @@ from typing import Any
 
 import sympy
 import torch
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch.overrides import resolve_name
 
 from ..errors import (
     DTypeError,
@@ -24,6 +24,7 @@ from ..ir.infer import promote
 from ..ir.shapes import L, varying_dims
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
+from .made_tensors import MadeTensors
 from .proxy import SymDim, TracedValue, unsupported
 from .source import definition_location, traceback_location, user_location
 from .type_checks import TypeChecks
@@ -231,56 +232,6 @@ class Tracer:
         if narrow is not None and dtype is None:
             result = self.builder.add("cast", (result,), {"dtype": narrow}, loc=loc)
         return self.wrap(result)
-
-
-class MadeTensors(TorchFunctionMode):
-    """While the epilogue runs: the tensors that torch functions make from numbers alone
-    (``torch.tensor(2.0)``, ``torch.ones(()) * 3``), which are constants of the function. A tensor
-    computed from one that comes from outside it is not one of them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._made: dict[int, torch.Tensor] = {}  # by id, kept alive so that no id is reused
-
-    def holds(self, t: torch.Tensor) -> bool:
-        return self._made.get(id(t)) is t
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _FROM_DATA and args and isinstance(args[0], TracedValue):
-            return _from_traced(func, args[0], **kwargs)
-        result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and all(self.holds(t) for t in _tensors_in((args, kwargs))):
-            self._made[id(result)] = result
-        return result
-
-
-#: torch's functions that make a tensor from data: on a traced value (torch.tensor(alpha)), the value.
-_FROM_DATA = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
-
-
-def _from_traced(func: Any, value: TracedValue, dtype: torch.dtype | None = None, device: Any = None,
-                 requires_grad: bool = False, **_: Any) -> TracedValue:
-    """``torch.tensor(alpha)`` or ``torch.as_tensor(acc)`` of a traced value (a device is the
-    kernel's business). torch.tensor copies (a new value, which in-place ops may change);
-    torch.as_tensor of a tensor is that tensor."""
-    if dtype is not None and dtype != value.dtype:
-        return lowering.cast_to(value._tracer, value, dtype)
-    if func is torch.as_tensor:
-        return value
-    return value._tracer.wrap(value._node)
-
-
-def _tensors_in(value: Any):
-    """The torch tensors in ``value`` (arguments: nested tuples, lists and dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from _tensors_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_in(v)
 
 
 #: The comparisons, which torch computes in the promoted dtype of their two sides.
