@@ -227,6 +227,19 @@ def test_tensors_made_from_traced_values():
     assert graph.count("load") == 0
 
 
+def test_copies_of_traced_values_are_new_values():
+    """copy.copy / copy.deepcopy of an epilogue value is a new value (a new tensor in torch): an
+    in-place op on the copy leaves the original, acc included, as it was."""
+    import copy
+
+    def epilogue(acc):
+        y = copy.deepcopy(acc)
+        y.mul_(2.0)
+        return y + acc + copy.copy(acc * 3.0)
+
+    check_epilogue(epilogue, gemm_inputs(16, 8, 8, None))
+
+
 def _float64_equal(fn, inputs):
     """The traced graph, evaluated in float64, equals the function run in float64 (casts included)."""
     graph = evtc.trace(fn, inputs, out_dtypes=torch.float32)

@@ -170,6 +170,13 @@ class TracedValue:
         tracer = _find_tracer(args, kwargs or {})
         return tracer.call(func, args, kwargs or {})
 
+    def __copy__(self) -> TracedValue:
+        # copy.copy / copy.deepcopy of a tensor is a new tensor of the same values.
+        return self._tracer.wrap(self._node)
+
+    def __deepcopy__(self, memo: dict) -> TracedValue:
+        return self.__copy__()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
