@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 if TYPE_CHECKING:
     from evtc.linear import Linear
@@ -49,6 +50,7 @@ class LinearFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @once_differentiable  # its kernels' saved accumulators are not differentiable: no create_graph
     def backward(ctx, *grad_outputs: torch.Tensor | None):
         x, weight, *tensors = ctx.saved_tensors
         saved_acc, tensors = tensors[:ctx.saved_count], tensors[ctx.saved_count:]

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
@@ -62,6 +63,7 @@ class MLPFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @once_differentiable  # its kernels' saved accumulators are not differentiable: no create_graph
     def backward(ctx, *grad_outputs: torch.Tensor | None):
         x, w1, w2, h, *rest = ctx.saved_tensors
         n1, n2 = ctx.counts

@@ -28,6 +28,14 @@ from evtc.frontend.epilogue import unwrap
 log = logging.getLogger("evtc")
 
 
+def _refuse_own_bias(bias: torch.Tensor | None, operands: dict[str, Any], module: str) -> None:
+    """A ``bias=`` operand of a module with a bias parameter would replace the parameter (which then
+    gets no gradient): refused."""
+    if bias is not None and "bias" in operands:
+        raise CallError(f"{module}: bias= is this module's own parameter (bias=True); pass other "
+                        "operands under other names, or build the module with bias=False")
+
+
 def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
     """``x`` and ``tensors`` as ``nn.Linear`` takes them under ``torch.autocast``: float32 ones in
     the autocast dtype of ``x``'s device (the cast is differentiable, so float32 parameters get
@@ -87,6 +95,7 @@ class FusedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
+        _refuse_own_bias(self.bias, operands, "evtc.nn.FusedLinear")
         x, weight, bias = _autocast(x, self.weight, self.bias)
         if bias is not None:
             operands = {"bias": bias, **operands}
@@ -103,6 +112,12 @@ class FusedLinear(nn.Module):
                tuple((name, v.dtype, tuple(s == 1 for s in v.shape)) if isinstance(v, torch.Tensor)
                      else (name, type(v)) for name, v in operands.items()))
         lin = self._compiled.get(key)
+        if lin is None and torch.compiler.is_compiling():
+            # Building a kernel is not traceable (under fullgraph=True dynamo fails deep inside the
+            # compiler); elsewhere dynamo breaks the graph here and the build runs eagerly.
+            raise RuntimeError("evtc.nn.FusedLinear under torch.compile builds no kernels: call the layer "
+                               "once eagerly with the same dtypes, ranks and operands before "
+                               "torch.compile(fullgraph=True)")
         if lin is None:
             # A K-major x, as nn.Linear inputs are: a first call with a transposed x would otherwise
             # compile for it, and every later (contiguous) call under this key take the torch path.
@@ -175,6 +190,7 @@ class MLP(nn.Module):
         self._operators: dict[tuple, Any] = {}
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
+        _refuse_own_bias(self.down.bias, operands, "evtc.nn.MLP")
         x, w1, w2, b1, b2 = _autocast(x, self.up.weight, self.down.weight, self.up.bias, self.down.bias)
         ops1 = {"bias": b1} if b1 is not None else {}
         ops2 = {"bias": b2, **operands} if b2 is not None else dict(operands)

@@ -536,3 +536,47 @@ def test_mlp_under_torch_compile_takes_an_int_where_a_float_was_registered():
     w1, w2 = block.up.weight.detach().double(), block.down.weight.detach().double()
     acc = swiglu(x.detach().double() @ w1.t()) @ w2.t()
     _close(got, acc * 1 + residual.double(), "alpha=1")
+
+
+def _two_residuals(acc, r1, r2):
+    return acc + r1 + r2
+
+
+def test_operand_gradients_have_memory_of_their_own(tmp_path):
+    """A residual's gradient is the incoming gradient unchanged: returned as that tensor, autograd
+    accumulated the second micro-batch into it in place, changing the caller's gradient and the
+    other residual's (the same tensor)."""
+    m = evtc.nn.FusedLinear(16, 24, _two_residuals, bias=False, cache_dir=tmp_path)
+    x = torch.randn(4, 16)
+    r1, r2 = torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True)
+    g = torch.randn(4, 24)
+    kept = g.clone()
+    for _ in range(2):  # gradient accumulation
+        m(x, r1=r1, r2=r2).backward(g)
+    assert torch.equal(g, kept)
+    torch.testing.assert_close(r1.grad, 2 * kept)
+    torch.testing.assert_close(r2.grad, 2 * kept)
+    assert r1.grad.data_ptr() != r2.grad.data_ptr()
+
+
+def test_a_bias_operand_does_not_replace_the_modules_bias(tmp_path):
+    m = evtc.nn.FusedLinear(16, 24, lambda acc, bias: acc + bias, cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="own parameter"):
+        m(torch.randn(4, 16), bias=torch.randn(24))
+
+
+def test_second_derivatives_are_refused_not_wrong(tmp_path):
+    """The saved accumulator is not differentiable: backward(create_graph=True) through the layer
+    would drop every term through it (a gradient penalty off by up to 0.9), so it raises."""
+    m = evtc.nn.FusedLinear(16, 24, lambda acc, bias: torch.nn.functional.gelu(acc + bias), cache_dir=tmp_path)
+    x = torch.randn(4, 16, requires_grad=True)
+    (dx,) = torch.autograd.grad(m(x).square().sum(), x, create_graph=True)  # a gradient penalty
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.square().sum().backward()
+
+
+def test_fused_linear_under_fullgraph_compile_says_to_call_it_eagerly_first(tmp_path):
+    m = evtc.nn.FusedLinear(16, 24, lambda acc, bias: acc + bias, cache_dir=tmp_path)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="call the layer once eagerly"):
+        torch.compile(m, backend="eager", fullgraph=True)(torch.randn(4, 16))

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from evtc.errors import CallError
+
 if TYPE_CHECKING:
     from evtc.runtime.kernel import Kernel
 
@@ -137,12 +139,18 @@ def register(kernel: Kernel):
         def backward(ctx, *grads):
             from evtc.runtime.op_autograd import op_backward
 
+
             saved = ctx.saved_tensors
             inputs, saved_acc = saved[:len(saved) - ctx.acc_count], saved[len(saved) - ctx.acc_count:]
             a, b, *tensors = inputs
             rest = iter(tensors)
             operands = [next(rest) if v is None else v for v in ctx.scalars]
             acc = None
+            if saved_acc and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                # backward(create_graph=True) through an accumulator the kernel saved: the gradient
+                # of this gradient would miss every term through it (a recomputed one has them).
+                raise CallError("a second derivative (create_graph=True) through an evtc kernel that saved "
+                                "its accumulator is not supported: its backward is differentiated once only")
             if saved_acc:  # the gate and up halves side by side, as the accumulator
                 acc = torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]
             return op_backward(_BOUND[name], a, b, operands, grads, acc=acc)
