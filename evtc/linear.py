@@ -9,6 +9,7 @@ outputs get them back.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -180,7 +181,7 @@ class Linear:
             self._check_leading_dims(x.dim(), weight.shape[0], operands)
         lead = tuple(x.shape[:-1])
         flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _rows(x)
         if out is None:
             result = kernel(x2, weight.t(), **flat)
             return self._per_output(kernel, result, lambda t: t.view(lead + tuple(t.shape[1:])))
@@ -254,6 +255,12 @@ def _parameter_names(fn: Callable[..., Any]) -> list[str]:
         return list(inspect.signature(target).parameters)
     except (TypeError, ValueError):
         return []
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as (rows, in_features): its leading dims flattened (also with no input features, where
+    ``reshape(-1, 0)`` cannot tell how many rows)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _describe_arg(value: Any) -> str:
@@ -376,7 +383,7 @@ def linear(
         lead = tuple(x.shape[:-1])
         operands = example
         example = {name: _flatten_like(v, lead) for name, v in example.items()}
-        flat_example = {"a": x.reshape(-1, x.shape[-1]), "b": weight.t(), **example}
+        flat_example = {"a": _rows(x), "b": weight.t(), **example}
         kernel = _compile_kernel(fn, flat_example, out_dtypes=out_dtypes, config=config, arch=arch,
                                  cache_dir=cache_dir)
     except EpilogueError as err:

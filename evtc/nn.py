@@ -41,6 +41,9 @@ def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
     the autocast dtype of ``x``'s device (the cast is differentiable, so float32 parameters get
     float32 gradients); unchanged where autocast is off. The epilogue's other operands are not
     cast, as ``nn.Linear`` never sees them."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise CallError(f"x must be a (..., in_features) tensor, got {got}")
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return (x, *tensors)

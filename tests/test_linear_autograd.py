@@ -568,7 +568,7 @@ def test_a_bias_operand_does_not_replace_the_modules_bias(tmp_path):
 def test_second_derivatives_are_refused_not_wrong(tmp_path):
     """The saved accumulator is not differentiable: backward(create_graph=True) through the layer
     would drop every term through it (a gradient penalty off by up to 0.9), so it raises."""
-    m = evtc.nn.FusedLinear(16, 24, lambda acc, bias: torch.nn.functional.gelu(acc + bias), cache_dir=tmp_path)
+    m = evtc.nn.FusedLinear(16, 24, lambda acc, bias: F.gelu(acc + bias), cache_dir=tmp_path)
     x = torch.randn(4, 16, requires_grad=True)
     (dx,) = torch.autograd.grad(m(x).square().sum(), x, create_graph=True)  # a gradient penalty
     with pytest.raises(RuntimeError, match="differentiate twice"):
@@ -580,3 +580,14 @@ def test_fused_linear_under_fullgraph_compile_says_to_call_it_eagerly_first(tmp_
     torch._dynamo.reset()
     with pytest.raises(Exception, match="call the layer once eagerly"):
         torch.compile(m, backend="eager", fullgraph=True)(torch.randn(4, 16))
+
+
+def test_fused_linear_takes_no_input_features_and_names_bad_x(tmp_path):
+    """in_features = 0 gives the bias broadcast, as nn.Linear does; an x that is not a tensor of at
+    least one dim is a CallError, not an error from deep inside."""
+    m = evtc.nn.FusedLinear(0, 4, lambda acc, bias: acc + bias, cache_dir=tmp_path)
+    y = m(torch.randn(3, 0))
+    torch.testing.assert_close(y, m.bias.detach().expand(3, 4))
+    for bad in (torch.tensor(1.0), [1.0, 2.0]):
+        with pytest.raises(evtc.CallError, match="x must be a"):
+            m(bad)
