@@ -93,6 +93,22 @@ def division_by_zero(acc):
     return (acc / 0.0).float(), torch.div(acc, acc.shape[-1] - acc.shape[-1]).float()
 
 
+def mask_changed_in_place_through_an_alias(acc):
+    # torch's |= changes the mask, so the alias `seen` sees it too.
+    m = acc > 0
+    seen = m
+    m |= acc < -1.0
+    m &= acc < 4.0
+    return (seen * acc).float(), (m ** 1 + m).float()
+
+
+def literals_at_the_edge_of_float32(acc):
+    # 3.4028235e38 (FLT_MAX as printed) is FLT_MAX, not inf; 1e308 * 0.0 in torch's add is NaN
+    # (1e308 is inf in float32); a size times 1e-40 is not folded into an overflowing reciprocal.
+    edge = (acc * 0.0 + 3.4028235e38) * 1e-38
+    return edge.float(), acc.add(1e308, alpha=0.0).float(), ((acc * 1e-3) / (acc.shape[-1] * 1e-40)).float()
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -112,6 +128,8 @@ CASES = {
     "positional_only": (positional_only, {"C": "MN", "bias": "N"}),
     "narrow_values_compared_with_numbers": (narrow_values_compared_with_numbers, {"alpha": 0.1}),
     "division_by_zero": (division_by_zero, {}),
+    "mask_changed_in_place_through_an_alias": (mask_changed_in_place_through_an_alias, {}),
+    "literals_at_the_edge_of_float32": (literals_at_the_edge_of_float32, {}),
 }
 
 

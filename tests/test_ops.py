@@ -240,6 +240,25 @@ def test_copies_of_traced_values_are_new_values():
     check_epilogue(epilogue, gemm_inputs(16, 8, 8, None))
 
 
+def test_signed_zero_parameters_are_not_merged():
+    """hardtanh(y, -0.0, 1) and hardtanh(y, 0.0, 1) are two ops (their zeros differ in sign):
+    common-subexpression elimination compared the parameters with ==."""
+    def epilogue(acc):
+        y = acc * 0.0 - 0.5
+        return 1.0 / F.hardtanh(y, -0.0, 1.0) + 1.0 / F.hardtanh(y, 0.0, 1.0)
+
+    graph = check_epilogue(epilogue, gemm_inputs(16, 8, 8, None, dtype=torch.float32))
+    assert graph.count("hardtanh") == 2
+
+
+def test_made_tensors_and_sizes_on_either_side_of_an_operator():
+    def epilogue(acc):
+        return (torch.tensor(3.0) * acc + torch.tensor(1.0) - acc + (torch.tensor(2.0) > acc) * 1.0
+                + acc * -acc.shape[-1] + abs(acc.shape[-2]) * torch.tensor(acc.shape[-1]))
+
+    check_epilogue(epilogue, gemm_inputs(16, 8, 8, None, dtype=torch.float32))
+
+
 def _float64_equal(fn, inputs):
     """The traced graph, evaluated in float64, equals the function run in float64 (casts included)."""
     graph = evtc.trace(fn, inputs, out_dtypes=torch.float32)

@@ -8,13 +8,16 @@ alone. ``torch.tensor(x)`` of a traced value is that value.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from . import lowering
-from .proxy import TracedValue
+from .proxy import SymDim, TracedValue
+
+if TYPE_CHECKING:
+    from .tracer import Tracer
 
 
 class MadeTensors(TorchFunctionMode):
@@ -22,8 +25,9 @@ class MadeTensors(TorchFunctionMode):
     (``torch.tensor(2.0)``, ``torch.ones(()) * 3``), which are constants of the function. A tensor
     computed from one that comes from outside it is not one of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer) -> None:
         super().__init__()
+        self.tracer = tracer
         self._made: dict[int, torch.Tensor] = {}  # by id, kept alive so that no id is reused
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -31,6 +35,9 @@ class MadeTensors(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _FROM_DATA and args and isinstance(args[0], SymDim):
+            # torch.tensor(acc.shape[-1]): the size, as a value of the epilogue.
+            return _from_traced(func, self.tracer.wrap(self.tracer.node_of(args[0])), **kwargs)
         if func in _FROM_DATA and args and isinstance(args[0], TracedValue):
             return _from_traced(func, args[0], **kwargs)
         result = func(*args, **kwargs)

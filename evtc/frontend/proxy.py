@@ -120,6 +120,15 @@ class SymDim:
     def __rpow__(self, o: Any) -> Any:
         return self._binary(o, lambda a, b: b**a)
 
+    def __neg__(self) -> SymDim:
+        return SymDim(-self.expr)
+
+    def __pos__(self) -> SymDim:
+        return self
+
+    def __abs__(self) -> SymDim:
+        return self  # a size is never negative
+
     def __floordiv__(self, o: Any) -> Any:  # acc.shape[-1] // 2, the width of a gated half
         if isinstance(o, int) and not isinstance(o, bool) and o > 0:
             return SymDim(sympy.floor(self.expr / o))
@@ -344,6 +353,16 @@ class TracedValue:
 
     def __ipow__(self, o: Any) -> Any:
         return self._assign(self.__pow__(o), "**=")
+
+    # In place on a mask: torch's |=, &= and ^= change the tensor, and so every alias of it.
+    def __iand__(self, o: Any) -> Any:
+        return self._assign(self.__and__(o), "&=")
+
+    def __ior__(self, o: Any) -> Any:
+        return self._assign(self.__or__(o), "|=")
+
+    def __ixor__(self, o: Any) -> Any:
+        return self._assign(self.__xor__(o), "^=")
 
     # --- what cannot be traced -------------------------------------------------------------------
     def __bool__(self) -> bool:

@@ -37,7 +37,7 @@ class Tracer:
         self.problem = problem
         self.builder = GraphBuilder(problem.batched)
         #: The tensors the function makes itself while it runs (torch.tensor(2.0)).
-        self.made = MadeTensors()
+        self.made = MadeTensors(self)
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -155,6 +155,12 @@ class Tracer:
     # --- dispatch ---------------------------------------------------------------------------------
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         handler = lowering.FUNCTIONS.get(func)
+        if handler is None and args and isinstance(args[0], torch.Tensor) and \
+                getattr(torch.Tensor, getattr(func, "__name__", ""), None) is not None:
+            # A tensor method of a real tensor given a traced value (torch.tensor(3.0) * acc): the
+            # tensor as a value of the epilogue (a constant it made; anything else is refused).
+            this = self.wrap(self.node_of(args[0]))
+            return getattr(this, func.__name__)(*args[1:], **kwargs)
         if handler is None:
             raise unsupported(_describe(func))
         return handler(self, *args, **kwargs)

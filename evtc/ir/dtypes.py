@@ -76,6 +76,10 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 def as_float32_literal(value: float) -> float:
     """A Python number as a float32 literal takes it: +-inf beyond float32's range, as torch
     makes a number it combines with a float32 tensor (``acc * 1e39``)."""
-    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
+    # Round to nearest: a number overflows only from FLT_MAX plus half an ulp (2**103) on, so the
+    # printed 3.4028235e38, a hair above FLT_MAX, is FLT_MAX (as torch converts it), not inf.
+    if math.isfinite(value) and abs(value) >= FLOAT32_MAX + 2.0 ** 103:
         return math.copysign(math.inf, value)
+    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        return math.copysign(FLOAT32_MAX, value)
     return value

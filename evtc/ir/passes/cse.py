@@ -27,6 +27,8 @@ def _key(node: Node, inputs: tuple[Node, ...]) -> tuple:
             v = float(v) if v.is_Number else sympy.srepr(v)
         elif isinstance(v, tuple):
             v = tuple(str(x) for x in v)
+        elif isinstance(v, float):
+            v = repr(v)  # -0.0 and 0.0 compare equal, but hardtanh(x, -0.0, 1) is not hardtanh(x, 0.0, 1)
         attrs.append((k, v))
     return (node.op, tuple(ids), tuple(attrs), node.dtype, node.shape)
 

@@ -31,7 +31,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..dtypes import COMPUTE_DTYPE, FLOAT32_MAX, round_to
+from ..dtypes import COMPUTE_DTYPE, FLOAT32_MAX, as_float32_literal, round_to
 from ..graph import Graph, GraphBuilder, Node, rewrite
 from ..ops import ELEMENTWISE
 from ..shapes import varying_dims
@@ -102,6 +102,10 @@ class _Simplifier:
         consts = [_const(i) for i in inputs]
         # 1. Constants only: fold.
         if all(c is not None for c in consts):
+            if any(c.is_Number and not math.isfinite(as_float32_literal(float(c))) for c in consts):
+                # A number float32 cannot hold is inf where the op runs (1e308 * 0.0 is NaN there,
+                # as in torch's kernels), not the exact value sympy would give.
+                return None
             if op in _SYMPY_OPS:
                 if all(c.is_Number for c in consts) and _negative_zero(op, consts):
                     return None  # -0.0, which a literal cannot hold: the node keeps it
@@ -150,6 +154,8 @@ class _Simplifier:
                     return x
                 if c.is_Number and (float(c) == 0 or not _normal_float32(1 / float(c))):
                     return None  # 1/c would be 0, inf or subnormal: x / c is not x * (1/c) then
+                if not c.is_Number and not 1e-30 <= abs(float(c.as_coeff_Mul()[0])) <= 1e30:
+                    return None  # a size times a literal far from 1: 1/c could leave float32
                 return self.make("mul", (x, b.literal(1 / c, loc)), node, b)
             return None
         if op == "neg":
@@ -166,8 +172,8 @@ class _Simplifier:
         ce = consts[1]
         if ce is not None and ce.is_Number:
             value = float(ce)
-            if value == 1 and x.shape == node.shape:
-                return x
+            if value == 1 and x.shape == node.shape and x.dtype == node.dtype:
+                return x  # (a mask ** 1 is a number, not the mask)
             rewrites = {2.0: lambda: self.make("mul", (x, x), node, b),
                         0.5: lambda: self.make("sqrt", (x,), node, b),
                         -0.5: lambda: self.make("rsqrt", (x,), node, b),
@@ -212,7 +218,10 @@ def _normal_float32_product(c1: sympy.Expr | None, c2: sympy.Expr | None) -> boo
     if c1 is None or c2 is None:
         return False
     if not (c1.is_Number and c2.is_Number):
-        return True  # sizes (1/N of a mean): kept exact by sympy, rounded once when evaluated
+        # Sizes (1/N of a mean), kept exact by sympy and rounded once when evaluated: but only
+        # beside a literal whose product with any size stays a float32 number (1e38 * N does not).
+        literal = c1 if c1.is_Number else c2 if c2.is_Number else None
+        return literal is None or 1e-30 <= abs(float(literal)) <= 1e30
     product = abs(float(c1) * float(c2))
     return torch.finfo(torch.float32).tiny <= product <= FLOAT32_MAX
 
