@@ -263,17 +263,37 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def unflatten_gradient(grad: torch.Tensor | None, value: Any, lead: tuple[int, ...]) -> torch.Tensor | None:
+    """The gradient of an operand ``value`` from that of its :func:`_flatten_like` form: summed over
+    the leading dims it was expanded to, as autograd sums a broadcast."""
+    if grad is None or grad.numel() == value.numel():
+        return None if grad is None else grad.reshape(value.shape)
+    shape = (1,) * (len(lead) + 1 - value.dim()) + tuple(value.shape)
+    return grad.reshape(*lead, shape[-1]).sum_to_size(shape).reshape(value.shape)
+
+
 def _describe_arg(value: Any) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
         else f"a {type(value).__name__}"
 
 
 def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
-    """(*lead, n) -> (prod(lead), n); anything else unchanged."""
-    if isinstance(value, torch.Tensor) and len(lead) != 1 and value.dim() == len(lead) + 1 \
-            and tuple(value.shape[:-1]) == lead:
+    """(*lead, n) -> (prod(lead), n). An operand that broadcasts over some of x's leading dims as
+    torch broadcasts it ((S, n), (1, S, n) or (B, 1, n) beside an x of (B, S, k)) is expanded to
+    them first (a copy, differentiable); one that broadcasts over all of them (a row (n,) or
+    (1, 1, n)) and anything else stay as they are."""
+    if not isinstance(value, torch.Tensor) or len(lead) == 1 or not 2 <= value.dim() <= len(lead) + 1:
+        return value
+    shape = (1,) * (len(lead) + 1 - value.dim()) + tuple(value.shape)
+    if shape[:-1] == lead:
         return value.reshape(-1, value.shape[-1])
-    return value
+    if all(s == 1 for s in shape[:-1]):
+        return value.reshape(1, shape[-1]) if value.dim() > 2 else value  # a row (or one value)
+    try:
+        expanded = value.reshape(shape).expand(*lead, shape[-1])
+    except RuntimeError:
+        return value  # not broadcastable: the call's checks name it
+    return expanded.reshape(-1, shape[-1])
 
 
 # Sizes of the probe that stands in for x's leading dims (distinct primes: a dim that fn reads by

@@ -72,7 +72,7 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     given the outputs' gradients ``grads`` by output name (None for outputs that received none):
     the GEMM epilogue's backward with a = x (flattened) and b = weight^T. ``acc``: the accumulator
     the forward saved (with x's leading dims), else recomputed where the backward reads it."""
-    from evtc.linear import _flatten_like
+    from evtc.linear import _flatten_like, unflatten_gradient
     from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
     lead = tuple(x.shape[:-1])
@@ -82,8 +82,8 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     dz, d_flat = epilogue_gradients(lin.backward_graph(), x2, weight.t(), names, flat, grads,
                                     acc=None if acc is None else acc.reshape(-1, acc.shape[-1]))
     dx, _ = input_gradients(dz, x2, weight.t(), need_b=False)
-    d_operands = {name: d.reshape(operands[name].shape) for name, d in zip(names, d_flat, strict=True)
-                  if d is not None}
+    d_operands = {name: unflatten_gradient(d, operands[name], lead)
+                  for name, d in zip(names, d_flat, strict=True) if d is not None}
     return dx.reshape(x.shape), weight_gradient(dz, x2, weight), d_operands
 
 

@@ -127,9 +127,9 @@ def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2:
     # 4. The input's and the first weight's gradients.
     dx, _ = input_gradients(dz1, x2, w1.t(), need_a=need_x, need_b=False)
     dw1 = weight_gradient(dz1, x2, w1) if need_w1 else None
-    grads_ops1 = [_shaped(d, ops1[n]) if need else None
+    grads_ops1 = [_shaped(d, ops1[n], lead) if need else None
                   for d, n, need in zip(d_ops1, names1, needs1, strict=True)]
-    grads_ops2 = [_shaped(d, ops2[n]) if need else None
+    grads_ops2 = [_shaped(d, ops2[n], lead) if need else None
                   for d, n, need in zip(d_ops2, names2, needs2, strict=True)]
     return None if dx is None else dx.reshape(x.shape), dw1, dw2, grads_ops1, grads_ops2
 
@@ -187,8 +187,10 @@ def _flat(value: Any, lead: tuple[int, ...]) -> Any:
     return _flatten_like(value, lead)
 
 
-def _shaped(grad: torch.Tensor | None, value: Any) -> torch.Tensor | None:
-    return None if grad is None else grad.reshape(value.shape)
+def _shaped(grad: torch.Tensor | None, value: Any, lead: tuple[int, ...]) -> torch.Tensor | None:
+    from evtc.linear import unflatten_gradient
+
+    return unflatten_gradient(grad, value, lead)
 
 
 __all__ = ["MLPFunction", "mlp_backward", "mlp_forward"]

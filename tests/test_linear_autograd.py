@@ -591,3 +591,22 @@ def test_fused_linear_takes_no_input_features_and_names_bad_x(tmp_path):
     for bad in (torch.tensor(1.0), [1.0, 2.0]):
         with pytest.raises(evtc.CallError, match="x must be a"):
             m(bad)
+
+
+@pytest.mark.parametrize("residual_shape", [(1, 5, 24), (5, 24), (3, 1, 24), (3, 1, 1), (1, 1, 24)])
+def test_operands_that_broadcast_over_some_leading_dims(residual_shape, tmp_path):
+    """An operand that torch broadcasts over some of x's leading dims ((S, N) beside x of (B, S, K))
+    is expanded to them: values and gradients (summed over the broadcast) are torch's; they were
+    refused as having more dims than the flattened accumulator."""
+    m = evtc.nn.FusedLinear(16, 24, lambda acc, residual: acc + residual, bias=False, cache_dir=tmp_path)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    r = torch.randn(residual_shape, requires_grad=True)
+    y = m(x, residual=r)
+    xr, rr = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    want = F.linear(xr, m.weight) + rr
+    _close(y, want, "forward")
+    g = torch.randn_like(want)
+    y.backward(g)
+    want.backward(g)
+    _close(r.grad, rr.grad, "residual gradient")
+    _close(x.grad, xr.grad, "x gradient")
