@@ -109,6 +109,12 @@ def literals_at_the_edge_of_float32(acc):
     return edge.float(), acc.add(1e308, alpha=0.0).float(), ((acc * 1e-3) / (acc.shape[-1] * 1e-40)).float()
 
 
+def where_between_masks(acc):
+    # torch.where of two masks is a mask, usable as another where's condition.
+    w = torch.where(acc > 0, acc > 1.0, acc < -1.0)
+    return torch.where(w, acc, 0.0).float(), (w * 1.0).float()
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -130,6 +136,7 @@ CASES = {
     "division_by_zero": (division_by_zero, {}),
     "mask_changed_in_place_through_an_alias": (mask_changed_in_place_through_an_alias, {}),
     "literals_at_the_edge_of_float32": (literals_at_the_edge_of_float32, {}),
+    "where_between_masks": (where_between_masks, {}),
 }
 
 

@@ -132,6 +132,15 @@ class Tracer:
             zero = self.builder.literal(0, loc)
             inputs = tuple(n if n.dtype == torch.bool else self.builder.add("ne", (n, zero), None, loc=loc)
                            for n in inputs)
+        if op == "where" and all(masks):
+            # A mask chosen between two masks is a mask: (c & x) | (~c & y), which every backend
+            # keeps boolean (a where of booleans computes as numbers).
+            c, x, y = inputs
+            loc = user_location()
+            chosen = self.builder.add("logical_and", (c, x), None, loc=loc)
+            other = self.builder.add("logical_and", (self.builder.add("logical_not", (c,), None, loc=loc), y),
+                                     None, loc=loc)
+            return "logical_or", (chosen, other)
         if op == "where" and not masks[0]:
             raise DTypeError(f"torch.where's condition is {inputs[0].dtype}, not a boolean mask (torch "
                              "refuses it): compare it, e.g. torch.where(x != 0, ...)", loc)
