@@ -246,16 +246,6 @@ def _requires_grad(x, weight, operands: Mapping[str, Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, *operands.values()))
 
 
-def _parameter_names(fn: Callable[..., Any]) -> list[str]:
-    """The epilogue's parameter names (acc first), or none where they cannot be read."""
-    import inspect
-
-    try:
-        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-        return list(inspect.signature(target).parameters)
-    except (TypeError, ValueError):
-        return []
-
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as (rows, in_features): its leading dims flattened (also with no input features, where
@@ -378,6 +368,8 @@ def linear(
     Returns:
         a :class:`Linear`: ``lin(x, weight, **operands, out=None)``.
     """
+    from evtc.frontend.epilogue import parameter_names
+
     try:
         if not isinstance(example_inputs, Mapping):
             raise CallError(f"evtc.linear: example_inputs must be a dict with 'x', 'weight' and the "
@@ -396,7 +388,7 @@ def linear(
             raise CallError(f"evtc.linear: example x has {x.shape[-1]} input features, weight "
                             f"{weight.shape[1]} (weight is (out_features, in_features) = "
                             f"{tuple(weight.shape)})")
-        clash = [p for p in _parameter_names(fn)[1:] if p in ("x", "weight")]
+        clash = [p for p in parameter_names(fn)[1:] if p in ("x", "weight")]
         if clash:
             raise CallError(f"evtc.linear: the epilogue has a parameter named {clash[0]!r}, which is "
                             "evtc.linear's own input (x @ weight.t() is its accumulator): rename it")

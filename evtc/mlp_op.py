@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from evtc.errors import CallError
-from evtc.runtime.torch_op import distinct_outputs
+from evtc.runtime.out_aliasing import distinct_outputs
 
 _LIBRARY = torch.library.Library("evtc", "FRAGMENT")
 _COUNTER = itertools.count()

@@ -12,7 +12,6 @@ dZ inside the GEMM that makes its incoming gradient (see :mod:`evtc.mlp_autograd
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from evtc.errors import CallError
-from evtc.frontend.epilogue import unwrap
+from evtc.frontend.epilogue import parameter_names, unwrap
 
 log = logging.getLogger("evtc")
 
@@ -74,10 +73,7 @@ class FusedLinear(nn.Module):
                  config: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike | None = None) -> None:
         super().__init__()
-        try:
-            params = list(inspect.signature(unwrap(epilogue)).parameters)
-        except (TypeError, ValueError):  # a builtin (F.gelu): a function of the accumulator alone
-            params = ["acc"]
+        params = parameter_names(epilogue)
         if bias and "bias" not in params[1:]:
             raise CallError(f"evtc.nn.FusedLinear: bias=True, but the epilogue "
                             f"{getattr(unwrap(epilogue), '__name__', 'fn')}({', '.join(params)}) has no "

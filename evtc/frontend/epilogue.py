@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 class Epilogue:
@@ -37,3 +40,20 @@ def epilogue(fn: Callable[..., Any] | None = None, *, name: str | None = None) -
 
 def unwrap(fn: Any) -> Callable[..., Any]:
     return fn.fn if isinstance(fn, Epilogue) else fn
+
+
+def signature_of(fn: Any) -> inspect.Signature:
+    """The signature a call of the epilogue ``fn`` binds: a module's forward's (``nn.GELU()`` is
+    called through ``__call__(*args, **kwargs)``). TypeError or ValueError where none can be read
+    (a builtin such as ``torch.relu``)."""
+    target = unwrap(fn)
+    return inspect.signature(target.forward if isinstance(target, torch.nn.Module) else target)
+
+
+def parameter_names(fn: Any) -> list[str]:
+    """The epilogue's parameter names, the accumulator's first; a builtin without a readable
+    signature (``F.gelu``) is a function of the accumulator alone."""
+    try:
+        return list(signature_of(fn).parameters)
+    except (TypeError, ValueError):
+        return ["acc"]

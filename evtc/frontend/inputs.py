@@ -7,7 +7,6 @@ M == N, because that is what torch does with it.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from ..ir.dtypes import FLOAT8_DTYPES, GEMM_INPUT_DTYPES, OPERAND_DTYPES, short_
 from ..ir.graph import Operand
 from ..ir.shapes import HALF_N, ONE, L, M, N, Shape, varying_dims
 from ..plan.operand_kinds import kind_of
+from .epilogue import signature_of
 from .source import definition_location
 
 RESERVED = ("a", "b")
@@ -55,8 +55,7 @@ class Signature:
 def read_signature(fn: Callable[..., Any]) -> Signature:
     loc = definition_location(fn)
     try:
-        # A module (nn.GELU()) is called through __call__(*args, **kwargs): its forward names them.
-        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        sig = signature_of(fn)
     except (TypeError, ValueError) as exc:
         if callable(fn):
             # A builtin without a readable signature (torch.relu, F.gelu): a function of the

@@ -51,40 +51,22 @@ def run_call(spec, graph: Graph, a: Any, b: Any, out, operands: dict[str, Any],
     :class:`evtc.runtime.call_spec.CallSpec`), laid out as the kernel would lay them out, or
     copied into ``out``'s tensors when given."""
     from evtc.runtime.call_checks import copy_into_given
+    from evtc.runtime.out_aliasing import distinct_outputs
     from evtc.runtime.staging import empty_in_layout
 
     if scales is not None:  # block-scaled float8: the pairs, as the interpreter takes them
         a, b = (a, scales[0]), (b, scales[1])
     results = run(graph, a, b, operands)
-    values = _unshared([results[name] for name in spec.kernel_order], (a, b, *operands.values()))
+    # Tensors of their own, as the kernel writes: torch returns an input itself for `return C`,
+    # and one tensor for `return y, y`.
+    inputs = [t for v in (a, b, *operands.values()) for t in (v if isinstance(v, tuple) else (v,))]
+    values = distinct_outputs([results[name].contiguous() for name in spec.kernel_order], inputs)
     if spec.d_by_m:  # the layout the kernel would give
         d, d_spec = values[0], spec.plan.outputs[0]
         values[0] = empty_in_layout(tuple(d.shape), d.dtype, d_spec, d.device).copy_(d)
     if out is None:
         return values
     return copy_into_given(spec, out, spec.kernel_order, values)
-
-
-def _unshared(values: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
-    """``values`` contiguous, each in memory of its own: torch returns an input itself for
-    ``return C`` (or ``C.float()`` of a float32 C), and one tensor for ``return y, y``, where the
-    kernel writes new tensors; a caller writing into one output must not change an input or another
-    output."""
-    taken = set()
-    for value in inputs:
-        for t in value if isinstance(value, tuple) else (value,):
-            if isinstance(t, torch.Tensor) and t.numel():
-                taken.add(t.untyped_storage().data_ptr())
-    out = []
-    for value in values:
-        value = value.contiguous()
-        if value.numel():
-            pointer = value.untyped_storage().data_ptr()
-            if pointer in taken:
-                value = value.clone()
-            taken.add(value.untyped_storage().data_ptr())
-        out.append(value)
-    return out
 
 
 __all__ = ["accumulate", "run", "run_call"]

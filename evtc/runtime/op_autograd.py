@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from evtc.runtime.out_aliasing import distinct_outputs
+
 if TYPE_CHECKING:
     from evtc.ir.autodiff import Backward
     from evtc.runtime.kernel import Kernel
@@ -110,33 +112,14 @@ def epilogue_gradients(back: Backward, a: torch.Tensor, b: torch.Tensor, names: 
     elif tuple(d_acc.shape) != acc_shape:  # a gradient that broadcasts over the tile
         d_acc = d_acc.expand(acc_shape)
     d_operands: list[torch.Tensor | None] = []
+    for name, value in zip(names, operands, strict=True):
+        grad = result.get(name) if isinstance(value, torch.Tensor) else None
+        d_operands.append(None if grad is None else grad.reshape(value.shape).to(value.dtype))
     # Each gradient in memory of its own: a residual's is the incoming gradient itself (and two
     # residuals' the same tensor), which autograd would then accumulate into in place, changing
     # the caller's gradient and each other's.
-    # (Fake tensors while torch.compile traces have no memory: their aliasing is the compiler's.)
-    taken = {_memory(g) for g in by_output.values() if g is not None} - {None}
-    for name, value in zip(names, operands, strict=True):
-        if isinstance(value, torch.Tensor) and name in result:
-            grad = result[name].reshape(value.shape).to(value.dtype)
-            memory = _memory(grad)
-            if memory is not None and memory in taken:
-                grad = grad.clone()
-                memory = _memory(grad)
-            taken.add(memory)
-            d_operands.append(grad)
-        else:
-            d_operands.append(None)
+    d_operands = distinct_outputs(d_operands, [g for g in by_output.values() if g is not None])
     return d_acc, d_operands
-
-
-def _memory(t: torch.Tensor) -> int | None:
-    """Where ``t``'s storage starts, or None for no memory (no elements, a fake tensor)."""
-    if not t.numel():
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # a fake tensor (torch.compile's tracing) has no data
-        return None
 
 
 def _passthrough(back: Backward) -> dict[str, str] | None:

@@ -1,4 +1,5 @@
-"""out= tensors the kernel may not write in place.
+"""Tensors that share memory: out= tensors the kernel may not write in place, and results that
+must be tensors of their own.
 
 A tile's outputs are stored while other CTAs may still read the GEMM's inputs (a's rows, b's
 columns) and the epilogue's operands: an ``out=`` tensor that overlaps any of them would be a
@@ -91,4 +92,35 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
     return outs
 
 
-__all__ = ["overlap", "unaliased"]
+def distinct_outputs(outs, inputs=()) -> list:
+    """``outs`` with each tensor that shares storage with one of ``inputs`` or an earlier output
+    replaced by a copy (None passes). An operator's outputs must be fresh tensors: the compiler may
+    reuse or update the buffer of one in place while another view of it lives; and autograd
+    accumulates into a gradient in place. Reductions the kernel finished come from one allocation;
+    the torch path may return an operand as it is, or one tensor twice; a residual's gradient is
+    the incoming gradient itself. Fake tensors (torch.compile's tracing) have no memory: their
+    aliasing is the compiler's."""
+    seen = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)} - {None}
+    fresh = []
+    for t in outs:
+        if isinstance(t, torch.Tensor):
+            storage = _storage(t)
+            if storage is not None and storage in seen:
+                t = t.clone()
+                storage = _storage(t)
+            seen.add(storage)
+        fresh.append(t)
+    return fresh
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage starts, or None for no memory (no elements, a fake tensor)."""
+    if not t.numel():
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except RuntimeError:  # a fake tensor has no data
+        return None
+
+
+__all__ = ["distinct_outputs", "overlap", "unaliased"]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from evtc.errors import CallError
+from evtc.runtime.out_aliasing import distinct_outputs
 
 if TYPE_CHECKING:
     from evtc.runtime.kernel import Kernel
@@ -27,26 +28,6 @@ _OPS: dict[str, Any] = {}
 # The Kernel object each operator runs (see register).
 _BOUND: dict[str, Any] = {}
 _LOCK = threading.Lock()
-
-
-def distinct_outputs(outs, inputs=()) -> list:
-    """``outs`` with each tensor that shares storage with one of ``inputs`` or an earlier output
-    replaced by a copy (None passes). An operator's outputs must be fresh tensors: the compiler may
-    reuse or update the buffer of one in place while another view of it lives. Reductions the
-    kernel finished come from one allocation; the torch path may return an operand as it is; a
-    residual's gradient is the incoming gradient itself."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()}
-    fresh = []
-    for t in outs:
-        if isinstance(t, torch.Tensor) and t.numel():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                t = t.clone()
-                ptr = t.untyped_storage().data_ptr()
-            seen.add(ptr)
-        fresh.append(t)
-    return fresh
 
 
 def op_name(kernel: Kernel) -> str:
