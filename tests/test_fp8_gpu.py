@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from float8_edges import float8_edge_operands, float8_roundings
 
 import evtc
 
@@ -183,3 +184,23 @@ def test_a_call_with_an_n_major_b_is_staged_and_right(tmp_path, caplog):
     with pytest.raises(evtc.CallError, match="not contiguous along K"):
         evtc.compile(tensorwise, {"a": a, "b": b, "sa": sa, "sb": sb}, cache_dir=tmp_path,
                      strict=True)(a, row_major_b, sa=sa, sb=sb)
+
+
+@pytest.mark.parametrize("shape", [(256, 512, 64), (200, 136, 64)], ids=["aligned", "staged"])
+def test_float8_outputs_round_as_torch_does(tmp_path, shape):
+    """The kernel's float8 conversions on the rounding edges, bit for bit against torch's .to on
+    the same float32 values: e5m2 overflow is infinity (the hardware conversion saturates, a select
+    follows it), e4m3fn saturates (torch 2.12's rule; 2.11 gives NaN in eager mode, so the e4m3fn
+    reference is clamped first). D, a second output, a cast inside the epilogue, a row reduction
+    and a reduction over everything cast to float8."""
+    a, b, C = float8_edge_operands(*shape, device="cuda")
+    kernel = evtc.compile(float8_roundings, {"a": a, "b": b, "C": C}, cache_dir=tmp_path)
+    got = kernel(a, b, C=C)
+    assert kernel.last_path == ("kernel" if shape[1] % 16 == 0 else "staged")
+    y = a.float() @ b.float() + C
+    want = float8_roundings(a.float() @ b.float(), C)
+    want = (want[0], y.clamp(-448.0, 448.0).to(E4M3), want[2].bfloat16(), want[3], want[4])
+    assert torch.isinf(want[0].float()).any()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, i
+        assert torch.equal(g.float(), w.float()), f"output {i}: {(g.float() != w.float()).sum()} differ"

@@ -58,12 +58,14 @@ def is_float8(dtype: torch.dtype) -> bool:
 def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round `values` to `dtype` and return them in their original dtype (a rounding cast).
 
-    Conversion to float8 saturates to the format's largest finite value, as the hardware's
-    saturating conversion does, instead of producing NaN/inf for values out of range.
+    As torch rounds: float8_e5m2 overflows to infinity, and float8_e4m3fn, which has no infinity,
+    saturates to its largest finite value (448). That is torch 2.12's rule and the kernel's
+    saturating conversion; torch 2.11 and earlier gave NaN beyond 464 in eager mode (a torch bug
+    since fixed; torch.compile saturated all along).
     """
     if dtype == values.dtype:
         return values
-    if is_float8(dtype):
+    if dtype == torch.float8_e4m3fn:
         limit = torch.finfo(dtype).max
         values = values.clamp(-limit, limit)
     return values.to(dtype).to(values.dtype)

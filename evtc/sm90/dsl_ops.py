@@ -8,7 +8,8 @@ Every function takes and returns float32 values (or boolean masks) in one of two
 Arithmetic operators (``+ - * /``, comparisons, ``& |``) work on both forms directly and the
 generated code writes them infix; the functions here are the ops that need a name. Their results
 follow torch's float32 semantics, NaN included: ``maximum``, ``minimum`` and ``relu`` propagate NaN
-as torch does, and rounding casts to float8 saturate (``cvt.satfinite``), as evtc's IR does.
+as torch does, and rounding casts to float8 round as torch's ``.to`` does (e4m3fn saturates,
+e5m2 overflows to infinity), as evtc's IR does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from evtc.sm90.dtypes import narrow
 
 SQRT1_2 = 0.7071067811865476  # 1/sqrt(2)
 SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi)
@@ -222,6 +225,7 @@ def mask_to_float(mask):
 
 
 def round_to(x, dtype):
-    """Round float32 ``x`` to ``dtype`` and widen it back (a rounding cast; float8 saturates)."""
-    return _f32(x).to(dtype).to(Float32)
+    """Round float32 ``x`` to ``dtype`` and widen it back (a rounding cast), as torch rounds:
+    float8_e4m3fn saturates, float8_e5m2 overflows to infinity (:func:`evtc.sm90.dtypes.narrow`)."""
+    return narrow(_f32(x), dtype).to(Float32)
 

@@ -44,7 +44,7 @@ from evtc.plan.config import (
     SCALE_BLOCK,
     GemmConfig,
 )
-from evtc.sm90.dtypes import cutlass_dtype
+from evtc.sm90.dtypes import cutlass_dtype, narrow
 from evtc.sm90.mma import make_tiled_mma
 from evtc.sm90.scheduler import TileScheduler
 from evtc.sm90.visitor import EpilogueContext, EpilogueShape, EpilogueVisitor
@@ -1203,7 +1203,7 @@ class Sm90GemmKernel:
                                     store_pipeline.producer_acquire()
                             epi_barrier.arrive_and_wait()
                             self.visitor.reduce(ctx, vstate, epi_idx, sD[(None, None, d_buf)])
-                            frag_out.store(values.to(self.d_dtype))
+                            frag_out.store(narrow(values, self.d_dtype))
                             cute.copy(tiled_copy_r2s, frag_out, tRS_sD[(None, None, None, d_buf)])
                             self.visitor.postreduce(ctx, vstate, epi_idx, d_stage)
                             # stmatrix writes through the generic proxy, TMA reads through the async proxy.

@@ -53,7 +53,7 @@ from evtc.plan.smem import (
     store_smem_bytes,
     vector_stage_elems,
 )
-from evtc.sm90.dtypes import cutlass_dtype
+from evtc.sm90.dtypes import cutlass_dtype, narrow
 from evtc.sm90.visitor import (
     EpilogueContext,
     EpilogueShape,
@@ -382,7 +382,7 @@ class TileStore(Operand):
         )
 
     def postreduce(self, ctx, state, epi_idx, store_stage, value) -> None:
-        state.frag.store(value.to(self.dtype))
+        state.frag.store(narrow(value, self.dtype))
         cute.copy(state.tiled_copy, state.frag_view, state.dst[(None, None, None, store_stage)])
 
     def tma_store(self, ctx, state, epi_idx, store_stage) -> None:
@@ -778,7 +778,7 @@ class KernelFinish(Operand):
                     else:
                         results = compute(*[totals[i] for i in range(len(reductions))], *values)
                         for out, value in zip(state.outputs, results, strict=True):
-                            out[batch * size + index] = value.to(out.element_type)
+                            out[batch * size + index] = narrow(value, out.element_type)
             if cutlass.const_expr(self.two_level):
                 self._second_level(ctx, state, reductions, reduction_states, compute, values, mine)
             if ctx.tidx == 0:
@@ -824,7 +824,7 @@ class KernelFinish(Operand):
                 else:
                     at = Int32(0)
                 for out, value in zip(state.outputs, results, strict=True):
-                    out[at] = value.to(out.element_type)
+                    out[at] = narrow(value, out.element_type)
                 state.counters[counter] = Int32(0)
 
 
