@@ -290,6 +290,39 @@ def test_threads_compile_one_kernel(tmp_path):
     assert len(entries) == 1
 
 
+def test_threads_compile_different_kernels_at_once(tmp_path):
+    """Different epilogues compiled from threads at the same time: each gets its kernel (the DSL's
+    compiler crashed the process when two builds overlapped)."""
+    epilogues = [lambda acc: acc * 2.0, lambda acc, C: acc + C, lambda acc: (acc.relu(), (acc * acc).sum(-1))]
+    ex = dict(a=torch.randn(64, 32, dtype=torch.float16), b=torch.randn(32, 48, dtype=torch.float16))
+    C = torch.randn(64, 48)
+    clear_memory_cache()
+    results: dict = {}
+
+    def work(i):
+        try:
+            fn = epilogues[i]
+            ops = {"C": C} if i == 1 else {}
+            kernel = evtc.compile(fn, {**ex, **ops}, cache_dir=tmp_path)
+            results[i] = (kernel, kernel(ex["a"], ex["b"], **ops), fn(ex["a"].float() @ ex["b"].float(), **ops))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(epilogues))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(len(epilogues)):
+        assert not isinstance(results[i], Exception), results[i]
+        kernel, got, want = results[i]
+        assert kernel.origin == "compiled"
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                        strict=True):
+            torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
+    assert len({results[i][0].key for i in results}) == len(epilogues)
+
+
 # ---- compile-time errors -----------------------------------------------------------------------------
 
 

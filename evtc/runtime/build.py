@@ -33,6 +33,7 @@ from typing import Any
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import KernelPlan
 from evtc.runtime.cache import DiskCache
+from evtc.runtime.dsl_lock import DSL_LOCK
 
 log = logging.getLogger("evtc")
 
@@ -90,7 +91,8 @@ def load(entry: dict) -> Built:
             raise RuntimeError(f"the manifest lists neither {LIBRARY} nor {OBJECT}")
         import cutlass.cute as cute
 
-        module = cute.runtime.load_module(str(path / OBJECT), enable_tvm_ffi=True)
+        with DSL_LOCK:  # the DSL compiles one thing at a time (dsl_lock.py)
+            module = cute.runtime.load_module(str(path / OBJECT), enable_tvm_ffi=True)
         fn = getattr(module, function)
     return Built(fn, path, function, dict(entry.get("stages", {})), dict(entry.get("smem", {})))
 
@@ -226,7 +228,8 @@ def obtain(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: D
             log.info("disk cache miss: %s, key %s", what, key[:16])
         log.info("building %s: generating the kernel and compiling it with the CuTe DSL "
                  "(a few seconds, once per configuration)", what)
-        built = build(plan, source, config, key, cache, arch, meta)
+        with DSL_LOCK:  # the DSL compiles one thing at a time (dsl_lock.py)
+            built = build(plan, source, config, key, cache, arch, meta)
         log.info("built %s in %.2f s; cached in %s", what, built.seconds, built.path)
         return built
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from evtc.runtime.dsl_lock import DSL_LOCK
+
 #: The H100 SXM's SM count: the answer without a GPU (nothing is launched then).
 H100_SM_COUNT = 132
 
@@ -35,7 +37,8 @@ def _ask_the_dsl(index: int, cluster_size: int) -> int:
     try:
         from cutlass.utils import HardwareInfo
 
-        return int(HardwareInfo(index).get_max_active_clusters(cluster_size))
+        with DSL_LOCK:  # the query compiles a probe kernel (dsl_lock.py)
+            return int(HardwareInfo(index).get_max_active_clusters(cluster_size))
     except Exception:  # noqa: BLE001 - any failure: the SM count bound below
         return 0
 
