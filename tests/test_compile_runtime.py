@@ -304,7 +304,8 @@ def test_threads_compile_different_kernels_at_once(tmp_path):
             fn = epilogues[i]
             ops = {"C": C} if i == 1 else {}
             kernel = evtc.compile(fn, {**ex, **ops}, cache_dir=tmp_path)
-            results[i] = (kernel, kernel(ex["a"], ex["b"], **ops), fn(ex["a"].float() @ ex["b"].float(), **ops))
+            want = fn(ex["a"].float() @ ex["b"].float(), **ops)
+            results[i] = (kernel, kernel(ex["a"], ex["b"], **ops), want)
         except Exception as exc:  # noqa: BLE001 - reported below
             results[i] = exc
 
@@ -317,8 +318,8 @@ def test_threads_compile_different_kernels_at_once(tmp_path):
         assert not isinstance(results[i], Exception), results[i]
         kernel, got, want = results[i]
         assert kernel.origin == "compiled"
-        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
-                        strict=True):
+        as_tuple = (lambda v: v if isinstance(v, tuple) else (v,))
+        for g, w in zip(as_tuple(got), as_tuple(want), strict=True):
             torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
     assert len({results[i][0].key for i in results}) == len(epilogues)
 

@@ -373,3 +373,15 @@ def test_scheduler_visits_every_cluster_tile_once(tiles_m, tiles_n, batches, clu
     if swizzle > 1 and raster_m and cns >= swizzle:
         # Consecutive work goes across a band of `swizzle` columns before moving down.
         assert [o[1] for o in order[:swizzle]] == list(range(swizzle))
+
+
+def test_max_and_min_reductions_propagate_nan(tmp_path):
+    """torch.amax/amin give NaN where a NaN is among the values: the reductions' combines are the
+    NaN-propagating max/min (FMNMX.NaN), not the plain form that returns the other operand."""
+    def extrema(acc):
+        return acc.amax(-1), acc.amin(-2), acc.abs().amax()
+
+    ex = dict(a=torch.randn(128, 64, dtype=torch.float16), b=torch.randn(64, 128, dtype=torch.float16))
+    ptx = evtc.compile(extrema, ex, cache_dir=tmp_path).ptx
+    assert re.search(r"\bmax\.NaN\.f32\b", ptx) and re.search(r"\bmin\.NaN\.f32\b", ptx)
+    assert not re.search(r"\b(max|min)\.f32\b", ptx)

@@ -317,3 +317,28 @@ def test_rows_batches_and_everything_in_one_kernel(cache):
         _close(per_batch_sum, acc.sum((-2, -1)))
         _close(row_max, acc.amax(-1), tol=1e-5)
         _close(total, acc.sum())
+
+
+def extrema_of_everything(acc, C):
+    y = acc + C
+    return y.amax(-1), y.amin(-2), y.abs().amax(), y.amin(), y.amax((-2, -1))
+
+
+@pytest.mark.parametrize("knobs", [{}, {"schedule": "cooperative"}, {"split_k": True}],
+                         ids=["default", "cooperative", "split-k"])
+def test_maxima_and_minima_propagate_nan_as_torch_does(cache, knobs):
+    """A NaN in the tile makes its row's amax, its column's amin and every maximum and minimum over
+    everything NaN, as torch.amax/amin give (the hardware's plain max drops a NaN for the other
+    operand); rows and columns without one stay finite and exact."""
+    x, w, _ = _problem(1000 + 3, 3000 + 8, 512, seed=23)
+    C = torch.randn(x.shape[0], w.shape[0], device="cuda")
+    C[5, 7] = C[700, 2999] = C[1002, 1500] = float("nan")
+    k = _compile(extrema_of_everything, x, w, cache, operands={"C": C}, config=knobs or None)
+    if knobs.get("split_k"):
+        k.pin_splits(3)
+    got = k(x, w.t(), C=C)
+    assert k.last_path == "kernel"
+    want = extrema_of_everything(_acc(x, w), C.double())
+    for i, (g, r) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g.isnan(), r.isnan()), f"output {i}: {g.isnan().sum()} NaN, not {r.isnan().sum()}"
+        _close(g[~g.isnan()], r[~r.isnan()])

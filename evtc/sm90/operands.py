@@ -450,7 +450,10 @@ class _Reduction(Operand):
     def _combine(self, x, y):
         if self.op == "sum":
             return x + y
-        return cute.arch.fmax(x, y) if self.op == "max" else cute.arch.fmin(x, y)
+        # NaN-propagating (FMNMX.NaN), as torch.amax: the plain form drops a NaN for the other operand.
+        if self.op == "max":
+            return cute.arch.fmax(x, y, nan=True)
+        return cute.arch.fmin(x, y, nan=True)
 
     def _identity(self):
         return Float32(self.IDENTITY[self.op])
