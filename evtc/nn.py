@@ -44,11 +44,35 @@ def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
         got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise CallError(f"x must be a (..., in_features) tensor, got {got}")
     device = x.device.type
-    if not torch.is_autocast_enabled(device):
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta): never autocast
+        enabled = False
+    if not enabled:
         return (x, *tensors)
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-                 for t in (x, *tensors))
+    # As autocast casts nn.Linear's arguments: every floating-point tensor but float64, float16
+    # under a bfloat16 autocast too.
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dtype not in (dtype, torch.float64) else t for t in (x, *tensors))
+
+
+def _refuse_jit(module: str) -> None:
+    if torch.jit.is_tracing():
+        raise CallError(f"{module}: torch.jit.trace cannot record evtc's kernel launches; use "
+                        "torch.compile or torch.export")
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether anything hooks into ``module``'s calls (its own hooks, global module hooks, or a
+    forward pre-hook that recomputes its weight, as pruning and the old weight_norm do)."""
+    from torch.nn.modules import module as modules
+
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+           module._backward_pre_hooks)
+    shared = (modules._global_forward_hooks, modules._global_forward_pre_hooks,
+              modules._global_backward_hooks, modules._global_backward_pre_hooks)
+    return any(own) or any(shared)
 
 
 class FusedLinear(nn.Module):
@@ -94,6 +118,7 @@ class FusedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
+        _refuse_jit("evtc.nn.FusedLinear")
         _refuse_own_bias(self.bias, operands, "evtc.nn.FusedLinear")
         x, weight, bias = _autocast(x, self.weight, self.bias)
         if bias is not None:
@@ -132,6 +157,12 @@ class FusedLinear(nn.Module):
         on its first call again (a disk-cache hit, milliseconds)."""
         state = super().__getstate__()
         return {**state, "_compiled": {}}
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script asks this first: the forward launches compiled kernels that TorchScript
+        # cannot express.
+        raise CallError("evtc.nn.FusedLinear cannot be scripted with torch.jit.script; use "
+                        "torch.compile or torch.export")
 
     def extra_repr(self) -> str:
         name = getattr(unwrap(self.epilogue), "__name__", "fn")
@@ -189,6 +220,12 @@ class MLP(nn.Module):
         self._operators: dict[tuple, Any] = {}
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
+        _refuse_jit("evtc.nn.MLP")
+        if not all(type(layer) is FusedLinear and not _hooked(layer) for layer in (self.up, self.down)):
+            # A hooked layer (a forward hook, pruning's or the old weight_norm's pre-hook that
+            # recomputes the weight) or one replaced by another module (an adapter) runs as itself:
+            # the fused pair below would read the parameters past its forward.
+            return self.down(self.up(x), **operands)
         _refuse_own_bias(self.down.bias, operands, "evtc.nn.MLP")
         x, w1, w2, b1, b2 = _autocast(x, self.up.weight, self.down.weight, self.up.bias, self.down.bias)
         ops1 = {"bias": b1} if b1 is not None else {}

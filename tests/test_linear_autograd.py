@@ -610,3 +610,95 @@ def test_operands_that_broadcast_over_some_leading_dims(residual_shape, tmp_path
     want.backward(g)
     _close(r.grad, rr.grad, "residual gradient")
     _close(x.grad, xr.grad, "x gradient")
+
+
+@evtc.epilogue
+def decorated_bias_relu(acc, bias):
+    return torch.relu(acc + bias)
+
+
+def test_a_module_with_a_decorated_epilogue_saves_and_loads():
+    """torch.save of a module whose epilogue is an @evtc.epilogue function (pickled by reference,
+    as functions are: its name holds the decorator's wrapper)."""
+    import io
+
+    layer = evtc.nn.FusedLinear(16, 8, decorated_bias_relu)
+    x = torch.randn(3, 16)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.epilogue is decorated_bias_relu
+    assert torch.equal(loaded(x), layer(x))
+
+
+def test_mlp_runs_hooked_or_replaced_layers_as_themselves():
+    """A forward hook on a layer, pruning (a pre-hook that recomputes the weight from weight_orig)
+    and a layer wrapped by another module: the block calls its layers, with grad on as with it
+    off, and trains as the same block of nn.Linear layers does."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    block = evtc.nn.MLP(16, 12, swiglu)
+    x = torch.randn(5, 16, requires_grad=True)
+    handle = block.up.register_forward_hook(lambda module, args, out: out * 0)
+    assert torch.equal(block(x), torch.zeros(5, 16))
+    handle.remove()
+
+    reference = torch.nn.ModuleDict({"up": torch.nn.Linear(16, 24, bias=False),
+                                     "down": torch.nn.Linear(12, 16, bias=False)})
+    with torch.no_grad():
+        reference.up.weight.copy_(block.up.weight)
+        reference.down.weight.copy_(block.down.weight)
+    for model in (block, reference):
+        prune.l1_unstructured(model.up, "weight", amount=0.5)
+    mine = torch.optim.SGD(block.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):  # each step's forward must see the pruned, updated weight
+        y = block(x)
+        want = reference.down(swiglu(reference.up(x)))
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        for opt, out in ((mine, y), (theirs, want)):
+            opt.zero_grad()
+            out.square().sum().backward()
+            opt.step()
+    torch.testing.assert_close(block.up.weight_orig, reference.up.weight_orig, rtol=1e-5, atol=1e-5)
+
+    class Scaled(torch.nn.Module):  # an adapter around the second layer
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, h):
+            return 2 * self.inner(h)
+
+    wrapped = evtc.nn.MLP(16, 12, swiglu)
+    plain = wrapped.down(wrapped.up(x))
+    wrapped.down = Scaled(wrapped.down)
+    y = wrapped(x)
+    torch.testing.assert_close(y, 2 * plain)
+    y.sum().backward()
+    assert wrapped.down.inner.weight.grad is not None
+
+
+def test_modules_on_meta_tensors_under_autocast_and_jit():
+    """Meta inputs give meta outputs (shape inference), as nn.Linear; a float16 x under a bfloat16
+    autocast is cast as nn.Linear's is; TorchScript is refused by name."""
+    layer = evtc.nn.FusedLinear(16, 8, bias_gelu, device="meta")
+    assert layer(torch.randn(3, 16, device="meta")).shape == (3, 8)
+    block = evtc.nn.MLP(16, 12, swiglu, device="meta")
+    assert block(torch.randn(2, 3, 16, device="meta")).shape == (2, 3, 16)
+
+    layer = evtc.nn.FusedLinear(16, 8, bias_gelu)
+    reference = torch.nn.Linear(16, 8)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(3, 16, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = layer(x), F.gelu(reference(x))
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+    with pytest.raises(evtc.CallError, match="torch.jit.script"):
+        torch.jit.script(layer)
+    with pytest.raises(evtc.CallError, match="torch.jit.trace"):
+        torch.jit.trace(layer, (torch.randn(3, 16),))

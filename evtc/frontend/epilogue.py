@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,18 @@ class Epilogue:
 
     def __repr__(self) -> str:
         return f"<evtc.epilogue {self.name}>"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A decorated module-level function is pickled by reference, as functions are (torch.save
+        # of a module holding one): its name now holds this wrapper, so the plain function in
+        # `fn` could not be pickled by that name. Anything else (a wrapped nn.Module) by value.
+        name = getattr(self, "__qualname__", None)
+        found: Any = sys.modules.get(getattr(self, "__module__", None) or "")
+        for part in (name or "<none>").split("."):
+            found = getattr(found, part, None)
+        if found is self:
+            return name
+        return super().__reduce_ex__(protocol)
 
 
 def epilogue(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
