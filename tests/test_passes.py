@@ -149,15 +149,19 @@ def test_fold_constants_rules(fn, absent, present):
     assert_equivalent(g, out, inputs)
 
 
-def test_fold_scalar_chains_are_hoisted_out_of_the_tile():
-    def epilogue(acc, alpha, bias):
+def test_fold_hoists_literal_chains_but_not_runtime_scalars_out_of_the_tile():
+    def literals(acc, bias):
+        return ((acc * 2.0) * 3.0) * 0.5 + bias
+
+    def runtime(acc, alpha, bias):
         return ((acc * alpha) * 2.0) * (alpha + 1.0) + bias
 
-    g, inputs = raw(epilogue)
-    out = optimize(g)
-    tile_muls = [n for n in out.nodes if n.op == "mul" and n.stage == "tile"]
-    assert len(tile_muls) == 1, str(out)  # one multiply per element; the rest is uniform
-    assert_equivalent(g, out, inputs)
+    for fn, muls in ((literals, 1), (runtime, 3)):
+        g, inputs = raw(fn)
+        out = optimize(g)
+        tile_muls = [n for n in out.nodes if n.op == "mul" and n.stage == "tile"]
+        assert len(tile_muls) == muls, str(out)
+        assert_equivalent(g, out, inputs)
 
 
 def test_fold_regroups_only_where_rounding_is_all_that_changes():
@@ -190,6 +194,29 @@ def test_fold_regroups_only_where_rounding_is_all_that_changes():
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (got, want)
         finite = want.isfinite()
         assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=0), (got, want)
+
+
+def test_fold_never_regroups_runtime_scalars():
+    """(acc * s1) * s2 of device scalars or float arguments stays in torch's order: their product,
+    computed first, could overflow or underflow where torch's results are finite."""
+    def devices(acc, s1, s2):
+        return (acc * s1) * s2
+
+    def arguments(acc, alpha: float, beta: float):
+        return alpha * acc * beta
+
+    a = torch.tensor([1e-30, 0.0, 1e30, -3.0]).reshape(1, 4, 1)
+    b = torch.ones(1, 1, 1)
+    for fn, values in ((devices, {"s1": torch.tensor(1e20), "s2": torch.tensor(1e20)}),
+                       (devices, {"s1": torch.tensor(1e-25), "s2": torch.tensor(1e-25)}),
+                       (arguments, {"alpha": 1e20, "beta": 1e20}),
+                       (arguments, {"alpha": 1e-25, "beta": 1e-25})):
+        g = evtc.trace(fn, {"a": a, "b": b, **values}, out_dtypes=torch.float32)
+        assert g.count("mul") == 2, str(g)
+        got = g.evaluate({"a": a, "b": b, **values}, cast_outputs=False)
+        want = fn(a @ b, **values)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (got, want)
+        torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()])
 
 
 def test_fold_keeps_nan_semantics():

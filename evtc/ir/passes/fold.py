@@ -12,11 +12,12 @@ Rules (x any value, c a constant, s a uniform value: one that does not vary over
   x ** 2, x ** 0.5, x ** -0.5, x ** -1    -> x * x, sqrt, rsqrt, reciprocal
   2 ** x                     -> exp2(x)         (other bases stay pow, which is exact where
                                                  exp2(x * log2(c)) is not: 10 ** 2 is 100)
-  (x * s1) * s2              -> x * (s1 * s2)   (so s1 * s2 is computed once, not per element;
-                                                 literals c1, c2 only where c1 * c2 is a normal
-                                                 float32 number: a product that overflows or
-                                                 underflows would turn finite results into inf,
-                                                 NaN or 0)
+  (x * c1) * c2              -> x * (c1 * c2)   (so c1 * c2 is computed once, not per element;
+                                                 literals or sizes only, and only where c1 * c2
+                                                 is a normal float32 number: a product that
+                                                 overflows or underflows would turn finite
+                                                 results into inf, NaN or 0. Runtime scalars are
+                                                 never regrouped: their range is not known)
   x.to(d) where x is d       -> x
 Nothing that changes NaN/inf behaviour or the sign of a zero is folded: x * 0 and x - x stay;
 x + 0 and 0 - x stay (-0.0 + 0.0 and 0 - 0.0 are +0.0); sums are never regrouped, since
@@ -202,10 +203,10 @@ class _Simplifier:
             for inner_idx in (0, 1):
                 x, s1 = inner.inputs[inner_idx], inner.inputs[1 - inner_idx]
                 c1, c2 = _const(s1), _const(s2)
-                if c1 is not None and c2 is not None:
-                    regroups = _normal_float32_product(c1, c2)
-                else:
-                    regroups = _uniform(s1) and not _uniform(x)
+                # Constants only: runtime values (device scalars, float arguments) have no range
+                # when compiling, and s1 * s2 may overflow or underflow where torch's order does
+                # not ((acc * 1e20) * 1e20 at acc = 1e-30 is 1e10, acc * inf is inf).
+                regroups = c1 is not None and c2 is not None and _normal_float32_product(c1, c2)
                 if regroups:
                     combined = self.make(op, (s1, s2), node, b)
                     return self.make(op, (x, combined), node, b)
