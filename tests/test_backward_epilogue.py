@@ -41,6 +41,12 @@ def linear_only(acc, residual):
     return 0.5 * acc + residual
 
 
+def constant_bases(acc):
+    # pow's gradient in the exponent masks base == 0 where the exponent is >= 0: a comparison of
+    # constants beside one of the accumulator in the backward graph.
+    return 10.0 ** (acc * 0.25) + 0.0 ** (acc * acc + 1.0)
+
+
 ACTIVATIONS = [
     (swiglu, {}),
     (geglu_tanh, {}),
@@ -51,6 +57,7 @@ ACTIVATIONS = [
     (softplus_mish, {}),
     (hard_ones, {}),
     (linear_only, {"residual": (7, 12)}),
+    (constant_bases, {}),
 ]
 
 
@@ -89,6 +96,15 @@ def test_generated_dz_equals_autograd(fn, spec):
     assert epilogue.source.startswith(f"def {graph.name}_dz(grad")
     if fn is linear_only:
         assert epilogue.saved == ()  # dZ = 0.5 * dY reads nothing of the forward
+
+
+def test_a_generated_epilogue_with_constant_masks_traces():
+    """A mask op with a constant side is that side or the other one in the generated source: the
+    tracer takes no Python bool in a mask op (the fused dZ kernel could not compile)."""
+    ex = {"a": torch.randn(8, 16), "b": torch.randn(16, 32)}
+    epilogue = dz_epilogue(backward(evtc.trace(constant_bases, ex)), torch.bfloat16)
+    assert epilogue is not None and "False" not in epilogue.source and "True" not in epilogue.source
+    evtc.trace(epilogue.fn, {**ex, "saved": torch.randn(8, 32)})
 
 
 def test_the_generated_epilogue_traces_to_two_outputs():

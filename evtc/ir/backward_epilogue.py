@@ -151,6 +151,16 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz") -> D
                 else:
                     names[node.id] = names[picked.id]
                 continue
+            if op in ("logical_and", "logical_or") and any(i.id in constants for i in node.inputs):
+                # A constant side (a comparison of constants, folded to a Python bool): the op is
+                # that constant or the other side, as the tracer takes no Python bool in a mask op.
+                known = next(i for i in node.inputs if i.id in constants)
+                other = next(i for i in node.inputs if i is not known)
+                if bool(constants[known.id]) == (op == "logical_or"):
+                    constants[node.id] = op == "logical_or"
+                else:
+                    names[node.id] = names[other.id]
+                continue
             text = _call(op, [_text(a) for a in args], params_of, [i.id in constants for i in node.inputs])
         else:
             return None  # a reduction or a join inside dZ: not one elementwise pass over the tile
