@@ -344,3 +344,11 @@ def test_float8_casts_in_the_ir_round_as_torch_does():
         got, want = round_to(values, dtype), values.to(dtype).float()
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got[~got.isnan()], want[~want.isnan()]), dtype
+
+
+def test_fast_accum_is_refused_for_16_bit_inputs(tmp_path):
+    """fast_accum changes only the 8-bit wgmma's accumulation: asking for it elsewhere is an error,
+    not a knob that silently does nothing."""
+    ex = {"a": torch.randn(64, 64).half(), "b": torch.randn(64, 64).half()}
+    with pytest.raises(CompileError, match="fast_accum=True is for float8"):
+        evtc.compile(lambda acc: acc, ex, config={"fast_accum": True}, cache_dir=tmp_path)

@@ -510,6 +510,9 @@ class GemmConfig:
                 "ping-pong 128 x 64 or 64 x 128, or fast_accum=True")
         if self.fast_accum not in (True, False):
             bad(f"fast_accum must be True or False, got {self.fast_accum!r}")
+        if self.fast_accum and self.ab_dtype not in FLOAT8_DTYPES:
+            bad(f"fast_accum=True is for float8 a and b; {self.ab_dtype} a and b accumulate in full "
+                "float32 already")
         if self.block_scales:
             self._check_block_scales(bad)
         acc_regs = self.acc_regs
