@@ -609,3 +609,20 @@ def test_an_entry_whose_manifest_lists_no_kernel_file_is_not_loaded(tmp_path):
     assert entry is not None  # what it lists verifies
     with pytest.raises(RuntimeError, match="lists neither"):
         load(entry)
+
+
+def test_the_torch_path_ignores_the_callers_autocast(tmp_path):
+    """A kernel computes in its compiled dtypes whatever autocast says; so does the torch path (it
+    ran the float32 product and the epilogue in bfloat16 inside an autocast region)."""
+    def gelu_bias(acc, bias):
+        return torch.nn.functional.gelu(acc + bias)
+
+    for dtype in (torch.float16, torch.float32):
+        a, b = torch.randn(33, 64, dtype=dtype), torch.randn(64, 40, dtype=dtype)
+        bias = torch.randn(40)
+        kernel = evtc.compile(gelu_bias, dict(a=a, b=b, bias=bias), cache_dir=tmp_path)
+        outside = kernel(a, b, bias=bias)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = kernel(a, b, bias=bias)
+        assert kernel.last_path == "torch" and inside.dtype == outside.dtype == dtype
+        assert torch.equal(inside, outside)

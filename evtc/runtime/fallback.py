@@ -9,6 +9,7 @@ wherever torch is; it is not fused, so it is as slow as eager PyTorch.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -34,9 +35,15 @@ def accumulate(a: Any, b: Any) -> torch.Tensor:
 
 
 def run(graph: Graph, a: Any, b: Any, operands: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The outputs of ``graph`` for ``a @ b`` and ``operands``, by output name, in their dtypes."""
-    values = {graph.acc_name: accumulate(a, b), **operands}
-    result = evaluate(graph, values)
+    """The outputs of ``graph`` for ``a @ b`` and ``operands``, by output name, in their dtypes.
+
+    Outside any ``torch.autocast`` region of the caller: autocast would run the float32 product and
+    the epilogue's ops in 16 bits, where the kernel computes in float32 (the kernel's dtypes are
+    the compiled ones, autocast or not)."""
+    device = (a[0] if is_pair(a) else a).device.type
+    with torch.autocast(device, enabled=False) if device in ("cpu", "cuda") else contextlib.nullcontext():
+        values = {graph.acc_name: accumulate(a, b), **operands}
+        result = evaluate(graph, values)
     names = graph.outputs.names
     if graph.outputs.kind == "single":
         return {names[0]: result}
