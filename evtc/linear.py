@@ -177,10 +177,10 @@ class Linear:
         if x.shape[-1] != weight.shape[1]:
             raise CallError(f"evtc.linear: x has {x.shape[-1]} input features, weight {weight.shape[1]} "
                             f"(weight is (out_features, in_features) = {tuple(weight.shape)})")
-        if x.dim() not in self._exact_dims:
-            self._check_leading_dims(x.dim(), weight.shape[0], operands)
         lead = tuple(x.shape[:-1])
         flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
+        if x.dim() not in self._exact_dims:
+            self._check_leading_dims(x.dim(), weight.shape[0], operands)
         x2 = _rows(x)
         if out is None:
             result = kernel(x2, weight.t(), **flat)
@@ -279,11 +279,13 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
         return value.reshape(-1, value.shape[-1])
     if all(s == 1 for s in shape[:-1]):
         return value.reshape(1, shape[-1]) if value.dim() > 2 else value  # a row (or one value)
-    try:
-        expanded = value.reshape(shape).expand(*lead, shape[-1])
-    except RuntimeError:
-        return value  # not broadcastable: the call's checks name it
-    return expanded.reshape(-1, shape[-1])
+    if any(s not in (1, full) for s, full in zip(shape[:-1], lead, strict=True)):
+        # Not broadcastable against x's leading dims as torch broadcasts (a (B*S, n) operand
+        # beside x of (B, S, k) fails in torch): refused, not read as rows of the flattened x.
+        raise CallError(f"evtc.linear: an operand of shape {tuple(value.shape)} does not broadcast "
+                        f"against x's leading dims {lead} (as torch broadcasts it against x @ "
+                        "weight.t())")
+    return value.reshape(shape).expand(*lead, shape[-1]).reshape(-1, shape[-1])
 
 
 # Sizes of the probe that stands in for x's leading dims (distinct primes: a dim that fn reads by
@@ -324,8 +326,11 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
         if not isinstance(value, torch.Tensor):
             return value
         shape = tuple(value.shape)
-        if len(shape) == x_dims:  # (*lead, N) or (*lead, 1): x's leading dims
-            shape = (*probe, shape[-1])
+        if 2 <= len(shape) <= x_dims:
+            # Leading dims right-aligned with x's ((S, N) beside (B, S, K)): the probe's size where
+            # the operand spans x's dim, 1 where it broadcasts (_flatten_like checked the sizes).
+            aligned = probe[len(probe) - (len(shape) - 1):]
+            shape = (*(1 if s == 1 else p for s, p in zip(shape[:-1], aligned, strict=True)), shape[-1])
         return torch.empty(shape, dtype=value.dtype, device="meta")
 
     acc = torch.empty((*probe, n), dtype=torch.float32, device="meta")

@@ -593,13 +593,16 @@ def test_fused_linear_takes_no_input_features_and_names_bad_x(tmp_path):
             m(bad)
 
 
-@pytest.mark.parametrize("residual_shape", [(1, 5, 24), (5, 24), (3, 1, 24), (3, 1, 1), (1, 1, 24)])
-def test_operands_that_broadcast_over_some_leading_dims(residual_shape, tmp_path):
+@pytest.mark.parametrize("x_lead, residual_shape", [
+    ((3, 5), (1, 5, 24)), ((3, 5), (5, 24)), ((3, 5), (3, 1, 24)), ((3, 5), (3, 1, 1)), ((3, 5), (1, 1, 24)),
+    ((2, 4), (4, 24)), ((2, 7), (7, 1)), ((2, 3, 4), (3, 4, 24)), ((2, 3, 4), (3, 1, 24))])
+def test_operands_that_broadcast_over_some_leading_dims(x_lead, residual_shape, tmp_path):
     """An operand that torch broadcasts over some of x's leading dims ((S, N) beside x of (B, S, K))
     is expanded to them: values and gradients (summed over the broadcast) are torch's; they were
-    refused as having more dims than the flattened accumulator."""
+    refused as having more dims than the flattened accumulator, and (S, N) with an S other than
+    the leading-dims probe's sizes as failing in PyTorch."""
     m = evtc.nn.FusedLinear(16, 24, lambda acc, residual: acc + residual, bias=False, cache_dir=tmp_path)
-    x = torch.randn(3, 5, 16, requires_grad=True)
+    x = torch.randn(*x_lead, 16, requires_grad=True)
     r = torch.randn(residual_shape, requires_grad=True)
     y = m(x, residual=r)
     xr, rr = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
@@ -610,6 +613,16 @@ def test_operands_that_broadcast_over_some_leading_dims(residual_shape, tmp_path
     want.backward(g)
     _close(r.grad, rr.grad, "residual gradient")
     _close(x.grad, xr.grad, "x gradient")
+
+
+def test_operands_that_do_not_broadcast_against_the_leading_dims_are_refused(tmp_path):
+    """A (B*S, N) operand beside x of (B, S, K) fails in torch; it is refused, not read as rows of
+    the flattened x."""
+    m = evtc.nn.FusedLinear(16, 24, lambda acc, residual: acc + residual, bias=False, cache_dir=tmp_path)
+    x = torch.randn(3, 5, 16)
+    m(x, residual=torch.randn(5, 24))
+    with pytest.raises(evtc.CallError, match="does not broadcast"):
+        m(x, residual=torch.randn(15, 24))
 
 
 @evtc.epilogue
