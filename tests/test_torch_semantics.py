@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from semantics_cases import CASES, operands, torch_reference
 from support import flatten
 
@@ -83,6 +84,15 @@ def test_what_torch_refuses_is_refused():
     _refused(lambda acc: torch.where(acc, acc, 0.0), "condition is torch.float32, not a boolean mask")
     _refused(lambda acc: acc & (acc > 0), "not a boolean mask")
     _refused(lambda acc: (acc > 0) ^ acc, "not a boolean mask")
+    # Activations and abs of a mask raise in torch (other unary ops promote it to float).
+    for fn in (lambda acc: F.relu(acc > 0.3) * acc, lambda acc: (acc > 0).abs(), lambda acc: F.relu6(acc > 0),
+               lambda acc: F.gelu(acc > 0), lambda acc: F.silu(acc > 0), lambda acc: F.leaky_relu(acc > 0),
+               lambda acc: F.hardsigmoid(acc > 0), lambda acc: F.softplus(acc > 0)):
+        _refused(fn, "of a boolean mask, which torch refuses")
+    a, b, _ = _inputs({})
+    for fn in (lambda acc: torch.exp(acc > 0), lambda acc: torch.sigmoid(acc > 0) * acc):
+        torch.testing.assert_close(evtc.trace(fn, {"a": a, "b": b}).evaluate({"a": a, "b": b}).float(),
+                                   fn(a.float() @ b.float()), rtol=1e-3, atol=1e-3)
 
 
 def test_unsupported_python_forms_are_named():

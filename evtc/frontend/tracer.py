@@ -122,6 +122,10 @@ class Tracer:
             raise DTypeError(
                 "subtraction or negation of a boolean mask, which torch refuses: invert a mask with ~ "
                 "or torch.logical_not, or convert it with .float() first", loc)
+        if op in _NO_MASKS and any(masks):
+            raise DTypeError(
+                f"{op} of a boolean mask, which torch refuses (its activations and abs are not defined "
+                "for bool): convert the mask with .float() first", loc)
         if len(inputs) == 2 and all(masks) and op in _MASK_PAIRS:
             return _MASK_PAIRS[op], inputs
         if op == "logical_xor":  # a != b on masks (Python's ^ on two masks)
@@ -254,6 +258,10 @@ class Tracer:
 _COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
 #: torch on two boolean masks: + and maximum are "or", * and minimum are "and".
+#: Ops torch does not define for bool tensors (``F.relu(mask)`` raises); other unary ops promote a
+#: mask to float (``torch.exp(mask)``), as evtc does.
+_NO_MASKS = frozenset({"abs", "relu", "hardtanh", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu",
+                       "softplus", "mish", "hardswish", "hardsigmoid"})
 _MASK_PAIRS = {"add": "logical_or", "maximum": "logical_or", "mul": "logical_and", "minimum": "logical_and"}
 
 
