@@ -221,3 +221,16 @@ def test_joined_graph_evaluates_like_the_users():
         for g, w in zip(got, want, strict=True):
             # Not bit for bit: torch's vectorised gelu rounds a strided half differently by an ulp.
             torch.testing.assert_close(g, w, rtol=2e-6, atol=1e-5, msg=fn.__name__)
+
+
+def test_a_split_no_output_reads_is_refused_by_name(tmp_path):
+    """chunk(2) whose halves no output reads leaves values half as wide as the GEMM that no kernel
+    computes from: a ShapeError at the user's line (it crashed with KeyError 'N/2' in the launcher)."""
+    def halves_unused(acc, C):
+        gate, up = acc.chunk(2, dim=-1)
+        return C * 2.0
+
+    a, b, C = torch.randn(9, 5).half(), torch.randn(5, 12).half(), torch.randn(9, 6)
+    with pytest.raises(evtc.ShapeError, match="no output reads either half") as info:
+        evtc.compile(halves_unused, dict(a=a, b=b, C=C), cache_dir=tmp_path)
+    assert "test_gated.py" in str(info.value)

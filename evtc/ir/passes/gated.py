@@ -135,6 +135,7 @@ def kernel_graph(graph: Graph) -> Graph:
     """The graph evtc.compile generates code from: an optimized graph (:func:`evtc.trace`), split into
     halves when gated, fused again and validated."""
     if not is_gated(graph):
+        _refuse_dead_halves(graph)
         return graph
     from .fusion import fuse_elementwise
     from .validate import validate
@@ -201,3 +202,18 @@ def _whole_shape(shape: Shape) -> Shape:
 
 
 __all__ = ["HALF_NAMES", "is_gated", "join_halves", "kernel_graph", "split_halves"]
+
+
+def _refuse_dead_halves(graph: Graph) -> None:
+    """An epilogue that split the accumulator but whose outputs read neither half (``gate, up =
+    acc.chunk(2, -1); return C * 2``) still has values half as wide as the GEMM, which no kernel
+    computes from: refused by name (it crashed deep in the launcher)."""
+    half = N / 2
+    widths = [d for o in graph.operands.values() for d in (o.shape or ())]
+    widths += [d for n in graph.nodes for d in (n.shape or ())]
+    if any(sympy.sympify(d) == half for d in widths):
+        store = next((n for n in graph.nodes if n.op == "store"), None)
+        raise ShapeError("the epilogue splits the accumulator into halves (chunk or split), but no "
+                         "output reads either half: its outputs are half as wide as the GEMM without "
+                         "coming from it. Return a value computed from the halves, or drop the split",
+                         store.loc if store is not None else None)
