@@ -508,6 +508,25 @@ def test_inplace_on_values_that_share_memory(fn):
     assert err.loc.lineno == _marked_line(fn) and "shares" in str(err)
 
 
+def test_inplace_ops_torch_refuses_are_refused():
+    """An in-place op whose result is larger than its target (row += tile) and a float written into
+    a mask in place raise in torch; they were traced as rebinding the name."""
+    def grow(acc, bias):
+        y = bias * 2.0
+        y += acc  # error here
+        return y
+
+    def mask_float(acc):
+        m = acc > 0
+        m += 0.5  # error here
+        return acc * m
+
+    ex = {**EX, "bias": torch.randn(EX["b"].shape[-1])}
+    for fn, match in ((grow, "is larger than the value it writes into"), (mask_float, "into a boolean mask")):
+        err = _trace_error(fn, ex if fn is grow else EX, evtc.InPlaceError)
+        assert err.loc.lineno == _marked_line(fn) and match in str(err)
+
+
 def test_a_copying_cast_may_be_changed_in_place():
     def epilogue(acc):
         y = acc.to(torch.float32, copy=True)

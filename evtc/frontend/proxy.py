@@ -236,7 +236,16 @@ class TracedValue:
                 f"write `{self._input_name} = ...` with the out-of-place op, or use a new name",
                 user_location(),
             )
+        if tuple(result._node.shape) != tuple(self._node.shape):
+            raise InPlaceError(
+                f"in-place {op_name} whose result, of shape {_shape_text(result._node.shape)}, is larger "
+                f"than the value it writes into, of shape {_shape_text(self._node.shape)}, which torch "
+                "refuses: use the out-of-place op", user_location())
         own = self._node.dtype
+        if own == torch.bool and result._node.dtype != torch.bool:
+            raise InPlaceError(
+                f"in-place {op_name} of a number into a boolean mask, which torch refuses (a float "
+                "result cannot be written into a bool tensor): use the out-of-place op", user_location())
         if result._node.dtype != own and own.is_floating_point:
             # In place, torch writes the result into this value's dtype (a float16 `v += acc`
             # stays float16): round it there.
@@ -440,3 +449,7 @@ def _find_tracer(args: Any, kwargs: Any) -> Tracer:
         if found is not None:
             return found
     raise RuntimeError("__torch_function__ called without a traced value")  # pragma: no cover
+
+
+def _shape_text(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
