@@ -203,6 +203,10 @@ class TracedValue:
 
     def size(self, dim: int | None = None) -> Any:
         shape = self.shape
+        if dim is not None and not -len(shape) <= dim < len(shape):
+            # torch's IndexError, with its message (a tuple's would not say which dims exist).
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-len(shape)}, "
+                             f"{len(shape) - 1}], but got {dim})")
         return shape if dim is None else shape[dim]
 
     @property
