@@ -631,3 +631,9 @@ def test_type_checks_of_libraries_on_traced_values_pass():
     got = evtc.trace(epilogue, ex).evaluate(ex)
     want = epilogue(a.float() @ b.float(), EX["bias"].float())
     torch.testing.assert_close(got.float(), want.half().float())
+
+
+def test_size_past_the_rank_raises_torchs_index_error():
+    expected = r"Dimension out of range \(expected to be in range of \[-2, 1\], but got 5\)"
+    with pytest.raises(IndexError, match=expected):
+        evtc.trace(lambda acc: acc * acc.size(5), {"a": EX["a"], "b": EX["b"]})
