@@ -84,6 +84,7 @@ def test_what_torch_refuses_is_refused():
     _refused(lambda acc: torch.where(acc, acc, 0.0), "condition is torch.float32, not a boolean mask")
     _refused(lambda acc: acc & (acc > 0), "not a boolean mask")
     _refused(lambda acc: (acc > 0) ^ acc, "not a boolean mask")
+    _refused(lambda acc, s: torch.add(acc, acc, alpha=s), "alpha must be a number", s=torch.tensor([0.5]))
     # Activations and abs of a mask raise in torch (other unary ops promote it to float).
     for fn in (lambda acc: F.relu(acc > 0.3) * acc, lambda acc: (acc > 0).abs(), lambda acc: F.relu6(acc > 0),
                lambda acc: F.gelu(acc > 0), lambda acc: F.silu(acc > 0), lambda acc: F.leaky_relu(acc > 0),

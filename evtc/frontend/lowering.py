@@ -115,6 +115,9 @@ def _add_sub(op: str) -> Handler:
         _reject_out(kwargs, op)
         if isinstance(alpha, int | float) and alpha == 1:
             return t.emit(op, (input, other))
+        if isinstance(alpha, TracedValue) and alpha.dim() > 0:
+            raise DTypeError(f"torch.{op}'s alpha must be a number or a 0-dim tensor (torch refuses a "
+                             f"tensor of shape {tuple(alpha._node.shape)})", user_location())
         # torch computes input + alpha * other in float32 and rounds once, to the dtype the plain
         # sum would have: alpha * other is never rounded to a 16-bit other's dtype on its own.
         want = promote((t.node_of(input), t.node_of(other)))
