@@ -330,7 +330,9 @@ def test_float8_outputs_and_casts_round_as_torch_does_on_the_torch_path(tmp_path
     assert kernel.last_path == "torch"
     assert torch.isinf(want[0].float()).any() and not torch.isinf(want[1].float()).any()
     for g, w in zip(got, want, strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape
+        # The float32 output is bfloat16, as outputs without a final cast are (docs/epilogues.md):
+        # half an e5m2 value is exact there.
+        assert g.dtype == (torch.bfloat16 if w.dtype == torch.float32 else w.dtype) and g.shape == w.shape
         assert torch.equal(g.float(), w.float())
 
 

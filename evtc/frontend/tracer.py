@@ -21,7 +21,6 @@ from ..errors import (
 from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from ..ir.infer import promote
-from ..ir.ops import ELEMENTWISE
 from ..ir.shapes import L, varying_dims
 from . import lowering
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
@@ -445,46 +444,11 @@ def _depends_on_reduction(node: Node) -> bool:
 
 
 def _default_output_dtype(node: Node, ab_dtype: torch.dtype) -> torch.dtype:
-    """An explicit final cast wins; else reductions are float32, a full tile computed from values
-    the epilogue cast explicitly takes their dtype as torch promotes it (``acc.float() + C`` is
-    float32 in torch whatever a's dtype), and other full tiles a's dtype (bfloat16 for float8 a and
-    b, whose products are not stored in 8 bits unless the epilogue says so, as with
-    ``torch._scaled_mm(..., out_dtype=torch.bfloat16)``)."""
+    """An explicit final cast wins; else full tiles take a's dtype (bfloat16 for float8 a and b,
+    whose products are not stored in 8 bits unless the epilogue says so, as with
+    ``torch._scaled_mm(..., out_dtype=torch.bfloat16)``) and reductions float32."""
     if node.op == "cast" and not node.attrs.get("implicit") or node.dtype not in (COMPUTE_DTYPE, torch.bool):
         return node.dtype
     if _depends_on_reduction(node):
         return COMPUTE_DTYPE
-    explicit = _explicit_dtype(node, {})
-    if explicit is not None:
-        return explicit
     return torch.bfloat16 if ab_dtype in FLOAT8_DTYPES else ab_dtype
-
-
-def _explicit_dtype(node: Node, memo: dict[int, torch.dtype | None]) -> torch.dtype | None:
-    """The dtype torch gives ``node`` from the explicit casts it is computed from, through
-    elementwise arithmetic (None where it has none): a cast's own dtype, promoted as torch promotes
-    (a 0-dim value does not promote one with dims; a mask is not a cast value)."""
-    stack = [node]  # post-order without recursion: programs can be long chains
-    while stack:
-        current = stack[-1]
-        if current.id in memo:
-            stack.pop()
-            continue
-        through = current.op in ELEMENTWISE and not ELEMENTWISE[current.op].boolean and not (
-            current.op == "cast" and not current.attrs.get("implicit"))
-        pending = [i for i in current.inputs if i.id not in memo] if through else []
-        if pending:
-            stack.extend(pending)
-            continue
-        stack.pop()
-        found: torch.dtype | None = None
-        if current.op == "cast" and not current.attrs.get("implicit"):
-            found = current.attrs["dtype"]
-        elif through:
-            for i in current.inputs:
-                dtype = memo[i.id]
-                if dtype is None or dtype == torch.bool or (i.shape == () and current.shape != ()):
-                    continue
-                found = dtype if found is None else torch.promote_types(found, dtype)
-        memo[current.id] = found
-    return memo[node.id]
