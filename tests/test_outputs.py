@@ -81,23 +81,6 @@ def test_output_dtypes_default_explicit_and_override():
         evtc.trace(epilogue, ex, out_dtypes=torch.int32)
 
 
-def test_outputs_of_explicitly_cast_values_take_torchs_promoted_dtype():
-    """An output computed from values cast explicitly has the dtype torch gives it on a 16-bit
-    accumulator; without an explicit cast, a's dtype (even where a float32 operand would promote it
-    in torch: documented)."""
-    def epilogue(acc, C, s):
-        return (acc.float() + C, (acc * 1e-5).float() * 2.0, acc.to(torch.bfloat16) * 2.0,
-                acc.half() + acc.to(torch.bfloat16), acc * s.float(), torch.where(acc > 0, acc.float(), 0.0),
-                acc + C)
-
-    ex = {**_inputs(SHAPES[0], "C"), "s": torch.tensor(0.5, dtype=torch.float16)}
-    g = evtc.trace(epilogue, ex)
-    eager = epilogue(ex["a"] @ ex["b"], ex["C"], ex["s"])  # torch's dtypes on a float16 acc
-    assert [s.dtype for s in g.stores][:6] == [t.dtype for t in eager][:6]
-    assert [s.dtype for s in g.stores] == [torch.float32, torch.float32, torch.bfloat16, torch.float32,
-                                           torch.float16, torch.float32, torch.float16]
-
-
 def test_output_structures():
     ex = _inputs(SHAPES[0])
     single = evtc.trace(lambda acc: acc, ex)
