@@ -527,6 +527,25 @@ def test_inplace_ops_torch_refuses_are_refused():
         assert err.loc.lineno == _marked_line(fn) and match in str(err)
 
 
+def test_inplace_ops_on_python_numbers_rebind_the_name():
+    """A value computed from runtime scalars is a Python number: += rebinds its name, whatever the
+    result (torch's in-place rules are for tensors)."""
+    def grow(acc, alpha: float):
+        s = alpha * 2.0
+        s += acc
+        return s
+
+    def flag(acc, alpha: float):
+        on = alpha > 0.0
+        on += 0.5
+        return acc * on
+
+    a, b = EX["a"], EX["b"]
+    for fn in (grow, flag):
+        got = evtc.trace(fn, {"a": a, "b": b, "alpha": 0.75}).evaluate({"a": a, "b": b, "alpha": 0.75})
+        torch.testing.assert_close(got.float(), fn(a.float() @ b.float(), 0.75).half().float())
+
+
 def test_a_copying_cast_may_be_changed_in_place():
     def epilogue(acc):
         y = acc.to(torch.float32, copy=True)

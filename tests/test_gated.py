@@ -234,3 +234,13 @@ def test_a_split_no_output_reads_is_refused_by_name(tmp_path):
     with pytest.raises(evtc.ShapeError, match="no output reads either half") as info:
         evtc.compile(halves_unused, dict(a=a, b=b, C=C), cache_dir=tmp_path)
     assert "test_gated.py" in str(info.value)
+
+
+def test_an_unused_operand_half_as_wide_is_not_a_split(tmp_path):
+    """An operand that happens to be N/2 wide but is never read does not make an epilogue gated."""
+    def maybe_residual(acc, R, use: bool = False):
+        return acc + R if use else acc * 2
+
+    a, b, R = torch.randn(9, 5).half(), torch.randn(5, 64).half(), torch.randn(9, 32)
+    k = evtc.compile(maybe_residual, dict(a=a, b=b, R=R), cache_dir=tmp_path)
+    torch.testing.assert_close(k(a, b, R=R).float(), (a.float() @ b.float() * 2).half().float())

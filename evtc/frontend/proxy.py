@@ -226,8 +226,9 @@ class TracedValue:
     # --- rebinding for in-place ops on intermediates ----------------------------------------------
     def _assign(self, result: TracedValue, op_name: str) -> TracedValue:
         """Make an in-place op on this value take effect: every alias of it sees the new value."""
-        if self._input_name is not None and self._node.is_python_scalar:
-            # A Python number is immutable: `alpha += 1.0` only rebinds the name, as in Python.
+        if self._node.is_python_scalar:
+            # A Python number (a runtime scalar, or a value computed from numbers) is immutable:
+            # `alpha += 1.0` or `s = alpha * 2; s += acc` only rebinds the name, as in Python.
             return result
         if self._shares_memory is not None:
             raise InPlaceError(
