@@ -66,8 +66,7 @@ def _refuse_jit(module: str) -> None:
 def _hooked(module: nn.Module) -> bool:
     """Whether anything hooks into ``module``'s calls (its own hooks, global module hooks, or a
     forward pre-hook that recomputes its weight, as pruning and the old weight_norm do)."""
-    from torch.nn.modules import module as modules
-
+    modules = nn.modules.module
     own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
            module._backward_pre_hooks)
     shared = (modules._global_forward_hooks, modules._global_forward_pre_hooks,

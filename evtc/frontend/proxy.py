@@ -15,6 +15,7 @@ import sympy
 import torch
 
 from ..errors import ControlFlowError, InPlaceError, UnsupportedOpError
+from ..ir.shapes import format_shape
 from .source import user_location
 
 if TYPE_CHECKING:
@@ -243,8 +244,8 @@ class TracedValue:
             )
         if tuple(result._node.shape) != tuple(self._node.shape):
             raise InPlaceError(
-                f"in-place {op_name} whose result, of shape {_shape_text(result._node.shape)}, is larger "
-                f"than the value it writes into, of shape {_shape_text(self._node.shape)}, which torch "
+                f"in-place {op_name} whose result, of shape {format_shape(result._node.shape)}, is larger "
+                f"than the value it writes into, of shape {format_shape(self._node.shape)}, which torch "
                 "refuses: use the out-of-place op", user_location())
         own = self._node.dtype
         if own == torch.bool and result._node.dtype != torch.bool:
@@ -454,7 +455,3 @@ def _find_tracer(args: Any, kwargs: Any) -> Tracer:
         if found is not None:
             return found
     raise RuntimeError("__torch_function__ called without a traced value")  # pragma: no cover
-
-
-def _shape_text(shape) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"

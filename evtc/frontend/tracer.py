@@ -256,11 +256,12 @@ class Tracer:
 #: The comparisons, which torch computes in the promoted dtype of their two sides.
 _COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
-#: torch on two boolean masks: + and maximum are "or", * and minimum are "and".
 #: Ops torch does not define for bool tensors (``F.relu(mask)`` raises); other unary ops promote a
 #: mask to float (``torch.exp(mask)``), as evtc does.
 _NO_MASKS = frozenset({"abs", "relu", "hardtanh", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu",
                        "softplus", "mish", "hardswish", "hardsigmoid"})
+
+#: torch on two boolean masks: + and maximum are "or", * and minimum are "and".
 _MASK_PAIRS = {"add": "logical_or", "maximum": "logical_or", "mul": "logical_and", "minimum": "logical_and"}
 
 

@@ -29,7 +29,7 @@ import sympy
 
 from ...errors import ReductionError, ShapeError
 from ..graph import Graph, GraphBuilder, Node, Operand, replace_nodes
-from ..shapes import N, Shape
+from ..shapes import HALF_N, N, Shape
 
 HALF_NAMES = ("gate", "up")
 
@@ -201,20 +201,20 @@ def _whole_shape(shape: Shape) -> Shape:
     return (*_user_shape(shape[:-1]), N)
 
 
-__all__ = ["HALF_NAMES", "is_gated", "join_halves", "kernel_graph", "split_halves"]
-
-
 def _refuse_dead_halves(graph: Graph) -> None:
     """An epilogue that split the accumulator but whose outputs read neither half (``gate, up =
     acc.chunk(2, -1); return C * 2``) still has values half as wide as the GEMM, which no kernel
     computes from: refused by name (it crashed deep in the launcher)."""
-    half = N / 2
     # The values the outputs are computed from (an unused operand that happens to be N/2 wide is
     # not one: it is never loaded).
     widths = [d for n in graph.nodes for d in (n.shape or ())]
-    if any(sympy.sympify(d) == half for d in widths):
+    if any(sympy.sympify(d) == HALF_N for d in widths):
         store = next((n for n in graph.nodes if n.op == "store"), None)
         raise ShapeError("the epilogue splits the accumulator into halves (chunk or split), but no "
                          "output reads either half: its outputs are half as wide as the GEMM without "
                          "coming from it. Return a value computed from the halves, or drop the split",
                          store.loc if store is not None else None)
+
+
+__all__ = ["HALF_NAMES", "is_gated", "join_halves", "kernel_graph", "split_halves"]
+
