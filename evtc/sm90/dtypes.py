@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cutlass
+import cutlass.cute as cute
 
 _CUTLASS = {
     "float16": cutlass.Float16,
@@ -49,8 +50,6 @@ def narrow(values, dtype):
     values at or beyond :data:`E5M2_OVERFLOW` (infinities included) are replaced by a signed
     infinity after the conversion.
     """
-    import cutlass.cute as cute
-
     narrowed = values.to(dtype)
     if dtype is not cutlass.Float8E5M2:
         return narrowed
