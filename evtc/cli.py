@@ -96,8 +96,9 @@ def _demo_inputs(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dic
             return torch.empty(shape, dtype=dt, device="meta")
         return (torch.randn(shape, device=device, generator=g) * scale).to(dt)
 
-    return dict(a=randn(m, k), b=randn(k, n), bias=randn(n, dt=torch.float32), residual=randn(m, n),
-                alpha=0.5)
+    # A bias of a's dtype, as a model's layer has (a float32 one would make the outputs float32,
+    # as torch promotes them).
+    return dict(a=randn(m, k), b=randn(k, n), bias=randn(n), residual=randn(m, n), alpha=0.5)
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -432,6 +432,7 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
     import torch
 
     from evtc.frontend.inputs import read_signature
+    from evtc.numpy_scalars import is_numpy_scalar
 
     signature = read_signature(user_fn)
     live = _user_operand_names(graph, emitted)
@@ -441,6 +442,8 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
         if name in live:
             continue
         value = example_inputs[name] if name in example_inputs else signature.defaults[name]
+        if is_numpy_scalar(value):
+            value = value.item()  # the Python number or bool it holds, as the trace read it
         # A tensor or a runtime scalar that no output depends on; anything else specialised the trace.
         runtime = isinstance(value, torch.Tensor) or (
             isinstance(value, int | float) and not isinstance(value, bool) and name in example_inputs)
@@ -449,7 +452,8 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
         else:
             constants.append((name, value))
     return CallInterface(parameters=tuple(signature.params), unused=frozenset(unused),
-                         constants=tuple(constants), strict=strict)
+                         constants=tuple(constants), strict=strict, fixed_n=graph.fixed_n,
+                         operand_variants=graph.operand_variants)
 
 
 def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: str, remedy: str) -> Kernel:

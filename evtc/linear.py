@@ -18,7 +18,7 @@ import torch
 
 from evtc.compile import compile as _compile_kernel
 from evtc.errors import CallError, EpilogueError
-from evtc.runtime.call_checks import refuse_shared_targets
+from evtc.runtime.call_checks import refuse_overlapping, refuse_shared_targets
 from evtc.runtime.kernel import Kernel
 
 if TYPE_CHECKING:
@@ -189,6 +189,7 @@ class Linear:
             # Under torch.compile the kernel is a functional operator whose results are copied into
             # out= in any case; and a view of `out` that fails (below) cannot be caught while tracing.
             return self._written_into(kernel, x2, weight, flat, lead, out)
+        self._check_out_rows(kernel, out, lead)
         try:
             # Views only: a reshape that copied would have the kernel write the copy, not `out`.
             flat_out = self._per_output(kernel, out, lambda t: t.view(-1, *t.shape[len(lead):]))
@@ -200,6 +201,22 @@ class Linear:
             flat_out = out  # not the epilogue's structure: the kernel's own check says what is wrong
         kernel(x2, weight.t(), out=flat_out, **flat)
         return out
+
+    def _check_out_rows(self, kernel: Kernel, out: Any, lead: tuple) -> None:
+        """Refuse an out= tensor along M whose leading dims are not x's (a (S, B, N) one for x of
+        (B, S, K) would be filled row by row, in the wrong order, where torch resizes or refuses)."""
+        def check(t):
+            if isinstance(t, torch.Tensor) and t.dim() >= len(lead) and tuple(t.shape[:len(lead)]) != lead:
+                raise CallError(f"evtc.linear: out has shape {tuple(t.shape)}, whose leading dims are not "
+                                f"x's {lead}")
+            return t
+
+        try:
+            self._per_output(kernel, out, check)
+        except CallError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            pass  # not the epilogue's structure: the kernel's own check says what is wrong
 
     def _written_into(self, kernel: Kernel, x2, weight, flat, lead, out):
         """``kernel`` on new tensors, then copied into ``out``; returns ``out``."""
@@ -222,8 +239,11 @@ class Linear:
             if not isinstance(o, torch.Tensor) or o.shape != r.shape or o.dtype != r.dtype:
                 what = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
                 raise CallError(f"evtc.linear: out {name!r} must be {tuple(r.shape)} {r.dtype}, got {what}")
-        # Two targets sharing memory would each hold whichever output was copied last.
+        # Two targets sharing memory would each hold whichever output was copied last; so would
+        # the elements of an expanded one.
         refuse_shared_targets({name: given[name] for name in got})
+        for name in got:
+            refuse_overlapping(f"evtc.linear: out {name!r}", given[name])
         for name, r in got.items():
             given[name].copy_(r)
 

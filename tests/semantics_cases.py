@@ -115,6 +115,30 @@ def where_between_masks(acc):
     return torch.where(w, acc, 0.0).float(), (w * 1.0).float()
 
 
+def composites_with_special_values(acc, C):
+    # torch functions evtc writes out with its own ops (evtc/frontend/composites.py), on values
+    # that reach NaN and the infinities (acc / 0 where acc is 0 or not).
+    v = acc / torch.where(acc.abs() < 0.5, 0.0, 1.0)
+    y = acc.float()
+    return (torch.nan_to_num(v), torch.nan_to_num(v.half(), nan=-1.0).float(),
+            torch.isnan(v).float() + 2 * torch.isinf(v) + 4 * torch.isfinite(v),
+            y.masked_fill(acc > 1.0, float("-inf")), torch.lerp(y, C, 0.25) + torch.lerp(y, C, 0.75),
+            torch.addcmul(C, y, y, value=-0.5) + torch.addcdiv(y, C, y.abs() + 1.0, value=2.0),
+            torch.rsub(y, C, alpha=3.0))
+
+
+def composite_activations(acc):
+    y = (acc * 8.0).float()  # into exp's tails
+    return (F.selu(y), F.celu(y, alpha=0.5), F.logsigmoid(y), F.softsign(y),
+            F.dropout(y, 0.2, training=False).contiguous().detach().clone())
+
+
+def glu_of_the_accumulator(acc):
+    # A gated epilogue: every output is half as wide.
+    y = (acc * 4.0).float()
+    return F.glu(y), F.glu(y, dim=-1).sum(-1)
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -137,6 +161,9 @@ CASES = {
     "mask_changed_in_place_through_an_alias": (mask_changed_in_place_through_an_alias, {}),
     "literals_at_the_edge_of_float32": (literals_at_the_edge_of_float32, {}),
     "where_between_masks": (where_between_masks, {}),
+    "composites_with_special_values": (composites_with_special_values, {"C": "MN"}),
+    "composite_activations": (composite_activations, {}),
+    "glu_of_the_accumulator": (glu_of_the_accumulator, {}),
 }
 
 

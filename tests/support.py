@@ -58,13 +58,34 @@ def assert_same_outputs(graph_out: Any, ref_out: Any) -> None:
                                    msg=lambda m, key=key: f"output {key!r}: {m}")
 
 
+def eager_dtypes(fn: Callable[..., Any], inputs: dict[str, Any]) -> list[torch.dtype]:
+    """The dtype of each output of `fn` run by torch itself on ``acc = a @ b`` in a's dtype (on
+    meta tensors, which follow torch's promotion rules without computing): the dtypes evtc's
+    outputs take. A boolean mask reads as a's dtype, which is how evtc returns one."""
+    a, b = inputs["a"], inputs["b"]
+    fn = getattr(fn, "__wrapped__", fn)
+    acc = torch.empty(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
+                      dtype=a.dtype, device="meta")
+    params = list(__import__("inspect").signature(fn).parameters)[1:]
+    operands = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v)
+                for k, v in inputs.items() if k in params}
+    try:
+        out = fn(acc, **operands)
+    except (NotImplementedError, RuntimeError):  # no meta kernel, or a CPU constant it makes: on the CPU
+        out = fn(torch.zeros(acc.shape, dtype=a.dtype), **{k: v for k, v in inputs.items() if k in params})
+    return [a.dtype if v.dtype == torch.bool else v.dtype for _, v in flatten(out)]
+
+
 def check_epilogue(fn: Callable[..., Any], inputs: dict[str, Any], **trace_kwargs: Any) -> evtc.Graph:
-    """Trace `fn`, optimize it, evaluate the graph and compare with the function run directly."""
+    """Trace `fn`, optimize it, evaluate the graph and compare with the function run directly; the
+    outputs' dtypes are those torch gives the function (unless the trace overrides them)."""
     graph = evtc.trace(fn, inputs, **trace_kwargs)
     raw = evtc.trace(fn, inputs, optimize_graph=False, **trace_kwargs)
     ref = evtc.reference(fn, inputs)
     assert_same_outputs(graph.evaluate(inputs), ref)
     assert_same_outputs(raw.evaluate(inputs), ref)
+    if "out_dtypes" not in trace_kwargs and inputs["a"].dtype.itemsize > 1:
+        assert [s.dtype for s in graph.stores] == eager_dtypes(fn, inputs), "dtypes differ from torch"
     return graph
 
 

@@ -265,14 +265,20 @@ def test_batches_that_broadcast_take_the_torch_path(cache, a_shape, b_shape):
 
 
 def test_operands_of_another_float_dtype_than_compiled(cache):
-    """The function widens every operand to float32, so the graph gives its result for any float
-    operand dtype: such calls take the torch path (on the GPU too); other dtypes are CallErrors."""
+    """The function widens every operand to float32, so the graph gives its result for another
+    float operand dtype where torch's outputs keep their dtypes: such calls take the torch path
+    (on the GPU too). Here a float32 bias makes both outputs float32 (as torch promotes them), so
+    C may be any float dtype and the bias float32 or bfloat16 (float32 beside float16 a and b too);
+    a float16 bias (float16 outputs in torch) and non-float dtypes are CallErrors."""
     ex = _inputs() | {"alpha": 0.5}
     k = evtc.compile(residual, ex, cache_dir=cache)
-    C32, bias16 = ex["C"].float() * 1.001, ex["bias"].half()
-    got = k(ex["a"], ex["b"], C=C32, bias=bias16, alpha=0.5)
-    want = residual(ex["a"].float() @ ex["b"].float(), C32, bias16.float(), 0.5)
-    _close(got, (want[0].half(), want[1]), torch.float16)
+    for C, bias in [(ex["C"].float(), ex["bias"].bfloat16()), (ex["C"].bfloat16(), ex["bias"])]:
+        got = k(ex["a"], ex["b"], C=C, bias=bias, alpha=0.5)
+        want = residual(ex["a"].float() @ ex["b"].float(), C.float(), bias.float(), 0.5)
+        assert [g.dtype for g in got] == [w.dtype for w in residual(ex["a"] @ ex["b"], C, bias, 0.5)]
+        _close(got, want, torch.float32)
+    with pytest.raises(evtc.CallError, match="bias is a f16 tensor, with which torch gives"):
+        k(ex["a"], ex["b"], C=ex["C"], bias=ex["bias"].half(), alpha=0.5)
     with pytest.raises(evtc.CallError, match="C must be torch.float16"):
         k(ex["a"], ex["b"], C=ex["C"].double(), bias=ex["bias"], alpha=0.5)
 
@@ -470,9 +476,9 @@ def test_empty_problems_check_their_arguments_on_the_kernel_path(tmp_path):
                 k(call[0], call[1], bias=call[2])
         y, sums = k(a[:0], b, bias=bias)
         assert y.shape == (0, 128) and sums.shape == (0,) and k.last_path == "kernel"
-        out = (torch.empty(64, 0, dtype=torch.float16), torch.empty(64, dtype=torch.float32))
+        out = (torch.empty(64, 0, dtype=torch.float16), torch.empty(64, dtype=torch.float16))  # as torch
         y, sums = k(a, b[:, :0], bias=bias[:0], out=out)  # N = 0: sums of nothing are 0
-        assert y is out[0] and sums is out[1] and torch.equal(sums, torch.zeros(64))
+        assert y is out[0] and sums is out[1] and torch.equal(sums, torch.zeros(64, dtype=torch.float16))
 
 
 def test_a_batch_of_one_beside_a_batch_of_zero_is_torchs_empty_result():
@@ -549,3 +555,22 @@ def test_out_tensors_that_share_memory_are_refused_before_any_is_written(cache):
     with pytest.raises(evtc.CallError):
         k(a.requires_grad_(), b, C=C, out=(good, bad))
     assert (good == 7).all()
+
+
+def test_operands_by_position_in_the_functions_order(tmp_path):
+    """k(a, b, C, bias) passes the operands as calling the function would: by position after a
+    and b, in its parameters' order; mixed with names, and refused when given twice or too many."""
+    def epilogue(acc, C, bias, alpha: float = 2.0):
+        return acc * alpha + C + bias
+
+    a, b = torch.randn(16, 8), torch.randn(8, 24)
+    C, bias = torch.randn(16, 24), torch.randn(24)
+    k = evtc.compile(epilogue, {"a": a, "b": b, "C": C, "bias": bias, "alpha": 2.0}, arch="sm_90a",
+                     cache_dir=tmp_path)
+    want = epilogue(a @ b, C, bias, 0.5)
+    torch.testing.assert_close(k(a, b, C, bias, 0.5), want)
+    torch.testing.assert_close(k(a, b, C, bias=bias, alpha=0.5), want)
+    with pytest.raises(evtc.CallError, match="multiple values for 'C'"):
+        k(a, b, C, C=C, bias=bias)
+    with pytest.raises(evtc.CallError, match="at most 5 positional"):
+        k(a, b, C, bias, 0.5, 1.0)

@@ -3,6 +3,8 @@ halves, how the outputs come back in the epilogue's structure, their shapes and 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -241,9 +243,9 @@ def scaled_identity(acc):
     return acc * 2.0
 
 
-def test_out_of_another_shape_is_refused_on_the_operator_path(tmp_path):
-    """Inputs that need grad take the custom operator; its out= copies are checked like an eager
-    call's, never broadcast or cast into."""
+def test_out_beside_inputs_that_need_grad_is_refused(tmp_path):
+    """out= with inputs that need grad is refused in grad mode, right or wrong, as torch refuses it
+    (the write is not differentiable); under no_grad it is written."""
     k = _compile(scaled_identity, tmp_path)
     a = torch.randn(64, 128, dtype=torch.float16, requires_grad=True)
     b = torch.randn(256, 128, dtype=torch.float16).t()
@@ -251,7 +253,10 @@ def test_out_of_another_shape_is_refused_on_the_operator_path(tmp_path):
         with pytest.raises(evtc.CallError, match="out"):
             k(a, b, out=wrong)
     out = torch.empty(64, 256, dtype=torch.float16)
-    got = k(a, b, out=out)
+    with pytest.raises(evtc.CallError, match="not differentiable"):
+        k(a, b, out=out)  # a right out= too: as torch.matmul(a, b, out=out) refuses
+    with torch.no_grad():
+        got = k(a, b, out=out)
     want = (a.detach().double() @ b.double()) * 2
     assert got is out and torch.allclose(out.double(), want, atol=1e-2, rtol=1e-2)
 
@@ -262,10 +267,11 @@ def test_out_whose_elements_share_memory_is_refused(tmp_path):
     k = _compile(scaled_identity, tmp_path)
     b = torch.randn(256, 128, dtype=torch.float16).t()
     row = torch.zeros(1, 256, dtype=torch.float16)
-    for a in (torch.randn(64, 128, dtype=torch.float16),
-              torch.randn(64, 128, dtype=torch.float16, requires_grad=True)):
-        with pytest.raises(evtc.CallError, match="share memory.*expanded"):
-            k(a, b, out=row.expand(64, 256))
+    a = torch.randn(64, 128, dtype=torch.float16)
+    for grad in (False, True):  # the operator path under no_grad (out= with grad is refused)
+        with torch.no_grad() if grad else contextlib.nullcontext():
+            with pytest.raises(evtc.CallError, match="share memory.*expanded"):
+                k(a.clone().requires_grad_(grad), b, out=row.expand(64, 256))
         assert not row.any()
 
 

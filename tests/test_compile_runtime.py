@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bias_relu(acc, C, bias, alpha: float):
-    return torch.relu(alpha * acc + C + bias)
+    # A float32 bias makes the sum float32, as in torch: the cast keeps C's dtype for the output.
+    return torch.relu(alpha * acc + C + bias).to(C.dtype)
 
 
 def example(m=256, n=512, k=128, dtype=torch.float16, device="meta"):
@@ -619,7 +620,7 @@ def test_the_torch_path_ignores_the_callers_autocast(tmp_path):
 
     for dtype in (torch.float16, torch.float32):
         a, b = torch.randn(33, 64, dtype=dtype), torch.randn(64, 40, dtype=dtype)
-        bias = torch.randn(40)
+        bias = torch.randn(40, dtype=dtype)
         kernel = evtc.compile(gelu_bias, dict(a=a, b=b, bias=bias), cache_dir=tmp_path)
         outside = kernel(a, b, bias=bias)
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -388,7 +388,8 @@ def test_modules_follow_autocast():
     residual = torch.randn(5, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, rows = block(x, residual=residual, alpha=0.5)
-    assert out.dtype == torch.bfloat16 and block.up.weight.dtype == torch.float32
+    # A bfloat16 layer output plus a float32 residual is float32, as torch promotes it.
+    assert out.dtype == torch.float32 and block.up.weight.dtype == torch.float32
     (out.float().square().mean() + rows.float().mean()).backward()
     assert block.up.weight.grad.dtype == torch.float32 and block.down.weight.grad is not None
     h = swiglu(x.detach().bfloat16().float() @ block.up.weight.detach().bfloat16().float().t())
@@ -454,7 +455,7 @@ def test_out_is_written_whatever_its_leading_strides():
         lin(x, w, bias=bias, out=(seq_major, seq_rows))
     _close(seq_major, want_y, "transposed buffer")
     _close(seq_rows, want_s, "transposed rows")
-    with pytest.raises(evtc.CallError, match="out 'D1' must be"):
+    with pytest.raises(evtc.CallError, match="out 'D1' must be|leading dims are not x's"):
         with torch.no_grad():
             lin(x, w, bias=bias, out=(cache[:, :5], torch.empty(2, 9)[:, :4]))
     # A flattenable out is written in place too, and returned as given.
@@ -715,3 +716,21 @@ def test_modules_on_meta_tensors_under_autocast_and_jit():
         torch.jit.script(layer)
     with pytest.raises(evtc.CallError, match="torch.jit.trace"):
         torch.jit.trace(layer, (torch.randn(3, 16),))
+
+
+def test_out_of_other_leading_dims_or_expanded_is_refused():
+    """out= whose leading dims are not x's ((S, B, N) or (1, B*S, N) for x of (B, S, K)) would be
+    filled row by row in another order: refused by name, as an expanded out= (its elements share
+    memory), before anything is written."""
+    w, bias = torch.randn(24, 16), torch.randn(24)
+    x = torch.randn(3, 5, 16)
+    lin = evtc.linear(lambda acc, bias: acc + bias, {"x": x, "weight": w, "bias": bias})
+    for shape in ((5, 3, 24), (1, 15, 24), (15, 1, 24)):
+        out = torch.full(shape, 7.0)
+        with torch.no_grad(), pytest.raises(evtc.CallError, match="leading dims are not x's"):
+            lin(x, w, bias=bias, out=out)
+        assert (out == 7).all()
+    expanded = torch.full((1, 5, 24), 7.0).expand(3, 5, 24)
+    with torch.no_grad(), pytest.raises(evtc.CallError, match="share memory"):
+        lin(x, w, bias=bias, out=expanded)
+    assert (expanded == 7).all()

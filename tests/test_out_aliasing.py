@@ -4,8 +4,10 @@ whose memory overlaps a or b, or part of an operand. The GPU behaviour: tests/te
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import evtc
 from evtc.runtime.out_aliasing import unaliased
 
 
@@ -50,3 +52,24 @@ def test_overlap_is_exact():
     for x, y in pairs:
         want = bool(_addresses(x) & _addresses(y)) if x.numel() and y.numel() else False
         assert overlap(x, y) == want == overlap(y, x), (x.shape, x.stride(), y.shape, y.stride())
+
+
+def test_out_beside_grad_inputs_and_host_outputs_on_another_device_are_refused(tmp_path):
+    """torch refuses out= when an input requires grad (grad mode on), and an out= on another device
+    than the inputs; a reduction's out= is checked for its device too, before anything is written."""
+    def with_sums(acc):
+        return acc * 2, acc.sum(-1)
+
+    a, b = torch.randn(16, 8), torch.randn(8, 24)
+    k = evtc.compile(with_sums, {"a": a.half(), "b": b.half()}, arch="sm_90a", cache_dir=tmp_path)
+    a, b = a.half(), b.half()
+    out = (torch.empty(16, 24, dtype=torch.float16), torch.empty(16, dtype=torch.float16))
+    with pytest.raises(evtc.CallError, match="not differentiable"):
+        k(a.clone().requires_grad_(), b, out=out)
+    meta_sums = torch.empty(16, dtype=torch.float16, device="meta")
+    with pytest.raises(evtc.CallError, match="must share a device"):
+        k(a, b, out=(out[0], meta_sums))
+    with torch.no_grad():
+        got = k(a.clone().requires_grad_(), b, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    torch.testing.assert_close(out[1].float(), (a.float() @ b.float()).sum(-1), rtol=2e-3, atol=2e-2)

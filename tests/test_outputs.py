@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import SHAPES, check_epilogue, gemm_inputs, rand
+from support import SHAPES, check_epilogue, eager_dtypes, gemm_inputs, rand
 
 import evtc
 
@@ -26,7 +26,8 @@ def test_issue_example():
     ex = _inputs(SHAPES[1], "bias", "C") | {"alpha": 1.0}
     g = evtc.trace(bias_gelu_residual, ex)
     d, amax = g.evaluate(ex)
-    assert d.dtype == torch.float16 and amax.dtype == torch.float32 and amax.shape == ()
+    # A float32 bias promotes y to float32 in torch, and so its amax.
+    assert d.dtype == amax.dtype == torch.float32 and amax.shape == ()
     check_epilogue(bias_gelu_residual, ex)
 
 
@@ -67,9 +68,11 @@ def test_output_dtypes_default_explicit_and_override():
     def epilogue(acc, C):
         return acc + C, (acc * 2).to(torch.bfloat16), acc.amax(), (acc - C).float()
 
-    ex = _inputs(SHAPES[0], "C")
+    ex = _inputs(SHAPES[0]) | {"C": rand(32, 32, dtype=torch.float16, seed=7)}
     g = evtc.trace(epilogue, ex)
-    assert [s.dtype for s in g.stores] == [torch.float16, torch.bfloat16, torch.float32, torch.float32]
+    # As torch: a float16 sum, an explicit bfloat16, the amax of a float16 value, an explicit float32.
+    assert [s.dtype for s in g.stores] == [torch.float16, torch.bfloat16, torch.float16, torch.float32]
+    assert [s.dtype for s in g.stores] == eager_dtypes(epilogue, ex)
     g = evtc.trace(epilogue, ex, out_dtypes={"D0": torch.float32, "D2": torch.bfloat16})
     assert [s.dtype for s in g.stores] == [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
     g = evtc.trace(epilogue, ex, out_dtypes=torch.float8_e4m3fn)

@@ -68,6 +68,20 @@ def _unary(op: str, **fixed: Any) -> Handler:
     return handler
 
 
+def _leaky_relu_by(t: Tracer, x: Any, negative_slope: Any) -> Any:
+    """F.leaky_relu(x, s) for a runtime s: x where x > 0, else x * s (NaN stays NaN)."""
+    return t.emit("where", (t.emit("gt", (x, 0.0)), x, t.emit("mul", (x, negative_slope))))
+
+
+def _elu_by(t: Tracer, x: Any, alpha: Any) -> Any:
+    """F.elu(x, alpha) for a runtime alpha: x where x > 0, else alpha * (exp(x) - 1)."""
+    return t.emit("where", (t.emit("gt", (x, 0.0)), x, t.emit("mul", (alpha, t.emit("expm1", (x,))))))
+
+
+#: Activations whose parameter may be a runtime scalar: written out as torch defines them.
+_BY_RUNTIME_SCALAR: dict[str, Callable[..., Any]] = {"leaky_relu": _leaky_relu_by, "elu": _elu_by}
+
+
 def _unary_inplace_kw(op: str, **defaults: Any) -> Handler:
     """Unary activations of torch.nn.functional that take an `inplace` flag and parameters."""
 
@@ -79,7 +93,17 @@ def _unary_inplace_kw(op: str, **defaults: Any) -> Handler:
             if key not in defaults:
                 raise UnsupportedOpError(f"{op}: argument {key!r} not supported", user_location())
             params[key] = value
+        runtime = [key for key, value in params.items()
+                   if isinstance(value, TracedValue) and value._node.is_python_scalar]
+        if runtime and op in _BY_RUNTIME_SCALAR:
+            # A parameter passed per call: the op written out with it, as torch computes it.
+            return _maybe_inplace(t, input, _BY_RUNTIME_SCALAR[op](t, input, **params), inplace, op)
         for key, value in params.items():
+            if key in runtime:
+                raise UnsupportedOpError(
+                    f"{op}: parameter {key} is a runtime scalar (an epilogue argument); evtc takes it "
+                    "only as a compile-time number: write it as a literal, or give the parameter a "
+                    "default value and leave it out of the example inputs", user_location())
             if not isinstance(value, int | float):
                 raise UnsupportedOpError(
                     f"{op}: parameter {key} must be a Python number, got {type(value).__name__}",
@@ -122,9 +146,11 @@ def _add_sub(op: str) -> Handler:
         # sum would have: alpha * other is never rounded to a 16-bit other's dtype on its own.
         want = promote((t.node_of(input), t.node_of(other)))
         if t.node_of(other).dtype != torch.float32:
-            other = t.emit("cast", (other,), {"dtype": torch.float32})
+            widened = t.emit("cast", (other,), {"dtype": torch.float32})
+            t.eager.same_as(widened._node, t.node_of(other))  # torch widens nothing here
+            other = widened
         result = t.emit(op, (input, t.emit("mul", (alpha, other))))
-        return result if result.dtype == want else t.emit("cast", (result,), {"dtype": want})
+        return result if result._node.dtype == want else t.emit("cast", (result,), {"dtype": want})
 
     return handler
 
@@ -182,6 +208,11 @@ def _clamp_max(t: Tracer, input: Any, max: Any) -> Any:
 def _hardtanh(t: Tracer, input: Any, min_val: float = -1.0, max_val: float = 1.0,
               inplace: bool = False) -> Any:
     for name, value in (("min_val", min_val), ("max_val", max_val)):
+        if isinstance(value, TracedValue) and value._node.is_python_scalar:
+            raise UnsupportedOpError(
+                f"hardtanh: {name} is a runtime scalar (an epilogue argument); evtc takes it only as a "
+                "compile-time number (a literal, or a parameter default left out of the example "
+                "inputs); torch.clamp takes runtime bounds", user_location())
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise UnsupportedOpError(f"hardtanh: {name} must be a Python number, got {type(value).__name__}",
                                      user_location())
@@ -287,9 +318,13 @@ def _chunk(t: Tracer, input: Any, chunks: Any, dim: Any = 0) -> Any:
 def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> Any:
     _last_dim(t, input, dim, "split")
     half = t.problem.sizes[N] // 2
+    literal = False
+
     def concrete(size: Any) -> Any:
+        nonlocal literal
         if isinstance(size, SymDim) and size.expr in (sympy.floor(N / 2), N / 2):
             return half  # acc.shape[-1] // 2: half of whatever N the kernel runs
+        literal = literal or isinstance(size, int)
         return size
 
     size = split_size_or_sections
@@ -301,6 +336,10 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
             f"{t.problem.sizes[N]}); write x.chunk(2, dim=-1)",
             user_location(),
         )
+    if literal:
+        # split(14336, -1) is two halves only where N is 28672 (torch fails for another N): the
+        # kernel takes that N alone (acc.shape[-1] // 2 or chunk(2) serve every N).
+        t.fixed_n = t.problem.sizes[N]
     return _halves(t, input, "split")
 
 
@@ -324,10 +363,17 @@ def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
     dtype = kwargs.pop("dtype", None)
     copy = bool(kwargs.pop("copy", False))
     kwargs.pop("non_blocking", None)
+    kwargs.pop("device", None)  # where the value lives is the kernel's business
+    if kwargs.get("memory_format", torch.preserve_format) == torch.preserve_format:
+        kwargs.pop("memory_format", None)
     rest: list[Any] = []
     for a in args:
+        if isinstance(a, torch.device | str | int) and not isinstance(a, bool) and dtype is None:
+            continue  # x.to("cuda"), x.to(acc.device): already there
         if isinstance(a, torch.dtype) and dtype is None:
             dtype = a
+        elif isinstance(a, TracedValue) and dtype is None and not rest:
+            dtype = a.dtype  # x.to(other): other's dtype (its device is the kernel's)
         else:
             rest.append(a)
     if rest or kwargs:
@@ -337,7 +383,8 @@ def _to(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
             user_location(),
         )
     if dtype is None:
-        raise UnsupportedOpError(".to() needs a dtype", user_location())
+        # Only a device: torch returns the value itself (a copy with copy=True).
+        return t.wrap(t.node_of(input)) if copy else input
     return cast_to(t, input, dtype, copy)
 
 
@@ -352,6 +399,13 @@ def _type(t: Tracer, input: Any, dtype: Any = None) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedOpError(".type() needs a torch dtype in an epilogue", user_location())
     return cast_to(t, input, dtype)
+
+
+def _type_as(t: Tracer, input: Any, other: Any) -> Any:
+    if not isinstance(other, TracedValue):
+        raise UnsupportedOpError(".type_as() needs a tensor of the epilogue (an input or a value made "
+                                 "from one)", user_location())
+    return cast_to(t, input, other.dtype)
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -431,6 +485,7 @@ register([torch.split], ["split"], _split, inplace=False)
 
 register([], ["to"], _to, inplace=False)
 register([], ["type"], _type, inplace=False)
+register([], ["type_as"], _type_as, inplace=False)
 register([], ["float"], _fixed_cast(torch.float32), inplace=False)
 register([], ["half"], _fixed_cast(torch.float16), inplace=False)
 register([], ["bfloat16"], _fixed_cast(torch.bfloat16), inplace=False)

@@ -142,7 +142,16 @@ class SymDim:
             user_location(),
         )
 
-    __int__ = __index__ = __float__ = __bool__ = _no_python
+    def __float__(self) -> float:
+        # math.sqrt(acc.size(-1)) and the other math functions convert their argument first.
+        raise ControlFlowError(
+            f"float() of the problem size {self.expr} (a math function of it, such as "
+            "math.sqrt(acc.size(-1)), converts it first): sizes are only known at run time; write "
+            "acc.size(-1) ** 0.5 for a square root, or compute with torch on traced values",
+            user_location(),
+        )
+
+    __int__ = __index__ = __bool__ = _no_python
     __rfloordiv__ = __mod__ = __rmod__ = _no_python
     __lt__ = __le__ = __gt__ = __ge__ = _no_python
 
@@ -158,17 +167,13 @@ class SymDim:
 class TracedValue:
     """A value of the epilogue while it is traced (a tensor or a runtime Python scalar)."""
 
-    __slots__ = ("_tracer", "_node", "_input_name", "_stored_dtype", "_shares_memory")
+    __slots__ = ("_tracer", "_node", "_input_name", "_shares_memory")
 
-    def __init__(self, tracer: Tracer, node: Node, input_name: str | None = None,
-                 stored_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, tracer: Tracer, node: Node, input_name: str | None = None) -> None:
         self._tracer = tracer
         self._node = node
         #: Set for the values the epilogue receives (acc and operands): those may not be mutated.
         self._input_name = input_name
-        #: An operand's own dtype (float16 for a float16 C), which ``.dtype`` reports as torch
-        #: would, although its value computes widened to float32 (``(acc + C).to(C.dtype)``).
-        self._stored_dtype = stored_dtype
         #: Why torch would hold this value in memory it shares with another (``x.to(x.dtype)`` is
         #: ``x`` itself; chunk and split halves are views of what was split), or None. An in-place
         #: op on either would change both, which a graph of values cannot say: it is refused.
@@ -196,7 +201,9 @@ class TracedValue:
     # --- metadata ----------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self._stored_dtype or self._node.dtype
+        """The dtype torch would give this value (acc in a's dtype, a float16 C float16, acc + C
+        promoted), although the kernel computes it in float32 (evtc/frontend/eager_dtypes.py)."""
+        return self._tracer.eager.dtype(self._node)
 
     @property
     def shape(self) -> tuple[SymDim, ...]:
@@ -223,6 +230,11 @@ class TracedValue:
     @property
     def is_cuda(self) -> bool:
         return True
+
+    @property
+    def device(self) -> torch.device:
+        """Where the kernel computes (``x.to(acc.device)`` is x itself, as in torch)."""
+        return torch.device("cuda")
 
     # --- rebinding for in-place ops on intermediates ----------------------------------------------
     def _assign(self, result: TracedValue, op_name: str) -> TracedValue:
@@ -252,10 +264,13 @@ class TracedValue:
             raise InPlaceError(
                 f"in-place {op_name} of a number into a boolean mask, which torch refuses (a float "
                 "result cannot be written into a bool tensor): use the out-of-place op", user_location())
-        if result._node.dtype != own and own.is_floating_point:
+        eager = self.dtype
+        if own.is_floating_point and (result._node.dtype != own and own == eager or result.dtype != eager):
             # In place, torch writes the result into this value's dtype (a float16 `v += acc`
-            # stays float16): round it there.
-            result = self._tracer.emit("cast", (result,), {"dtype": own})
+            # stays float16, and so does `v += C` of a bfloat16 v and a float32 C): round it
+            # there. A value evtc holds in float32 although torch holds it narrower (acc * 2)
+            # stays unrounded while the result's dtype is its own, as everywhere else.
+            result = self._tracer.emit("cast", (result,), {"dtype": eager})
         self._node = result._node
         return self
 

@@ -18,11 +18,13 @@ from ..errors import (
     UnsupportedOpError,
     made_during,
 )
-from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES
+from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES, OPERAND_DTYPES, eager_acc_dtype, variant_name
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from ..ir.infer import promote
 from ..ir.shapes import L, varying_dims
-from . import lowering
+from ..numpy_scalars import is_numpy_scalar
+from . import composites, lowering  # noqa: F401 - composites registers its handlers with lowering
+from .eager_dtypes import DIMENSIONED, ZERO_DIM, EagerDtypes, EagerType
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .made_tensors import MadeTensors
 from .proxy import SymDim, TracedValue, unsupported
@@ -38,6 +40,12 @@ class Tracer:
         self.builder = GraphBuilder(problem.batched)
         #: The tensors the function makes itself while it runs (torch.tensor(2.0)).
         self.made = MadeTensors(self)
+        #: N, where the function fixes it (a split of a literal size): see Graph.fixed_n.
+        self.fixed_n: int | None = None
+        #: What each value's dtype would be in eager torch: ``x.dtype``, and an output's dtype.
+        #: float8 a and b have no eager product (torch._scaled_mm takes an out_dtype), so their
+        #: accumulator reads as what it is, float32.
+        self.eager = EagerDtypes(eager_acc_dtype(problem.ab_dtype))
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -46,6 +54,8 @@ class Tracer:
             if value._tracer is not self:
                 raise UnsupportedOpError("a traced value from another trace was used", user_location())
             return value._node
+        if is_numpy_scalar(value):
+            value = value.item()  # np.float32(0.5): the number it holds, as torch reads it
         if isinstance(value, bool):
             # torch keeps `mask | True` a mask but makes `x * True` a number: evtc's literals are
             # float32 numbers, so a bool literal would silently change one or the other.
@@ -62,8 +72,12 @@ class Tracer:
             if value.numel() == 1 and value.dim() <= 1 and value.device.type == "cpu" \
                     and value.dtype.is_floating_point:
                 # A constant made in the epilogue (torch.tensor(2.0)): a literal like a Python number
-                # (one of shape (1,) broadcasts against the tile as a number does).
-                return self.builder.literal(float(value), user_location())
+                # (one of shape (1,) broadcasts against the tile as a number does), though torch
+                # promotes it as the tensor it is (torch.tensor([2.0]) makes a bfloat16 tile float32).
+                node = self.builder.literal(float(value), user_location())
+                dtype = value.dtype if value.dtype in OPERAND_DTYPES else torch.float32
+                self.eager.set(node, EagerType(dtype, DIMENSIONED if value.dim() else ZERO_DIM))
+                return node
             raise UnsupportedOpError(
                 f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device} made in the "
                 "epilogue: constants are Python numbers or one-element float tensors on the CPU of "
@@ -84,9 +98,8 @@ class Tracer:
             user_location(),
         )
 
-    def wrap(self, node: Node, input_name: str | None = None,
-             stored_dtype: torch.dtype | None = None) -> TracedValue:
-        return TracedValue(self, node, input_name, stored_dtype)
+    def wrap(self, node: Node, input_name: str | None = None) -> TracedValue:
+        return TracedValue(self, node, input_name)
 
     def emit(self, op: str, args: tuple[Any, ...], attrs: dict[str, Any] | None = None) -> TracedValue:
         inputs = tuple(self.node_of(a) for a in args)
@@ -250,6 +263,10 @@ class Tracer:
             result = self.builder.add("mul", (result, scale), loc=loc)
         if narrow is not None and dtype is None:
             result = self.builder.add("cast", (result,), {"dtype": narrow}, loc=loc)
+        if dtype is not None and self.eager.dtype(result) != dtype:
+            # x.sum(dtype=torch.float32) of a value torch holds in 16 bits is float32 there; the
+            # kernel already holds it so, and the cast says which dtype an output of it takes.
+            result = self.builder.add("cast", (result,), {"dtype": dtype}, loc=loc)
         return self.wrap(result)
 
 
@@ -314,6 +331,8 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
     operands: dict[str, Operand] = {}
     for name in sig.params:
         value = example[name] if name in example else sig.defaults[name]
+        if is_numpy_scalar(value):
+            value = value.item()  # np.float32(0.5) is the number 0.5, as torch reads it
         if isinstance(value, torch.Tensor) and name not in example:
             raise InputError(
                 f"parameter {name!r} has a tensor default: a kernel loads its tensors from the call, "
@@ -329,7 +348,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             # Values compute in float32 from the moment they are loaded, as in the reference.
             value_node = load if load.dtype == COMPUTE_DTYPE else builder.add(
                 "cast", (load,), {"dtype": COMPUTE_DTYPE, "implicit": True}, loc=def_loc)
-            call_args[name] = tracer.wrap(value_node, name, stored_dtype=load.dtype)
+            call_args[name] = tracer.wrap(value_node, name)
         elif isinstance(value, bool) or value is None:
             # Flags and absent optionals specialise the trace, so `if flag:` in the epilogue works.
             call_args[name] = value
@@ -374,6 +393,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
     tree, values = _flatten_outputs(returned, def_loc)
     ab_dtype = problem.ab_dtype
     names: list[str] = []
+    stored: list[Node] = []
     for out_name, value in values:
         node = tracer.node_of(value) if isinstance(value, TracedValue) else None
         if node is None:
@@ -383,9 +403,10 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
                 def_loc,
             )
         _check_output(out_name, node)
-        dtype = _default_output_dtype(node, ab_dtype)
+        dtype = _default_output_dtype(node, ab_dtype, tracer.eager.dtype(node))
         builder.add("store", (node,), {"name": out_name, "dtype": dtype}, loc=node.loc)
         names.append(out_name)
+        stored.append(node)
     tree.names = names
     return Graph(
         name=getattr(fn, "__name__", None) or type(fn).__name__,
@@ -395,6 +416,8 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         batched=problem.batched,
         acc_name=sig.acc_name,
         ab_dtype=ab_dtype,
+        fixed_n=tracer.fixed_n,
+        operand_variants=_operand_variants(tracer, operands, stored),
     )
 
 
@@ -444,12 +467,42 @@ def _depends_on_reduction(node: Node) -> bool:
     return False
 
 
-def _default_output_dtype(node: Node, ab_dtype: torch.dtype) -> torch.dtype:
-    """An explicit final cast wins; else full tiles take a's dtype (bfloat16 for float8 a and b,
-    whose products are not stored in 8 bits unless the epilogue says so, as with
-    ``torch._scaled_mm(..., out_dtype=torch.bfloat16)``) and reductions float32."""
+def _operand_variants(tracer: Tracer, operands: dict[str, Operand], stored: list[Node]) -> tuple:
+    """For each tensor operand whose dtype (or 0-dim-ness, for a one-element one) changes an
+    output's dtype in torch, the variants a call may pass that leave every output's dtype as
+    traced: ``(name, ("float16", "float32/0-dim", ...))``. Operands whose every variant gives the
+    same dtypes (the usual case: a bias of a's dtype beside a final cast, a mask's operand) are
+    not listed; a call may pass any float dtype for them."""
+    ab_dtype = tracer.problem.ab_dtype
+
+    def dtypes_with(given: dict[str, EagerType]) -> list[torch.dtype]:
+        eager = tracer.eager.with_operands(given)
+        return [_default_output_dtype(node, ab_dtype, eager.dtype(node)) for node in stored]
+
+    traced = dtypes_with({})
+    variants = []
+    for name, operand in operands.items():
+        if operand.kind == "arg":
+            continue
+        ranks = (ZERO_DIM, DIMENSIONED) if operand.kind == "scalar" else (DIMENSIONED,)
+        allowed = tuple(variant_name(dtype, rank == ZERO_DIM) for dtype in OPERAND_DTYPES for rank in ranks
+                        if dtypes_with({name: EagerType(dtype, rank)}) == traced)
+        if len(allowed) < len(OPERAND_DTYPES) * len(ranks):
+            variants.append((name, allowed))
+    return tuple(variants)
+
+
+def _default_output_dtype(node: Node, ab_dtype: torch.dtype, eager: torch.dtype) -> torch.dtype:
+    """The dtype torch would give the output with ``acc = a @ b`` in a's dtype (``eager``): a's
+    dtype, unless the function casts or promotes (a float32 bias makes ``acc + bias`` float32, a
+    ``.sum()`` of it is float32, of ``acc * 2`` a's dtype). A mask takes a's dtype as 0.0 / 1.0.
+
+    float8 a and b have no such product in torch (``torch._scaled_mm`` takes an ``out_dtype``):
+    there an explicit final cast wins, full tiles are bfloat16 and reductions float32."""
+    if ab_dtype not in FLOAT8_DTYPES:
+        return ab_dtype if eager == torch.bool else eager
     if node.op == "cast" and not node.attrs.get("implicit") or node.dtype not in (COMPUTE_DTYPE, torch.bool):
         return node.dtype
     if _depends_on_reduction(node):
         return COMPUTE_DTYPE
-    return torch.bfloat16 if ab_dtype in FLOAT8_DTYPES else ab_dtype
+    return torch.bfloat16

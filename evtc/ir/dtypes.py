@@ -37,6 +37,19 @@ _SHORT_NAMES = {
 }
 
 
+def eager_acc_dtype(ab_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``acc`` has for torch's promotion rules (and ``acc.dtype`` inside an epilogue):
+    a's, as torch's ``a @ b`` gives it; float32 for float8 a and b, which torch multiplies only
+    through ``torch._scaled_mm(..., out_dtype=...)``."""
+    return torch.float32 if ab_dtype in FLOAT8_DTYPES else ab_dtype
+
+
+def variant_name(dtype: torch.dtype, zero_dim: bool) -> str:
+    """An operand's dtype and whether it is 0-dim, as a kernel's plan lists the ones a call may
+    pass (``"bf16"``, ``"f32/0-dim"``): those that leave every output's dtype as compiled."""
+    return short_name(dtype) + ("/0-dim" if zero_dim else "")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype that a kernel plan names as text (``"float16"``, ``"float8_e4m3fn"``,
     ``"bool"``): the one table between the plan's JSON and torch."""

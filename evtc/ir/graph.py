@@ -173,6 +173,13 @@ class Graph:
     #: True for a gated graph split into halves (:mod:`evtc.ir.passes.gated`): N is then the
     #: output's width, half the GEMM's, and acc is two nodes (attrs half 0 and 1).
     gated: bool = False
+    #: The GEMM's N where the function fixes it (``acc.split(14336, -1)``: two halves of 14336
+    #: only where N is 28672; torch fails for another N, so calls of another N are refused).
+    fixed_n: int | None = None
+    #: Per tensor operand whose dtype changes an output's dtype in torch (a float32 bias makes
+    #: acc + bias float32): the dtypes (and 0-dim or not) a call may pass, by
+    #: :func:`evtc.ir.dtypes.variant_name`. Unlisted operands take any float dtype.
+    operand_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -299,4 +306,6 @@ def replace_nodes(graph: Graph, nodes: list[Node]) -> Graph:
         acc_name=graph.acc_name,
         ab_dtype=graph.ab_dtype,
         gated=graph.gated,
+        fixed_n=graph.fixed_n,
+        operand_variants=graph.operand_variants,
     )

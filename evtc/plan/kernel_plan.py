@@ -136,6 +136,12 @@ class CallInterface:
     constants: tuple[tuple[str, Any], ...] = ()
     strict: bool = False
     torch_only: str | None = None
+    #: The GEMM's N, where the function fixes it (``acc.split(14336, -1)``): calls of another N are
+    #: refused, as torch's function would fail for them.
+    fixed_n: int | None = None
+    #: The dtypes (and 0-dim or not) a call may pass per operand where they change an output's
+    #: dtype in torch (Graph.operand_variants); the call is refused for others.
+    operand_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def tag(self) -> str:
         """A digest of this interface: kernels that share compiled code but not the interface
@@ -144,7 +150,8 @@ class CallInterface:
 
         if self == CallInterface():
             return ""
-        text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only))
+        text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only,
+                     self.fixed_n, self.operand_variants))
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -283,7 +290,8 @@ def _decode_plan(d: dict) -> KernelPlan:
         structure=OutputStructure(d["structure"]["kind"], tuple(d["structure"]["names"]),
                                   _tuple(d["structure"]["keys"])),
         interface=CallInterface(tuple(interface["parameters"]), frozenset(interface["unused"]),
-                                _tuple(interface["constants"]), interface["strict"], interface["torch_only"]),
+                                _tuple(interface["constants"]), interface["strict"], interface["torch_only"],
+                                interface.get("fixed_n"), _tuple(interface.get("operand_variants", []))),
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
         kernel_finish=_tuple(d["kernel_finish"]),
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),

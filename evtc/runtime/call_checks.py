@@ -15,7 +15,8 @@ import torch
 
 from evtc.errors import CallError
 from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
-from evtc.ir.dtypes import torch_dtype
+from evtc.ir.dtypes import short_name, torch_dtype, variant_name
+from evtc.numpy_scalars import is_numpy_scalar
 from evtc.plan.config import GATED_SCALE_CHUNK
 from evtc.runtime.call_spec import CallSpec
 
@@ -55,8 +56,13 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != spec.rank:
+        hint = ""
+        if t.numel() == 1 and (t.dim() == 0) != (spec.rank == 0):
+            hint = (" (torch promotes a 0-dim tensor and a one-element tensor with dims differently: a "
+                    "float32 one of shape (1,) makes a bfloat16 result float32, a 0-dim one does not; "
+                    "compile from an example of this shape)")
         raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
-                        f"{tuple(t.shape)}")
+                        f"{tuple(t.shape)}{hint}")
     if t.dtype != dtype:
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
@@ -88,6 +94,44 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
                             f"offset by {t.storage_offset()} elements); pass a copy (.clone())")
 
 
+def numbers_read_as_python(operands: dict) -> dict:
+    """``operands`` with NumPy scalars (np.float32(0.5)) as the Python numbers they hold, which is
+    how torch reads them (the compiled function takes Python numbers only)."""
+    if not any(is_numpy_scalar(v) for v in operands.values()):
+        return operands
+    return {k: v.item() if is_numpy_scalar(v) else v for k, v in operands.items()}
+
+
+def cpu_scalars_moved(operands: dict, device) -> dict:
+    """``operands`` with 0-dim CPU tensors copied to ``device``: torch takes such a tensor beside
+    CUDA ones as a scalar (``acc * torch.tensor(0.5)``); the kernel reads it from GPU memory."""
+    def on_cpu(v) -> bool:
+        return isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"
+
+    if getattr(device, "type", None) != "cuda" or not any(on_cpu(v) for v in operands.values()):
+        return operands
+    return {k: v.to(device) if on_cpu(v) else v for k, v in operands.items()}
+
+
+def refuse_other_promotions(spec: CallSpec, operands: dict) -> None:
+    """Refuse an operand of another dtype, or 0-dim where the example had dims (or the reverse),
+    where torch would give an output another dtype than the compiled one (a float32 bias where a
+    bfloat16 one was compiled makes acc + bias float32): the kernel's outputs have the example's
+    dtypes. Checked on the tensors as the user passed them, before any view."""
+    for name, allowed in spec.plan.interface.operand_variants:
+        value = operands.get(name)
+        if not isinstance(value, torch.Tensor) or value.dtype not in FLOAT_OPERAND_DTYPES:
+            continue  # not a float tensor: the checks name what is wrong with it
+        given = variant_name(value.dtype, value.dim() == 0)
+        if given not in allowed:
+            what = f"{'0-dim ' if value.dim() == 0 else ''}{short_name(value.dtype)} tensor"
+            raise CallError(
+                f"{name} is a {what}, with which torch gives the epilogue's outputs other dtypes than "
+                f"the compiled kernel's (it was compiled for {name} as one of: {', '.join(allowed)}; "
+                "a float32 operand promotes a 16-bit result to float32, a 0-dim one does not): "
+                f"convert {name}, or compile from an example like it")
+
+
 def check_device(name: str, t, device) -> None:
     if t.device != device:
         raise CallError(f"{name} is on {t.device} but a is on {device}: all tensors must share a device")
@@ -103,9 +147,11 @@ def refuse_overlapping(label: str, t: torch.Tensor) -> None:
                         f"e.g. torch.empty_like(...) or .clone() of it")
 
 
-def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: bool = True) -> list:
+def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: bool = True,
+                  device: torch.device | None = None) -> list:
     """The full-tile outputs of ``out=`` (the structure the epilogue returns), in kernel order,
-    each checked against its compiled shape, dtype and (``layout``) layout."""
+    each checked against its compiled shape, dtype and (``layout``) layout; the reductions' ones
+    against their shape, dtype and ``device`` (the kernel's, where given)."""
     given = spec.tree.flatten(out, is_tensor)
     if given is None:
         raise CallError(f"out= must have the structure the epilogue returns ({spec.describe_tree()})")
@@ -123,6 +169,10 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     dims = {"M": m, "N": n, "L": batches, "1": 1}
     for name, host in zip(spec.kernel_order[len(plan.outputs):], spec.host_outputs, strict=True):
         _check_given(name, given[name], tuple(dims[d] for d in host.dims), torch_dtype(host.dtype))
+        if device is not None and given[name].device != device:
+            # torch's out= takes no other device (a copy across would also synchronise the call)
+            raise CallError(f"out[{name!r}] is on {given[name].device} but a is on {device}: all "
+                            "tensors must share a device")
     refuse_shared_targets(given)
     return tensors
 
@@ -170,6 +220,8 @@ def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
 
 
 def _same_constant(value: Any, compiled: Any) -> bool:
+    if is_numpy_scalar(value):
+        value = value.item()  # np.bool_(True) is True, np.float32(0.5) is 0.5, as torch reads them
     if isinstance(compiled, bool) or compiled is None:
         return value is compiled
     return not isinstance(value, torch.Tensor) and type(value) is type(compiled) and value == compiled
@@ -277,7 +329,8 @@ def torch_reason(spec: CallSpec, a, operands: dict, b=None) -> str | None:
                 "the kernel reads a gated B's block scales per 32 columns of each half")
     # An operand of another float dtype than compiled: the kernel loads the compiled one, but
     # the function widens every operand to float32 first, so the graph gives the same result
-    # (output dtypes follow a and b and explicit casts, never an operand's dtype).
+    # where torch would promote the result alike (validate refuses the others: the outputs'
+    # dtypes are the example's).
     for name, dtype in spec.operand_dtypes.items():
         value = operands.get(name)
         if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in FLOAT_OPERAND_DTYPES:
@@ -333,6 +386,12 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
         raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
                         + ("" if plan.broadcast_batch else " (compiled for equal batch sizes)"))
     b_parts = [("b", b)]
+    fixed_n = plan.interface.fixed_n
+    if fixed_n is not None and b.shape[-1] != fixed_n:
+        raise CallError(f"b has {b.shape[-1]} columns, but the epilogue splits acc into halves of a "
+                        f"fixed size ({fixed_n // 2}, as compiled: split({fixed_n // 2}, -1)), which "
+                        f"torch's split makes two halves only for N = {fixed_n}; write "
+                        "acc.chunk(2, dim=-1) or split(acc.shape[-1] // 2, -1) for a kernel of every N")
     if plan.gated:
         _validate_gated(spec, b, operands)
         (gate, up), operands = spec.kernel_arguments(b, operands)
@@ -353,11 +412,13 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
                 raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
                                 f"{type(value).__name__}")
             continue
-        # Another float dtype than compiled takes the torch path (see torch_reason).
+        # Another float dtype than compiled takes the torch path (see torch_reason); one that would
+        # change an output's dtype was refused before (refuse_other_promotions).
         dtype = getattr(value, "dtype", None)
         dtype = dtype if dtype in FLOAT_OPERAND_DTYPES else torch_dtype(kernel_input.spec.dtype)
         check_tensor(kernel_input.label, value, kernel_input.spec, dtype, sizes, layout=False)
-    outs = [] if out is None else given_outputs(spec, out, sizes["M"], sizes["N"], sizes["L"], layout=False)
+    outs = [] if out is None else given_outputs(spec, out, sizes["M"], sizes["N"], sizes["L"], layout=False,
+                                                device=device)
     if spec.scale_rows:
         problem, _ = scale_problem(a, b, scales, spec.scale_rows)
         if problem is not None:

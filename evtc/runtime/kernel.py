@@ -401,11 +401,13 @@ class Kernel:
         compiler sees as one opaque op with a shape function: no graph break."""
         spec = self.call_spec
         if positional:
-            raise CallError(f"{self.plan.name!r} takes a and b by position and its operands by name "
-                            f"(k(a, b, C=..., alpha=...)); got {len(positional)} more positional "
-                            f"argument(s)")
+            operands = self._by_position(positional, operands)
         if out is not None and torch.is_grad_enabled():
             _refuse_out_requiring_grad(spec, out)
+            if call_checks.needs_grad(a, b, operands):
+                raise CallError("out= with an input that requires grad: a call into out= is not "
+                                "differentiable (torch refuses it too); call under torch.no_grad(), or "
+                                "without out=")
         if spec.scale_rows and torch.is_grad_enabled():
             call_checks.refuse_grad(spec, a, b, operands)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled()
@@ -419,6 +421,20 @@ class Kernel:
         if out is not None:
             _bump_versions(spec, out)
         return outs[0] if spec.single_output else spec.result(outs)
+
+    def _by_position(self, positional: tuple, operands: dict) -> dict:
+        """``operands`` with the operands given by position (``k(a, b, C, bias)``) named, in the
+        order of the epilogue's parameters, as calling the function would take them."""
+        params = self.plan.interface.parameters
+        if len(positional) > len(params):
+            raise CallError(f"{self.plan.name!r} takes at most {2 + len(params)} positional arguments (a, b"
+                            f"{''.join(', ' + p for p in params)}); got {2 + len(positional)}")
+        named = dict(zip(params, positional, strict=False))
+        twice = [name for name in named if name in operands]
+        if twice:
+            raise CallError(f"{self.plan.name!r} got multiple values for {', '.join(map(repr, twice))} "
+                            "(by position and by name)")
+        return {**named, **operands}
 
     @property
     def op(self):
@@ -474,6 +490,7 @@ class Kernel:
         if spec.accepts_more:
             operands = call_checks.without_unused(spec, operands)
         call_checks.check_names(spec, operands)  # the operator takes spec.names only: nothing unnamed
+        call_checks.refuse_other_promotions(spec, operands)
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
@@ -505,13 +522,14 @@ class Kernel:
         if self._kernel_runs and (not spec.tf32 or call_checks.tf32_allowed()):
             self.last_path = "kernel"  # unless the call copies a's block scales (_fast_a_scales)
             try:
-                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=False, scales=scales)
+                outs, workspaces, problem, pending = self._run_kernel(a, b, out, operands, stage=False,
+                                                                      scales=scales)
             except torch.OutOfMemoryError:
                 raise  # the caller's to handle (free memory, a smaller batch): not an argument problem
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
                 pass  # the slow path finds out what it was
             else:
-                return outs + self._finish(out, workspaces, *problem, operands)
+                return self._finished(out, outs, workspaces, problem, operands, pending)
         return self._launch_slow(a, b, out, operands, scales, broadcasts)
 
     def _launch_slow(self, a, b, out, operands, scales=None, broadcasts: bool = True) -> list[torch.Tensor]:
@@ -519,6 +537,10 @@ class Kernel:
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
+        operands = call_checks.numbers_read_as_python(operands)
+        call_checks.refuse_other_promotions(spec, operands)
+        if isinstance(a, torch.Tensor):
+            operands = call_checks.cpu_scalars_moved(operands, a.device)
         views = to_compiled_shapes(self.plan, a, b, operands, scales) if broadcasts else None
         if views is not None:  # torch-legal broadcasts the compiled function refused, as views
             a, b, operands, scales = views
@@ -528,7 +550,8 @@ class Kernel:
             call_checks.validate(spec, a, b, out, operands, scales)
         if reason is None:
             try:
-                outs, workspaces, problem = self._run_kernel(a, b, out, operands, stage=True, scales=scales)
+                outs, workspaces, problem, pending = self._run_kernel(a, b, out, operands, stage=True,
+                                                                      scales=scales)
             except (CallError, torch.OutOfMemoryError):
                 raise
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError) as exc:
@@ -538,7 +561,7 @@ class Kernel:
                 raise CallError(f"the kernel rejected arguments that evtc checked and staged: {exc} (an "
                                 "evtc bug: please report it with the shapes and strides of the call)"
                                 ) from None
-            return outs + self._finish(out, workspaces, *problem, operands)
+            return self._finished(out, outs, workspaces, problem, operands, pending)
         call_checks.validate(spec, a, b, out, operands, scales)
         if self.interface.strict:
             raise CallError(f"cannot run {self.plan.name!r} as a kernel: {reason}. strict=True "
@@ -576,6 +599,8 @@ class Kernel:
         m = a_shape[-2]
         up = None
         if spec.gated:  # b whole, and where its up half starts
+            if spec.plan.interface.fixed_n is not None and b.shape[-1] != spec.plan.interface.fixed_n:
+                raise ValueError("another N than the function's split fixes: the checks name it")
             b, up, kernel_operands = spec.split(b, operands, staging=stage)
             n = b.shape[-1] // 2  # the output's width
         else:
@@ -599,8 +624,8 @@ class Kernel:
             targets = spec.new_outputs(device, m, n, batches)
             outs = targets
         else:
-            targets = call_checks.given_outputs(spec, out, m, n, batches, layout=not stage)
-            outs = unaliased(targets, (a, b), ins)
+            targets = call_checks.given_outputs(spec, out, m, n, batches, layout=not stage, device=device)
+            outs = unaliased(targets, (a, b, *(scales or ())), ins)  # block scales are read by every CTA too
         if stage:
             a, b, up, ins, outs, problems = stage_call(self.plan, a, b, up, ins, outs)
             if scales is not None:
@@ -622,11 +647,11 @@ class Kernel:
         # The reductions' partials are laid out by the launched configuration's tiles.
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
         invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales, up)
-        if outs is not targets:
-            for written, target in zip(outs, targets, strict=True):
-                if written is not target:
-                    target.copy_(written)
-        return targets, workspaces, (m, n, batches, finisher)
+        # out= tensors that overlap an input got fresh ones: copied in after the host finish, which
+        # may read that input again (a device scalar inside out=).
+        pending = [] if outs is targets else [(w, t) for w, t in zip(outs, targets, strict=True)
+                                              if w is not t]
+        return targets, workspaces, (m, n, batches, finisher), pending
 
     def _empty_problem(self, a, b, out, operands, scales, m: int, n: int, batches: int):
         """An empty problem (M, N or the batch 0) runs no kernel: nothing compiled checks its
@@ -642,11 +667,11 @@ class Kernel:
         if out is None:
             targets = spec.new_outputs(device, m, n, batches)
         else:
-            targets = call_checks.given_outputs(spec, out, m, n, batches, layout=False)
+            targets = call_checks.given_outputs(spec, out, m, n, batches, layout=False, device=device)
         finisher = self._finisher
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
         self.last_path = "kernel"
-        return targets, workspaces, (m, n, batches, finisher)
+        return targets, workspaces, (m, n, batches, finisher), []
 
     def _fast_a_scales(self, scales: tuple) -> tuple:
         """``scales`` with a's 1 x 128 scales copied where the kernel's TMA cannot read them (M not
@@ -720,6 +745,14 @@ class Kernel:
             splits = 1 + INT32_MAX // slot
             numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
         return kernel._fn, clusters, (splits, *numels), kernel._finisher
+
+    def _finished(self, out, outs, workspaces, problem, operands, pending) -> list[torch.Tensor]:
+        """The call's outputs: the tiles ``outs``, then the host outputs (finished first, while the
+        inputs are as the call gave them), then the tiles written aside copied into their out=."""
+        results = outs + self._finish(out, workspaces, *problem, operands)
+        for written, target in pending:
+            target.copy_(written)
+        return results
 
     def _finish(self, out, workspaces, m, n, batches, finisher, operands) -> list[torch.Tensor]:
         """The host outputs (reductions and what follows them, finished by ``finisher``, that of the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ...errors import ReductionError
 from ..graph import Graph, Node, replace_nodes
-from ..shapes import varying_dims
+from ..shapes import M, N, format_shape, varying_dims
 from .result import graph_pass
 
 
@@ -43,6 +43,17 @@ def _check_stage(node: Node, stages: dict[int, str]) -> None:
     if node.op == "reduce" or node.op == "store":
         return
     if ("reduce" in input_stages or "final" in input_stages) and "tile" in input_stages:
+        vectors = [i for i in node.inputs if stages[i.id] == "tile" and not {M, N} <= varying_dims(i.shape)]
+        if len(vectors) == sum(stage == "tile" for stage in input_stages):
+            shapes = ", ".join(format_shape(i.shape) for i in vectors)
+            raise ReductionError(
+                f"the result of a reduction is combined with a value of shape {shapes} (an operand "
+                "per row, column or batch): the kernel finishes reductions with numbers, device "
+                "scalars and other reductions only. Return the reduction and apply that outside, "
+                "or apply it before reducing where that is the same ((acc.abs() * s).amax(-1) for "
+                "s >= 0)",
+                node.loc,
+            )
         raise ReductionError(
             "the result of a reduction is combined with per-element values of the tile (for "
             "example x - x.amax(-1, keepdim=True)); that needs a second pass over the tile, which "
