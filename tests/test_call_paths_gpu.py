@@ -54,7 +54,8 @@ def bias_gelu(acc, bias):
 
 
 def residual(acc, C, bias, alpha: float):
-    return torch.relu(alpha * acc + bias) + C
+    # In a's dtype: a float32 bias would make it float32, as torch promotes it.
+    return (torch.relu(alpha * acc + bias) + C).to(acc.dtype)
 
 
 def swiglu(acc, bias):
@@ -234,3 +235,14 @@ def test_out_overlapping_an_input_is_not_a_race(cache):
         got = kernel(a, b, C=C, bias=bias, alpha=2.0, out=out)
         assert got is out and kernel.last_path == "kernel", (trial, kernel.last_path)
         assert _rel(out, want) <= TOL, trial
+
+
+def test_a_zero_dim_cpu_scalar_beside_cuda_tensors(cache):
+    """torch takes a 0-dim CPU tensor beside CUDA ones as a scalar: so does a call, for a device
+    scalar compiled from a CUDA example."""
+    a, b = randn(128, 64), randn(64, 256)
+    k = _compile(fp8_out, a, b, cache, s=torch.tensor(0.5, device="cuda"))
+    s = torch.tensor(0.25)
+    got = k(a, b, s=s)
+    assert got.device.type == "cuda" and s.device.type == "cpu"
+    _check(got, _ref(fp8_out, a, b, s=s.cuda()), "a CPU scalar")

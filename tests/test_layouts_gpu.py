@@ -71,35 +71,37 @@ def all_nan(t: torch.Tensor) -> bool:
     return bool(torch.isnan(t.float()).all().item())
 
 
+# The tiles are cast to a's dtype at the end: a float32 bias would make them float32, as torch
+# promotes them, and these tests are about layouts, not dtypes.
 def residual(acc, C, bias, alpha: float):
-    return torch.relu(alpha * acc + bias) + C
+    return (torch.relu(alpha * acc + bias) + C).to(acc.dtype)
 
 
 def residual3(acc, C, bias):
-    return torch.relu(acc + bias) + C
+    return (torch.relu(acc + bias) + C).to(acc.dtype)
 
 
 def bias_rowsum(acc, bias):
     y = acc + bias
-    return y, y.sum(-1)
+    return y.to(acc.dtype), y.sum(-1)
 
 
 def two_outputs(acc, C, bias):
     y = acc + bias
-    return y, y * C
+    return y.to(acc.dtype), (y * C).to(acc.dtype)
 
 
 def col_scale(acc, col, s):
-    return acc * col + s
+    return (acc * col + s).to(acc.dtype)
 
 
 def swiglu(acc, bias):
     gate, up = (acc + bias).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.silu(gate) * up).to(acc.dtype)
 
 
 def bias_relu(acc, bias):
-    return torch.relu(acc + bias)
+    return torch.relu(acc + bias).to(acc.dtype)
 
 
 def ref_residual(a, b, C, bias, alpha=1.0):
@@ -356,12 +358,14 @@ def test_tuple_outs_of_mixed_layouts_and_in_place(k_two):
 
 
 def test_operands_of_other_dtypes_are_computed_or_refused(k_res):
-    """A bfloat16 bias or a float32 C (compiled float32 and bfloat16): the torch path, right
-    values. float16 a and b (compiled bfloat16) and a float32 out= (compiled bfloat16): CallError."""
+    """A bfloat16 bias or a float32 C (compiled float32 and bfloat16; the epilogue's final cast
+    keeps the output's dtype whatever they are): the torch path, right values. float16 a and b
+    (compiled bfloat16) and a float32 out= (compiled bfloat16): CallError."""
     m, n, k = 128, 256, 64
     a, b, C, bias = randn(m, k), randn(k, n), randn(m, n), randn(n, dtype=F32)
     bias16 = bias.to(BF16)
     check(k_res(a, b, C=C, bias=bias16, alpha=1.0), ref_residual(a, b, C, bias16), "bf16 bias")
+    assert k_res.last_path == "torch"
     C32 = randn(m, n, dtype=F32)
     check(k_res(a, b, C=C32, bias=bias, alpha=1.0), ref_residual(a, b, C32, bias), "f32 C")
     with pytest.raises(evtc.CallError):

@@ -21,7 +21,7 @@ M, N = 64, 512
 
 
 def scaled_plus_bias(acc, bias):
-    return acc * 0.5 + bias
+    return (acc * 0.5 + bias).to(acc.dtype)  # float16, as the chain's next input
 
 
 @pytest.fixture(scope="module")

@@ -367,29 +367,35 @@ def addmm_relu_vec(acc, V, alpha: float, beta: float):  # the vector-bias epilog
 # quack test_linear_act / test_gemm_act_alpha: (preact, postact), alpha before the bias
 
 
+def _in_acc_dtype(acc, *outputs):
+    """quack's pre- and post-activations come back in the inputs' dtype; a float32 bias would make
+    them float32, as torch promotes them."""
+    return tuple(o.to(acc.dtype) for o in outputs)
+
+
 def act_relu(acc, bias, alpha: float):
     pre = alpha * acc + bias
-    return pre, torch.relu(pre)
+    return _in_acc_dtype(acc, pre, torch.relu(pre))
 
 
 def act_relu_sq(acc, bias, alpha: float):
     pre = alpha * acc + bias
-    return pre, torch.relu(pre).square()
+    return _in_acc_dtype(acc, pre, torch.relu(pre).square())
 
 
 def act_gelu_tanh(acc, bias, alpha: float):
     pre = alpha * acc + bias
-    return pre, F.gelu(pre, approximate="tanh")
+    return _in_acc_dtype(acc, pre, F.gelu(pre, approximate="tanh"))
 
 
 def act_tanh(acc, bias, alpha: float):
     pre = alpha * acc + bias
-    return pre, torch.tanh(pre)
+    return _in_acc_dtype(acc, pre, torch.tanh(pre))
 
 
 def act_silu(acc, bias, alpha: float):
     pre = alpha * acc + bias
-    return pre, F.silu(pre)
+    return _in_acc_dtype(acc, pre, F.silu(pre))
 
 
 ACT_KERNELS = {"relu": act_relu, "relu_sq": act_relu_sq, "gelu_tanh": act_gelu_tanh, "tanh": act_tanh,
@@ -400,13 +406,14 @@ ACT_TORCH = {"relu": torch.relu, "relu_sq": lambda x: torch.relu(x).square(),
 
 def act_pack1(acc, bias):           # the rest of docs/epilogues.md's activations, as aux outputs
     y = acc + bias
-    return F.relu6(y), F.leaky_relu(y, 0.1), F.elu(y), F.softplus(y), F.mish(y), F.hardswish(y)
+    return _in_acc_dtype(acc, F.relu6(y), F.leaky_relu(y, 0.1), F.elu(y), F.softplus(y), F.mish(y),
+                         F.hardswish(y))
 
 
 def act_pack2(acc, bias):
     y = acc + bias
-    return (F.hardsigmoid(y), F.hardtanh(y, -0.5, 0.5), F.gelu(y), torch.sigmoid(y),
-            F.softplus(y, beta=2.0, threshold=5.0), F.silu(y))
+    return _in_acc_dtype(acc, F.hardsigmoid(y), F.hardtanh(y, -0.5, 0.5), F.gelu(y), torch.sigmoid(y),
+                         F.softplus(y, beta=2.0, threshold=5.0), F.silu(y))
 
 
 # quack test_gemm_dact: dx = dout * act'(preact), postact = act(preact), both * colvec_scale, and
@@ -416,14 +423,14 @@ def act_pack2(acc, bias):
 def dact_relu(acc, preact, scale):
     post = torch.relu(preact)
     dx = acc * (preact > 0)
-    return dx * scale, post * scale, (post * acc).sum(-1)
+    return (dx * scale).to(acc.dtype), (post * scale).to(acc.dtype), (post * acc).float().sum(-1)
 
 
 def dact_relu_sq(acc, preact, scale):
     r = torch.relu(preact)
     post = r * r
     dx = acc * 2 * r
-    return dx * scale, post * scale, (post * acc).sum(-1)
+    return (dx * scale).to(acc.dtype), (post * scale).to(acc.dtype), (post * acc).float().sum(-1)
 
 
 def dact_gelu_tanh(acc, preact, scale):
@@ -433,13 +440,13 @@ def dact_gelu_tanh(acc, preact, scale):
     post = 0.5 * preact * (1 + t)
     d = 0.5 * (1 + t) + 0.5 * preact * (1 - t * t) * c * (1 + 3 * 0.044715 * preact * preact)
     dx = acc * d
-    return dx * scale, post * scale, (post * acc).sum(-1)
+    return (dx * scale).to(acc.dtype), (post * scale).to(acc.dtype), (post * acc).float().sum(-1)
 
 
 def dact_tanh(acc, preact, scale):
     post = torch.tanh(preact)
     dx = acc * (1 - post * post)
-    return dx * scale, post * scale, (post * acc).sum(-1)
+    return (dx * scale).to(acc.dtype), (post * scale).to(acc.dtype), (post * acc).float().sum(-1)
 
 
 DACT_KERNELS = {"relu": dact_relu, "relu_sq": dact_relu_sq, "gelu_tanh": dact_gelu_tanh, "tanh": dact_tanh}
@@ -451,11 +458,12 @@ DACT_KERNELS = {"relu": dact_relu, "relu_sq": dact_relu_sq, "gelu_tanh": dact_ge
 def gated_pack(acc, bias):
     gate, up = (acc + bias).chunk(2, dim=-1)
     g7, u7 = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-    return (F.silu(gate) * up,                           # swiglu
-            F.relu(gate) * up,                           # reglu
-            F.gelu(gate, approximate="tanh") * up,       # geglu
-            torch.sigmoid(gate) * up,                    # glu
-            g7 * torch.sigmoid(1.702 * g7) * (u7 + 1))   # swiglu_oai (gpt-oss, limit 7)
+    return _in_acc_dtype(acc,
+                         F.silu(gate) * up,                           # swiglu
+                         F.relu(gate) * up,                           # reglu
+                         F.gelu(gate, approximate="tanh") * up,       # geglu
+                         torch.sigmoid(gate) * up,                    # glu
+                         g7 * torch.sigmoid(1.702 * g7) * (u7 + 1))   # swiglu_oai (gpt-oss, limit 7)
 
 
 def swiglu(acc):
@@ -527,7 +535,8 @@ def colsum_y(acc, y):
 
 
 def lse(acc, scale: float):
-    return acc, torch.log(torch.exp(acc * scale).sum(-1))
+    # float32 partials, as quack's are (on a bf16 acc, torch's own would be bf16)
+    return acc, torch.log(torch.exp(acc.float() * scale).sum(-1))
 
 
 def dual_out(acc):                  # quack multi_output_mixed_dtype
@@ -1512,10 +1521,10 @@ def test_quack_linear_autograd(cache_dir):
     out = lin(x, w, bias=bias)
     out_ref = lin_relu_sq(F.linear(x_ref, w_ref), b_ref)
     out_pt = lin_relu_sq(F.linear(x_pt, w_pt), b_pt).to(bf16)
-    assert out.shape == (2, 96, 1504) and out.dtype == bf16
+    assert out.shape == (2, 96, 1504) and out.dtype == f32  # a float32 bias promotes, as in torch
     assert_peer_rule(out, out_ref, out_pt, what="linear forward")
     dout = rnd(out.shape, bf16, g)
-    out.backward(dout)
+    out.backward(dout.to(out.dtype))  # the incoming gradient in the output's dtype, as a loss gives it
     out_ref.backward(dout.float())
     out_pt.backward(dout)
     assert_peer_rule(x.grad, x_ref.grad, x_pt.grad, slack=1e-5, what="dx")

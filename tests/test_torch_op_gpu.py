@@ -14,7 +14,8 @@ TOL = 1e-2
 
 
 def bias_relu_aux(acc, C, bias, alpha: float):
-    return torch.relu(alpha * acc + C + bias), acc * 2
+    # C's dtype: a float32 bias would make the sum float32, as torch promotes it.
+    return torch.relu(alpha * acc + C + bias).to(C.dtype), acc * 2
 
 
 def rel_err(out, ref):
@@ -82,7 +83,7 @@ def test_cuda_graph_capture_and_replay(kernel):
 
 
 def residual_gelu(acc, bias, residual):
-    return torch.nn.functional.gelu(acc + bias) + residual
+    return (torch.nn.functional.gelu(acc + bias) + residual).to(residual.dtype)
 
 
 def test_linear_matches_functional_linear(tmp_path):
