@@ -97,22 +97,23 @@ def _rsub(t: Tracer, input: Any, other: Any, *, alpha: Any = 1) -> Any:
     return t.emit("sub", (other, scaled))
 
 
+def _plus_scaled(t: Tracer, input: Any, term: Any, value: Any) -> Any:
+    """input + value * term (term alone where value is 1), as addcmul and addcdiv compute."""
+    if not (isinstance(value, int | float) and value == 1):
+        term = t.emit("mul", (value, term))
+    return t.emit("add", (input, term))
+
+
 def _addcmul(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 1, **kwargs: Any) -> Any:
     """torch.addcmul: input + value * tensor1 * tensor2."""
     _reject_out(kwargs, "addcmul")
-    product = t.emit("mul", (tensor1, tensor2))
-    if not (isinstance(value, int | float) and value == 1):
-        product = t.emit("mul", (value, product))
-    return t.emit("add", (input, product))
+    return _plus_scaled(t, input, t.emit("mul", (tensor1, tensor2)), value)
 
 
 def _addcdiv(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 1, **kwargs: Any) -> Any:
     """torch.addcdiv: input + value * tensor1 / tensor2."""
     _reject_out(kwargs, "addcdiv")
-    quotient = t.emit("div", (tensor1, tensor2))
-    if not (isinstance(value, int | float) and value == 1):
-        quotient = t.emit("mul", (value, quotient))
-    return t.emit("add", (input, quotient))
+    return _plus_scaled(t, input, t.emit("div", (tensor1, tensor2)), value)
 
 
 def _lerp(t: Tracer, input: Any, end: Any, weight: Any, **kwargs: Any) -> Any:
