@@ -18,6 +18,7 @@ import sympy
 import torch
 
 from ..ir.graph import Node
+from ..ir.infer import promotion_stand_in
 from ..ir.ops import ELEMENTWISE
 
 #: Dimensionality classes, in the order torch's promotion ranks them: a Python number never widens
@@ -34,15 +35,6 @@ class EagerType:
     rank_class: int
 
 
-def _stand_in(t: EagerType):
-    """A value that torch.result_type ranks as it ranks ``t``."""
-    if t.rank_class == NUMBER:
-        if t.dtype == torch.bool:
-            return True
-        return 1.0 if t.dtype.is_floating_point else 1
-    return torch.empty(() if t.rank_class == ZERO_DIM else (1,), dtype=t.dtype)
-
-
 def promote_eager(x: EagerType, y: EagerType) -> EagerType:
     """torch's result type of a binary op on values of these types."""
     rank_class = max(x.rank_class, y.rank_class)
@@ -51,7 +43,9 @@ def promote_eager(x: EagerType, y: EagerType) -> EagerType:
         kinds = (torch.bool, torch.int64, torch.float32)
         return EagerType(max(x.dtype, y.dtype, key=lambda d: kinds.index(_kind(d))), NUMBER)
     try:
-        dtype = torch.result_type(_stand_in(x), _stand_in(y))
+        stand_ins = [promotion_stand_in(t.dtype, t.rank_class == NUMBER, t.rank_class == ZERO_DIM)
+                     for t in (x, y)]
+        dtype = torch.result_type(*stand_ins)
     except RuntimeError:
         # float8 has no promotion in torch; evtc refuses arithmetic on it with its own message
         # (check_dtypes), so any answer will do until then.

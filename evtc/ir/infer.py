@@ -73,18 +73,19 @@ def infer_shape(
     raise ValueError(f"unknown op {op!r}")
 
 
-def _promotion_dummy(node: Node) -> Any:
-    """A stand-in for `node` that makes torch.result_type apply the same promotion rules."""
-    if node.is_python_scalar:
-        return True if node.dtype == torch.bool else 1.0
-    # 0-dim tensors promote like scalars of their category; any other tensor is a "dimensioned" one.
-    size = () if len(node.shape) == 0 else (1,)
-    return torch.empty(size, dtype=node.dtype)
+def promotion_stand_in(dtype: torch.dtype, python_number: bool, zero_dim: bool) -> Any:
+    """A value that torch.result_type ranks as it ranks a value of ``dtype`` that is a Python number,
+    a 0-dim tensor (which promotes like a number of its category) or a tensor with dims."""
+    if python_number:
+        if dtype == torch.bool:
+            return True
+        return 1.0 if dtype.is_floating_point else 1
+    return torch.empty(() if zero_dim else (1,), dtype=dtype)
 
 
 def promote(inputs: tuple[Node, ...] | list[Node]) -> torch.dtype:
     """The dtype torch gives an op on one or two values of these kinds (its promotion rules)."""
-    dummies = [_promotion_dummy(i) for i in inputs]
+    dummies = [promotion_stand_in(i.dtype, i.is_python_scalar, len(i.shape) == 0) for i in inputs]
     if len(dummies) == 1:
         only = dummies[0]
         return only.dtype if isinstance(only, torch.Tensor) else inputs[0].dtype

@@ -56,13 +56,8 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != spec.rank:
-        hint = ""
-        if t.numel() == 1 and (t.dim() == 0) != (spec.rank == 0):
-            hint = (" (torch promotes a 0-dim tensor and a one-element tensor with dims differently: a "
-                    "float32 one of shape (1,) makes a bfloat16 result float32, a 0-dim one does not; "
-                    "compile from an example of this shape)")
         raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
-                        f"{tuple(t.shape)}{hint}")
+                        f"{tuple(t.shape)}")
     if t.dtype != dtype:
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)

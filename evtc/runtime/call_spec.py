@@ -90,6 +90,8 @@ class CallSpec:
         #: Block-scaled float8: rows of a per scale (1 or 128); 0: a and b are plain tensors.
         self.scale_rows = plan.a_scale_rows
         #: float32 a and b: the kernel's wgmma is tf32, so it runs only where torch would use tf32.
+        #: The GEMM's N where the epilogue's split fixes it (CallInterface.fixed_n), else None.
+        self.fixed_n = interface.fixed_n
         self.tf32 = interface.torch_only is None and plan.a.dtype == "float32"
 
     # ---- gated kernels ---------------------------------------------------------------------------

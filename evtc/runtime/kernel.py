@@ -599,7 +599,7 @@ class Kernel:
         m = a_shape[-2]
         up = None
         if spec.gated:  # b whole, and where its up half starts
-            if spec.plan.interface.fixed_n is not None and b.shape[-1] != spec.plan.interface.fixed_n:
+            if spec.fixed_n is not None and b.shape[-1] != spec.fixed_n:
                 raise ValueError("another N than the function's split fixes: the checks name it")
             b, up, kernel_operands = spec.split(b, operands, staging=stage)
             n = b.shape[-1] // 2  # the output's width
