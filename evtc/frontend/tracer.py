@@ -470,9 +470,9 @@ def _depends_on_reduction(node: Node) -> bool:
 def _operand_variants(tracer: Tracer, operands: dict[str, Operand], stored: list[Node]) -> tuple:
     """For each tensor operand whose dtype (or 0-dim-ness, for a one-element one) changes an
     output's dtype in torch, the variants a call may pass that leave every output's dtype as
-    traced: ``(name, ("float16", "float32/0-dim", ...))``. Operands whose every variant gives the
-    same dtypes (the usual case: a bias of a's dtype beside a final cast, a mask's operand) are
-    not listed; a call may pass any float dtype for them."""
+    traced: ``(name, ("f16", "f32/0-dim", ...))`` (evtc.ir.dtypes.variant_name). Operands whose
+    every variant gives the same dtypes (the usual case: a bias of a's dtype beside a final cast,
+    a mask's operand) are not listed; a call may pass any float dtype for them."""
     ab_dtype = tracer.problem.ab_dtype
 
     def dtypes_with(given: dict[str, EagerType]) -> list[torch.dtype]:
