@@ -132,8 +132,9 @@ def test_linear_with_reductions_keeps_leading_dims(cache):
            torch.full_like(amax, float("nan")))
     again = lin(x3, w, out=out)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again, out, strict=True))
-    assert rel_err(out[0], ref) < TOL and rel_err(out[1], (ref * ref).sum(-1)) < 1e-4
-    assert rel_err(out[2], ref.abs().amax()) < 1e-4
+    # The outputs are 16-bit like the first call's, so the same one-rounding tolerance.
+    assert rel_err(out[0], ref) < TOL and rel_err(out[1], (ref * ref).sum(-1)) < 2.0**-8
+    assert rel_err(out[2], ref.abs().amax()) < 2.0**-8
 
     with pytest.raises(evtc.CallError, match="leading dims"):
         evtc.linear(swiglu_with_column_max, dict(x=x3, weight=w), cache_dir=cache)
