@@ -327,11 +327,13 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     knobs.update(ab_dtype=signature.a.dtype, d_dtype=d_dtype, a_major=signature.a_major,
                  b_major=signature.b_major, d_major=d_major, gated=graph.gated,
                  store_d=bool(emitted.outputs))
+    chosen_by_evtc: frozenset[str] = frozenset()
     if len(emitted.outputs) > 1 and knobs.get("epi_stages") is None:
         # Extra outputs are staged like D, one buffer per D stage: fix the count so both agree.
         knobs["epi_stages"] = 2
+        chosen_by_evtc = frozenset({"epi_stages"})
     try:
-        cfg = fit_config(knobs, emitted, signature)
+        cfg = fit_config(knobs, emitted, signature, chosen_by_evtc=chosen_by_evtc)
     except (ConfigError, TypeError) as exc:
         raise CompileError(f"configuration: {exc}", loc) from None
     log.info("%r: GEMM %s, epilogue loads staged %d deep%s", graph.name, cfg.short_name(), cfg.c_stages,

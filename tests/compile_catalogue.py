@@ -402,6 +402,14 @@ def six_float32_outputs(acc, C):
     return y.float(), (y * 2).float(), torch.relu(y).float(), (y * y).float(), acc.float(), C.float()
 
 
+@entry({f"C{i}": ("tile", torch.float32) for i in range(5)})
+def five_float32_tiles_in_and_out(acc, C0, C1, C2, C3, C4):
+    # Five float32 tiles in and five out: no double-buffered plan fits in shared memory, so the
+    # kernel stages each one single-buffered (evtc.plan.smem.SINGLE_BUFFERED).
+    y = acc + C0
+    return y, y * C1, y - C2, torch.relu(y) + C3, y * C4 + C0
+
+
 @entry({"bias": "row", "s": "scalar"})
 def fp8_only_scaled(acc, bias, s):
     # Every output float8: the kernel's own D is the float8 tile.

@@ -158,3 +158,38 @@ def test_loads_too_deep_to_fit_fall_back_to_two_stages(tmp_path):
           "x0": torch.empty(96, 128), "x1": torch.empty(2, 96, 128), "x2": torch.empty(2, 1, 1)}
     k = evtc.compile(_gated_float32_tiles, ex, cache_dir=tmp_path, out_dtypes={"D0": torch.float32})
     assert k.config.gated and k.config.c_stages >= 2 and k.stages["ab"] >= 2, (k.config, k.stages)
+
+
+def _float32_tiles_in_and_out(count: int):
+    """An epilogue of ``count`` float32 tile operands and as many float32 outputs (tracing reads the
+    operands' names from the signature, so the source is written out)."""
+    names = [f"C{i}" for i in range(count)]
+    source = (f"def tiles_in_and_out(acc, {', '.join(names)}):\n    y = acc + C0\n"
+              f"    return {', '.join(f'y * {n}' for n in names)}\n")
+    scope: dict = {}
+    exec(source, scope)
+    return scope["tiles_in_and_out"]
+
+
+def test_many_float32_tiles_compile_single_buffered(tmp_path):
+    """Eight float32 tiles in and out leave no A/B stage with two buffers each, in any schedule or
+    subtile: the planner falls back to one buffer per tile (cooperative, 128 x 16 subtiles), and
+    says what to do where even that does not fit. A pinned tile is the user's: no fallback."""
+    import evtc
+
+    def example(count: int) -> dict:
+        ex = {"a": torch.empty(256, 128, dtype=torch.bfloat16, device="meta"),
+              "b": torch.empty(128, 512, dtype=torch.bfloat16, device="meta")}
+        ex.update({f"C{i}": torch.empty(256, 512, device="meta") for i in range(count)})
+        return ex
+
+    k = evtc.compile(_float32_tiles_in_and_out(8), example(8), cache_dir=tmp_path)
+    assert (k.config.schedule, k.config.epi_tile_n, k.config.c_stages, k.config.epi_stages) == \
+        ("cooperative", 16, 1, 1), k.config
+    assert k.stages["ab"] >= 2
+    with pytest.raises(evtc.CompileError, match="single-buffered: compute some of the outputs"):
+        evtc.compile(_float32_tiles_in_and_out(12), example(12), cache_dir=tmp_path)
+    with pytest.raises(evtc.CompileError, match="A/B pipeline stage") as pinned:
+        evtc.compile(_float32_tiles_in_and_out(8), example(8), cache_dir=tmp_path,
+                     config={"schedule": "cooperative"})
+    assert "single-buffered" not in str(pinned.value)

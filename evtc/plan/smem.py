@@ -125,12 +125,26 @@ def _dtype_name(dtype) -> str:
 STARVED_AB_STAGES = 4
 
 
-def fit_config(knobs: dict[str, Any], emitted, signature):
+# The last resort of an epilogue with many tile operands and outputs (float32 ones take twice the
+# bytes): one buffer per input, output and D, 128 x 16 subtiles, the cooperative schedule. Each
+# subtile's load then waits for the previous one to be read, and each store for the previous one to
+# drain, so it is slower than a plan with deeper staging, but it compiles what fits in no other.
+SINGLE_BUFFERED = ({"schedule": "cooperative", "tile_n": 128, "epi_tile_n": 16, "load_stages": 1,
+                    "epi_stages": 1},
+                   {"schedule": "cooperative", "tile_n": 64, "epi_tile_n": 16, "load_stages": 1,
+                    "epi_stages": 1})
+# Knobs whose presence means the user chose the epilogue's staging or the tile: no last resort then.
+_STAGING_KNOBS = ("schedule", "tile_m", "tile_n", "cluster", "epi_tile_n", "load_stages", "ab_stages")
+
+
+def fit_config(knobs: dict[str, Any], emitted, signature, *, chosen_by_evtc: frozenset[str] = frozenset()):
     """The configuration of ``knobs``, its epilogue loads planned, checked to fit in shared memory.
 
     Where the epilogue's buffers (many or wide outputs) leave too few A/B stages, and the user did not
     choose them, narrower 128 x 16 subtiles are tried, then the cooperative schedule (one epilogue's
-    buffers instead of the ping-pong schedule's two). Otherwise the first error says what to shrink.
+    buffers instead of the ping-pong schedule's two), then single-buffered staging
+    (:data:`SINGLE_BUFFERED`). Otherwise the first error says what to shrink. ``chosen_by_evtc``:
+    knobs in ``knobs`` that evtc set, not the user (the last resort may change them).
     """
     attempts: list[dict[str, Any]] = [{}]
     if "epi_tile_n" not in knobs:
@@ -143,6 +157,9 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
             subtiles = ({},) if "epi_tile_n" in knobs else ({}, {"epi_tile_n": 16})
             attempts += [{"schedule": "cooperative", "tile_n": n, **sub}
                          for n in (192, 128) for sub in subtiles]
+    if (not any(k in knobs for k in _STAGING_KNOBS)
+            and ("epi_stages" not in knobs or "epi_stages" in chosen_by_evtc)):
+        attempts += SINGLE_BUFFERED
     first_error = None
     for extra in attempts:
         try:
@@ -154,19 +171,31 @@ def fit_config(knobs: dict[str, Any], emitted, signature):
             continue
         if extra:
             why = ("a promoting float8 mainloop keeps two accumulators, too many registers for the "
-                   "default tiles" if cfg.promotes and "tile_n" in extra else
+                   "default tiles" if cfg.promotes and "tile_n" in extra and "load_stages" not in extra
+                   else "the epilogue's buffers fit only single-buffered, which is slower"
+                   if "load_stages" in extra else
                    "the epilogue's buffers do not fit with the default tiles")
             log.info("%r: %s; using %s", emitted.class_name, why, extra)
         return cfg
     assert first_error is not None
     if len(attempts) > 1:
         tried = ", ".join(_describe_attempt(a) for a in attempts[1:])
-        raise ConfigError(f"{first_error} (also tried: {tried})")
+        hint = ""
+        if attempts[-1] is SINGLE_BUFFERED[-1]:
+            tiles = sum(1 for p in emitted.inputs
+                        if KINDS[p.kind].staged_load and len(KINDS[p.kind].varying) == 2)
+            hint = (f"; the epilogue loads {tiles} tile operand(s) and stores {len(emitted.outputs)} "
+                    "full-tile output(s), too many even single-buffered: compute some of the outputs "
+                    "in a second kernel, or pass 16-bit tile operands (float32 ones, and the float32 "
+                    "outputs they promote to, take twice the shared memory)")
+        raise ConfigError(f"{first_error} (also tried: {tried}){hint}")
     raise first_error
 
 
 def _describe_attempt(extra: dict[str, Any]) -> str:
     parts = []
+    if "load_stages" in extra:
+        return f"single-buffered 128 x {extra['tile_n']} cooperative tiles"
     if "schedule" in extra:
         tiles = f" with 128 x {extra['tile_n']} tiles" if "tile_n" in extra else ""
         parts.append(f"the cooperative schedule{tiles}")
@@ -261,7 +290,7 @@ def _shallow_loads(cfg, emitted, signature):
     return (cfg.replace(load_stages=depth) if depth != cfg.c_stages else cfg), ab_at_floor
 
 
-__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN", "ab_stages_of",
-           "column_reduction_columns", "d_buffer_input", "epilogue_smem_bytes", "finish_smem_bytes",
-           "fit_config", "holds_d_in_loads", "input_load_bytes", "input_smem_bytes", "reduction_smem_bytes",
-           "store_smem_bytes", "vector_stage_elems"]
+__all__ = ["COLUMN_REDUCTION_WARP_ROWS", "SINGLE_BUFFERED", "TWO_LEVEL_FINISH_AXES", "VECTOR_ALIGN",
+           "ab_stages_of", "column_reduction_columns", "d_buffer_input", "epilogue_smem_bytes",
+           "finish_smem_bytes", "fit_config", "holds_d_in_loads", "input_load_bytes", "input_smem_bytes",
+           "reduction_smem_bytes", "store_smem_bytes", "vector_stage_elems"]
