@@ -495,9 +495,11 @@ def test_epilogues_with_many_outputs_get_smaller_tiles_or_a_clear_error(tmp_path
     assert "do not fit with the default tiles" in caplog.text
     six = evtc.compile(outputs(6), ex, cache_dir=tmp_path)
     assert six.config.schedule == "cooperative" and six.config.epi_tile_n == 16
+    nine = evtc.compile(outputs(9), ex, cache_dir=tmp_path)  # the last resort: one buffer each
+    assert (nine.config.schedule, nine.config.c_stages, nine.config.epi_stages) == ("cooperative", 1, 1)
     with pytest.raises(evtc.CompileError, match="also tried: 128x16 subtiles, the cooperative") as err:
-        evtc.compile(outputs(9), ex, cache_dir=tmp_path)
-    assert "test_compile_runtime.py" in str(err.value)
+        evtc.compile(outputs(30), ex, cache_dir=tmp_path)
+    assert "test_compile_runtime.py" in str(err.value) and "30 full-tile output(s)" in str(err.value)
     # A choice the user made is kept: the error says what to shrink.
     with pytest.raises(evtc.CompileError, match="use a smaller tile_n, epi_tile_n or epi_stages"):
         evtc.compile(outputs(4), ex, config={"epi_tile_n": 32, "schedule": "pingpong"}, cache_dir=tmp_path)
