@@ -139,6 +139,17 @@ def glu_of_the_accumulator(acc):
     return F.glu(y), F.glu(y, dim=-1).sum(-1)
 
 
+def composites_of_16bit_values_round_once(acc, alpha: float):
+    # torch runs each of these as one kernel in float32 and rounds once; evtc's ops on a float16
+    # value round each step, so a float16 step would overflow (-2 h, 1.5 h, h * h) or lose digits.
+    h = (acc * 16000.0).clamp(-60000.0, 60000.0).half()
+    small = (acc * 2.0).half()
+    return (torch.lerp(h, -h, 0.25).float(), torch.addcmul(h, h, h, value=1e-6).float(),
+            torch.rsub(h, h, alpha=1.5).float(), torch.addcdiv(small, small, small * 3.0 + 8.0, value=0.5).float(),
+            (F.selu(small) + F.celu(small, alpha=0.5) + F.logsigmoid(small)).float(),
+            F.elu(small, alpha).float(), torch.relu_(small * 1.0).float())
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -164,6 +175,7 @@ CASES = {
     "composites_with_special_values": (composites_with_special_values, {"C": "MN"}),
     "composite_activations": (composite_activations, {}),
     "glu_of_the_accumulator": (glu_of_the_accumulator, {}),
+    "composites_of_16bit_values_round_once": (composites_of_16bit_values_round_once, {"alpha": 0.7}),
 }
 
 

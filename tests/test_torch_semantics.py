@@ -214,3 +214,21 @@ def test_numpy_scalars_as_compile_time_constants(tmp_path):
     want = ((a.float() @ b.float()) * 2).half()
     for alpha, flag in ((0.5, True), (np.float32(3.0), np.bool_(True))):
         torch.testing.assert_close(k(a, b, alpha=alpha, flag=flag), want)
+
+
+def test_infinity_tests_see_where_a_16bit_accumulator_overflows():
+    """torch's float16 a @ b is inf where the product passes float16's range; evtc holds it in
+    float32, so nan_to_num and the infinity tests take the bound where torch's value overflows
+    (65520: half a unit past 65504, where a tie rounds to infinity)."""
+    a = torch.tensor([[256.0], [-256.0], [1.0]]).half()
+    b = torch.tensor([[400.0, 255.875, 256.0, 3.0]]).half()  # 102400, 65504 (the largest), 65536, 3
+
+    def tests(acc):
+        return (torch.nan_to_num(acc), torch.nan_to_num(acc, posinf=1.0, neginf=-1.0),
+                torch.isinf(acc).float(), torch.isfinite(acc).float(), torch.isposinf(acc).float(),
+                torch.isneginf(acc).float())
+
+    got = evtc.trace(tests, {"a": a, "b": b}).evaluate({"a": a, "b": b}, cast_outputs=True)
+    want = tests(a @ b)  # torch's own float16 product
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), (g, w)

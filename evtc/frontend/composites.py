@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedOpError
-from .lowering import _halves, _last_dim, _reject_out, register
+from .lowering import FUNCTIONS, _halves, _last_dim, _maybe_inplace, _reject_out, _rounded_once, register
 from .proxy import TracedValue
 from .source import user_location
 
@@ -24,6 +24,20 @@ if TYPE_CHECKING:
     from .tracer import Tracer
 
 _INF = math.inf
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def _overflow_bound(value: Any) -> float:
+    """Where torch's value overflows: a value that reads as float16 or bfloat16 (an accumulator of
+    float16 a and b is one) is infinite in torch from half a unit past the dtype's largest value
+    (a tie rounds to the even neighbour, infinity), though evtc holds it in float32; inf for
+    float32."""
+    dtype = value.dtype if isinstance(value, TracedValue) else torch.float32
+    if dtype not in _SIXTEEN_BIT:
+        return _INF
+    info = torch.finfo(dtype)
+    top_unit = 2.0 ** math.floor(math.log2(info.max)) * info.eps
+    return info.max + top_unit / 2
 
 
 # --- no-ops on values -------------------------------------------------------------------------
@@ -62,8 +76,9 @@ def _nan_to_num(t: Tracer, input: Any, nan: float = 0.0, posinf: float | None = 
     info = torch.finfo(input.dtype if isinstance(input, TracedValue) else torch.float32)
     posinf = info.max if posinf is None else posinf
     neginf = info.min if neginf is None else neginf
-    result = t.emit("where", (t.emit("eq", (input, -_INF)), neginf, input))
-    result = t.emit("where", (t.emit("eq", (input, _INF)), posinf, result))
+    bound = _overflow_bound(input)  # what torch's value would hold as +-inf
+    result = t.emit("where", (t.emit("le", (input, -bound)), neginf, input))
+    result = t.emit("where", (t.emit("ge", (input, bound)), posinf, result))
     return t.emit("where", (t.emit("ne", (input, input)), nan, result))
 
 
@@ -72,60 +87,76 @@ def _isnan(t: Tracer, input: Any) -> Any:
     return t.emit("ne", (input, input))
 
 
+# The infinity tests take the bound where torch's value overflows (see _overflow_bound): +-inf for
+# float32, half a unit past the largest value for one that reads as float16 or bfloat16.
 def _isinf(t: Tracer, input: Any) -> Any:
-    return t.emit("eq", (t.emit("abs", (input,)), _INF))
+    return t.emit("ge", (t.emit("abs", (input,)), _overflow_bound(input)))
 
 
 def _isfinite(t: Tracer, input: Any) -> Any:
-    return t.emit("lt", (t.emit("abs", (input,)), _INF))  # NaN < inf is False
+    return t.emit("lt", (t.emit("abs", (input,)), _overflow_bound(input)))  # NaN < bound is False
 
 
 def _isposinf(t: Tracer, input: Any, **kwargs: Any) -> Any:
     _reject_out(kwargs, "isposinf")
-    return t.emit("eq", (input, _INF))
+    return t.emit("ge", (input, _overflow_bound(input)))
 
 
 def _isneginf(t: Tracer, input: Any, **kwargs: Any) -> Any:
     _reject_out(kwargs, "isneginf")
-    return t.emit("eq", (input, -_INF))
+    return t.emit("le", (input, -_overflow_bound(input)))
 
 
 # --- arithmetic -----------------------------------------------------------------------------
+def _is_one(value: Any) -> bool:
+    return isinstance(value, int | float) and value == 1
+
+
 def _rsub(t: Tracer, input: Any, other: Any, *, alpha: Any = 1) -> Any:
-    """torch.rsub(x, other, alpha): other - alpha * x."""
-    scaled = input if isinstance(alpha, int | float) and alpha == 1 else t.emit("mul", (alpha, input))
-    return t.emit("sub", (other, scaled))
-
-
-def _plus_scaled(t: Tracer, input: Any, term: Any, value: Any) -> Any:
-    """input + value * term (term alone where value is 1), as addcmul and addcdiv compute."""
-    if not (isinstance(value, int | float) and value == 1):
-        term = t.emit("mul", (value, term))
-    return t.emit("add", (input, term))
+    """torch.rsub(x, other, alpha): other - alpha * x, rounded once."""
+    if _is_one(alpha):
+        return t.emit("sub", (other, input))
+    return _rounded_once(t, (input, other, alpha),
+                         lambda x, o, a: t.emit("sub", (o, t.emit("mul", (a, x)))))
 
 
 def _addcmul(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 1, **kwargs: Any) -> Any:
-    """torch.addcmul: input + value * tensor1 * tensor2."""
+    """torch.addcmul: input + (value * tensor1) * tensor2, in that order (at the edge of float32's
+    range, value * (tensor1 * tensor2) may overflow where torch's does not), rounded once."""
     _reject_out(kwargs, "addcmul")
-    return _plus_scaled(t, input, t.emit("mul", (tensor1, tensor2)), value)
+
+    def formula(x, t1, t2, v):
+        scaled = t1 if _is_one(v) else t.emit("mul", (v, t1))
+        return t.emit("add", (x, t.emit("mul", (scaled, t2))))
+
+    return _rounded_once(t, (input, tensor1, tensor2, value), formula)
 
 
 def _addcdiv(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 1, **kwargs: Any) -> Any:
-    """torch.addcdiv: input + value * tensor1 / tensor2."""
+    """torch.addcdiv: input + value * (tensor1 / tensor2), rounded once."""
     _reject_out(kwargs, "addcdiv")
-    return _plus_scaled(t, input, t.emit("div", (tensor1, tensor2)), value)
+
+    def formula(x, t1, t2, v):
+        quotient = t.emit("div", (t1, t2))
+        return t.emit("add", (x, quotient if _is_one(v) else t.emit("mul", (v, quotient))))
+
+    return _rounded_once(t, (input, tensor1, tensor2, value), formula)
 
 
 def _lerp(t: Tracer, input: Any, end: Any, weight: Any, **kwargs: Any) -> Any:
     """torch.lerp, by torch's two formulas: start + w * (end - start) where |w| < 0.5, else
-    end - (end - start) * (1 - w) (exact at w = 1)."""
+    end - (end - start) * (1 - w) (exact at w = 1); rounded once."""
     _reject_out(kwargs, "lerp")
-    diff = t.emit("sub", (end, input))
-    low = t.emit("add", (input, t.emit("mul", (weight, diff))))
-    high = t.emit("sub", (end, t.emit("mul", (diff, t.emit("sub", (1.0, weight))))))
-    if isinstance(weight, int | float):
-        return low if abs(weight) < 0.5 else high
-    return t.emit("where", (t.emit("lt", (t.emit("abs", (weight,)), 0.5)), low, high))
+
+    def formula(start, stop, w):
+        diff = t.emit("sub", (stop, start))
+        low = t.emit("add", (start, t.emit("mul", (w, diff))))
+        high = t.emit("sub", (stop, t.emit("mul", (diff, t.emit("sub", (1.0, w))))))
+        if isinstance(w, int | float):
+            return low if abs(w) < 0.5 else high
+        return t.emit("where", (t.emit("lt", (t.emit("abs", (w,)), 0.5)), low, high))
+
+    return _rounded_once(t, (input, end, weight), formula)
 
 
 # --- activations ----------------------------------------------------------------------------
@@ -133,30 +164,32 @@ _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
 
 
-def _inplace_flag(inplace: bool, name: str) -> None:
-    if inplace:
-        raise UnsupportedOpError(f"{name}(..., inplace=True) is not supported in epilogues: use the "
-                                 "out-of-place form", user_location())
-
-
 def _selu(t: Tracer, input: Any, inplace: bool = False) -> Any:
-    """F.selu: scale * x where x > 0, else scale * alpha * (exp(x) - 1)."""
-    _inplace_flag(inplace, "selu")
-    negative = t.emit("mul", (_SELU_SCALE * _SELU_ALPHA, t.emit("expm1", (input,))))
-    return t.emit("where", (t.emit("gt", (input, 0.0)), t.emit("mul", (_SELU_SCALE, input)), negative))
+    """F.selu: scale * x where x > 0, else scale * alpha * (exp(x) - 1), rounded once."""
+    def formula(x):
+        negative = t.emit("mul", (_SELU_SCALE * _SELU_ALPHA, t.emit("expm1", (x,))))
+        return t.emit("where", (t.emit("gt", (x, 0.0)), t.emit("mul", (_SELU_SCALE, x)), negative))
+
+    return _maybe_inplace(t, input, _rounded_once(t, (input,), formula), inplace, "selu")
 
 
 def _celu(t: Tracer, input: Any, alpha: float = 1.0, inplace: bool = False) -> Any:
-    """F.celu: x where x > 0, else alpha * (exp(x / alpha) - 1)."""
-    _inplace_flag(inplace, "celu")
-    negative = t.emit("mul", (alpha, t.emit("expm1", (t.emit("div", (input, alpha)),))))
-    return t.emit("where", (t.emit("gt", (input, 0.0)), input, negative))
+    """F.celu: x where x > 0, else alpha * (exp(x / alpha) - 1), rounded once."""
+    def formula(x):
+        negative = t.emit("mul", (alpha, t.emit("expm1", (t.emit("div", (x, alpha)),))))
+        return t.emit("where", (t.emit("gt", (x, 0.0)), x, negative))
+
+    return _maybe_inplace(t, input, _rounded_once(t, (input,), formula), inplace, "celu")
 
 
 def _logsigmoid(t: Tracer, input: Any) -> Any:
-    """F.logsigmoid, as torch computes it without overflow: min(x, 0) - log1p(exp(-|x|))."""
-    tail = t.emit("log1p", (t.emit("exp", (t.emit("neg", (t.emit("abs", (input,)),)),)),))
-    return t.emit("sub", (t.emit("minimum", (input, 0.0)), tail))
+    """F.logsigmoid, as torch computes it without overflow: min(x, 0) - log1p(exp(-|x|)), rounded
+    once."""
+    def formula(x):
+        tail = t.emit("log1p", (t.emit("exp", (t.emit("neg", (t.emit("abs", (x,)),)),)),))
+        return t.emit("sub", (t.emit("minimum", (x, 0.0)), tail))
+
+    return _rounded_once(t, (input,), formula)
 
 
 def _softsign(t: Tracer, input: Any) -> Any:
@@ -167,8 +200,12 @@ def _softsign(t: Tracer, input: Any) -> Any:
 def _glu(t: Tracer, input: Any, dim: int = -1) -> Any:
     """F.glu over the last dim: the first half times the sigmoid of the second."""
     _last_dim(t, input, dim, "glu")
-    first, second = _halves(t, input, "glu")
-    return t.emit("mul", (first, t.emit("sigmoid", (second,))))
+
+    def formula(x):
+        first, second = _halves(t, x, "glu")
+        return t.emit("mul", (first, t.emit("sigmoid", (second,))))
+
+    return _rounded_once(t, (input,), formula)  # one kernel in torch: one rounding
 
 
 def _dropout(t: Tracer, input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
@@ -201,3 +238,27 @@ register([F.logsigmoid], [], _logsigmoid, inplace=False)
 register([F.softsign], [], _softsign, inplace=False)
 register([F.glu], [], _glu, inplace=False)
 register([F.dropout], [], _dropout, inplace=False)
+
+
+# --- in-place functions -----------------------------------------------------------------------
+def _in_place(handler: Any, name: str) -> Any:
+    """``torch.relu_(x)``, ``F.elu_(x)``: the function's value assigned to x, as x.relu_() does."""
+    def handler_in_place(t: Tracer, input: Any, *args: Any, **kwargs: Any) -> Any:
+        return t.assign(input, handler(t, input, *args, **kwargs), name)
+
+    return handler_in_place
+
+
+def _register_in_place_functions() -> None:
+    """Every ``torch.f_`` and ``F.f_`` whose ``f`` is supported, registered last (after lowering's
+    and this module's functions)."""
+    for namespace in (torch, F):
+        for name in dir(namespace):
+            if not name.endswith("_") or name.startswith("_"):
+                continue
+            function, base = getattr(namespace, name), getattr(namespace, name[:-1], None)
+            if callable(function) and base in FUNCTIONS and function not in FUNCTIONS:
+                FUNCTIONS[function] = _in_place(FUNCTIONS[base], f"{name}")
+
+
+_register_in_place_functions()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import DTypeError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import CAST_DTYPES, short_name
-from ..ir.infer import promote
+from ..ir.infer import promote, promotion_stand_in
 from ..ir.shapes import ONE, N
 from .proxy import SymDim, TracedValue
 from .source import user_location
@@ -59,6 +59,44 @@ def _maybe_inplace(t: Tracer, x: Any, result: TracedValue, inplace: bool, name: 
     return result
 
 
+def _torch_dtype_of(values: tuple[Any, ...]) -> torch.dtype:
+    """The dtype torch gives a function of ``values`` (tensors, 0-dim tensors and numbers by
+    torch's categories), read from the IR's dtypes, as evtc's ops promote: a float32 accumulator
+    stays float32, a value cast to float16 is float16."""
+    total: Any = None
+    for value in values:
+        if isinstance(value, TracedValue):
+            node = value._node
+            stand_in = promotion_stand_in(node.dtype, node.is_python_scalar, len(node.shape) == 0)
+        else:
+            stand_in = 1.0
+        total = stand_in if total is None else total + stand_in
+    dtype = total.dtype if isinstance(total, torch.Tensor) else torch.float32
+    return dtype if dtype.is_floating_point else torch.float32
+
+
+def _rounded_once(t: Tracer, values: tuple[Any, ...], formula: Callable[..., Any]) -> Any:
+    """``formula(*values)`` computed in float32 and rounded once to the dtype torch gives it.
+
+    torch runs each function here as one kernel that computes in float32 and rounds its result
+    (``torch.lerp`` of float16 values rounds once), where evtc's ops on a float16 value round each
+    step to float16, as separate torch ops would: a step could overflow, or lose the digits a
+    cancellation needs. So float16 and bfloat16 values are widened first (their eager dtypes
+    unchanged: torch widens nothing the user sees), and the result cast back."""
+    want = _torch_dtype_of(values)
+    widened = []
+    for value in values:
+        if isinstance(value, TracedValue) and value._node.dtype in (torch.float16, torch.bfloat16):
+            wide = t.emit("cast", (value,), {"dtype": torch.float32})
+            t.eager.same_as(wide._node, value._node)
+            value = wide
+        widened.append(value)
+    result = formula(*widened)
+    if not isinstance(result, TracedValue) or result._node.dtype == want:
+        return result
+    return t.emit("cast", (result,), {"dtype": want})
+
+
 # --- elementwise ------------------------------------------------------------------------------
 def _unary(op: str, **fixed: Any) -> Handler:
     def handler(t: Tracer, input: Any, **kwargs: Any) -> Any:
@@ -69,13 +107,21 @@ def _unary(op: str, **fixed: Any) -> Handler:
 
 
 def _leaky_relu_by(t: Tracer, x: Any, negative_slope: Any) -> Any:
-    """F.leaky_relu(x, s) for a runtime s: x where x > 0, else x * s (NaN stays NaN)."""
-    return t.emit("where", (t.emit("gt", (x, 0.0)), x, t.emit("mul", (x, negative_slope))))
+    """F.leaky_relu(x, s) for a runtime s: x where x > 0, else x * s (NaN stays NaN), rounded once
+    to x's dtype (torch's kernel does not promote x by a runtime slope)."""
+    def formula(v, s):
+        return t.emit("where", (t.emit("gt", (v, 0.0)), v, t.emit("mul", (v, s))))
+
+    return _rounded_once(t, (x, negative_slope), formula)
 
 
 def _elu_by(t: Tracer, x: Any, alpha: Any) -> Any:
-    """F.elu(x, alpha) for a runtime alpha: x where x > 0, else alpha * (exp(x) - 1)."""
-    return t.emit("where", (t.emit("gt", (x, 0.0)), x, t.emit("mul", (alpha, t.emit("expm1", (x,))))))
+    """F.elu(x, alpha) for a runtime alpha: x where x > 0, else alpha * (exp(x) - 1), rounded
+    once."""
+    def formula(v, a):
+        return t.emit("where", (t.emit("gt", (v, 0.0)), v, t.emit("mul", (a, t.emit("expm1", (v,))))))
+
+    return _rounded_once(t, (x, alpha), formula)
 
 
 #: Activations whose parameter may be a runtime scalar: written out as torch defines them.

@@ -164,13 +164,14 @@ def elu(x, alpha: float):
 
 def gelu(x):
     """x * Phi(x) with the exact normal CDF (torch's approximate="none")."""
-    return x * (erf(x * SQRT1_2) + 1.0) * 0.5
+    # Halved first, as torch's kernel does: x * (erf + 1) overflows for |x| above 1.7e38.
+    return x * 0.5 * (erf(x * SQRT1_2) + 1.0)
 
 
 def gelu_tanh(x):
     """torch's approximate="tanh" gelu."""
     inner = (x + x * x * x * GELU_TANH_CUBIC) * SQRT_2_OVER_PI
-    return x * (tanh(inner) + 1.0) * 0.5
+    return x * 0.5 * (tanh(inner) + 1.0)
 
 
 def silu(x):
