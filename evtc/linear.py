@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from evtc.compile import compile as _compile_kernel
-from evtc.errors import CallError, EpilogueError
+from evtc.compile import graph_digest
+from evtc.errors import CallError, CompileError, EpilogueError
 from evtc.runtime.call_checks import refuse_overlapping, refuse_shared_targets
 from evtc.runtime.kernel import Kernel
 
@@ -82,8 +83,19 @@ class Linear:
                                 "evtc.linear(...) for a differentiable one")
             from evtc.api import trace
             from evtc.ir.autodiff import backward
+            from evtc.ir.passes.gated import kernel_graph
 
-            self._backward = backward(trace(self._fn, self._example, out_dtypes=self._out_dtypes))
+            traced = trace(self._fn, self._example, out_dtypes=self._out_dtypes)
+            # The function as it is now must be the one the kernel computes: a global, closure value
+            # or helper it reads may have changed since evtc.linear, and the gradients would then be
+            # another function's.
+            if graph_digest(kernel_graph(traced)) != graph_digest(self.kernel.graph):
+                raise CompileError(
+                    f"{traced.name!r} no longer traces to the graph its kernel was compiled from: a "
+                    "global, closure value or helper that the epilogue reads changed after evtc.linear "
+                    "returned. The kernel computes the function as it was then, and its gradients "
+                    "would not; build the linear again for the function as it is now")
+            self._backward = backward(traced)
         return self._backward
 
     def _saving_kernel(self) -> Kernel | None:
@@ -296,7 +308,7 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
         return value
     shape = (1,) * (len(lead) + 1 - value.dim()) + tuple(value.shape)
     if shape[:-1] == lead:
-        return value.reshape(-1, value.shape[-1])
+        return _rows(value)
     if all(s == 1 for s in shape[:-1]):
         return value.reshape(1, shape[-1]) if value.dim() > 2 else value  # a row (or one value)
     if any(s not in (1, full) for s, full in zip(shape[:-1], lead, strict=True)):
@@ -409,6 +421,11 @@ def linear(
             raise CallError("evtc.linear: example x must be a (..., in_features) tensor and weight an "
                             "(out_features, in_features) one; got "
                             f"{_describe_arg(x)} and {_describe_arg(weight)}")
+        supported = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+        for name, value in (("x", x), ("weight", weight)):
+            if value.dtype not in supported:
+                raise CallError(f"evtc.linear: {name} has dtype {value.dtype}; the kernel multiplies "
+                                "float16, bfloat16, float32 (as tf32) or float8 inputs")
         if x.shape[-1] != weight.shape[1]:
             raise CallError(f"evtc.linear: example x has {x.shape[-1]} input features, weight "
                             f"{weight.shape[1]} (weight is (out_features, in_features) = "

@@ -72,15 +72,15 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     given the outputs' gradients ``grads`` by output name (None for outputs that received none):
     the GEMM epilogue's backward with a = x (flattened) and b = weight^T. ``acc``: the accumulator
     the forward saved (with x's leading dims), else recomputed where the backward reads it."""
-    from evtc.linear import _flatten_like, unflatten_gradient
+    from evtc.linear import _flatten_like, _rows, unflatten_gradient
     from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
     lead = tuple(x.shape[:-1])
     names = list(operands)
     flat = [_flatten_like(operands[name], lead) for name in names]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _rows(x)  # also with no input features (reshape(-1, 0) cannot tell the rows)
     dz, d_flat = epilogue_gradients(lin.backward_graph(), x2, weight.t(), names, flat, grads,
-                                    acc=None if acc is None else acc.reshape(-1, acc.shape[-1]))
+                                    acc=None if acc is None else _rows(acc))
     dx, _ = input_gradients(dz, x2, weight.t(), need_b=False)
     d_operands = {name: unflatten_gradient(d, operands[name], lead)
                   for name, d in zip(names, d_flat, strict=True) if d is not None}

@@ -100,8 +100,10 @@ def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2:
     names1, names2 = tuple(ops1), tuple(ops2)
     first, second = pair.first_linear(x, ops1, w1), pair.second_linear(h, ops2, w2)
     need_x, need_w1, need_w2 = need_weights
+    from evtc.linear import _rows
+
     lead = tuple(x.shape[:-1])
-    x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
+    x2, h2 = _rows(x), _rows(h)
     # 1. The second layer's dZ and operand gradients.
     flat2 = [_flat(ops2[n], lead) for n in names2]
     grads2 = dict(zip(second.output_names, grad_outputs, strict=True))

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from evtc.errors import CallError
@@ -122,6 +123,10 @@ class FusedLinear(nn.Module):
         x, weight, bias = _autocast(x, self.weight, self.bias)
         if bias is not None:
             operands = {"bias": bias, **operands}
+        if torch.float64 in (x.dtype, weight.dtype):
+            # float64 (nn.Linear's .double(), gradcheck): no kernel multiplies it, so the epilogue
+            # runs on torch's product, differentiable through torch's own ops.
+            return self.epilogue(F.linear(x, weight), **operands)
         lin = self._linear_for(x, operands, weight)
         return lin(x, weight, **operands)
 
@@ -131,7 +136,8 @@ class FusedLinear(nn.Module):
 
         weight = self.weight if weight is None else weight
         # An operand's kind (tile, row, column, scalar) follows which of its dims are 1: part of the key.
-        key = (x.dtype, x.device, x.dim(), weight.dtype,
+        # The epilogue too: a module whose epilogue was replaced compiles the new one.
+        key = (self.epilogue, x.dtype, x.device, x.dim(), weight.dtype,
                tuple((name, v.dtype, tuple(s == 1 for s in v.shape)) if isinstance(v, torch.Tensor)
                      else (name, type(v)) for name, v in operands.items()))
         lin = self._compiled.get(key)
@@ -226,6 +232,8 @@ class MLP(nn.Module):
             # the fused pair below would read the parameters past its forward.
             return self.down(self.up(x), **operands)
         _refuse_own_bias(self.down.bias, operands, "evtc.nn.MLP")
+        if torch.float64 in (x.dtype, self.up.weight.dtype, self.down.weight.dtype):
+            return self.down(self.up(x), **operands)  # float64: each layer on torch (see FusedLinear)
         x, w1, w2, b1, b2 = _autocast(x, self.up.weight, self.down.weight, self.up.bias, self.down.bias)
         ops1 = {"bias": b1} if b1 is not None else {}
         ops2 = {"bias": b2, **operands} if b2 is not None else dict(operands)

@@ -734,3 +734,68 @@ def test_out_of_other_leading_dims_or_expanded_is_refused():
     with torch.no_grad(), pytest.raises(evtc.CallError, match="share memory"):
         lin(x, w, bias=bias, out=expanded)
     assert (expanded == 7).all()
+
+
+_SCALE = 2.0
+
+
+def _scaled_gelu(acc, bias):
+    return F.gelu(acc * _SCALE + bias)
+
+
+def test_gradients_of_a_function_changed_since_are_refused(tmp_path, monkeypatch):
+    """The backward is derived on the first differentiable call. If a global the epilogue reads
+    changed after evtc.linear, the function as it is now is not the kernel's: an error, never the
+    gradients of another function than the one the forward computes."""
+    x = torch.randn(8, 16).requires_grad_()
+    w, bias = torch.randn(24, 16), torch.randn(24)
+    lin = evtc.linear(_scaled_gelu, dict(x=x, weight=w, bias=bias), cache_dir=tmp_path)
+    monkeypatch.setitem(globals(), "_SCALE", 3.0)
+    with pytest.raises(evtc.CompileError, match="no longer traces to the graph"):
+        lin(x, w, bias=bias)
+    monkeypatch.setitem(globals(), "_SCALE", 2.0)  # the function as compiled: gradients as torch's
+    y = lin(x, w, bias=bias)
+    y.sum().backward()
+    xe = x.detach().clone().requires_grad_()
+    _scaled_gelu(xe @ w.t(), bias).sum().backward()
+    _close(x.grad, xe.grad, "x.grad")
+
+
+def test_fused_linear_in_float64_passes_gradcheck_and_a_replaced_epilogue_is_used(tmp_path):
+    """nn.Linear's .double() and torch.autograd.gradcheck: no kernel multiplies float64, so the
+    layer runs its epilogue on torch's product (an MLP likewise); an epilogue replaced on the module
+    is the one the next call runs; evtc.linear names an input dtype it cannot multiply."""
+    from evtc.nn import MLP, FusedLinear
+
+    torch.manual_seed(0)
+    layer = FusedLinear(6, 5, bias_gelu, cache_dir=tmp_path).double()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert layer(x).dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda x, w, b: bias_gelu(F.linear(x, w), b), (x, layer.weight, layer.bias))
+    assert torch.autograd.gradcheck(lambda x: layer(x), (x,))
+    mlp = MLP(6, 8, F.gelu, cache_dir=tmp_path).double()
+    torch.testing.assert_close(mlp(x), mlp.down(mlp.up(x)))
+
+    layer = FusedLinear(6, 5, bias_gelu, cache_dir=tmp_path)
+    x32 = torch.randn(3, 6)
+    torch.testing.assert_close(layer(x32), F.gelu(F.linear(x32, layer.weight, layer.bias)))
+    layer.epilogue = evtc.epilogue(lambda acc, bias: torch.tanh(acc + bias))
+    torch.testing.assert_close(layer(x32), torch.tanh(F.linear(x32, layer.weight, layer.bias)))
+
+    with pytest.raises(evtc.CallError, match="x has dtype torch.int64"):
+        evtc.linear(bias_gelu, dict(x=torch.ones(2, 6, dtype=torch.long), weight=torch.randn(5, 6),
+                                    bias=torch.randn(5)), cache_dir=tmp_path)
+
+
+def test_no_input_features_backward_as_nn_linear(tmp_path):
+    """nn.Linear(0, n): y is the bias, x.grad is (rows, 0), the bias gets the summed gradient."""
+    from evtc.nn import FusedLinear
+
+    layer = FusedLinear(0, 7, bias_gelu, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 0, requires_grad=True)
+    layer(x).sum().backward()
+    xe = x.detach().clone().requires_grad_()
+    be = layer.bias.detach().clone().requires_grad_()
+    bias_gelu(F.linear(xe, layer.weight.detach()), be).sum().backward()
+    assert x.grad.shape == (2, 3, 0)
+    _close(layer.bias.grad, be.grad, "bias.grad")
