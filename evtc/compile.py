@@ -105,6 +105,7 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
     fkey = front_key(fn, example_inputs, out_dtypes, config, arch, strict)
     if fkey is None:
         kernel, _ = _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
+        kernel = _judge_dtype_variants(kernel, fn, example_inputs, out_dtypes)
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         return kernel
     front_memo = (fkey, str(cache_dir))
@@ -125,10 +126,25 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
             kernel, record = _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
             if record is not None:
                 DiskCache(cache_dir).commit_front(fkey, record)
+        kernel = _judge_dtype_variants(kernel, fn, example_inputs, out_dtypes)
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         with MEMORY_LOCK:
             _FRONT[front_memo] = kernel
         return kernel
+
+
+def _judge_dtype_variants(kernel: Kernel, fn, example_inputs, out_dtypes) -> Kernel:
+    """``kernel``, judging calls with other operand dtypes than the example's by tracing ``fn``
+    again (:class:`evtc.runtime.dtype_variants.DtypeVariants`). Two functions may trace to one
+    graph, and so share a kernel, on these examples and not on other dtypes (one reads
+    ``C.dtype``, the other names float16): the second gets a handle of its own."""
+    from evtc.runtime.dtype_variants import DtypeVariants
+
+    if kernel.dtype_variants is not None and kernel.dtype_variants.fn is not fn:
+        kernel = kernel.handle()
+    if kernel.dtype_variants is None:
+        kernel.dtype_variants = DtypeVariants(fn, example_inputs, out_dtypes, lambda: kernel.graph)
+    return kernel
 
 
 def graph_digest(graph) -> str:

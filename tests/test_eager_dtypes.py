@@ -166,6 +166,43 @@ def test_calls_that_torch_would_promote_otherwise_are_refused(tmp_path):
                                    rtol=1e-2, atol=1e-2)
 
 
+def test_calls_with_other_operand_dtypes_are_judged_together_and_by_what_the_function_reads(tmp_path):
+    """A call with other operand dtypes runs where the epilogue traced on them is the compiled graph,
+    and is refused by name where it is not: two operands that change a promotion only together;
+    a dtype the function reads (.to(C.dtype)), which fixed a cast at compile time; two changes
+    that cancel out run; so does a sum(dtype=float32) whose operand changes, and a call beside
+    out_dtypes, which fixes the outputs."""
+    a, b = (t.cpu() for t in gemm_inputs(M, N, K, None, dtype=torch.bfloat16).values())
+
+    def two_rows(acc, x, y):
+        return acc + x + y
+
+    k = evtc.compile(two_rows, {"a": a, "b": b, "x": rand(N).half(), "y": rand(N).half()}, cache_dir=tmp_path)
+    assert k(a, b, x=rand(N).bfloat16(), y=rand(N).half()).dtype == torch.float32  # each alone: as torch
+    with pytest.raises(evtc.CallError, match="with x a bf16 tensor and y a bf16 tensor, torch gives"):
+        k(a, b, x=rand(N).bfloat16(), y=rand(N).bfloat16())  # together: bfloat16 in torch
+    got = k(a, b, x=rand(N).bfloat16(), y=rand(N))  # float32 either way
+    assert got.dtype == two_rows(a @ b, rand(N).bfloat16(), rand(N)).dtype == torch.float32
+
+    def own_dtype(acc, C):
+        return (acc.float() + C).to(C.dtype)
+
+    k = evtc.compile(own_dtype, {"a": a, "b": b, "C": rand(M, N).half()}, cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="with C a bf16 tensor"):
+        k(a, b, C=rand(M, N).bfloat16())
+
+    def float_sum(acc, x):
+        return (acc * x).sum(-1, dtype=torch.float32)
+
+    k = evtc.compile(float_sum, {"a": a, "b": b, "x": rand(N)}, cache_dir=tmp_path)
+    x = rand(N).bfloat16()
+    torch.testing.assert_close(k(a, b, x=x), float_sum(a.float() @ b.float(), x.float()), rtol=1e-4, atol=1e-3)
+
+    k = evtc.compile(two_rows, {"a": a, "b": b, "x": rand(N), "y": rand(N)}, cache_dir=tmp_path,
+                     out_dtypes=torch.float16)
+    assert k(a, b, x=rand(N).half(), y=rand(N).bfloat16()).dtype == torch.float16
+
+
 def test_constants_the_function_makes_promote_as_tensors():
     """torch.tensor([2.0]) made in the epilogue is a dimensioned float32 tensor (a bfloat16 tile
     times it is float32), torch.tensor(2.0) a 0-dim one (it stays bfloat16), as in torch."""

@@ -60,6 +60,10 @@ class Kernel:
     #: backward to read (evtc.Linear's saving twin sets it); 0 for every other kernel. The custom
     #: operator's autograd then reads them instead of recomputing ``a @ b``.
     saved_accumulators: int = 0
+    #: Judges calls whose operands have other dtypes than the example's
+    #: (:class:`evtc.runtime.dtype_variants.DtypeVariants`; evtc.compile sets it). Without it such
+    #: calls are checked operand by operand against the plan's operand_variants.
+    dtype_variants = None
 
     def __init__(self, plan: KernelPlan, config: GemmConfig | None, key: str, cache: DiskCache,
                  built: Built | None = None, *, source: str | None = None, graph=None,
@@ -156,6 +160,15 @@ class Kernel:
         twin._launch_memo = {}
         twin._op = None
         twin._autotuned_twin = None
+        return twin
+
+    def handle(self) -> Kernel:
+        """Another handle of this kernel: the same compiled code, variants and launch choices, with
+        call state of its own (its last path, the function its calls are judged by)."""
+        twin = copy.copy(self)
+        twin._op = None
+        twin.dtype_variants = None
+        self._pin.handles.append(twin)  # one pin for both handles
         return twin
 
     def autotuned(self) -> Kernel:
@@ -490,7 +503,7 @@ class Kernel:
         if spec.accepts_more:
             operands = call_checks.without_unused(spec, operands)
         call_checks.check_names(spec, operands)  # the operator takes spec.names only: nothing unnamed
-        call_checks.refuse_other_promotions(spec, operands)
+        self._refuse_other_dtypes(operands)
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
@@ -538,7 +551,7 @@ class Kernel:
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
         operands = call_checks.numbers_read_as_python(operands)
-        call_checks.refuse_other_promotions(spec, operands)
+        self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
         views = to_compiled_shapes(self.plan, a, b, operands, scales) if broadcasts else None
@@ -571,6 +584,14 @@ class Kernel:
         from evtc.runtime.fallback import run_call  # the interpreter: imported only when needed
 
         return run_call(spec, self.graph, a, b, out, operands, scales)
+
+    def _refuse_other_dtypes(self, operands: dict) -> None:
+        """Refuse operands of other dtypes than the example's where the epilogue would compute
+        otherwise with them (see :attr:`dtype_variants`)."""
+        if self.dtype_variants is not None:
+            self.dtype_variants.check(operands)
+        else:
+            call_checks.refuse_other_promotions(self.call_spec, operands)
 
     def _note_path(self, path: str, why: str) -> None:
         """Record the path of this call; log each kind of detour once per kernel."""
