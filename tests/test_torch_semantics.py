@@ -232,3 +232,22 @@ def test_infinity_tests_see_where_a_16bit_accumulator_overflows():
     want = tests(a @ b)  # torch's own float16 product
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
+
+
+def test_a_16bit_operand_compares_with_numbers_rounded_to_its_dtype():
+    """torch compares a float16 C with a Python number, a 0-dim float32 tensor or a runtime scalar
+    in float16: the number is rounded first (0.1 is float16's 0.0999755859375, which C holds). evtc
+    loads C widened to float32, and rounds the other side as torch does."""
+    a = torch.randn(8, 16).half()
+    b = torch.randn(16, 12).half()
+    C = torch.full((8, 12), 0.1).half()
+    C[::2] = 0.2
+
+    def compared(acc, C, s, t: float):
+        return (C == 0.1).float(), (C >= s).float(), (C > t).float(), (0.1 <= C).float()
+
+    ops = {"C": C, "s": torch.tensor(0.09999), "t": 0.09997}
+    got = evtc.trace(compared, {"a": a, "b": b, **ops}).evaluate({"a": a, "b": b, **ops}, cast_outputs=True)
+    want = compared(a @ b, **ops)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g, w)

@@ -116,7 +116,10 @@ class Tracer:
         the comparison itself is then exact."""
         if len(inputs) != 2 or any(n.dtype == torch.bool for n in inputs):
             return inputs
-        dtype = promote(inputs)
+        # A loaded 16-bit operand is widened to float32 as it is loaded; torch compares it in its
+        # own dtype, so the promotion reads the load's.
+        dtype = promote(tuple(n.inputs[0] if n.op == "cast" and n.attrs.get("implicit")
+                              and n.inputs[0].op == "load" else n for n in inputs))
         if not dtype.is_floating_point or dtype.itemsize >= 4:
             return inputs
         loc = user_location()
