@@ -30,6 +30,7 @@ from evtc.plan.config import ConfigError, GemmConfig, check_user_knobs
 from evtc.plan.kernel_plan import CallInterface, KernelPlan, plan_kernel
 from evtc.runtime.build import SOURCE, load
 from evtc.runtime.cache import DiskCache
+from evtc.runtime.dsl_lock import reinit_after_fork
 from evtc.runtime.front_key import front_key
 from evtc.runtime.kernel import Kernel
 from evtc.runtime.variants import MEMORY, MEMORY_LOCK, VariantSource, kernel_for, memory_key
@@ -43,6 +44,7 @@ log = logging.getLogger("evtc")
 # MEMORY_LOCK, as the kernels by key (evtc.runtime.variants.MEMORY).
 _FRONT: dict[tuple[str, str], Kernel] = {}
 _FRONT_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+reinit_after_fork(_FRONT_LOCKS.clear)  # a fork's child makes new ones (a held lock would stay held)
 
 
 def compile(  # noqa: A001 - the public name, as torch.compile
@@ -108,7 +110,8 @@ def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) ->
         kernel = _judge_dtype_variants(kernel, fn, example_inputs, out_dtypes)
         kernel.op  # noqa: B018 - define the custom operator now, not inside a torch.compile trace
         return kernel
-    front_memo = (fkey, str(cache_dir))
+    # The directory itself, not the argument: EVTC_CACHE_DIR may change within the process.
+    front_memo = (fkey, str(DiskCache(cache_dir).root))
     with MEMORY_LOCK:
         hit = _FRONT.get(front_memo)
         lock = _FRONT_LOCKS.setdefault(front_memo, threading.Lock())
@@ -161,7 +164,11 @@ def _retrace(fn, example_inputs, out_dtypes, digest: str):
     global, closure value or helper the epilogue reads may have changed since ``evtc.compile``
     (which the front key, computed at that time, could not see), and the torch path and the
     gradients would then compute another function than the kernel."""
-    example_inputs = dict(example_inputs)  # the caller may reuse its dict for other compiles
+    # Meta copies: the caller may reuse its dict for other compiles, and the kernel (kept in the
+    # in-memory caches for the process's life) must not keep the example tensors' memory alive.
+    from evtc.runtime.dtype_variants import meta_copy
+
+    example_inputs = {name: meta_copy(value) for name, value in example_inputs.items()}
 
     def graph():
         from evtc.api import trace
@@ -234,12 +241,17 @@ def _from_front_record(fkey, fn, example_inputs, out_dtypes, arch, cache_dir) ->
         log.warning("disk cache entry %s does not load (%s); rebuilding it", entry["dir"], exc)
         return None
     built.origin = "disk"
+    try:
+        # Read now: the entry may be gone by the time a variant or k.source needs it (another
+        # process's `python -m evtc cache clear`, a temp-file cleaner).
+        source = (built.path / SOURCE).read_text()
+    except OSError:
+        return None
     retrace = _retrace(fn, example_inputs, out_dtypes, digest)
-    kernel = Kernel(plan, config, key, cache, built, retrace=retrace)
+    kernel = Kernel(plan, config, key, cache, built, source=source, retrace=retrace)
     log.info("disk cache hit: %r loaded from %s by its front record, without tracing", plan.name, built.path)
     if chooses:
-        source_path = built.path / SOURCE
-        factory = VariantSource(plan, source_path.read_text, signature, arch, cache_dir, retrace=retrace)
+        factory = VariantSource(plan, lambda: source, signature, arch, cache_dir, retrace=retrace)
         kernel = kernel._choosing_clusters(factory, family)
     return kernel
 

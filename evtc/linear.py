@@ -70,6 +70,15 @@ class Linear:
                             "evtc.compile on a batched a for one per leading index")
         self._exact_dims.add(x_dims)
 
+    def __deepcopy__(self, memo: dict) -> Linear:
+        """The Linear itself: a compiled kernel does not change (see ``Kernel.__deepcopy__``)."""
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an evtc.linear cannot be pickled: it holds a loaded GPU library. Call "
+                        "evtc.linear again in the process that loads it (a disk-cache hit), or use "
+                        "evtc.nn.FusedLinear, which pickles as a module")
+
     @property
     def output_names(self) -> list[str]:
         """The epilogue's outputs, by name, in the order of its return value."""

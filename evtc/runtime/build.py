@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -163,7 +164,9 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
                          else fake_tensor(s, symbols) if half is None
                          else fake_tensor(whole_spec(s), symbols) if half[0] == 0 else cutlass.Int64(0)
                          for s, half in zip(in_specs, in_halves, strict=True))
-        options = f"{COMPILE_OPTIONS} --dump-dir={staged}"  # PTX dumps stay in the entry
+        # PTX dumps stay in the entry; quoted, as the DSL splits its options like a shell (a cache
+        # directory with a space in its path).
+        options = f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(str(staged))}"
         if arch:
             options += f" --gpu-arch {arch}"
         with warnings.catch_warnings():

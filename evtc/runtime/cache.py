@@ -34,6 +34,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from evtc.runtime.dsl_lock import reinit_after_fork
+
 MANIFEST = "manifest.json"
 FORMAT = 2  # 2: kernels linked into a shared library, front records
 
@@ -41,10 +43,18 @@ _THREAD_LOCKS: dict[str, threading.Lock] = {}
 _THREAD_LOCKS_GUARD = threading.Lock()
 
 
+def _new_locks_after_fork() -> None:
+    _THREAD_LOCKS.clear()
+    _THREAD_LOCKS_GUARD._at_fork_reinit()
+
+
+reinit_after_fork(_new_locks_after_fork)
+
+
 def default_dir() -> Path:
     env = os.environ.get("EVTC_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return Path(env).expanduser().absolute()
     return Path("~/.cache/evtc").expanduser()
 
 
@@ -54,7 +64,8 @@ def sha256_bytes(data: bytes) -> str:
 
 class DiskCache:
     def __init__(self, root: str | os.PathLike | None = None) -> None:
-        self.root = Path(root).expanduser() if root is not None else default_dir()
+        # Absolute: kernels read their entries later (a variant's source), perhaps after os.chdir.
+        self.root = (Path(root).expanduser() if root is not None else default_dir()).absolute()
 
     def entry(self, key: str) -> Path:
         return self.root / key[:2] / key

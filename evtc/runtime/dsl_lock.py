@@ -9,6 +9,19 @@ cannot deadlock.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable
 
 DSL_LOCK = threading.RLock()  # reentrant: a build that asked for occupancy would not deadlock
+
+
+def reinit_after_fork(reset: Callable[[], None]) -> None:
+    """Run ``reset`` in the child of every fork: a lock another thread held at the fork stays held
+    there forever (that thread does not exist in the child), so the child's first compile would
+    hang. ``reset`` makes the module's locks new."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=reset)
+
+
+reinit_after_fork(DSL_LOCK._at_fork_reinit)

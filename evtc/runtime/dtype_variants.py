@@ -29,14 +29,14 @@ from evtc.runtime.call_checks import FLOAT_OPERAND_DTYPES
 Variant = tuple[torch.dtype, bool]
 
 
-def _meta(value: Any) -> Any:
+def meta_copy(value: Any) -> Any:
     """``value`` with every tensor replaced by a meta tensor of its shape, strides and dtype (the
     example's storage is not kept alive by the kernel)."""
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
                                    device="meta")
     if isinstance(value, tuple):
-        return tuple(_meta(v) for v in value)
+        return tuple(meta_copy(v) for v in value)
     return value
 
 
@@ -77,7 +77,7 @@ class DtypeVariants:
     def __init__(self, fn: Callable[..., Any], example_inputs: Mapping[str, Any], out_dtypes: Any,
                  compiled_graph: Callable[[], Any]) -> None:
         self.fn = fn
-        self._example = {name: _meta(v) for name, v in example_inputs.items()}
+        self._example = {name: meta_copy(v) for name, v in example_inputs.items()}
         self._out_dtypes = out_dtypes
         self._compiled_graph = compiled_graph
         self._names = tuple(sorted(name for name, v in self._example.items()
@@ -147,4 +147,4 @@ class DtypeVariants:
                 f"rounds the number to its dtype, or rounds an in-place result to it): {advice}")
 
 
-__all__ = ["DtypeVariants"]
+__all__ = ["DtypeVariants", "meta_copy"]

@@ -390,6 +390,23 @@ class Kernel:
         """The configurations of this kernel built in this process so far (this kernel's first)."""
         return tuple(self._variants) if self._variant_factory is not None else (self.config,)
 
+    def __copy__(self) -> Kernel:
+        # A shallow copy (the twins of _choosing_clusters, handle, autotuned), made here because
+        # __reduce__ refuses pickling, which copy.copy would otherwise go through.
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> Kernel:
+        """The kernel itself: its compiled code does not change, so a deep copy of a module that
+        holds one (an EMA copy, ``copy.deepcopy(model)``) shares it."""
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"an evtc kernel ({self.plan.name!r}) cannot be pickled: it holds a loaded GPU "
+                        "library. Pickle what it was compiled from and call evtc.compile in the process "
+                        "that loads it (a disk-cache hit, milliseconds); evtc.nn modules pickle as modules")
+
     def __repr__(self) -> str:
         what = self.config.short_name() if self.config is not None else "torch path"
         return f"<evtc.Kernel {self.plan.name} {what}>"

@@ -21,6 +21,7 @@ from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import KernelPlan
 from evtc.runtime.build import obtain
 from evtc.runtime.cache import DiskCache
+from evtc.runtime.dsl_lock import reinit_after_fork
 from evtc.runtime.front_key import versions
 from evtc.runtime.kernel import Kernel
 
@@ -30,6 +31,7 @@ log = logging.getLogger("evtc")
 # evtc.compile's own memo of compile calls.
 MEMORY: dict[str, Kernel] = {}
 MEMORY_LOCK = threading.Lock()
+reinit_after_fork(MEMORY_LOCK._at_fork_reinit)
 
 
 def memory_key(key: str, cache: DiskCache) -> str:
