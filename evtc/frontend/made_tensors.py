@@ -40,6 +40,10 @@ class MadeTensors(TorchFunctionMode):
             return _from_traced(func, self.tracer.wrap(self.tracer.node_of(args[0])), **kwargs)
         if func in _FROM_DATA and args and isinstance(args[0], TracedValue):
             return _from_traced(func, args[0], **kwargs)
+        if func in _FACTORIES and "device" not in kwargs:
+            # A constant is read at trace time: made on the CPU whatever the default device
+            # (torch.set_default_device("cuda") or "meta", under which it would have no value).
+            kwargs = {**kwargs, "device": "cpu"}
         result = func(*args, **kwargs)
         if isinstance(result, torch.Tensor) and all(self.holds(t) for t in _tensors_in((args, kwargs))):
             self._made[id(result)] = result
@@ -48,6 +52,8 @@ class MadeTensors(TorchFunctionMode):
 
 #: torch's functions that make a tensor from data: on a traced value (torch.tensor(alpha)), the value.
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
+#: Functions that make a tensor on the default device unless told another.
+_FACTORIES = (*_FROM_DATA, torch.ones, torch.zeros, torch.full, torch.empty)
 
 
 def _from_traced(func: Any, value: TracedValue, dtype: torch.dtype | None = None, device: Any = None,

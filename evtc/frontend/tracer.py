@@ -69,7 +69,13 @@ class Tracer:
         if isinstance(value, SymDim):
             return self.builder.literal(value.expr, user_location())
         if isinstance(value, torch.Tensor) and self.made.holds(value):
-            if value.numel() == 1 and value.dim() <= 1 and value.device.type == "cpu" \
+            if value.dtype == torch.float64:
+                raise DTypeError(
+                    "a float64 tensor made in the epilogue (torch.tensor(2.0) under a float64 default "
+                    "dtype, or dtype=torch.float64): torch would make the result float64, which a "
+                    "kernel does not compute; make it float32 (dtype=torch.float32) or use a Python "
+                    "number", user_location())
+            if value.numel() == 1 and value.dim() <= 1 and value.device.type in ("cpu", "cuda") \
                     and value.dtype.is_floating_point:
                 # A constant made in the epilogue (torch.tensor(2.0)): a literal like a Python number
                 # (one of shape (1,) broadcasts against the tile as a number does), though torch

@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import functools
 import hashlib
+import os
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -46,9 +47,19 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-@functools.cache
 def versions() -> dict[str, str]:
-    """Versions of everything that changes what a compile produces."""
+    """Versions of everything that changes what a compile produces, and the DSL's settings that
+    may change the code it generates (line info, assertions, the optimisation level, debug builds:
+    a kernel built under them is another kernel; its log settings are not, and CUTE_DSL_ARCH is
+    keyed as the arch). The settings are read on every compile: they may change in the process."""
+    return {**_package_versions(),
+            "dsl_env": ";".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                if k.startswith("CUTE_DSL_") and k != "CUTE_DSL_ARCH"
+                                and not k.startswith("CUTE_DSL_LOG"))}
+
+
+@functools.cache
+def _package_versions() -> dict[str, str]:
     from importlib import metadata
 
     def version(dist: str) -> str:
@@ -195,6 +206,8 @@ def front_key(fn: Callable[..., Any], example_inputs: Mapping[str, Any], out_dty
             repr(config) if config is not None and not isinstance(config, Mapping) else _value(config, seen),
             arch or "device",
             strict,
+            # Constants the epilogue makes (torch.tensor([2.0])) take the default dtype.
+            str(torch.get_default_dtype()),
             tuple(sorted(versions().items())),
         )
     except (_Opaque, RecursionError, TypeError, ValueError):

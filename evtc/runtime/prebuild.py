@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class Prebuild:
@@ -59,7 +60,12 @@ def start(jobs: list[dict], configs: Sequence) -> Prebuild:
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="evtc-prebuild-", delete=False) as f:
         json.dump(jobs, f)
     log = tempfile.TemporaryFile()
-    process = subprocess.Popen([sys.executable, "-m", "evtc.runtime.prebuild", f.name],
+    # The worker imports this evtc, wherever the parent found it (a sys.path entry the parent added
+    # is not the child's): another copy would key and build other kernels.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
+    process = subprocess.Popen([sys.executable, "-m", "evtc.runtime.prebuild", f.name], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     return Prebuild(configs, process, log)
 

@@ -1,0 +1,117 @@
+"""A kernel in a real program's life: copies and pickles of what holds one, forks, cache
+directories (spaces in the path, EVTC_CACHE_DIR changed in the process), the example tensors'
+memory, torch's default dtype and device, and the DSL settings that change the generated code."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+import weakref
+
+import pytest
+import torch
+
+import evtc
+from evtc.runtime.front_key import versions
+
+
+def bias_relu(acc, bias):
+    return torch.relu(acc + bias)
+
+
+def made_constant(acc):
+    return acc * torch.tensor([2.0])
+
+
+def _example(m=16, n=24, k=32):
+    return {"a": torch.randn(m, k).half(), "b": torch.randn(k, n).half(), "bias": torch.randn(n)}
+
+
+def test_copies_share_the_kernel_and_pickling_is_refused_by_name(tmp_path):
+    k = evtc.compile(bias_relu, _example(), cache_dir=tmp_path)
+    assert copy.deepcopy(k) is k and copy.copy(k) is not k
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(k)
+    lin = evtc.linear(bias_relu, {"x": torch.randn(4, 32).half(), "weight": torch.randn(24, 32).half(),
+                                  "bias": torch.randn(24)}, cache_dir=tmp_path)
+    assert copy.deepcopy(lin) is lin
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(lin)
+
+
+def test_example_tensors_are_not_kept_alive(tmp_path):
+    """A kernel loaded through its front record keeps meta copies of its examples, not the tensors
+    (on a GPU, the whole of A, B and C)."""
+    from evtc.compile import clear_memory_cache
+
+    evtc.compile(bias_relu, _example(), cache_dir=tmp_path)
+    clear_memory_cache()
+    example = _example()
+    watched = weakref.ref(example["b"])
+    k = evtc.compile(bias_relu, example, cache_dir=tmp_path)
+    assert k.origin == "disk"
+    del example
+    gc.collect()
+    assert watched() is None
+
+
+def test_cache_directories_with_spaces_and_changed_in_the_process(tmp_path, monkeypatch):
+    from evtc.compile import clear_memory_cache
+
+    spaced = tmp_path / "a cache dir"
+    assert evtc.compile(bias_relu, _example(), cache_dir=spaced).origin == "compiled"
+    clear_memory_cache()
+    for name in ("one", "two"):
+        monkeypatch.setenv("EVTC_CACHE_DIR", str(tmp_path / name))
+        evtc.compile(bias_relu, _example())
+        assert (tmp_path / name).is_dir() and any((tmp_path / name).iterdir())
+
+
+def test_the_default_dtype_and_device_of_made_constants(tmp_path):
+    """torch.tensor([2.0]) takes torch's default dtype, so the default dtype is part of the key: a
+    float16 default gives float16 outputs, as eagerly; a float64 one is refused by name (no kernel
+    computes float64). Constants are made on the CPU whatever the default device."""
+    example = {"a": torch.randn(16, 32).half(), "b": torch.randn(32, 24).half()}
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float16)
+        assert evtc.compile(made_constant, example, cache_dir=tmp_path).output_meta(16, 24, 1)[0][1] \
+            == made_constant(example["a"] @ example["b"]).dtype == torch.float16
+        torch.set_default_dtype(torch.float64)
+        with pytest.raises(evtc.DTypeError, match="a float64 tensor made in the epilogue"):
+            evtc.compile(made_constant, example, cache_dir=tmp_path)
+    finally:
+        torch.set_default_dtype(previous)
+    assert evtc.compile(made_constant, example, cache_dir=tmp_path).output_meta(16, 24, 1)[0][1] == torch.float32
+    with torch.device("meta"):
+        meta = {"a": torch.empty(16, 32, dtype=torch.half), "b": torch.empty(32, 24, dtype=torch.half)}
+        assert evtc.compile(made_constant, meta, cache_dir=tmp_path).output_meta(16, 24, 1)[0][1] == torch.float32
+
+
+def test_dsl_settings_that_change_the_code_change_the_key(monkeypatch):
+    before = versions()
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    assert versions() != before
+    monkeypatch.delenv("CUTE_DSL_LINEINFO")
+    monkeypatch.setenv("CUTE_DSL_LOG_LEVEL", "10")
+    assert versions() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_taken_while_the_dsl_lock_is_held_compiles_in_the_child(tmp_path):
+    """Another thread building at the fork holds the DSL's lock, and nobody releases it in the child."""
+    from evtc.runtime.dsl_lock import DSL_LOCK
+
+    with DSL_LOCK:
+        pid = os.fork()
+        if pid == 0:  # the child: compile something new, then leave without pytest's teardown
+            code = 1
+            try:
+                evtc.compile(bias_relu, _example(8, 8, 8), cache_dir=tmp_path / "child")
+                code = 0
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
