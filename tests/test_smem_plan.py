@@ -193,3 +193,22 @@ def test_many_float32_tiles_compile_single_buffered(tmp_path):
         evtc.compile(_float32_tiles_in_and_out(8), example(8), cache_dir=tmp_path,
                      config={"schedule": "cooperative"})
     assert "single-buffered" not in str(pinned.value)
+
+
+def test_a_pinned_cluster_alone_leaves_the_tile_to_the_planner(tmp_path):
+    """config={"cluster": ...} fixes the cluster, not the tile: a promoting float8 kernel still
+    gets its cooperative 128 x 192 tile (the default 128 x 128 ping-pong one cannot promote), in the
+    pinned cluster."""
+    import evtc
+
+    e4 = torch.float8_e4m3fn
+    ex = {"a": torch.empty(256, 512, dtype=e4, device="meta"),
+          "b": torch.empty(384, 512, dtype=e4, device="meta").t(),
+          "sa": torch.empty((), device="meta"), "sb": torch.empty((), device="meta")}
+
+    def scaled(acc, sa, sb):
+        return acc * sa * sb
+
+    for cluster in ((1, 2), (2, 1)):
+        k = evtc.compile(scaled, ex, config={"cluster": cluster}, cache_dir=tmp_path)
+        assert (k.config.schedule, k.config.tile_n, k.config.cluster) == ("cooperative", 192, cluster)

@@ -134,7 +134,7 @@ SINGLE_BUFFERED = ({"schedule": "cooperative", "tile_n": 128, "epi_tile_n": 16, 
                    {"schedule": "cooperative", "tile_n": 64, "epi_tile_n": 16, "load_stages": 1,
                     "epi_stages": 1})
 # Knobs whose presence means the user chose the epilogue's staging or the tile: no last resort then.
-_STAGING_KNOBS = ("schedule", "tile_m", "tile_n", "cluster", "epi_tile_n", "load_stages", "ab_stages")
+_STAGING_KNOBS = ("schedule", "tile_m", "tile_n", "epi_tile_n", "load_stages", "ab_stages")
 
 
 def fit_config(knobs: dict[str, Any], emitted, signature, *, chosen_by_evtc: frozenset[str] = frozenset()):
@@ -149,7 +149,8 @@ def fit_config(knobs: dict[str, Any], emitted, signature, *, chosen_by_evtc: fro
     attempts: list[dict[str, Any]] = [{}]
     if "epi_tile_n" not in knobs:
         attempts.append({"epi_tile_n": 16})
-    if "schedule" not in knobs and "tile_n" not in knobs and "cluster" not in knobs:
+    # A pinned cluster alone leaves the tile to evtc (the float8 tiles below run in any cluster).
+    if "schedule" not in knobs and "tile_n" not in knobs:
         attempts.append({"schedule": "cooperative", **attempts[-1]})
         if knobs.get("ab_dtype") in FLOAT8_DTYPES and not knobs.get("fast_accum"):
             # Promoting float8 partial sums keeps two accumulators (at most PROMOTING_ACC_REGS each):
