@@ -191,6 +191,45 @@ def test_inputs_are_not_modified_and_stream_is_honoured(cache_dir):
             assert torch.equal(inputs[n], v), f"input {n} was modified"
 
 
+def test_threads_on_streams_of_their_own(cache_dir):
+    """Threads calling a kernel with kernel-finished reductions at once, each on a new stream (each
+    stream's first call keeps its own buffers, from one memory pool: torch refuses two threads
+    allocating to a pool at once, so evtc takes turns), give the results of serial calls."""
+    import threading
+
+    e = _entry("gelu_row_sum_of_squares")
+    k = compile_entry(e, torch.float16, cache_dir)
+    problems = [make_inputs(e, 256 + 64 * i, 256, 128, None, torch.float16, device="cuda", seed=i)
+                for i in range(4)]
+
+    def call(inputs):
+        return k(inputs["a"], inputs["b"], **{n: v for n, v in inputs.items() if n not in ("a", "b")})
+
+    serial = [[t.clone() for t in call(p)] for p in problems]
+    torch.cuda.synchronize()
+    failures: list[str] = []
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for rep in range(10):
+                    j = (i + rep) % 4
+                    got = call(problems[j])
+                    stream.synchronize()
+                    if not all(torch.equal(g, w) for g, w in zip(got, serial[j], strict=True)):
+                        failures.append(f"thread {i} call {rep}: differs")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(f"thread {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+
+
 def test_call_errors_on_gpu(cache_dir):
     e = _entry("relu_lincomb_bias")
     k = compile_entry(e, torch.float16, cache_dir)

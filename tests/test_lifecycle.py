@@ -115,3 +115,19 @@ def test_a_fork_taken_while_the_dsl_lock_is_held_compiles_in_the_child(tmp_path)
                 os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_jit_trace_records_the_kernel_as_one_op(tmp_path):
+    """torch.jit.trace sees the call as the kernel's custom operator: a replay on new inputs runs the
+    epilogue, not the traced call's output allocation."""
+    ex = {"a": torch.randn(16, 32), "b": torch.randn(32, 24), "bias": torch.randn(24)}
+    k = evtc.compile(bias_relu, ex, cache_dir=tmp_path)
+
+    class Block(torch.nn.Module):
+        def forward(self, a, b, bias):
+            return k(a, b, bias=bias)
+
+    traced = torch.jit.trace(Block(), (ex["a"], ex["b"], ex["bias"]))
+    assert any(node.kind().startswith("evtc::") for node in traced.graph.nodes())
+    a = torch.randn(16, 32)
+    torch.testing.assert_close(traced(a, ex["b"], ex["bias"]), bias_relu(a @ ex["b"], ex["bias"]))

@@ -121,13 +121,14 @@ def _rsub(t: Tracer, input: Any, other: Any, *, alpha: Any = 1) -> Any:
 
 
 def _addcmul(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 1, **kwargs: Any) -> Any:
-    """torch.addcmul: input + (value * tensor1) * tensor2, in that order (at the edge of float32's
-    range, value * (tensor1 * tensor2) may overflow where torch's does not), rounded once."""
+    """torch.addcmul: input + value * (tensor1 * tensor2), in the order of torch's CUDA kernel
+    (its CPU kernel multiplies value * tensor1 first: the two differ at the edge of float32's
+    range), rounded once."""
     _reject_out(kwargs, "addcmul")
 
     def formula(x, t1, t2, v):
-        scaled = t1 if _is_one(v) else t.emit("mul", (v, t1))
-        return t.emit("add", (x, t.emit("mul", (scaled, t2))))
+        product = t.emit("mul", (t1, t2))
+        return t.emit("add", (x, product if _is_one(v) else t.emit("mul", (v, product))))
 
     return _rounded_once(t, (input, tensor1, tensor2, value), formula)
 

@@ -44,8 +44,8 @@ def _structure(graph) -> tuple:
     """The graph's structure (as :func:`evtc.ir.passes.result.fingerprint` reads it) with the
     operands' load dtypes left out: the kernel widens each load to float32, so the widening casts
     evtc makes explicit and the loads' own dtypes say nothing; only what follows from the dtypes
-    (other casts, promotions, the outputs' dtypes) tells two graphs apart. Shapes are left out
-    too: an operand's rank is the broadcast checks' to judge (evtc.runtime.broadcasts)."""
+    (other casts, promotions, the outputs' dtypes) tells two graphs apart. Shapes and operand kinds
+    are left out too: an operand's rank is the broadcast checks' to judge (evtc.runtime.broadcasts)."""
     alias: dict[int, int] = {}  # a widening cast of a load -> the load
     kept: dict[int, int] = {}  # node id -> index among the kept nodes
     entries = []
@@ -55,11 +55,13 @@ def _structure(graph) -> tuple:
             alias[node.id] = alias.get(node.inputs[0].id, node.inputs[0].id)
             continue
         inputs = tuple(kept[alias.get(i.id, i.id)] for i in node.inputs)
-        attrs = {k: v for k, v in node.attrs.items() if not (node.op == "load" and k in ("dtype", "shape"))}
+        attrs = {k: v for k, v in node.attrs.items()
+                 if not (node.op == "load" and k in ("dtype", "shape", "kind", "batched"))}
         dtype = "" if node.op == "load" else str(node.dtype)
         kept[node.id] = len(entries)
+        # Not the fusion pass's unit numbers: a widening cast of its own shifts them.
         entries.append((node.op, inputs, repr(sorted(attrs.items(), key=lambda kv: kv[0])), dtype,
-                        node.stage, node.group))
+                        node.stage))
     return tuple(entries)
 
 

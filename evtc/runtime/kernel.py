@@ -440,9 +440,10 @@ class Kernel:
                                 "without out=")
         if spec.scale_rows and torch.is_grad_enabled():
             call_checks.refuse_grad(spec, a, b, operands)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled()
-                                             and call_checks.needs_grad(a, b, operands)):
-            # The operator has an autograd formula (evtc.runtime.op_autograd).
+        if torch.compiler.is_compiling() or _jit_tracing() or (torch.is_grad_enabled()
+                                                               and call_checks.needs_grad(a, b, operands)):
+            # The operator has an autograd formula (evtc.runtime.op_autograd), and torch.jit.trace
+            # records it as one op (a launch it cannot see would leave only the outputs' allocation).
             return self._call_op(a, b, out, operands)
         try:
             outs = self._launch(a, b, out, operands)
@@ -802,6 +803,11 @@ class Kernel:
         if out is None:
             return results
         return call_checks.copy_into_given(self.call_spec, out, [h.name for h in host_outputs], results)
+
+
+#: Whether torch.jit.trace is recording (torch.jit.is_tracing without its Python wrapper: the
+#: per-call path).
+_jit_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 
 
 def _out_tensors(spec: CallSpec, out) -> list[torch.Tensor]:

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from evtc.runtime.dsl_lock import reinit_after_fork
+
 log = logging.getLogger("evtc")
 
 _COUNTERS: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -45,11 +47,19 @@ def kept(device: torch.device) -> Iterator[None]:
         yield
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    pool = _POOLS.get(index)
-    if pool is None:
-        pool = _POOLS[index] = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool, index):
-        yield
+    # One thread at a time: torch refuses a second thread routing its allocations to a pool that
+    # another is allocating to ("already recording to mempool_id"). Buffers are kept once per
+    # stream and size, so the lock is rarely taken.
+    with _KEPT_LOCK:
+        pool = _POOLS.get(index)
+        if pool is None:
+            pool = _POOLS[index] = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, index):
+            yield
+
+
+_KEPT_LOCK = threading.RLock()
+reinit_after_fork(_KEPT_LOCK._at_fork_reinit)
 
 
 def stream_key(device: torch.device) -> tuple[int, int] | None:
