@@ -131,3 +131,14 @@ def test_jit_trace_records_the_kernel_as_one_op(tmp_path):
     assert any(node.kind().startswith("evtc::") for node in traced.graph.nodes())
     a = torch.randn(16, 32)
     torch.testing.assert_close(traced(a, ex["b"], ex["bias"]), bias_relu(a @ ex["b"], ex["bias"]))
+
+
+def test_a_cache_that_takes_no_new_kernel_builds_in_a_private_one(tmp_path, caplog):
+    """A read-only home in a container, a full disk, a path through a file: the kernel is built in a
+    temporary directory for this process, and the warning says how to keep kernels."""
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    with caplog.at_level("WARNING", logger="evtc"):
+        k = evtc.compile(bias_relu, _example(), cache_dir=blocker / "cache")
+    assert k.origin == "compiled" and "EVTC_CACHE_DIR" in caplog.text
+    assert not str(k.cache_path).startswith(str(blocker))

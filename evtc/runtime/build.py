@@ -25,12 +25,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from evtc.errors import CompileError
 from evtc.plan.config import GemmConfig
 from evtc.plan.kernel_plan import KernelPlan
 from evtc.runtime.cache import DiskCache
@@ -141,7 +143,10 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
     from evtc.sm90.launch import Symbols, entry_point, fake_split_args, fake_tensor, whole_spec
 
     t0 = time.perf_counter()
-    staged = cache.staging()
+    try:
+        staged = cache.staging()
+    except OSError as exc:
+        raise UnwritableCache(cache, exc) from exc
     try:
         source_path = staged / SOURCE
         source_path.write_text(source)
@@ -198,8 +203,11 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
                   "d_in_load": int(kernel.d_in_load_buffers)}
         smem = {"visitor": visitor.smem_bytes(config, kernel.load_buffers),
                 "load_bytes_per_subtile": kernel.load_bytes}
-        path = cache.commit(key, staged, files, {**meta, "function": function, "epilogue": plan.name,
-                                                 "stages": stages, "smem": smem, "plan": plan.to_json()})
+        try:
+            path = cache.commit(key, staged, files, {**meta, "function": function, "epilogue": plan.name,
+                                                     "stages": stages, "smem": smem, "plan": plan.to_json()})
+        except OSError as exc:  # a full disk, a directory made read-only meanwhile
+            raise UnwritableCache(cache, exc) from exc
         # Calls go through the linked library, as after a disk-cache hit: one launcher, and its
         # call costs less host time than the DSL's JIT wrapper.
         fn = _load_library(path / LIBRARY, function) if LIBRARY in files else None
@@ -207,6 +215,14 @@ def build(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: Di
     finally:
         if staged.exists():
             shutil.rmtree(staged, ignore_errors=True)
+
+
+class UnwritableCache(Exception):
+    """The cache directory takes no new entry (read-only, full, not a directory)."""
+
+    def __init__(self, cache: DiskCache, cause: OSError) -> None:
+        super().__init__(f"{cache.root}: {cause}")
+        self.cache, self.cause = cache, cause
 
 
 def obtain(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: DiskCache, arch: str | None,
@@ -232,7 +248,22 @@ def obtain(plan: KernelPlan, source: str, config: GemmConfig, key: str, cache: D
         log.info("building %s: generating the kernel and compiling it with the CuTe DSL "
                  "(a few seconds, once per configuration)", what)
         with DSL_LOCK:  # the DSL compiles one thing at a time (dsl_lock.py)
-            built = build(plan, source, config, key, cache, arch, meta)
+            try:
+                built = build(plan, source, config, key, cache, arch, meta)
+            except UnwritableCache as unwritable:
+                # A read-only home in a container, a full disk: the kernel is built where it can
+                # be, for this process, and the user told how to keep kernels across processes.
+                private = DiskCache(tempfile.mkdtemp(prefix="evtc-cache-"))
+                log.warning("evtc: the kernel cache %s takes no new kernel (%s); building %s in %s for "
+                            "this process only. Set EVTC_CACHE_DIR (or cache_dir=) to a writable "
+                            "directory to keep kernels across processes", unwritable.cache.root,
+                            unwritable.cause, what, private.root)
+                try:
+                    built = build(plan, source, config, key, private, arch, meta)
+                except UnwritableCache as again:
+                    raise CompileError(f"no directory takes the kernel's build: the cache {cache.root} "
+                                       f"({unwritable.cause}) nor a temporary one ({again.cause}); free "
+                                       "space or set EVTC_CACHE_DIR to a writable directory") from None
         log.info("built %s in %.2f s; cached in %s", what, built.seconds, built.path)
         return built
 
