@@ -574,3 +574,24 @@ def test_operands_by_position_in_the_functions_order(tmp_path):
         k(a, b, C, C=C, bias=bias)
     with pytest.raises(evtc.CallError, match="at most 5 positional"):
         k(a, b, C, bias, 0.5, 1.0)
+
+
+def test_a_per_batch_operand_given_without_its_batch_dim_broadcasts_as_in_torch(tmp_path):
+    """baddbmm's input compiled per batch ((L, 1, N), (L, M, N), (L, M, 1), (L, 1, 1)) and called
+    without the batch dim ((N,), (M, N), (M, 1), ()), which torch broadcasts over the batch: the
+    same result as torch's."""
+    def baddbmm(acc, inp, beta: float, alpha: float):
+        return beta * inp + alpha * acc
+
+    L, M, N, K = 3, 17, 23, 33
+    a, b = torch.randn(L, M, K).half(), torch.randn(L, K, N).half()
+    for compiled, calls in [((L, 1, N), [(N,), (1, N)]), ((L, M, N), [(M, N)]), ((L, M, 1), [(M, 1)]),
+                            ((L, 1, 1), [(), (1,)])]:
+        k = evtc.compile(baddbmm, {"a": a, "b": b, "inp": torch.randn(compiled).half(), "beta": 1.0,
+                                   "alpha": 1.0}, cache_dir=tmp_path)
+        for shape in calls:
+            inp = torch.randn(shape).half()
+            got = k(a, b, inp=inp, beta=0.5, alpha=2.0)
+            want = torch.baddbmm(inp.float(), a.float(), b.float(), beta=0.5, alpha=2.0)
+            assert got.shape == want.shape and got.dtype == torch.float16, (compiled, shape)
+            torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-2)

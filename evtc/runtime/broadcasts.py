@@ -47,11 +47,13 @@ def _may_expand(plan: KernelPlan, whole: set[str]) -> bool:
 def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.Tensor | None:
     """``t`` viewed with the rank of ``dims``, where the dims it lacks or has in excess are leading
     size-1 dims and it has no more dims than the result (more would give torch's result more
-    dims); None where that is not so."""
+    dims); None where that is not so. A lacking batch dim (an (N,) bias where an (L, 1, N) one was
+    compiled, as torch broadcasts it over the batch) becomes a batch of 1, which
+    :func:`_expand_batch` then expands."""
     extra = t.dim() - len(dims)
     if 0 < extra and t.dim() <= result_rank and all(size == 1 for size in t.shape[:extra]):
         return t.reshape(t.shape[extra:])
-    if extra < 0 and all(d == "1" for d in dims[:-extra]):
+    if extra < 0 and all(d in ("1", "L") for d in dims[:-extra]):
         return t.reshape((1,) * -extra + tuple(t.shape))
     return None
 

@@ -59,9 +59,9 @@ def _structure(graph) -> tuple:
                  if not (node.op == "load" and k in ("dtype", "shape", "kind", "batched"))}
         dtype = "" if node.op == "load" else str(node.dtype)
         kept[node.id] = len(entries)
-        # Not the fusion pass's unit numbers: a widening cast of its own shifts them.
-        entries.append((node.op, inputs, repr(sorted(attrs.items(), key=lambda kv: kv[0])), dtype,
-                        node.stage))
+        # Not the fusion pass's stages and unit numbers: an operand's kind (a scalar per batch or
+        # one for all) moves them, and a widening cast of its own shifts them.
+        entries.append((node.op, inputs, repr(sorted(attrs.items(), key=lambda kv: kv[0])), dtype))
     return tuple(entries)
 
 
