@@ -145,7 +145,8 @@ def composites_of_16bit_values_round_once(acc, alpha: float):
     h = (acc * 16000.0).clamp(-60000.0, 60000.0).half()
     small = (acc * 2.0).half()
     return (torch.lerp(h, -h, 0.25).float(), torch.addcmul(h, h, h, value=1e-6).float(),
-            torch.rsub(h, h, alpha=1.5).float(), torch.addcdiv(small, small, small * 3.0 + 8.0, value=0.5).float(),
+            torch.rsub(h, h, alpha=1.5).float(),
+            torch.addcdiv(small, small, small * 3.0 + 8.0, value=0.5).float(),
             (F.selu(small) + F.celu(small, alpha=0.5) + F.logsigmoid(small)).float(),
             F.elu(small, alpha).float(), torch.relu_(small * 1.0).float())
 

@@ -196,7 +196,8 @@ def test_calls_with_other_operand_dtypes_are_judged_together_and_by_what_the_fun
 
     k = evtc.compile(float_sum, {"a": a, "b": b, "x": rand(N)}, cache_dir=tmp_path)
     x = rand(N).bfloat16()
-    torch.testing.assert_close(k(a, b, x=x), float_sum(a.float() @ b.float(), x.float()), rtol=1e-4, atol=1e-3)
+    want = float_sum(a.float() @ b.float(), x.float())
+    torch.testing.assert_close(k(a, b, x=x), want, rtol=1e-4, atol=1e-3)
 
     k = evtc.compile(two_rows, {"a": a, "b": b, "x": rand(N), "y": rand(N)}, cache_dir=tmp_path,
                      out_dtypes=torch.float16)

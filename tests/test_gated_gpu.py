@@ -140,4 +140,4 @@ def test_linear_with_reductions_keeps_leading_dims(cache):
         evtc.linear(swiglu_with_column_max, dict(x=x3, weight=w), cache_dir=cache)
     flat = evtc.linear(swiglu_with_column_max, dict(x=x, weight=w), cache_dir=cache)
     y2, cols = flat(x, w)
-    assert cols.shape == (192,) and rel_err(cols, ref.reshape(300, 192).amax(0)) < 1e-4
+    assert cols.shape == (192,) and rel_err(cols, ref.reshape(300, 192).amax(0)) < 2.0**-8  # 16-bit, as y

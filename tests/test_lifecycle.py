@@ -84,10 +84,13 @@ def test_the_default_dtype_and_device_of_made_constants(tmp_path):
             evtc.compile(made_constant, example, cache_dir=tmp_path)
     finally:
         torch.set_default_dtype(previous)
-    assert evtc.compile(made_constant, example, cache_dir=tmp_path).output_meta(16, 24, 1)[0][1] == torch.float32
+    def output_dtype(example):
+        return evtc.compile(made_constant, example, cache_dir=tmp_path).output_meta(16, 24, 1)[0][1]
+
+    assert output_dtype(example) == torch.float32
     with torch.device("meta"):
-        meta = {"a": torch.empty(16, 32, dtype=torch.half), "b": torch.empty(32, 24, dtype=torch.half)}
-        assert evtc.compile(made_constant, meta, cache_dir=tmp_path).output_meta(16, 24, 1)[0][1] == torch.float32
+        assert output_dtype({"a": torch.empty(16, 32, dtype=torch.half),
+                             "b": torch.empty(32, 24, dtype=torch.half)}) == torch.float32
 
 
 def test_dsl_settings_that_change_the_code_change_the_key(monkeypatch):

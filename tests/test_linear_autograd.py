@@ -771,7 +771,8 @@ def test_fused_linear_in_float64_passes_gradcheck_and_a_replaced_epilogue_is_use
     layer = FusedLinear(6, 5, bias_gelu, cache_dir=tmp_path).double()
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     assert layer(x).dtype == torch.float64
-    assert torch.autograd.gradcheck(lambda x, w, b: bias_gelu(F.linear(x, w), b), (x, layer.weight, layer.bias))
+    assert torch.autograd.gradcheck(lambda x, w, b: bias_gelu(F.linear(x, w), b),
+                                    (x, layer.weight, layer.bias))
     assert torch.autograd.gradcheck(lambda x: layer(x), (x,))
     mlp = MLP(6, 8, F.gelu, cache_dir=tmp_path).double()
     torch.testing.assert_close(mlp(x), mlp.down(mlp.up(x)))

@@ -90,8 +90,12 @@ class DtypeVariants:
 
     def _key(self, operands: Mapping[str, Any]) -> tuple:
         # Other dtypes (float64, integers) are named by the call's own checks.
-        return tuple((v.dtype, v.dim() == 0) if isinstance(v := operands.get(name), torch.Tensor)
-                     and v.dtype in FLOAT_OPERAND_DTYPES else None for name in self._names)
+        key = []
+        for name in self._names:
+            value = operands.get(name)
+            ok = isinstance(value, torch.Tensor) and value.dtype in FLOAT_OPERAND_DTYPES
+            key.append((value.dtype, value.dim() == 0) if ok else None)
+        return tuple(key)
 
     def check(self, operands: Mapping[str, Any]) -> None:
         """Raise a CallError where the call's operand dtypes make the epilogue another computation

@@ -606,9 +606,11 @@ class Kernel:
     def _refuse_other_dtypes(self, operands: dict) -> None:
         """Refuse operands of other dtypes than the example's where the epilogue would compute
         otherwise with them (see :attr:`dtype_variants`)."""
-        if self.dtype_variants is not None:
+        if self.dtype_variants is not None and not torch.compiler.is_compiling():
             self.dtype_variants.check(operands)
         else:
+            # Under torch.compile the operands are fake tensors and nothing may be traced: operand
+            # by operand, against the dtypes that leave the outputs' dtypes as compiled.
             call_checks.refuse_other_promotions(self.call_spec, operands)
 
     def _note_path(self, path: str, why: str) -> None:
