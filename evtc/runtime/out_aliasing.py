@@ -32,9 +32,12 @@ def _pieces(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     if dims and dims[-1][1] == 1:
         length = dims[-1][0] * size
         dims = dims[:-1]
-    starts = torch.tensor([t.data_ptr()], dtype=torch.int64)
+    # Host arithmetic on addresses: on the CPU whatever torch's default device (a CUDA default
+    # would copy to the GPU, which a CUDA graph capture refuses).
+    starts = torch.tensor([t.data_ptr()], dtype=torch.int64, device="cpu")
     for n, stride in dims:
-        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64)[None, :] * (stride * size)).reshape(-1)
+        offsets = torch.arange(n, dtype=torch.int64, device="cpu")[None, :] * (stride * size)
+        starts = (starts[:, None] + offsets).reshape(-1)
     return starts, length
 
 
