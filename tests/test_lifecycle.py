@@ -145,3 +145,12 @@ def test_a_cache_that_takes_no_new_kernel_builds_in_a_private_one(tmp_path, capl
         k = evtc.compile(bias_relu, _example(), cache_dir=blocker / "cache")
     assert k.origin == "compiled" and "EVTC_CACHE_DIR" in caplog.text
     assert not str(k.cache_path).startswith(str(blocker))
+
+
+def test_vmap_runs_the_kernel_per_sample(tmp_path):
+    """torch.func.vmap's batched tensors have no storage to launch on: the call goes through the
+    kernel's custom operator, which vmap runs per sample."""
+    a, b, bias = torch.randn(4, 16, 32), torch.randn(32, 24), torch.randn(24)
+    k = evtc.compile(bias_relu, {"a": a[0], "b": b, "bias": bias}, cache_dir=tmp_path)
+    got = torch.func.vmap(lambda x: k(x, b, bias=bias))(a)
+    torch.testing.assert_close(got, bias_relu(a @ b, bias))

@@ -449,6 +449,10 @@ class Kernel:
             outs = self._launch(a, b, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
+        except _UnderFunctorch:
+            # torch.func.vmap's batched tensors have no storage to launch on: the custom operator,
+            # which vmap runs per sample.
+            return self._call_op(a, b, out, operands)
         if out is not None:
             _bump_versions(spec, out)
         return outs[0] if spec.single_output else spec.result(outs)
@@ -568,6 +572,8 @@ class Kernel:
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
+        if any(_functorch_wrapped(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
+            raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
         self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
@@ -806,6 +812,13 @@ class Kernel:
             return results
         return call_checks.copy_into_given(self.call_spec, out, [h.name for h in host_outputs], results)
 
+
+class _UnderFunctorch(Exception):  # noqa: N818 - a signal, not an error
+    """A call on torch.func's wrapped tensors (vmap, grad): it goes through the custom operator."""
+
+
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                             lambda t: False)
 
 #: Whether torch.jit.trace is recording (torch.jit.is_tracing without its Python wrapper: the
 #: per-call path).
