@@ -154,3 +154,22 @@ def test_vmap_runs_the_kernel_per_sample(tmp_path):
     k = evtc.compile(bias_relu, {"a": a[0], "b": b, "bias": bias}, cache_dir=tmp_path)
     got = torch.func.vmap(lambda x: k(x, b, bias=bias))(a)
     torch.testing.assert_close(got, bias_relu(a @ b, bias))
+
+
+def test_fake_tensors_get_the_operators_shapes_and_make_fx_records_it(tmp_path):
+    """Under FakeTensorMode (shape inference, memory estimators) a call returns fake outputs of
+    the right shapes and dtypes without launching; make_fx records the custom operator."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def with_sum(acc, bias):
+        return torch.relu(acc + bias), (acc * acc).sum(-1)
+
+    ex = {"a": torch.randn(16, 32), "b": torch.randn(32, 24), "bias": torch.randn(24)}
+    k = evtc.compile(with_sum, ex, cache_dir=tmp_path)
+    with FakeTensorMode() as mode:
+        y, s = k(mode.from_tensor(ex["a"]), mode.from_tensor(ex["b"]), bias=mode.from_tensor(ex["bias"]))
+    assert (tuple(y.shape), tuple(s.shape), y.dtype) == ((16, 24), (16,), torch.float32)
+    graph = make_fx(lambda a, b, bias: k(a, b, bias=bias), tracing_mode="fake")(*ex.values())
+    assert any(str(n.target).startswith("evtc.") for n in graph.graph.nodes if n.op == "call_function")
+    torch.testing.assert_close(graph(*ex.values())[0], torch.relu(ex["a"] @ ex["b"] + ex["bias"]))

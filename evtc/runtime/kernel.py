@@ -440,18 +440,22 @@ class Kernel:
                                 "without out=")
         if spec.scale_rows and torch.is_grad_enabled():
             call_checks.refuse_grad(spec, a, b, operands)
-        if torch.compiler.is_compiling() or _jit_tracing() or (torch.is_grad_enabled()
-                                                               and call_checks.needs_grad(a, b, operands)):
-            # The operator has an autograd formula (evtc.runtime.op_autograd), and torch.jit.trace
-            # records it as one op (a launch it cannot see would leave only the outputs' allocation).
+        if torch.compiler.is_compiling() or _jit_tracing() or (
+                type(a) not in _PLAIN_TENSORS and _without_memory(a)) or (
+                torch.is_grad_enabled() and call_checks.needs_grad(a, b, operands)):
+            # The operator has an autograd formula (evtc.runtime.op_autograd), torch.jit.trace
+            # records it as one op (a launch it cannot see would leave only the outputs'
+            # allocation), and fake tensors get its shape function (the launch path would keep
+            # fake buffers for later real calls).
             return self._call_op(a, b, out, operands)
         try:
             outs = self._launch(a, b, out, operands)
         except EpilogueError as err:
             raise err.with_traceback(None) from None
         except _UnderFunctorch:
-            # torch.func.vmap's batched tensors have no storage to launch on: the custom operator,
-            # which vmap runs per sample.
+            # torch.func.vmap's batched tensors, FakeTensorMode's and make_fx's tensors have no
+            # memory to launch on: the custom operator, which vmap runs per sample and the others
+            # run through its fake (shape) implementation or record.
             return self._call_op(a, b, out, operands)
         if out is not None:
             _bump_versions(spec, out)
@@ -572,7 +576,7 @@ class Kernel:
         the kernel cannot run at all; otherwise the kernel with aligned copies of the tensors whose
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
-        if any(_functorch_wrapped(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
+        if any(_without_memory(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
             raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
         self._refuse_other_dtypes(operands)
@@ -814,11 +818,21 @@ class Kernel:
 
 
 class _UnderFunctorch(Exception):  # noqa: N818 - a signal, not an error
-    """A call on torch.func's wrapped tensors (vmap, grad): it goes through the custom operator."""
+    """A call on tensors without memory of their own (torch.func's wrapped tensors, fake or
+    functional tensors): it goes through the custom operator."""
 
 
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
                              lambda t: False)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _without_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` stands for a tensor without being one a kernel could read (read on the slow
+    path only: the fast path's compiled function refuses such tensors first)."""
+    return _functorch_wrapped(t) or type(t).__name__ in ("FakeTensor", "FunctionalTensor")
 
 #: Whether torch.jit.trace is recording (torch.jit.is_tracing without its Python wrapper: the
 #: per-call path).
