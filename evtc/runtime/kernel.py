@@ -832,6 +832,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _without_memory(t: torch.Tensor) -> bool:
     """Whether ``t`` stands for a tensor without being one a kernel could read (read on the slow
     path only: the fast path's compiled function refuses such tensors first)."""
+    if not isinstance(t, torch.Tensor):  # a (tensor, block scales) pair: its tensor is checked later
+        return False
     return _functorch_wrapped(t) or type(t).__name__ in ("FakeTensor", "FunctionalTensor")
 
 #: Whether torch.jit.trace is recording (torch.jit.is_tracing without its Python wrapper: the
