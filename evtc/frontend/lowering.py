@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import DTypeError, ReductionError, UnsupportedOpError
 from ..ir.dtypes import CAST_DTYPES, short_name
-from ..ir.infer import promote, promotion_stand_in
+from ..ir.infer import promotion_stand_in
 from ..ir.shapes import ONE, N
 from .proxy import SymDim, TracedValue
 from .source import user_location
@@ -189,14 +189,9 @@ def _add_sub(op: str) -> Handler:
             raise DTypeError(f"torch.{op}'s alpha must be a number or a 0-dim tensor (torch refuses a "
                              f"tensor of shape {tuple(alpha._node.shape)})", user_location())
         # torch computes input + alpha * other in float32 and rounds once, to the dtype the plain
-        # sum would have: alpha * other is never rounded to a 16-bit other's dtype on its own.
-        want = promote((t.node_of(input), t.node_of(other)))
-        if t.node_of(other).dtype != torch.float32:
-            widened = t.emit("cast", (other,), {"dtype": torch.float32})
-            t.eager.same_as(widened._node, t.node_of(other))  # torch widens nothing here
-            other = widened
-        result = t.emit(op, (input, t.emit("mul", (alpha, other))))
-        return result if result._node.dtype == want else t.emit("cast", (result,), {"dtype": want})
+        # sum would have (alpha, a scalar, takes no part): alpha * other is never rounded to a
+        # 16-bit other's dtype on its own.
+        return _rounded_once(t, (input, other), lambda x, o: t.emit(op, (x, t.emit("mul", (alpha, o)))))
 
     return handler
 

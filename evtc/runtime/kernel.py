@@ -151,23 +151,24 @@ class Kernel:
         count, and the tile from ``family`` (:func:`evtc.plan.selector.tile_family`; this kernel's
         configuration first) where it has more than one. ``factory(config)`` gives the kernel of
         another configuration."""
-        twin = copy.copy(self)
-        twin._variant_factory = factory
-        twin._family = tuple(family) or (self.config,)
-        twin._variants = {self.config: self}
+        twin = self._copy(_variant_factory=factory, _family=tuple(family) or (self.config,),
+                          _variants={self.config: self}, _variant_lock=threading.Lock(),
+                          _launch_memo={}, _autotuned_twin=None)
         twin._pin = _SplitPin(twin)
-        twin._variant_lock = threading.Lock()
-        twin._launch_memo = {}
+        return twin
+
+    def _copy(self, **fields: Any) -> Kernel:
+        """A shallow copy with ``fields`` replaced, and an operator of its own to bind on first use
+        (the twins of :meth:`_choosing_clusters`, :meth:`autotuned` and :meth:`handle`)."""
+        twin = copy.copy(self)
         twin._op = None
-        twin._autotuned_twin = None
+        twin.__dict__.update(fields)
         return twin
 
     def handle(self) -> Kernel:
         """Another handle of this kernel: the same compiled code, variants and launch choices, with
         call state of its own (its last path, the function its calls are judged by)."""
-        twin = copy.copy(self)
-        twin._op = None
-        twin.dtype_variants = None
+        twin = self._copy(dtype_variants=None)
         self._pin.handles.append(twin)  # one pin for both handles
         return twin
 
@@ -182,10 +183,7 @@ class Kernel:
             if self._autotuned_twin is None:
                 from evtc.runtime.autotune import Tuner
 
-                twin = copy.copy(self)
-                twin._tuner = Tuner()
-                twin._launch_memo = {}
-                twin._op = None
+                twin = self._copy(_tuner=Tuner(), _launch_memo={})
                 self._pin.handles.append(twin)  # one pin for both handles
                 self._autotuned_twin = twin
         return self._autotuned_twin
