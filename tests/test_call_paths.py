@@ -53,6 +53,8 @@ def test_layout_problems_are_named(make, spec, why):
     (TILE_M_MAJOR, torch.randn(64, 8).half().t()),
     (BATCHED, torch.randn(3, 5, 8)),
     (ROW, torch.randn(3, 1, 4)),  # a 1-long dim's stride never matters
+    (TILE, torch.randn(1, 67).half()[:, :64]),  # one row of any pitch (the compiled function's rule)
+    (TILE, torch.randn(64 * 8).half().as_strided((64, 1), (8, 5))),  # one column: any stride along N
 ])
 def test_layouts_the_kernel_takes_pass_through(spec, t):
     assert layout_problem(t, spec) is None
@@ -359,7 +361,9 @@ def test_torch_legal_broadcasts_run_as_views_of_the_compiled_shapes():
     A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
     kb = evtc.compile(residual, {"a": A, "b": B, "C": C})
     assert kb.plan.broadcast_batch is None
-    for x, w, c in [(A, B[:1], C), (A[:1], B, C), (A, B, C[:1]), (A[:1], B[:1], C)]:
+    # torch.matmul also broadcasts a 2-d a or b over the other's batch.
+    for x, w, c in [(A, B[:1], C), (A[:1], B, C), (A, B, C[:1]), (A[:1], B[:1], C), (A, B[0], C),
+                    (A[0], B, C), (A[0], B[:1], C)]:
         got = kb(x, w, C=c)
         want = residual(x.double() @ w.double(), c.double())
         assert got.shape == want.shape == (3, 16, 8)
@@ -595,3 +599,41 @@ def test_a_per_batch_operand_given_without_its_batch_dim_broadcasts_as_in_torch(
             want = torch.baddbmm(inp.float(), a.float(), b.float(), beta=0.5, alpha=2.0)
             assert got.shape == want.shape and got.dtype == torch.float16, (compiled, shape)
             torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-2)
+
+
+def _scaled(acc, s, C):
+    return acc * s + C
+
+
+def test_sparse_inputs_compute_as_torch_does_and_other_outs_are_refused(cache):
+    """torch computes with a sparse operand or ``a`` as with its dense values (``acc + C`` of a
+    sparse C is dense): evtc makes such a tensor dense (on the GPU the staged path; the kernel then
+    runs, tests/test_call_paths_gpu.py). out= tensors that are sparse, or inference tensors outside
+    inference_mode (torch refuses to update those), are refused by name, before anything runs."""
+    a, b, C, s = torch.randn(16, 32), torch.randn(32, 8), torch.randn(16, 8), torch.tensor(0.5)
+    k = evtc.compile(_scaled, {"a": a, "b": b, "s": s, "C": C}, cache_dir=cache)
+    want = a.double() @ b.double() * 0.5 + C.double()
+    for x, c in [(a, C.to_sparse()), (a.to_sparse(), C), (a, C.to_sparse_csr())]:
+        got = k(x, b, s=s, C=c)
+        assert got.layout == torch.strided and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(evtc.CallError, match=r"out is a torch.sparse_coo tensor"):
+        k(a, b, s=s, C=C, out=torch.zeros(16, 8).to_sparse())
+    with torch.inference_mode():
+        frozen = torch.zeros(16, 8)
+    with pytest.raises(evtc.CallError, match="out is an inference tensor"):
+        k(a, b, s=s, C=C, out=frozen)
+    assert torch.equal(frozen, torch.zeros(16, 8))
+    with torch.inference_mode():  # inside inference_mode torch updates it, and so does evtc
+        got = k(a, b, s=s, C=C, out=frozen)
+    assert got is frozen
+    torch.testing.assert_close(frozen.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_float64_scale_is_refused_with_what_to_pass(cache):
+    """Epilogue tensors are float32, float16 or bfloat16: a 0-dim float64 scale (as
+    ``torch.tensor(np.float64(x))`` makes) is named, with what to pass instead."""
+    a, b, C = torch.randn(16, 32), torch.randn(32, 8), torch.randn(16, 8)
+    k = evtc.compile(_scaled, {"a": a, "b": b, "s": torch.tensor(0.5), "C": C}, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match=r"s must be torch.float32 .*got torch.float64 .*Python number"):
+        k(a, b, s=torch.tensor(0.5, dtype=torch.float64), C=C)

@@ -226,12 +226,14 @@ def test_out_overlapping_an_input_is_not_a_race(cache):
     kernel = _compile(residual, randn(64, 64), randn(64, 64), cache, C=randn(64, 64),
                       bias=randn(64, dtype=torch.float32), alpha=1.0)
     bias = randn(n, dtype=torch.float32)
-    for trial in ("out=a", "out=b", "shifted C", "same C"):
+    for trial in ("out=a", "out=b", "shifted C", "same C", "shifted C through DLPack"):
         a, b = randn(m, k) * 0.1, randn(k, n) * 0.1
         big = randn(m + 1, n)
-        C = big[:m] if trial == "shifted C" else randn(m, n)
+        C = big[:m] if trial.startswith("shifted C") else randn(m, n)
         want = _ref(residual, a, b, C=C, bias=bias, alpha=2.0)
-        out = {"out=a": a, "out=b": b, "shifted C": big[1:], "same C": C}[trial]
+        out = {"out=a": a, "out=b": b, "shifted C": big[1:], "same C": C,
+               # Another storage over big's bytes: judged by address, not by storage.
+               "shifted C through DLPack": torch.from_dlpack(big[1:])}[trial]
         got = kernel(a, b, C=C, bias=bias, alpha=2.0, out=out)
         assert got is out and kernel.last_path == "kernel", (trial, kernel.last_path)
         assert _rel(out, want) <= TOL, trial
@@ -246,3 +248,90 @@ def test_a_zero_dim_cpu_scalar_beside_cuda_tensors(cache):
     got = k(a, b, s=s)
     assert got.device.type == "cuda" and s.device.type == "cpu"
     _check(got, _ref(fp8_out, a, b, s=s.cuda()), "a CPU scalar")
+
+
+def test_a_cpu_scalar_under_cuda_graph_capture(cache):
+    """A 0-dim CPU scalar is filled into a GPU one (no synchronising copy), so a call that takes one
+    is captured, with the value fixed at capture as torch fixes it."""
+    a, b = randn(128, 64), randn(64, 256)
+    k = _compile(fp8_out, a, b, cache, s=torch.tensor(0.5, device="cuda"))
+    s = torch.tensor(0.25)
+    k(a, b, s=s)  # the size's first call, eager
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = k(a, b, s=s)
+    s.fill_(4.0)  # torch reads a CPU scalar at capture: replays keep 0.25
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(got, _ref(fp8_out, a, b, s=torch.tensor(0.25, device="cuda")), "a CPU scalar, captured")
+
+
+def test_sparse_operands_run_the_kernel_on_dense_copies(cache):
+    """A sparse C (COO or CSR) or a sparse a: torch computes with its values, and so does the
+    kernel, on a dense copy (the staged path); strict=True refuses the copy by name."""
+    kernel = _compile(residual, randn(64, 64), randn(64, 64), cache, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    a, b, C, bias = randn(256, 128), randn(128, 192), randn(256, 192), randn(192, dtype=torch.float32)
+    want = _ref(residual, a, b, C=C, bias=bias, alpha=0.5)
+    for x, c, what in [(a, C.to_sparse(), "COO C"), (a, C.to_sparse_csr(), "CSR C"),
+                       (a.to_sparse(), C, "COO a")]:
+        got = kernel(x, b, C=c, bias=bias, alpha=0.5)
+        assert kernel.last_path == "staged", what
+        _check(got, want, what)
+    strict = _compile(residual, randn(64, 64), randn(64, 64), cache, strict=True, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    with pytest.raises(evtc.CallError, match="C: a torch.sparse_coo tensor, made dense"):
+        strict(a, b, C=C.to_sparse(), bias=bias, alpha=0.5)
+
+
+def test_a_2d_a_or_b_beside_a_batched_other_broadcasts_on_the_kernel(cache):
+    """For a kernel compiled with batched a and b, torch.matmul's broadcast of a 2-d b (or a) over
+    the other's batch runs the kernel (a batch of 1, expanded with batch stride 0)."""
+    def res(acc, C, bias):
+        return (torch.relu(acc + bias) + C).to(acc.dtype)
+
+    kernel = _compile(res, randn(2, 64, 64), randn(2, 64, 64), cache, C=randn(2, 64, 64),
+                      bias=randn(64, dtype=torch.float32))
+    A, B, C = randn(3, 200, 128), randn(3, 128, 256), randn(3, 200, 256)
+    bias = randn(256, dtype=torch.float32)
+    for x, w, what in [(A, B[1], "2-d b"), (A[2], B, "2-d a")]:
+        got = kernel(x, w, C=C, bias=bias)
+        assert kernel.last_path == "kernel", what
+        _check(got, _ref(res, x, w, C=C, bias=bias), what)
+
+
+def test_strict_takes_one_row_of_any_pitch_whatever_the_scalars(cache):
+    """M = 1 with an odd row pitch is read in place (a dim of extent 1 is never stepped along): also
+    when the call reaches the slow path for another reason (a NumPy scalar), under strict=True."""
+    import numpy as np
+
+    strict = _compile(residual, randn(64, 64), randn(64, 64), cache, strict=True, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    k = 136
+    a = randn(1, k + 3)[:, :k]
+    b, C, bias = randn(k, 200), randn(1, 200), randn(200, dtype=torch.float32)
+    got = strict(a, b, C=C, bias=bias, alpha=np.float32(0.75))
+    assert strict.last_path == "kernel"
+    _check(got, _ref(residual, a, b, C=C, bias=bias, alpha=0.75), "one row, NumPy alpha")
+
+
+def test_sizes_past_32_bits_take_the_torch_path_and_big_workspaces_are_refused(cache):
+    """The kernel's sizes and workspace lengths are 32-bit: a size past 2**31 - 1 (an expanded b)
+    takes the torch path (its reason named), and reductions whose workspace would pass it are
+    refused by name before anything is allocated or launched."""
+    from evtc.runtime import call_checks
+
+    kernel = _compile(bias_gelu, randn(64, 64), randn(64, 64), cache, bias=randn(64, dtype=torch.float32))
+    a = randn(1, 16)
+    wide = randn(16, 1).expand(16, 2 ** 31 + 64)
+    reason = call_checks.torch_reason(kernel.call_spec, a, {}, wide)
+    assert reason is not None and "2**31 - 1" in reason
+
+    def row_sums(acc):
+        return acc.sum(-1)
+
+    sums = _compile(row_sums, randn(128, 64), randn(64, 256), cache)
+    tall, flat = randn(2 ** 21, 16), randn(16, 2 ** 18)  # M x N / 256 = 2**31 partials at the least
+    with pytest.raises(evtc.CallError, match=r"workspace of \d+ float32 values .* split the call along M"):
+        sums(tall, flat)

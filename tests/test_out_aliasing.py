@@ -73,3 +73,30 @@ def test_out_beside_grad_inputs_and_host_outputs_on_another_device_are_refused(t
         got = k(a.clone().requires_grad_(), b, out=out)
     assert got[0] is out[0] and got[1] is out[1]
     torch.testing.assert_close(out[1].float(), (a.float() @ b.float()).sum(-1), rtol=2e-3, atol=2e-2)
+
+
+def test_memory_reached_through_another_storage_is_judged_by_address(tmp_path):
+    """A tensor brought back through DLPack is a storage of its own over the same bytes: out= over
+    it is still redirected, two such targets are still refused, and overlap() says so."""
+    from evtc.runtime.out_aliasing import overlap
+
+    big = torch.randn(12, 8)
+    alias = torch.from_dlpack(big[4:])
+    assert alias.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()  # the premise
+    assert alias.data_ptr() == big[4:].data_ptr()
+    assert overlap(alias, big[:8]) and overlap(big[:8], alias)
+    assert not overlap(alias, big[:4])
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    (fresh,) = unaliased([alias], (a, b), [big[:8]])
+    assert fresh is not alias and fresh.data_ptr() != alias.data_ptr()
+    assert unaliased([torch.from_dlpack(big[:4])], (a, b), [big[4:]])[0].data_ptr() == big.data_ptr()
+
+    def two(acc, C):
+        return acc + C, acc * 2
+
+    A, B, C = torch.randn(8, 16), torch.randn(16, 8), torch.randn(8, 8)
+    k = evtc.compile(two, {"a": A, "b": B, "C": C}, cache_dir=tmp_path)
+    kept = big.clone()
+    with pytest.raises(evtc.CallError, match="share memory"):
+        k(A, B, C=C, out=(big[:8], alias))
+    assert torch.equal(big, kept)  # refused before anything was written

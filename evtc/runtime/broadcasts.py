@@ -3,7 +3,8 @@
 A kernel is compiled for its examples' ranks and batch sizes. A call may still pass operands that
 torch would broadcast to the same result: a bias of (1, N) where the example was (N,), a device
 scalar as (1,) where it was 0-d (or the other way round), or, for a kernel compiled with equal
-batches, a ``b`` or a batched operand of batch 1 beside an ``a`` of batch 3. Each of these is the
+batches, a ``b`` or a batched operand of batch 1 beside an ``a`` of batch 3, or a 2-d ``b`` (or
+``a``) beside a 3-d other, which ``torch.matmul`` broadcasts over the batch. Each of these is the
 same computation on a view: size-1 leading dims dropped or added, a batch of 1 expanded (stride 0;
 the staged path copies it where TMA cannot read it). The result's shape is torch's in every case
 handled here. A broadcast that would change the result's shape (a ``C`` of (1, M, N) for an
@@ -83,11 +84,29 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:
             batched.append((kernel_input.user, dims.index("L")))
+    if plan.broadcast_batch is None and len(plan.a.dims) == 3 and len(plan.b.dims) == 3 \
+            and sorted((a.dim(), b.dim())) == [2, 3]:
+        # torch.matmul broadcasts a 2-d a or b over the other's batch: a batch of 1 here,
+        # expanded to the batch below (its block scales with it).
+        a, b, scales = _with_batch_of_one(a, b, scales)
+        changed = True
     if plan.broadcast_batch is None and a.dim() == 3 and b.dim() == 3:
         expanded = _expand_batch(plan, a, b, operands, batched, scales)
         if expanded is not None:
             (a, b, operands, scales), changed = expanded, True
     return (a, b, operands, scales) if changed else None
+
+
+def _with_batch_of_one(a, b, scales: tuple | None):
+    """The 2-d one of ``a`` and ``b`` (and its block scales, where 2-d) as a batch of 1."""
+    which = 0 if a.dim() == 2 else 1
+    if which == 0:
+        a = a.unsqueeze(0)
+    else:
+        b = b.unsqueeze(0)
+    if scales is not None and scales[which].dim() == 2:
+        scales = tuple(s.unsqueeze(0) if i == which else s for i, s in enumerate(scales))
+    return a, b, scales
 
 
 def _expand_batch(plan: KernelPlan, a, b, operands: dict, batched: list, scales: tuple | None):

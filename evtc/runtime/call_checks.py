@@ -22,6 +22,8 @@ from evtc.runtime.call_spec import CallSpec
 
 #: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
 FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The largest size (M, N, K, L) and workspace length the kernel's 32-bit arguments hold.
+INT32_MAX = (1 << 31) - 1
 
 
 @functools.cache
@@ -55,11 +57,17 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # an input is made dense before (dense_copies): an out= tensor
+        raise CallError(f"{name} is a {t.layout} tensor: evtc takes strided (dense) tensors")
     if t.dim() != spec.rank:
         raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
                         f"{tuple(t.shape)}")
     if t.dtype != dtype:
-        raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}")
+        hint = ""
+        if t.dtype == torch.float64:
+            hint = (" (epilogue tensors are float32, float16 or bfloat16; for a scale, a Python number "
+                    f"or {name}.float() does)")
+        raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
     if tuple(t.shape) != want:
         dims = ", ".join(spec.dims)
@@ -105,7 +113,25 @@ def cpu_scalars_moved(operands: dict, device) -> dict:
 
     if getattr(device, "type", None) != "cuda" or not any(on_cpu(v) for v in operands.values()):
         return operands
-    return {k: v.to(device) if on_cpu(v) else v for k, v in operands.items()}
+    # A fill with the value, as torch bakes such a scalar into its kernels: a copy from host memory
+    # would synchronise the stream, and a CUDA graph capture refuses it.
+    return {k: torch.full((), v.item(), dtype=v.dtype, device=device) if on_cpu(v) else v
+            for k, v in operands.items()}
+
+
+def dense_copies(a: Any, b: Any, operands: dict) -> tuple[Any, Any, dict, list[str]]:
+    """``a``, ``b`` and ``operands`` with every sparse (not strided) tensor made dense, as torch
+    computes with one (``acc + C`` of a sparse C is dense), and what was copied; the tensors as
+    they are when none is sparse."""
+    def sparse(v) -> bool:
+        return isinstance(v, torch.Tensor) and v.layout != torch.strided
+
+    if not (sparse(a) or sparse(b) or any(sparse(v) for v in operands.values())):
+        return a, b, operands, []
+    copied = [f"{name}: a {v.layout} tensor, made dense"
+              for name, v in (("a", a), ("b", b), *operands.items()) if sparse(v)]
+    dense = [v.to_dense() if sparse(v) else v for v in (a, b)]
+    return (*dense, {k: v.to_dense() if sparse(v) else v for k, v in operands.items()}, copied)
 
 
 def refuse_other_promotions(spec: CallSpec, operands: dict) -> None:
@@ -142,6 +168,20 @@ def refuse_overlapping(label: str, t: torch.Tensor) -> None:
                         f"e.g. torch.empty_like(...) or .clone() of it")
 
 
+def refuse_unwritable(label: str, t: torch.Tensor) -> None:
+    """Refuse an ``out=`` tensor the kernel or a copy cannot write as torch's ``out=`` would: one
+    that is not strided (sparse), an inference tensor outside ``torch.inference_mode`` (torch
+    refuses to update it in place), or one whose elements share memory."""
+    if t.layout != torch.strided:
+        raise CallError(f"{label} is a {t.layout} tensor: outputs are written into strided (dense) "
+                        "tensors")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise CallError(f"{label} is an inference tensor (made under torch.inference_mode()): torch "
+                        "updates one in place only inside inference_mode; call there, or pass a "
+                        "tensor made outside it")
+    refuse_overlapping(label, t)
+
+
 def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: bool = True,
                   device: torch.device | None = None) -> list:
     """The full-tile outputs of ``out=`` (the structure the epilogue returns), in kernel order,
@@ -157,7 +197,7 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
         t = given[name]
         label = f"out[{name!r}]" if not spec.single_output else "out"
         check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout)
-        refuse_overlapping(label, t)
+        refuse_unwritable(label, t)
         tensors.append(t)
     # The reductions' outputs are copied in after the kernel: checked now, so that a refused call
     # has written none of out='s tensors.
@@ -178,9 +218,11 @@ def refuse_shared_targets(given: dict) -> None:
     if len(given) < 2 or torch.compiler.is_compiling():  # fake tensors while tracing: no memory
         return
     tensors = [(name, t) for name, t in given.items() if isinstance(t, torch.Tensor) and t.numel()]
-    if len({t.untyped_storage().data_ptr() for _, t in tensors}) == len(tensors):
-        return  # the common case: every target in a storage of its own
-    from evtc.runtime.out_aliasing import overlap
+    from evtc.runtime.out_aliasing import overlap, spans_meet, storage_span
+
+    spans = sorted(storage_span(t) for _, t in tensors)
+    if all(not spans_meet(x, y) for x, y in zip(spans, spans[1:], strict=False)):
+        return  # the common case: every target in memory of its own
 
     for i, (name, t) in enumerate(tensors):
         for other, u in tensors[i + 1:]:
@@ -194,7 +236,7 @@ def _check_given(name: str, target: Any, shape: tuple, dtype: torch.dtype) -> No
     is one of that shape and dtype whose elements do not share memory."""
     if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(shape) or target.dtype != dtype:
         raise CallError(f"out[{name!r}] must be a {dtype} tensor of shape {tuple(shape)}")
-    refuse_overlapping(f"out[{name!r}]", target)
+    refuse_unwritable(f"out[{name!r}]", target)
 
 
 def copy_into_given(spec: CallSpec, out, names, values) -> list[torch.Tensor]:
@@ -319,6 +361,10 @@ def torch_reason(spec: CallSpec, a, operands: dict, b=None) -> str | None:
                 "(torch.set_float32_matmul_precision('high')); this call is computed in full float32")
     if a.shape[-1] == 0:
         return "K = 0 (the accumulator is all zeros)"
+    sizes = (*a.shape, *(b.shape if isinstance(b, torch.Tensor) else ()))
+    if max(sizes, default=0) > INT32_MAX:
+        return (f"a size past 2**31 - 1 (a {tuple(a.shape)}, b {tuple(b.shape)}): the kernel's "
+                "sizes are 32-bit")
     if isinstance(b, torch.Tensor) and halves_off_scale_chunk(spec, b.shape[-1]):
         return (f"b's halves have {b.shape[-1] // 2} columns, not a multiple of {GATED_SCALE_CHUNK}: "
                 "the kernel reads a gated B's block scales per 32 columns of each half")

@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("evtc")
 
 
-#: The most elements a 32-bit offset reaches (the kernel's index of split-K's partials).
-INT32_MAX = (1 << 31) - 1
-
 
 class _SplitPin:
     """The split count :meth:`Kernel.pin_splits` fixed, shared by the handles of one kernel (the
@@ -577,6 +574,7 @@ class Kernel:
         if any(_without_memory(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
             raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
+        a, b, operands, copied = call_checks.dense_copies(a, b, operands)
         self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
@@ -590,7 +588,7 @@ class Kernel:
         if reason is None:
             try:
                 outs, workspaces, problem, pending = self._run_kernel(a, b, out, operands, stage=True,
-                                                                      scales=scales)
+                                                                      scales=scales, copied=copied)
             except (CallError, torch.OutOfMemoryError):
                 raise
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError) as exc:
@@ -633,9 +631,10 @@ class Kernel:
         log.warning("%r %s: %s. strict=True makes this an error; docs/compile.md ('Call paths') says "
                     "which layouts take which path", self.plan.name, what, why)
 
-    def _run_kernel(self, a, b, out, operands, *, stage: bool, scales=None):
+    def _run_kernel(self, a, b, out, operands, *, stage: bool, scales=None, copied=()):
         """Split, gather and launch. With ``stage``, tensors whose layout the kernel cannot take go
-        through aligned copies (see :mod:`evtc.runtime.staging`). Returns the outputs in kernel order (the
+        through aligned copies (see :mod:`evtc.runtime.staging`); ``copied`` names the copies the
+        caller made already (sparse tensors made dense). Returns the outputs in kernel order (the
         host outputs not yet), the reductions' workspaces and (M, N, L).
 
         This is the per-call path: everything it needs was prepared from the plan in
@@ -680,6 +679,7 @@ class Kernel:
             if scales is not None:
                 scales, scale_problems = stage_scales(self.plan, scales)
                 problems = problems + scale_problems
+            problems = [*copied, *problems]
             if problems:
                 if self.interface.strict:
                     raise CallError(f"{'; '.join(problems)}. The kernel reads and writes by TMA, which "
@@ -752,6 +752,14 @@ class Kernel:
             chosen = self.resolve(*launch, m, n, k, batches)
         else:
             chosen = self._launch_choice(m, n, k, batches)
+        finisher = chosen[3]
+        if finisher is not None:
+            numels = finisher.layout(m, n, batches).numels
+            if max(numels, default=0) > call_checks.INT32_MAX:
+                raise CallError(
+                    f"the reductions of {self.plan.name!r} need a workspace of {max(numels)} float32 "
+                    f"values for M = {m}, N = {n}, L = {batches}, past the 2**31 - 1 the kernel's "
+                    "32-bit lengths reach: split the call along M (or the batch)")
         if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
             self._launch_memo.clear()
         if self._tuner is None or (not capturing and self._tuner.settled(m, n, k, batches)):
@@ -787,11 +795,11 @@ class Kernel:
         # tiles it splits, and every split's wait on another cluster, assume that grid.
         clusters = planned_clusters(cluster[0] * cluster[1], clusters)
         numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
-        if numels[0] > INT32_MAX:
+        if numels[0] > call_checks.INT32_MAX:
             # The kernel indexes the partials with 32-bit offsets: a pinned count that needs more
             # slots than they reach runs with as many as they do.
             slot = numels[0] // (splits - 1)
-            splits = 1 + INT32_MAX // slot
+            splits = 1 + call_checks.INT32_MAX // slot
             numels = workspace_numels(m, n, batches, config, cluster, splits, clusters)
         return kernel._fn, clusters, (splits, *numels), kernel._finisher
 

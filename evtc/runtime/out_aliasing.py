@@ -11,6 +11,21 @@ from __future__ import annotations
 import torch
 
 
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of ``t``'s whole storage. Two storages can hold the same memory
+    (a tensor brought back through DLPack or ``__cuda_array_interface__`` is a storage of its own
+    over another's bytes), so sharing memory is a question of addresses, never of storage
+    identity."""
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def spans_meet(x: tuple[int, int], y: tuple[int, int]) -> bool:
+    """Whether two [first, end) byte ranges share a byte."""
+    return x[0] < y[1] and y[0] < x[1]
+
+
 def _memory_span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) of ``t``'s elements (non-negative strides, as torch's)."""
     start = t.data_ptr()
@@ -48,10 +63,7 @@ def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     two tensors' spans meet."""
     if x.device != y.device or not x.numel() or not y.numel():
         return False
-    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
-        return False
-    (x_lo, x_hi), (y_lo, y_hi) = _memory_span(x), _memory_span(y)
-    if not (x_lo < y_hi and y_lo < x_hi):
+    if not spans_meet(storage_span(x), storage_span(y)) or not spans_meet(_memory_span(x), _memory_span(y)):
         return False
     (xs, x_len), (ys, y_len) = _pieces(x), _pieces(y)
     if xs.numel() > _MAX_PIECES or ys.numel() > _MAX_PIECES:
@@ -71,20 +83,22 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
     tile's outputs are stored, a silent race. A tile output written over exactly the operand it is
     computed from is safe (each element is read before it is written, by the same CTA) and stays
     in place. The caller copies the new tensors into ``targets`` after the launch."""
-    # Tensors of other storages cannot overlap (the common case: one cheap comparison each).
-    storages = {target.untyped_storage().data_ptr() for target in targets}
+    # Tensors whose storages hold other memory cannot overlap (the common case: a cheap comparison
+    # of address ranges each).
+    storages = [storage_span(target) for target in targets if target.numel()]
     shared = [(t, gemm) for group, gemm in ((gemm_inputs, True), (operands, False))
-              for t in group if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages]
+              for t in group if isinstance(t, torch.Tensor) and t.numel()
+              and any(spans_meet(storage_span(t), s) for s in storages)]
     if not shared:
         return targets
-    spans = [(t, _memory_span(t), gemm) for t, gemm in shared if t.numel()]
+    spans = [(t, _memory_span(t), gemm) for t, gemm in shared]
     outs = []
     for target in targets:
         fresh = target
         if target.numel():
             lo, hi = _memory_span(target)
-            for t, (t_lo, t_hi), gemm in spans:
-                if t.device != target.device or not (t_lo < hi and lo < t_hi):
+            for t, span, gemm in spans:
+                if t.device != target.device or not spans_meet(span, (lo, hi)):
                     continue
                 same_view = (t.data_ptr() == target.data_ptr() and t.shape == target.shape
                              and t.stride() == target.stride() and t.dtype == target.dtype)
@@ -126,4 +140,4 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
-__all__ = ["distinct_outputs", "overlap", "unaliased"]
+__all__ = ["distinct_outputs", "overlap", "spans_meet", "storage_span", "unaliased"]

@@ -26,18 +26,21 @@ def layout_problem(t: torch.Tensor, spec) -> str | None:
     """Why ``t`` cannot go to the kernel as it is (the layout of ``spec``), or None when it can.
 
     The rules are the ones the compiled function checks: stride 1 along ``spec.contiguous``, every
-    other stride (of a dim that is not a broadcast "1") a multiple of 16 bytes, a 16-byte aligned
-    base address. A one-element-per-batch scalar needs none of them (it is read by plain loads).
+    other stride (of a dim that is not a broadcast "1") a multiple of 16 bytes, each for dims of
+    more than one element, and a 16-byte aligned base address. A one-element-per-batch scalar needs
+    none of them (it is read by plain loads).
     """
     c = spec.contiguous
     if c is None:
         return None
-    strides = t.stride()
-    if strides[c] != 1:
+    # A dim of extent 1 is never stepped along: its stride does not matter (the compiled function
+    # and call_checks.check_tensor skip it too).
+    shape, strides = t.shape, t.stride()
+    if strides[c] != 1 and shape[c] > 1:
         return f"{t.dim()}-d with strides {tuple(strides)}: not contiguous along {spec.dims[c]}"
     align = _align_elems(t)
     for i, d in enumerate(spec.dims):
-        if i != c and d != "1" and strides[i] % align:
+        if i != c and d != "1" and shape[i] > 1 and strides[i] % align:
             return (f"stride {strides[i]} along {d} is not a multiple of {align} elements "
                     f"(16 bytes)")
     if t.data_ptr() % TMA_ALIGN:
