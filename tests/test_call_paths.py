@@ -637,3 +637,15 @@ def test_a_float64_scale_is_refused_with_what_to_pass(cache):
     k = evtc.compile(_scaled, {"a": a, "b": b, "s": torch.tensor(0.5), "C": C}, cache_dir=cache)
     with pytest.raises(evtc.CallError, match=r"s must be torch.float32 .*got torch.float64 .*Python number"):
         k(a, b, s=torch.tensor(0.5, dtype=torch.float64), C=C)
+
+
+def test_an_example_of_one_row_names_why_a_tile_operand_became_a_row(cache):
+    """An example with M = 1 (one token) classes an (M, N) operand as a row: a later call with more
+    rows is refused, and the message says why and what to compile from."""
+    def add_residual(acc, residual):
+        return acc + residual
+
+    a, b = torch.randn(1, 32), torch.randn(32, 16)
+    k = evtc.compile(add_residual, {"a": a, "b": b, "residual": torch.randn(1, 16)}, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match=r"compiled as a broadcast operand.*M = 1"):
+        k(torch.randn(9, 32), b, residual=torch.randn(9, 16))

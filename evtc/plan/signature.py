@@ -78,7 +78,10 @@ class KernelSignature:
         self.broadcast_batch: str | None = None
         if a.dim() != b.dim():
             self.broadcast_batch = (f"a is {a.dim()}-d and b is {b.dim()}-d (a batch broadcast): the kernel "
-                                    "needs both batched alike; expand the other one to get a kernel")
+                                    "needs both batched alike; expand the other one to get a kernel"
+                                    + ("; for x @ weight.t() with leading dims (hidden states of (B, S, "
+                                       "K)), evtc.linear flattens them into the rows of one GEMM, the "
+                                       "faster kernel where S is small" if a.dim() > b.dim() else ""))
         elif a.dim() == 3 and a.shape[0] != b.shape[0]:
             self.broadcast_batch = (f"a and b have batch sizes {a.shape[0]} and {b.shape[0]} (a batch "
                                     "broadcast): the kernel needs equal ones; expand the other one to get "

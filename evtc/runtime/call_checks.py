@@ -77,6 +77,11 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
             # N = 1 make a (M, N) or (N,) example one.
             hint = (f" ({name} was compiled as a one-element scalar operand, from its example's shape: "
                     "give examples with M and N above 1 for a tile, row or column operand)")
+        elif any(d == "1" and size > 1 for d, size in zip(spec.dims, t.shape, strict=True)):
+            # An example of M = 1 (one token) makes an (M, N) operand a row, N = 1 a column.
+            hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
+                    "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
+                    "examples with M and N above 1)")
         raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
                         f"{want}{hint}")
     if layout and spec.contiguous is not None:
