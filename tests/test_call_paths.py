@@ -649,3 +649,19 @@ def test_an_example_of_one_row_names_why_a_tile_operand_became_a_row(cache):
     k = evtc.compile(add_residual, {"a": a, "b": b, "residual": torch.randn(1, 16)}, cache_dir=cache)
     with pytest.raises(evtc.CallError, match=r"compiled as a broadcast operand.*M = 1"):
         k(torch.randn(9, 32), b, residual=torch.randn(9, 16))
+
+
+def test_views_with_torchs_negative_bit(cache):
+    """``z.conj().imag`` is a view whose memory holds the negation of its values (torch's negative
+    bit): an operand of that kind is resolved before anything reads its memory, and an out= of that
+    kind is refused by name (the GPU path: tests/test_call_paths_gpu.py)."""
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    z = torch.complex(torch.randn(16, 8), torch.randn(16, 8))
+    C, s = z.conj().imag, torch.complex(torch.tensor(0.0), torch.tensor(0.5)).conj().imag
+    assert C.is_neg() and s.is_neg() and s.item() == -0.5
+    k = evtc.compile(_scaled, {"a": a, "b": b, "s": torch.tensor(0.5), "C": torch.randn(16, 8)},
+                     cache_dir=cache)
+    want = a.double() @ b.double() * -0.5 - z.imag.double()
+    torch.testing.assert_close(k(a, b, s=s, C=C).double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(evtc.CallError, match="out is a view with torch's negative bit"):
+        k(a, b, s=s, C=C, out=z.conj().imag)

@@ -335,3 +335,28 @@ def test_sizes_past_32_bits_take_the_torch_path_and_big_workspaces_are_refused(c
     tall, flat = randn(2 ** 21, 16), randn(16, 2 ** 18)  # M x N / 256 = 2**31 partials at the least
     with pytest.raises(evtc.CallError, match=r"workspace of \d+ float32 values .* split the call along M"):
         sums(tall, flat)
+
+
+def test_views_with_torchs_negative_bit_are_resolved(cache):
+    """A tile or a device scalar with torch's negative bit (``z.conj().imag``, or
+    ``torch._neg_view``: memory that holds the values' negation) is resolved into a copy before the
+    kernel reads it (the staged path); the kernel read the memory as it is before."""
+    kernel = _compile(residual, randn(64, 64), randn(64, 64), cache, C=randn(64, 64),
+                      bias=randn(64, dtype=torch.float32), alpha=1.0)
+    a, b, bias = randn(256, 128), randn(128, 192), randn(192, dtype=torch.float32)
+    plain = randn(256, 192)
+    negated = torch._neg_view(plain)
+    assert negated.is_neg() and negated.data_ptr() == plain.data_ptr()
+    got = kernel(a, b, C=negated, bias=bias, alpha=0.5)
+    assert kernel.last_path == "staged"
+    _check(got, _ref(residual, a, b, C=-plain, bias=bias, alpha=0.5), "C with the negative bit")
+
+    def scaled(acc, s):
+        return (acc * s).to(acc.dtype)
+
+    ks = _compile(scaled, randn(64, 64), randn(64, 64), cache, s=torch.tensor(0.5, device="cuda"))
+    s = torch.complex(torch.tensor(0.0, device="cuda"), torch.tensor(0.5, device="cuda")).conj().imag
+    assert s.is_neg() and s.item() == -0.5
+    got = ks(a, b, s=s)
+    assert ks.last_path == "staged"
+    _check(got, _ref(scaled, a, b, s=torch.tensor(-0.5, device="cuda")), "a scalar with the negative bit")

@@ -57,7 +57,7 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:  # an input is made dense before (dense_copies): an out= tensor
+    if t.layout != torch.strided:  # an input is made dense before (plain_copies): an out= tensor
         raise CallError(f"{name} is a {t.layout} tensor: evtc takes strided (dense) tensors")
     if t.dim() != spec.rank:
         raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
@@ -124,19 +124,29 @@ def cpu_scalars_moved(operands: dict, device) -> dict:
             for k, v in operands.items()}
 
 
-def dense_copies(a: Any, b: Any, operands: dict) -> tuple[Any, Any, dict, list[str]]:
+def plain_copies(a: Any, b: Any, operands: dict) -> tuple[Any, Any, dict, list[str]]:
     """``a``, ``b`` and ``operands`` with every sparse (not strided) tensor made dense, as torch
-    computes with one (``acc + C`` of a sparse C is dense), and what was copied; the tensors as
-    they are when none is sparse."""
-    def sparse(v) -> bool:
-        return isinstance(v, torch.Tensor) and v.layout != torch.strided
+    computes with one (``acc + C`` of a sparse C is dense), and every tensor with torch's negative
+    bit (``z.conj().imag``: memory that holds the values' negation) resolved; and what was copied.
+    The tensors as they are when none is either."""
+    def odd(v) -> str | None:
+        if not isinstance(v, torch.Tensor):
+            return None
+        if v.layout != torch.strided:
+            return f"a {v.layout} tensor, made dense"
+        return "a view with torch's negative bit, resolved" if v.is_neg() else None
 
-    if not (sparse(a) or sparse(b) or any(sparse(v) for v in operands.values())):
+    named = (("a", a), ("b", b), *operands.items())
+    copied = [f"{name}: {why}" for name, v in named if (why := odd(v)) is not None]
+    if not copied:
         return a, b, operands, []
-    copied = [f"{name}: a {v.layout} tensor, made dense"
-              for name, v in (("a", a), ("b", b), *operands.items()) if sparse(v)]
-    dense = [v.to_dense() if sparse(v) else v for v in (a, b)]
-    return (*dense, {k: v.to_dense() if sparse(v) else v for k, v in operands.items()}, copied)
+
+    def plain(v):
+        if odd(v) is None:
+            return v
+        return v.to_dense() if v.layout != torch.strided else v.resolve_neg()
+
+    return plain(a), plain(b), {k: plain(v) for k, v in operands.items()}, copied
 
 
 def refuse_other_promotions(spec: CallSpec, operands: dict) -> None:
@@ -175,11 +185,15 @@ def refuse_overlapping(label: str, t: torch.Tensor) -> None:
 
 def refuse_unwritable(label: str, t: torch.Tensor) -> None:
     """Refuse an ``out=`` tensor the kernel or a copy cannot write as torch's ``out=`` would: one
-    that is not strided (sparse), an inference tensor outside ``torch.inference_mode`` (torch
-    refuses to update it in place), or one whose elements share memory."""
+    that is not strided (sparse), a view with torch's negative bit, an inference tensor outside
+    ``torch.inference_mode`` (torch refuses to update it in place), or one whose elements share
+    memory."""
     if t.layout != torch.strided:
         raise CallError(f"{label} is a {t.layout} tensor: outputs are written into strided (dense) "
                         "tensors")
+    if t.is_neg():
+        raise CallError(f"{label} is a view with torch's negative bit (as z.conj().imag gives): its "
+                        "memory holds the negation of its values; pass a tensor without it")
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise CallError(f"{label} is an inference tensor (made under torch.inference_mode()): torch "
                         "updates one in place only inside inference_mode; call there, or pass a "

@@ -53,6 +53,8 @@ class CallSpec:
             (LITERAL, size_function(i.expr)) if i.kind == "literal"
             else (SCALAR, i.name) if i.kind == "arg" else (TENSOR, i.name)
             for i in plan.inputs]
+        #: Where :meth:`inputs` puts the operands' tensors.
+        self.tensor_slots = tuple(i for i, (kind, _) in enumerate(self.getters) if kind == TENSOR)
         #: How many inputs the kernel takes by name (a gated kernel's halves count twice).
         self.kernel_name_count = sum(1 for i in plan.inputs if i.kind != "literal")
         self.gated = plan.gated

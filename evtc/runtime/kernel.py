@@ -574,7 +574,7 @@ class Kernel:
         if any(_without_memory(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
             raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
-        a, b, operands, copied = call_checks.dense_copies(a, b, operands)
+        a, b, operands, copied = call_checks.plain_copies(a, b, operands)
         self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
@@ -665,6 +665,9 @@ class Kernel:
         if scales is not None and not stage:
             scales = self._fast_a_scales(scales)
         ins = spec.inputs(kernel_operands, m, n, batches)
+        if not stage and _negated(a, b, ins, spec.tensor_slots):
+            # The kernel reads memory as it is and would drop the lazy negation.
+            raise ValueError("a tensor with torch's negative bit: the slow path resolves it")
         if not stage and (m if spec.d_by_m else n) % spec.out_align:
             raise ValueError("output rows are not 16-byte multiples: staged")  # cheaper than the DSL's error
         device = a.device
@@ -821,6 +824,18 @@ class Kernel:
         if out is None:
             return results
         return call_checks.copy_into_given(self.call_spec, out, [h.name for h in host_outputs], results)
+
+
+def _negated(a: torch.Tensor, b: torch.Tensor, ins: list, slots: tuple[int, ...]) -> bool:
+    """Whether ``a``, ``b`` or an operand tensor among ``ins`` carries torch's negative bit (a view
+    such as ``z.conj().imag``, whose memory holds the values' negation)."""
+    if a.is_neg() or b.is_neg():
+        return True
+    for i in slots:
+        t = ins[i]
+        if isinstance(t, torch.Tensor) and t.is_neg():
+            return True
+    return False
 
 
 class _UnderFunctorch(Exception):  # noqa: N818 - a signal, not an error
