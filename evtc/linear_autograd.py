@@ -25,6 +25,23 @@ if TYPE_CHECKING:
     from evtc.linear import Linear
 
 
+def first_derivative_only(backward):
+    """``backward`` (a ``torch.autograd.Function``'s, already ``once_differentiable``) refusing
+    ``backward(create_graph=True)``: ``once_differentiable`` raises only where the incoming gradients
+    require grad, so a gradient penalty (``autograd.grad(y.sum(), x, create_graph=True)``) would get
+    a gradient with no graph, and the penalty's own gradient would silently miss it."""
+    def checked(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
+            raise RuntimeError(
+                "a second derivative (backward(create_graph=True), autograd.grad(..., create_graph=True)) "
+                "through evtc's fused layers is not supported: their backward is differentiated once "
+                "only. Compute a gradient penalty through the plain torch layers")
+        return backward(ctx, *grad_outputs)
+
+    checked.__doc__ = backward.__doc__
+    return checked
+
+
 class LinearFunction(torch.autograd.Function):
     """``LinearFunction.apply(lin, x, weight, names, *values)``: the outputs of ``lin`` as a tuple in
     the order of its output names, differentiable in ``x``, ``weight`` and the tensor operands."""
@@ -50,6 +67,7 @@ class LinearFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @first_derivative_only
     @once_differentiable  # its kernels' saved accumulators are not differentiable: no create_graph
     def backward(ctx, *grad_outputs: torch.Tensor | None):
         x, weight, *tensors = ctx.saved_tensors

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from evtc.linear_autograd import first_derivative_only
 from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class MLPFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @first_derivative_only
     @once_differentiable  # its kernels' saved accumulators are not differentiable: no create_graph
     def backward(ctx, *grad_outputs: torch.Tensor | None):
         x, w1, w2, h, *rest = ctx.saved_tensors

@@ -568,12 +568,28 @@ def test_a_bias_operand_does_not_replace_the_modules_bias(tmp_path):
 
 def test_second_derivatives_are_refused_not_wrong(tmp_path):
     """The saved accumulator is not differentiable: backward(create_graph=True) through the layer
-    would drop every term through it (a gradient penalty off by up to 0.9), so it raises."""
+    would drop every term through it (a gradient penalty off by up to 0.9), so it raises, also where
+    the incoming gradient does not require grad (``y.sum()``: once_differentiable alone returned a
+    gradient with no graph, and the penalty's own gradient silently missed it)."""
     m = evtc.nn.FusedLinear(16, 24, lambda acc, bias: F.gelu(acc + bias), cache_dir=tmp_path)
     x = torch.randn(4, 16, requires_grad=True)
-    (dx,) = torch.autograd.grad(m(x).square().sum(), x, create_graph=True)  # a gradient penalty
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        dx.square().sum().backward()
+    for loss in (lambda y: y.square().sum(), lambda y: y.sum()):
+        with pytest.raises(RuntimeError, match="second derivative"):
+            torch.autograd.grad(loss(m(x)), x, create_graph=True)  # a gradient penalty
+        with pytest.raises(RuntimeError, match="second derivative"):
+            loss(m(x)).backward(create_graph=True)
+    lin = evtc.linear(lambda acc, bias: acc + bias,
+                      dict(x=torch.randn(4, 16), weight=torch.randn(24, 16), bias=torch.randn(24)),
+                      cache_dir=tmp_path)
+    w = torch.randn(24, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(lin(x, w, bias=torch.randn(24)).sum(), w, create_graph=True)
+    mlp = evtc.nn.MLP(16, 32, lambda acc: F.relu(acc), lambda acc: acc, cache_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(mlp(x).sum(), x, create_graph=True)
+    # First derivatives are as before.
+    (dx,) = torch.autograd.grad(m(x).sum(), x)
+    assert dx.shape == x.shape
 
 
 def test_fused_linear_under_fullgraph_compile_says_to_call_it_eagerly_first(tmp_path):

@@ -235,3 +235,55 @@ def test_the_operator_runs_the_kernel_object_that_called_it_last(tmp_path):
     got = first(a.requires_grad_(), b, C=C)  # the operator's path (autograd)
     assert first.last_path == "torch" and second.last_path == ""
     assert torch.allclose(got, a @ b + C)
+
+
+def test_torch_compile_fullgraph_with_out_on_real_tensors(tmp_path):
+    """out= under torch.compile(fullgraph=True) on real (CPU) tensors: the out= checks must not read
+    what dynamo cannot trace (``is_inference()``, ``is_neg()``), and the result lands in out."""
+    def lincomb(acc, C, s: float):
+        return acc * s + C
+
+    h = torch.float16
+    a, b, C = torch.randn(16, 16, dtype=h), torch.randn(16, 32, dtype=h), torch.randn(16, 32, dtype=h)
+    k = evtc.compile(lincomb, dict(a=a, b=b, C=C, s=1.0), cache_dir=tmp_path)
+    compiled = torch.compile(lambda a, b, C, o: k(a, b, C=C, s=2.0, out=o), fullgraph=True,
+                             backend="aot_eager")
+    out = torch.full((16, 32), float("nan"), dtype=h)
+    got = compiled(a, b, C, out)
+    assert got is out
+    want = 2 * (a.double() @ b.double()) + C.double()
+    torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-2)
+
+
+def test_make_fx_and_dispatch_modes_see_the_operator(kernel):
+    """make_fx with real tensors records the call as the kernel's operator (a launch through
+    TVM-FFI would be invisible to it, and a replay would return the outputs' allocation only); any
+    other dispatch mode sees the operator too."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(32, 64, generator=g).half(), torch.randn(64, 48, generator=g).half()
+    C, bias = torch.randn(32, 48, generator=g).half(), torch.randn(48, generator=g)
+    traced = make_fx(lambda a, b, C, bias: kernel(a, b, C=C, bias=bias, alpha=0.5))(a, b, C, bias)
+    assert any("evtc" in str(n.target) for n in traced.graph.nodes if n.op == "call_function")
+    a2, b2 = torch.randn(32, 64, generator=g).half(), torch.randn(64, 48, generator=g).half()
+    y, z = traced(a2, b2, C, bias)
+    want_y, want_z = bias_relu_aux(a2.float() @ b2.float(), C.float(), bias, 0.5)
+    torch.testing.assert_close(y.float(), want_y.half().float(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(z.float(), want_z.half().float(), rtol=2e-3, atol=2e-3)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder() as recorder:
+        y, _ = kernel(a, b, C=C, bias=bias, alpha=0.5)
+    assert any(op.startswith("evtc.") for op in recorder.ops), recorder.ops
+    torch.testing.assert_close(y.float(), bias_relu_aux(a.float() @ b.float(), C.float(), bias, 0.5)[0]
+                               .half().float(), rtol=2e-3, atol=2e-3)

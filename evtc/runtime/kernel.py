@@ -435,13 +435,14 @@ class Kernel:
                                 "without out=")
         if spec.scale_rows and torch.is_grad_enabled():
             call_checks.refuse_grad(spec, a, b, operands)
-        if torch.compiler.is_compiling() or _jit_tracing() or (
+        if torch.compiler.is_compiling() or _jit_tracing() or _dispatch_modes() or (
                 type(a) not in _PLAIN_TENSORS and _without_memory(a)) or (
                 torch.is_grad_enabled() and call_checks.needs_grad(a, b, operands)):
             # The operator has an autograd formula (evtc.runtime.op_autograd), torch.jit.trace
-            # records it as one op (a launch it cannot see would leave only the outputs'
-            # allocation), and fake tensors get its shape function (the launch path would keep
-            # fake buffers for later real calls).
+            # and make_fx record it as one op (a launch they cannot see would leave only the
+            # outputs' allocation), any other dispatch mode (FlopCounterMode, a debug mode) sees
+            # it, and fake tensors get its shape function (the launch path would keep fake buffers
+            # for later real calls).
             return self._call_op(a, b, out, operands)
         try:
             outs = self._launch(a, b, out, operands)
@@ -836,6 +837,11 @@ def _negated(a: torch.Tensor, b: torch.Tensor, ins: list, slots: tuple[int, ...]
         if isinstance(t, torch.Tensor) and t.is_neg():
             return True
     return False
+
+
+#: How many torch dispatch modes are active (make_fx's proxy mode, FakeTensorMode, FlopCounterMode):
+#: a launch through TVM-FFI is invisible to each, so a call under one goes through the operator.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 class _UnderFunctorch(Exception):  # noqa: N818 - a signal, not an error
