@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from evtc.errors import CallError, CompileError, EpilogueError, InputError
 from evtc.plan.config import ConfigError, GemmConfig, check_user_knobs
 from evtc.plan.kernel_plan import CallInterface, KernelPlan, plan_kernel
@@ -103,6 +105,10 @@ def compile(  # noqa: A001 - the public name, as torch.compile
 
 def _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict) -> Kernel:
     arch = arch or os.environ.get("CUTE_DSL_ARCH") or None
+    if arch is None and not _hopper_present():
+        # The DSL would target its own default architecture and fail deep inside: compile for
+        # Hopper, whose kernels this machine's calls then run on the torch path.
+        arch = "sm_90a"
     _check_arguments(fn, example_inputs, config, arch)
     fkey = front_key(fn, example_inputs, out_dtypes, config, arch, strict)
     if fkey is None:
@@ -188,6 +194,11 @@ def _retrace(fn, example_inputs, out_dtypes, digest: str):
 
 #: The architectures evtc compiles for: Hopper's, with its warpgroup MMA and TMA.
 ARCHES = ("sm_90a",)
+
+
+def _hopper_present() -> bool:
+    """Whether the current CUDA device is a Hopper GPU (SM90), the one evtc's kernels run on."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _check_arguments(fn, example_inputs, config, arch) -> None:

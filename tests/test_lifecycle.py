@@ -173,3 +173,28 @@ def test_fake_tensors_get_the_operators_shapes_and_make_fx_records_it(tmp_path):
     graph = make_fx(lambda a, b, bias: k(a, b, bias=bias), tracing_mode="fake")(*ex.values())
     assert any(str(n.target).startswith("evtc.") for n in graph.graph.nodes if n.op == "call_function")
     torch.testing.assert_close(graph(*ex.values())[0], torch.relu(ex["a"] @ ex["b"] + ex["bias"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_compiles_for_hopper_without_a_gpu_or_an_arch(tmp_path):
+    """No GPU and no CUTE_DSL_ARCH: the DSL would target its own default architecture and fail deep
+    inside; evtc compiles for sm_90a (calls then take the torch path on this machine)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, evtc
+        h = torch.float16
+        a, b = torch.randn(16, 32, dtype=h), torch.randn(32, 48, dtype=h)
+        k = evtc.compile(lambda acc: acc * 11.0, dict(a=a, b=b))
+        y = k(a, b)
+        torch.testing.assert_close(y.float(), (a.float() @ b.float() * 11.0).half().float())
+        print("ok", k.last_path)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    env["EVTC_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ok torch" in done.stdout
