@@ -212,3 +212,20 @@ def test_a_pinned_cluster_alone_leaves_the_tile_to_the_planner(tmp_path):
     for cluster in ((1, 2), (2, 1)):
         k = evtc.compile(scaled, ex, config={"cluster": cluster}, cache_dir=tmp_path)
         assert (k.config.schedule, k.config.tile_n, k.config.cluster) == ("cooperative", 192, cluster)
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"swizzle": 0}, "swizzle must be in"),
+    ({"cluster": (2, 2)}, "cluster must be one of"),
+    ({"fast_accum": True}, "fast_accum=True is for float8"),
+])
+def test_a_wrong_knob_is_named_not_taken_for_shared_memory(tmp_path, knobs, message):
+    """A knob that no configuration accepts is reported as itself: the fallbacks that try other
+    tiles and staging exist for shared memory, and their hint ("too many even single-buffered")
+    would point the wrong way."""
+    import evtc
+
+    a, b = torch.randn(64, 32).half(), torch.randn(32, 64).half()
+    with pytest.raises(evtc.CompileError, match=message) as info:
+        evtc.compile(lambda acc: acc * 2, dict(a=a, b=b), config=knobs, cache_dir=tmp_path)
+    assert "single-buffered" not in str(info.value) and "also tried" not in str(info.value)

@@ -162,9 +162,11 @@ def fit_config(knobs: dict[str, Any], emitted, signature, *, chosen_by_evtc: fro
             and ("epi_stages" not in knobs or "epi_stages" in chosen_by_evtc)):
         attempts += SINGLE_BUFFERED
     first_error = None
+    any_valid = False  # whether some attempt's knobs were valid (and only shared memory failed)
     for extra in attempts:
         try:
             cfg = GemmConfig(**{**knobs, **extra}).validate()
+            any_valid = True
             cfg = _plan_epilogue_loads(cfg, emitted, signature, {**knobs, **extra})
             _ab_stages(emitted, signature, cfg, cfg.c_stages)  # raises where it does not fit
         except ConfigError as exc:
@@ -179,6 +181,8 @@ def fit_config(knobs: dict[str, Any], emitted, signature, *, chosen_by_evtc: fro
             log.info("%r: %s; using %s", emitted.class_name, why, extra)
         return cfg
     assert first_error is not None
+    if not any_valid:
+        raise first_error  # the knobs themselves (swizzle=0, a cluster shape): not shared memory
     if len(attempts) > 1:
         tried = ", ".join(_describe_attempt(a) for a in attempts[1:])
         hint = ""
