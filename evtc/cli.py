@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cache", help="list or clear the disk cache")
     p.add_argument("action", choices=["list", "clear"])
     p.set_defaults(run=cache)
+    for command in sub.choices.values():
+        # Also after the command (`cache list --cache-dir X`); unset there, the option before it holds.
+        command.add_argument("--cache-dir", default=argparse.SUPPRESS, help="the disk cache, as above")
     return parser
 
 

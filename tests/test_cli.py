@@ -117,3 +117,15 @@ def test_cache_lists_and_clears(cache_dir, tmp_path, capsys):
     assert "removed 1 kernel(s)" in capsys.readouterr().out
     assert main(["cache", "list"]) == 0
     assert ": 0 kernel(s)" in capsys.readouterr().out
+
+
+def test_cache_dir_goes_before_or_after_the_command(cache_dir, tmp_path, capsys):
+    """`--cache-dir` is read before the command and after it; unset after it, the one before holds."""
+    other = tmp_path / "other-cache"
+    other.mkdir()
+    assert main(["cache", "list", "--cache-dir", str(other)]) == 0
+    assert f"{other}: 0 kernel(s)" in capsys.readouterr().out
+    assert main(["--cache-dir", str(other), "cache", "list"]) == 0
+    assert f"{other}: 0 kernel(s)" in capsys.readouterr().out
+    assert main(["cache", "list"]) == 0
+    assert f"{cache_dir}:" in capsys.readouterr().out
