@@ -665,3 +665,17 @@ def test_views_with_torchs_negative_bit(cache):
     torch.testing.assert_close(k(a, b, s=s, C=C).double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(evtc.CallError, match="out is a view with torch's negative bit"):
         k(a, b, s=s, C=C, out=z.conj().imag)
+
+
+def test_autocast_casts_nothing_and_says_so(cache):
+    """Under torch.autocast a compiled kernel runs the dtypes it was compiled for: float32 a and b
+    into a bfloat16 kernel are refused with a message that names autocast."""
+    bf = torch.bfloat16
+    a, b = torch.randn(16, 32, dtype=bf), torch.randn(32, 8, dtype=bf)
+    k = evtc.compile(lambda acc: torch.relu(acc), {"a": a, "b": b}, cache_dir=cache)
+    with torch.autocast("cpu", bf):
+        with pytest.raises(evtc.CallError, match="a must be torch.bfloat16.*torch.autocast does not cast"):
+            k(a.float(), b.float())
+        got = k(a, b)
+    assert got.dtype == bf
+    torch.testing.assert_close(got.float(), torch.relu(a.float() @ b.float()).to(bf).float())

@@ -67,6 +67,10 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
         if t.dtype == torch.float64:
             hint = (" (epilogue tensors are float32, float16 or bfloat16; for a scale, a Python number "
                     f"or {name}.float() does)")
+        elif torch.is_autocast_enabled(t.device.type):
+            hint = (" (torch.autocast does not cast a compiled kernel's tensors: it runs the dtypes it "
+                    "was compiled for, and its outputs keep theirs; cast them, or use evtc.nn's "
+                    "modules, which follow autocast as nn.Linear does)")
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
     if tuple(t.shape) != want:
