@@ -197,8 +197,12 @@ ARCHES = ("sm_90a",)
 
 
 def _hopper_present() -> bool:
-    """Whether the current CUDA device is a Hopper GPU (SM90), the one evtc's kernels run on."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    """Whether the current CUDA device may be a Hopper GPU (SM90), the one evtc's kernels run on: a
+    GPU is present, and where CUDA is initialised already, it is SM90 (reading the capability
+    otherwise would initialise CUDA here, which a process that forks workers later must not do)."""
+    if not torch.cuda.is_available():
+        return False
+    return not torch.cuda.is_initialized() or torch.cuda.get_device_capability()[0] == 9
 
 
 def _check_arguments(fn, example_inputs, config, arch) -> None:
