@@ -336,6 +336,7 @@ def test_pinned_splits_keep_the_partials_within_32_bit_offsets(tmp_path, monkeyp
     with as many splits as they reach."""
     from evtc.plan.split_k import workspace_numels
     from evtc.runtime import kernel as kernel_module
+    from evtc.runtime.call_checks import INT32_MAX
 
     def identity(acc):
         return acc
@@ -347,6 +348,6 @@ def test_pinned_splits_keep_the_partials_within_32_bit_offsets(tmp_path, monkeyp
     monkeypatch.setattr(k, "_variant", lambda config: k)
     m, n, kk = 1024, 8192, 4096 * 64
     _, clusters, split, _ = k.resolve(k.config, 4096, m, n, kk, 1)
-    assert 1 < split[0] < 4096 and split[1] <= kernel_module.INT32_MAX
+    assert 1 < split[0] < 4096 and split[1] <= INT32_MAX
     one_more = workspace_numels(m, n, 1, k.config, k.config.cluster, split[0] + 1, clusters)[0]
-    assert one_more > kernel_module.INT32_MAX
+    assert one_more > INT32_MAX
