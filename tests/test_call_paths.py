@@ -679,3 +679,52 @@ def test_autocast_casts_nothing_and_says_so(cache):
         got = k(a, b)
     assert got.dtype == bf
     torch.testing.assert_close(got.float(), torch.relu(a.float() @ b.float()).to(bf).float())
+
+
+def test_a_2d_b_beside_a_batched_a_through_the_operator(cache):
+    """The broadcast of a 2-d b (or a) over a batched other also holds where the call goes through
+    the custom operator (an input that requires grad, a dispatch mode): values and gradients as
+    torch's."""
+    def residual(acc, C):
+        return acc + C
+
+    A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
+    k = evtc.compile(residual, {"a": A, "b": B, "C": C}, cache_dir=cache)
+    for x, w in [(A, B[0]), (A[0], B)]:
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        got = k(xg, wg, C=C)
+        got.square().sum().backward()
+        xt, wt = x.double().requires_grad_(), w.double().requires_grad_()
+        want = residual(xt @ wt, C.double())
+        want.square().sum().backward()
+        assert got.shape == want.shape == (3, 16, 8)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(xg.grad.double(), xt.grad, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(wg.grad.double(), wt.grad, rtol=1e-4, atol=1e-3)
+
+
+def test_sparse_and_negated_operands_under_a_dispatch_mode(cache):
+    """Under a dispatch mode the call goes through the operator, which takes strided tensors: a
+    sparse operand is made dense and a negative-bit view resolved there too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    a, b, C, s = torch.randn(16, 32), torch.randn(32, 8), torch.randn(16, 8), torch.tensor(0.5)
+    k = evtc.compile(_scaled, {"a": a, "b": b, "s": s, "C": C}, cache_dir=cache)
+    want = a.double() @ b.double() * 0.5 + C.double()
+    with Passthrough():
+        sparse = k(a, b, s=s, C=C.to_sparse())
+        negated = k(a, b, s=s, C=torch._neg_view(-C))
+    torch.testing.assert_close(sparse.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(negated.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_dtype_on_meta_tensors_is_a_call_error(cache):
+    h = torch.float16
+    ex = {"a": torch.randn(16, 32, dtype=h), "b": torch.randn(32, 8, dtype=h)}
+    k = evtc.compile(lambda acc: acc * 2, ex, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match="a must be torch.float16"):
+        k(torch.empty(16, 32, device="meta"), torch.empty(32, 8, dtype=h, device="meta"))

@@ -424,3 +424,34 @@ def test_the_fast_path_copies_a_scales_of_odd_m_itself(tmp_path, rows):
             assert layout_problem(got, kernel.plan.a_scales) is None
         else:
             assert kernel.last_path == "kernel" and got is sa
+
+
+def test_block_scales_with_torchs_negative_bit_never_reach_the_kernel(tmp_path, monkeypatch):
+    """Block scales that are views with torch's negative bit (memory holding their negation) are
+    resolved before the launch (the kernel reads memory as it is): the launch is stubbed, so this
+    runs the kernel path's Python on CPU tensors."""
+    import evtc.runtime.kernel as kernel_module
+
+    e4m3 = torch.float8_e4m3fn
+    m = n = k = 256
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(m, k, generator=g) * 2).to(e4m3)
+    w = (torch.randn(n, k, generator=g) * 2).to(e4m3)
+    sa = (torch.rand(m, 2, generator=g) + 0.5).t().contiguous().t()  # M-major 1 x 128 scales
+    sw = torch.rand(2, 2, generator=g) + 0.5  # 128 x 128 scales
+    kern = evtc.compile(lambda acc: acc, dict(a=(a, sa), b=(w.t(), sw.t())), cache_dir=tmp_path)
+    reached = []
+
+    def stub(fn, a_, b_, outs, ins, clusters, split, device, scales=None, up=None):
+        reached.append(tuple(s.is_neg() for s in scales))
+
+    monkeypatch.setattr(kernel_module, "invoke", stub)
+    # CPU tensors would take the torch path: the slow path goes on to the (stubbed) kernel instead.
+    monkeypatch.setattr(kernel_module.call_checks, "torch_reason", lambda *args, **kwargs: None)
+    kern._kernel_runs = True
+    kern._launch_memo[(m, n, k, 1, -1)] = (None, 1, None, kern._finisher)
+    for pair_a, pair_b in [((a, sa), (w.t(), torch._neg_view(sw.t()))),
+                           ((a, torch._neg_view(sa)), (w.t(), sw.t()))]:
+        reached.clear()
+        kern(pair_a, pair_b)
+        assert reached == [(False, False)] and kern.last_path == "staged"

@@ -104,7 +104,7 @@ def _with_batch_of_one(a, b, scales: tuple | None):
         a = a.unsqueeze(0)
     else:
         b = b.unsqueeze(0)
-    if scales is not None and scales[which].dim() == 2:
+    if scales and scales[which].dim() == 2:  # None or () without block scales
         scales = tuple(s.unsqueeze(0) if i == which else s for i, s in enumerate(scales))
     return a, b, scales
 

@@ -19,6 +19,7 @@ from evtc.ir.dtypes import short_name, torch_dtype, variant_name
 from evtc.numpy_scalars import is_numpy_scalar
 from evtc.plan.config import GATED_SCALE_CHUNK
 from evtc.runtime.call_spec import CallSpec
+from evtc.runtime.out_aliasing import overlap, storage_span
 
 #: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
 FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,7 +68,7 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
         if t.dtype == torch.float64:
             hint = (" (epilogue tensors are float32, float16 or bfloat16; for a scale, a Python number "
                     f"or {name}.float() does)")
-        elif torch.is_autocast_enabled(t.device.type):
+        elif t.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(t.device.type):
             hint = (" (torch.autocast does not cast a compiled kernel's tensors: it runs the dtypes it "
                     "was compiled for, and its outputs keep theirs; cast them, or use evtc.nn's "
                     "modules, which follow autocast as nn.Linear does)")
@@ -151,6 +152,14 @@ def plain_copies(a: Any, b: Any, operands: dict) -> tuple[Any, Any, dict, list[s
         return v.to_dense() if v.layout != torch.strided else v.resolve_neg()
 
     return plain(a), plain(b), {k: plain(v) for k, v in operands.items()}, copied
+
+
+def resolved(tensors: tuple) -> tuple:
+    """``tensors`` (block scales) with torch's negative bit resolved where one carries it (the
+    kernel reads their memory as it is)."""
+    if not any(t.is_neg() for t in tensors):
+        return tensors
+    return tuple(t.resolve_neg() for t in tensors)
 
 
 def refuse_other_promotions(spec: CallSpec, operands: dict) -> None:
@@ -243,11 +252,9 @@ def refuse_shared_targets(given: dict) -> None:
     if len(given) < 2 or torch.compiler.is_compiling():  # fake tensors while tracing: no memory
         return
     tensors = [(name, t) for name, t in given.items() if isinstance(t, torch.Tensor) and t.numel()]
-    from evtc.runtime.out_aliasing import overlap, spans_meet, storage_span
-
     spans = sorted(storage_span(t) for _, t in tensors)
-    if all(not spans_meet(x, y) for x, y in zip(spans, spans[1:], strict=False)):
-        return  # the common case: every target in memory of its own
+    if all(x_hi <= y_lo for (_, x_hi), (y_lo, _) in zip(spans, spans[1:], strict=False)):
+        return  # the common case: every target in memory of its own (sorted spans that never meet)
 
     for i, (name, t) in enumerate(tensors):
         for other, u in tensors[i + 1:]:

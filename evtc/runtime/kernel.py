@@ -529,6 +529,9 @@ class Kernel:
         scales = ()
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
+        if not torch.compiler.is_compiling():  # fake tensors are plain; a dispatch mode's may not be
+            a, b, operands, _ = call_checks.plain_copies(a, b, operands)
+            scales = call_checks.resolved(scales)
         views = to_compiled_shapes(self.plan, a, b, operands, scales)
         if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
             a, b, operands, scales = views
@@ -576,6 +579,11 @@ class Kernel:
             raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
         a, b, operands, copied = call_checks.plain_copies(a, b, operands)
+        if scales is not None:
+            plain = call_checks.resolved(scales)
+            if plain is not scales:
+                copied = [*copied, "block scales: a view with torch's negative bit, resolved"]
+                scales = plain
         self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
@@ -666,7 +674,8 @@ class Kernel:
         if scales is not None and not stage:
             scales = self._fast_a_scales(scales)
         ins = spec.inputs(kernel_operands, m, n, batches)
-        if not stage and _negated(a, b, ins, spec.tensor_slots):
+        if not stage and (_negated(a, b, ins, spec.tensor_slots)
+                          or (scales is not None and any(s.is_neg() for s in scales))):
             # The kernel reads memory as it is and would drop the lazy negation.
             raise ValueError("a tensor with torch's negative bit: the slow path resolves it")
         if not stage and (m if spec.d_by_m else n) % spec.out_align:
@@ -756,14 +765,6 @@ class Kernel:
             chosen = self.resolve(*launch, m, n, k, batches)
         else:
             chosen = self._launch_choice(m, n, k, batches)
-        finisher = chosen[3]
-        if finisher is not None:
-            numels = finisher.layout(m, n, batches).numels
-            if max(numels, default=0) > call_checks.INT32_MAX:
-                raise CallError(
-                    f"the reductions of {self.plan.name!r} need a workspace of {max(numels)} float32 "
-                    f"values for M = {m}, N = {n}, L = {batches}, past the 2**31 - 1 the kernel's "
-                    "32-bit lengths reach: split the call along M (or the batch)")
         if len(self._launch_memo) > 4096:  # many distinct sizes: start over rather than grow
             self._launch_memo.clear()
         if self._tuner is None or (not capturing and self._tuner.settled(m, n, k, batches)):
@@ -791,6 +792,14 @@ class Kernel:
             # shorter problem): the kernel that loads whole tiles instead.
             config = config.replace(a_rows=None)
         kernel = self if config == self.config else self._variant(config)
+        if kernel._finisher is not None:
+            # Before anything is allocated or timed (the tuner resolves each candidate first).
+            numels = kernel._finisher.layout(m, n, batches).numels
+            if max(numels, default=0) > call_checks.INT32_MAX:
+                raise CallError(
+                    f"the reductions of {self.plan.name!r} need a workspace of {max(numels)} float32 "
+                    f"values for M = {m}, N = {n}, L = {batches}, past the 2**31 - 1 the kernel's "
+                    "32-bit lengths reach: split the call along M (or the batch)")
         cluster = config.cluster
         clusters = max_active_clusters(cluster[0] * cluster[1], self._cache.root)
         if not config.split_k:

@@ -84,11 +84,24 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
     computed from is safe (each element is read before it is written, by the same CTA) and stays
     in place. The caller copies the new tensors into ``targets`` after the launch."""
     # Tensors whose storages hold other memory cannot overlap (the common case: a cheap comparison
-    # of address ranges each).
-    storages = [storage_span(target) for target in targets if target.numel()]
-    shared = [(t, gemm) for group, gemm in ((gemm_inputs, True), (operands, False))
-              for t in group if isinstance(t, torch.Tensor) and t.numel()
-              and any(spans_meet(storage_span(t), s) for s in storages)]
+    # of address ranges each, every span computed once).
+    storages = []
+    for target in targets:
+        if target.numel():
+            storage = target.untyped_storage()
+            start = storage.data_ptr()
+            storages.append((start, start + storage.nbytes()))
+    shared = []
+    for group, gemm in ((gemm_inputs, True), (operands, False)):
+        for t in group:
+            if isinstance(t, torch.Tensor) and t.numel():
+                storage = t.untyped_storage()
+                lo = storage.data_ptr()
+                hi = lo + storage.nbytes()
+                for s_lo, s_hi in storages:
+                    if lo < s_hi and s_lo < hi:
+                        shared.append((t, gemm))
+                        break
     if not shared:
         return targets
     spans = [(t, _memory_span(t), gemm) for t, gemm in shared]
