@@ -1457,12 +1457,14 @@ def test_sweep_row_col_reductions(cache_dir, m, n, kk):
                                     for kk in SWEEP_K])
 def test_sweep_swiglu(cache_dir, m, n, kk):
     """SwiGLU over the sweep (N is the GEMM's: halves of 8, 100, 200 and 1000 columns; 100 takes the
-    staged path)."""
+    staged path, its output rows being 200 bytes apart, except for one row, whose pitch no TMA
+    step uses)."""
     k = kern("swiglu", cache_dir)
     g = gen(m * 41 + n + kk)
     a = rnd((m, kk), f16, g, kk ** -0.25)
     b = rnd((n, kk), f16, g, kk ** -0.25).t()
-    run_case(k, swiglu, a, b, {}, path="staged" if n == 200 else "kernel", what=f"swiglu {m}x{n}x{kk}")
+    run_case(k, swiglu, a, b, {}, path="staged" if n == 200 and m > 1 else "kernel",
+             what=f"swiglu {m}x{n}x{kk}")
 
 
 def test_custom_op_and_fake_tensors(cache_dir):
