@@ -20,6 +20,7 @@ from evtc.compile import compile as _compile_kernel
 from evtc.compile import graph_digest
 from evtc.errors import CallError, CompileError, EpilogueError
 from evtc.runtime.call_checks import refuse_overlapping, refuse_shared_targets
+from evtc.runtime.dtype_variants import meta_copy
 from evtc.runtime.kernel import Kernel
 
 if TYPE_CHECKING:
@@ -44,10 +45,7 @@ class Linear:
         # traced on meta copies of the examples (the kernel's own graph may be split for SwiGLU),
         # with their strides: the saving kernel compiles from them for the same layouts.
         self._fn = fn
-        self._example = None if example is None else {
-            k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-                if isinstance(v, torch.Tensor) else v)
-            for k, v in example.items()}
+        self._example = None if example is None else {k: meta_copy(v) for k, v in example.items()}
         self._out_dtypes = out_dtypes
         self._backward = None
         # The kernel a differentiable call runs where the backward reads the accumulator: the same

@@ -58,8 +58,6 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:  # an input is made dense before (plain_copies): an out= tensor
-        raise CallError(f"{name} is a {t.layout} tensor: evtc takes strided (dense) tensors")
     if t.dim() != spec.rank:
         raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
                         f"{tuple(t.shape)}")
@@ -129,11 +127,13 @@ def cpu_scalars_moved(operands: dict, device) -> dict:
             for k, v in operands.items()}
 
 
-def plain_copies(a: Any, b: Any, operands: dict) -> tuple[Any, Any, dict, list[str]]:
-    """``a``, ``b`` and ``operands`` with every sparse (not strided) tensor made dense, as torch
-    computes with one (``acc + C`` of a sparse C is dense), and every tensor with torch's negative
-    bit (``z.conj().imag``: memory that holds the values' negation) resolved; and what was copied.
-    The tensors as they are when none is either."""
+def plain_copies(a: Any, b: Any, operands: dict, scales: tuple | None = None
+                 ) -> tuple[Any, Any, dict, tuple | None, list[str]]:
+    """``a``, ``b``, ``operands`` and block ``scales`` with every sparse (not strided) tensor made
+    dense, as torch computes with one (``acc + C`` of a sparse C is dense), and every tensor with
+    torch's negative bit (``z.conj().imag``: memory that holds the values' negation, which the
+    kernel would read as it is) resolved; and what was copied. The tensors as they are when none
+    is either."""
     def odd(v) -> str | None:
         if not isinstance(v, torch.Tensor):
             return None
@@ -141,25 +141,18 @@ def plain_copies(a: Any, b: Any, operands: dict) -> tuple[Any, Any, dict, list[s
             return f"a {v.layout} tensor, made dense"
         return "a view with torch's negative bit, resolved" if v.is_neg() else None
 
-    named = (("a", a), ("b", b), *operands.items())
+    named = [("a", a), ("b", b), *operands.items(), *(("block scales", s) for s in scales or ())]
     copied = [f"{name}: {why}" for name, v in named if (why := odd(v)) is not None]
     if not copied:
-        return a, b, operands, []
+        return a, b, operands, scales, []
 
     def plain(v):
         if odd(v) is None:
             return v
         return v.to_dense() if v.layout != torch.strided else v.resolve_neg()
 
-    return plain(a), plain(b), {k: plain(v) for k, v in operands.items()}, copied
-
-
-def resolved(tensors: tuple) -> tuple:
-    """``tensors`` (block scales) with torch's negative bit resolved where one carries it (the
-    kernel reads their memory as it is)."""
-    if not any(t.is_neg() for t in tensors):
-        return tensors
-    return tuple(t.resolve_neg() for t in tensors)
+    plain_scales = None if scales is None else tuple(plain(s) for s in scales)
+    return plain(a), plain(b), {k: plain(v) for k, v in operands.items()}, plain_scales, copied
 
 
 def refuse_other_promotions(spec: CallSpec, operands: dict) -> None:
@@ -230,8 +223,9 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     for name, out_spec, dt in zip(tile_names, plan.outputs, spec.out_dtypes, strict=True):
         t = given[name]
         label = f"out[{name!r}]" if not spec.single_output else "out"
+        if isinstance(t, torch.Tensor):  # (check_tensor names anything else)
+            refuse_unwritable(label, t)  # before check_tensor reads strides a sparse tensor lacks
         check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout)
-        refuse_unwritable(label, t)
         tensors.append(t)
     # The reductions' outputs are copied in after the kernel: checked now, so that a refused call
     # has written none of out='s tensors.

@@ -530,8 +530,7 @@ class Kernel:
         if spec.scale_rows:
             a, b, scales = call_checks.unpair(spec, a, b)
         if not torch.compiler.is_compiling():  # fake tensors are plain; a dispatch mode's may not be
-            a, b, operands, _ = call_checks.plain_copies(a, b, operands)
-            scales = call_checks.resolved(scales)
+            a, b, operands, scales, _ = call_checks.plain_copies(a, b, operands, scales)
         views = to_compiled_shapes(self.plan, a, b, operands, scales)
         if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
             a, b, operands, scales = views
@@ -578,12 +577,7 @@ class Kernel:
         if any(_without_memory(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
             raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
-        a, b, operands, copied = call_checks.plain_copies(a, b, operands)
-        if scales is not None:
-            plain = call_checks.resolved(scales)
-            if plain is not scales:
-                copied = [*copied, "block scales: a view with torch's negative bit, resolved"]
-                scales = plain
+        a, b, operands, scales, copied = call_checks.plain_copies(a, b, operands, scales)
         self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
@@ -674,8 +668,7 @@ class Kernel:
         if scales is not None and not stage:
             scales = self._fast_a_scales(scales)
         ins = spec.inputs(kernel_operands, m, n, batches)
-        if not stage and (_negated(a, b, ins, spec.tensor_slots)
-                          or (scales is not None and any(s.is_neg() for s in scales))):
+        if not stage and _negated(a, b, ins, spec.tensor_slots, scales):
             # The kernel reads memory as it is and would drop the lazy negation.
             raise ValueError("a tensor with torch's negative bit: the slow path resolves it")
         if not stage and (m if spec.d_by_m else n) % spec.out_align:
@@ -836,10 +829,11 @@ class Kernel:
         return call_checks.copy_into_given(self.call_spec, out, [h.name for h in host_outputs], results)
 
 
-def _negated(a: torch.Tensor, b: torch.Tensor, ins: list, slots: tuple[int, ...]) -> bool:
-    """Whether ``a``, ``b`` or an operand tensor among ``ins`` carries torch's negative bit (a view
-    such as ``z.conj().imag``, whose memory holds the values' negation)."""
-    if a.is_neg() or b.is_neg():
+def _negated(a: torch.Tensor, b: torch.Tensor, ins: list, slots: tuple[int, ...],
+             scales: tuple | None) -> bool:
+    """Whether ``a``, ``b``, an operand tensor among ``ins`` or a block scale carries torch's
+    negative bit (a view such as ``z.conj().imag``, whose memory holds the values' negation)."""
+    if a.is_neg() or b.is_neg() or (scales is not None and any(s.is_neg() for s in scales)):
         return True
     for i in slots:
         t = ins[i]

@@ -85,20 +85,13 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
     in place. The caller copies the new tensors into ``targets`` after the launch."""
     # Tensors whose storages hold other memory cannot overlap (the common case: a cheap comparison
     # of address ranges each, every span computed once).
-    storages = []
-    for target in targets:
-        if target.numel():
-            storage = target.untyped_storage()
-            start = storage.data_ptr()
-            storages.append((start, start + storage.nbytes()))
+    storages = [storage_span(target) for target in targets if target.numel()]
     shared = []
     for group, gemm in ((gemm_inputs, True), (operands, False)):
         for t in group:
             if isinstance(t, torch.Tensor) and t.numel():
-                storage = t.untyped_storage()
-                lo = storage.data_ptr()
-                hi = lo + storage.nbytes()
-                for s_lo, s_hi in storages:
+                lo, hi = storage_span(t)
+                for s_lo, s_hi in storages:  # spans_meet, written out: this runs per out= call
                     if lo < s_hi and s_lo < hi:
                         shared.append((t, gemm))
                         break
