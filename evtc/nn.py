@@ -135,18 +135,23 @@ class FusedLinear(nn.Module):
         from evtc.linear import linear
 
         weight = self.weight if weight is None else weight
-        # An operand's kind (tile, row, column, scalar) follows which of its dims are 1: part of the key.
-        # The epilogue too: a module whose epilogue was replaced compiles the new one.
-        key = (self.epilogue, x.dtype, x.device, x.dim(), weight.dtype,
-               tuple((name, v.dtype, tuple(s == 1 for s in v.shape)) if isinstance(v, torch.Tensor)
-                     else (name, type(v)) for name, v in operands.items()))
+        # An operand's kind (tile, row, column, scalar) follows which of its dims are 1 once x's
+        # leading dims are flattened into M: part of the key (so a batch or a sequence of 1 is the
+        # same kernel as any other). The epilogue too: a module whose epilogue was replaced
+        # compiles the new one. x's rank is not: evtc.linear takes any leading dims, and refuses
+        # those whose flattening would change the epilogue's results.
+        lead = tuple(x.shape[:-1])
+        patterns = tuple(_operand_pattern(name, v, lead, weight.shape[0]) for name, v in operands.items())
+        key = (self.epilogue, x.dtype, x.device, weight.dtype, tuple(p for p, _ in patterns))
         lin = self._compiled.get(key)
+        if lin is None and any(any(wild) for _, wild in patterns):
+            lin = self._serving(key, patterns)
         if lin is None and torch.compiler.is_compiling():
             # Building a kernel is not traceable (under fullgraph=True dynamo fails deep inside the
             # compiler); elsewhere dynamo breaks the graph here and the build runs eagerly.
             raise RuntimeError("evtc.nn.FusedLinear under torch.compile builds no kernels: call the layer "
-                               "once eagerly with the same dtypes, ranks and operands before "
-                               "torch.compile(fullgraph=True)")
+                               "once eagerly with operands of the same dtypes and kinds (a (B, S, N) "
+                               "residual, a (N,) bias) before torch.compile(fullgraph=True)")
         if lin is None:
             # A K-major x, as nn.Linear inputs are: a first call with a transposed x would otherwise
             # compile for it, and every later (contiguous) call under this key take the torch path.
@@ -155,6 +160,19 @@ class FusedLinear(nn.Module):
                        **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}}
             lin = self._compiled[key] = linear(self.epilogue, example, **self._options)
         return lin
+
+    def _serving(self, key: tuple, patterns: tuple) -> Any:
+        """A compiled layer that takes operands of ``patterns`` although its key differs from
+        ``key`` only where a dim of the problem is 1 (M = 1 or N = 1): there a (1, N) residual and a
+        (1, N) bias broadcast alike, so a kernel that reads the operand as either serves the call."""
+        for other, lin in self._compiled.items():
+            if other[:-1] != key[:-1]:
+                continue
+            if all(theirs[:2] == ours[:2] and len(theirs[2]) == len(ours[2])
+                   and all(w or t == o for t, o, w in zip(theirs[2], ours[2], wild, strict=True))
+                   for theirs, (ours, wild) in zip(other[-1], patterns, strict=True)):
+                return lin
+        return None
 
     def __getstate__(self) -> dict[str, Any]:
         """``copy.deepcopy`` and pickling (``torch.save(model)``) keep the parameters and the
@@ -173,6 +191,35 @@ class FusedLinear(nn.Module):
         name = getattr(unwrap(self.epilogue), "__name__", "fn")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, epilogue={name}")
+
+
+def _is_one(size: Any) -> bool:
+    # bool() of a symbolic size's comparison (torch.compile, torch.export): a guard that the size's
+    # range decides, where a SymBool in the cache key could not be hashed.
+    return bool(size == 1)
+
+
+def _operand_pattern(name: str, value: Any, lead: tuple, n: int) -> tuple[tuple, tuple[bool, ...]]:
+    """An operand's part of :class:`FusedLinear`'s cache key, and which of its dims are ambiguous.
+
+    The pattern is the operand's dtype and which dims are 1 as ``evtc.linear`` hands it to the
+    kernel: x's leading dims ``lead`` flattened into M (``_flatten_like``), so a (B, S, N) residual
+    is an (M, N) tile whether B is 1 or not. A dim is ambiguous where the problem's own dim (M or
+    N) is 1: any kernel reads the operand right there."""
+    if not isinstance(value, torch.Tensor):
+        return (name, type(value)), ()
+    shape = tuple(value.shape)
+    rows = math.prod(lead) if lead else 1
+    if len(lead) > 1 and 2 <= len(shape) <= len(lead) + 1:
+        aligned = (1,) * (len(lead) + 1 - len(shape)) + shape
+        shape = (1 if all(_is_one(s) for s in aligned[:-1]) else rows, shape[-1])
+    ones = tuple(_is_one(s) for s in shape)
+    if 1 <= len(shape) <= 2:
+        problem = (rows, n)[2 - len(shape):]
+        wild = tuple(_is_one(s) for s in problem)
+    else:
+        wild = (False,) * len(shape)
+    return (name, value.dtype, ones), wild
 
 
 def _identity(acc):

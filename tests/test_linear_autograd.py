@@ -642,6 +642,67 @@ def test_operands_that_do_not_broadcast_against_the_leading_dims_are_refused(tmp
         m(x, residual=torch.randn(15, 24))
 
 
+def _add_bias_residual(acc, bias, residual):
+    return acc + bias + residual
+
+
+def test_a_batch_or_sequence_of_one_is_the_same_layer(tmp_path):
+    """The layer's cache key reads operands as the kernel gets them, x's leading dims flattened: a
+    batch of 1 or a sequence of 1 builds no other kernel (it built one per pattern of 1s, and
+    torch.compile(fullgraph=True), warmed up at batch 2, failed at batch 1), and M = 1 (one
+    token) is served by the kernel of the (M, N) residual, which broadcasts alike there."""
+    m = evtc.nn.FusedLinear(16, 24, _add_bias_residual, cache_dir=tmp_path).eval()
+    with torch.no_grad():
+        for lead in [(2, 5), (1, 5), (2, 1), (1, 1), (4, 3), (1,)]:
+            x = torch.randn(*lead, 16)
+            r = torch.randn(*lead, 24)
+            _close(m(x, residual=r), F.linear(x, m.weight, m.bias) + r, f"x of {lead}")
+        assert len(m._compiled) == 1
+        # A one-token first call compiles from its (1, N) operands; the (M, N) call then compiles
+        # the tile kernel, and one token after that is served by either.
+        fresh = evtc.nn.FusedLinear(16, 24, _add_bias_residual, cache_dir=tmp_path).eval()
+        for lead in [(1, 1), (3, 5), (1, 1)]:
+            x, r = torch.randn(*lead, 16), torch.randn(*lead, 24)
+            _close(fresh(x, residual=r), F.linear(x, fresh.weight, fresh.bias) + r, f"fresh {lead}")
+        assert len(fresh._compiled) == 2
+        # A (1, 1, N) operand beside many tokens is a row, not the tile: the one-token kernel,
+        # compiled from a (1, N) residual, read it as one.
+        x, row = torch.randn(3, 5, 16), torch.randn(1, 1, 24)
+        _close(fresh(x, residual=row), F.linear(x, fresh.weight, fresh.bias) + row, "row")
+        assert len(fresh._compiled) == 2
+        other = evtc.nn.FusedLinear(16, 24, _add_bias_residual, cache_dir=tmp_path).eval()
+        other.load_state_dict(fresh.state_dict())
+        other(torch.randn(3, 5, 16), residual=torch.randn(3, 5, 24))
+        _close(other(x, residual=row), F.linear(x, fresh.weight, fresh.bias) + row, "row, other")
+        assert len(other._compiled) == 2
+
+
+def test_a_layer_warmed_at_one_batch_compiles_and_exports_with_dynamic_dims(tmp_path):
+    m = evtc.nn.FusedLinear(16, 24, _add_bias_residual, cache_dir=tmp_path).eval()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = m
+
+        def forward(self, x):
+            return self.proj(x, residual=x[..., :8].repeat(1, 1, 3))
+
+    block = Block()
+    with torch.no_grad():
+        block(torch.randn(2, 5, 16))
+        compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
+        for lead in [(3, 7), (1, 7), (2, 1)]:
+            x = torch.randn(*lead, 16)
+            _close(compiled(x), block(x), f"compiled at {lead}")
+        batch, seq = torch.export.Dim("batch", min=2), torch.export.Dim("seq", min=2)
+        exported = torch.export.export(block, (torch.randn(2, 5, 16),),
+                                       dynamic_shapes={"x": {0: batch, 1: seq}})
+        x = torch.randn(3, 4, 16)
+        _close(exported.module()(x), block(x), "exported")
+    assert len(m._compiled) == 1
+
+
 @evtc.epilogue
 def decorated_bias_relu(acc, bias):
     return torch.relu(acc + bias)
