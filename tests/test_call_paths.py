@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,6 +204,34 @@ def test_compile_time_constants_are_accepted_with_their_compiled_value(cache):
             k(**ex, gated=not gated)
         with pytest.raises(evtc.CallError, match="compile-time constant"):
             k(**ex, gated=int(gated))
+
+
+def _addmm_like(acc, C, alpha: float, beta: float = 0.0, bias=None):
+    if beta == 0:  # torch.addmm ignores C when beta is 0 (NaN in C stays out)
+        out = alpha * acc
+    else:
+        out = alpha * acc + beta * C
+    return out if bias is None else out + bias
+
+
+def test_a_float_constant_takes_an_equal_int_and_a_tensor_is_not_printed(cache):
+    """beta=0 for a kernel compiled with beta=0.0 is the same call (Python's numeric tower, as
+    torch.addmm reads beta=0); beta=1 is another value, and a tensor for a None constant is
+    described, not printed (printing a GPU tensor copies it to the host)."""
+    ex = _inputs()
+    C = ex["C"].clone()
+    C[0, 0] = float("nan")
+    k = evtc.compile(_addmm_like, dict(a=ex["a"], b=ex["b"], C=C, alpha=1.5), cache_dir=cache)
+    want = (1.5 * (ex["a"].float() @ ex["b"].float())).half()
+    for beta in (0.0, 0, np.int64(0)):
+        _close([k(ex["a"], ex["b"], C=C, alpha=1.5, beta=beta)], [want], torch.float16)
+    with pytest.raises(evtc.CallError, match="compiled with beta=0.0, a compile-time constant"):
+        k(ex["a"], ex["b"], C=C, alpha=1.5, beta=1)
+    with pytest.raises(evtc.CallError, match="compile-time constant"):
+        k(ex["a"], ex["b"], C=C, alpha=1.5, beta=False)
+    with pytest.raises(evtc.CallError, match=r"bias=a tensor of shape \(53,\) \(torch.float16\): ") as err:
+        k(ex["a"], ex["b"], C=C, alpha=1.5, bias=torch.randn(53).half())
+    assert "tensor(" not in str(err.value)
 
 
 def test_the_custom_operator_and_linear_accept_unused_parameters(cache):

@@ -287,7 +287,19 @@ def _same_constant(value: Any, compiled: Any) -> bool:
         value = value.item()  # np.bool_(True) is True, np.float32(0.5) is 0.5, as torch reads them
     if isinstance(compiled, bool) or compiled is None:
         return value is compiled
+    if type(compiled) is float and type(value) is int:
+        # An int where a float was compiled (beta=0 for beta=0.0): Python's numeric tower, as a
+        # `beta: float` annotation and torch's own scalars read it. Not the other way round: a
+        # float where an int was compiled may have been used as a count.
+        return value == compiled
     return not isinstance(value, torch.Tensor) and type(value) is type(compiled) and value == compiled
+
+
+def _describe_value(value: Any) -> str:
+    # A tensor's values are not printed: for a GPU tensor that would copy it to the host.
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} ({value.dtype})"
+    return repr(value)
 
 
 def without_unused(spec: CallSpec, operands: dict) -> dict:
@@ -301,7 +313,7 @@ def without_unused(spec: CallSpec, operands: dict) -> dict:
         if name in constants:
             if not _same_constant(value, constants[name]):
                 raise CallError(
-                    f"{name}={value!r}: {spec.plan.name!r} was compiled with {name}="
+                    f"{name}={_describe_value(value)}: {spec.plan.name!r} was compiled with {name}="
                     f"{constants[name]!r}, a compile-time constant (the trace specialised on it); "
                     "compile again with the new value")
         elif name not in interface.unused:
