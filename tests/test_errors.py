@@ -103,6 +103,24 @@ def test_a_matrix_product_in_an_epilogue_says_it_needs_a_second_compile(fn):
     _assert_points_at_marked_line(err, fn)
 
 
+def _lora_operator(acc, xa, lora_b, scale: float):
+    return acc + scale * (xa @ lora_b)  # error here
+
+
+def _lora_linear(acc, xa, lora_b, scale: float):
+    return acc + scale * F.linear(xa, lora_b)  # error here
+
+
+@pytest.mark.parametrize("fn, lora_b", [(_lora_operator, (8, 16)), (_lora_linear, (16, 8))])
+def test_operands_shaped_for_a_matrix_product_name_the_product(fn, lora_b):
+    """LoRA written inside the epilogue: the (M, r) operand fails the operand checks before the
+    trace reaches the product; the error names the product at its line, not only the shape."""
+    ex = {**EX, "xa": torch.randn(EX["a"].shape[0], 8), "lora_b": torch.randn(*lora_b), "scale": 0.5}
+    err = _trace_error(fn, ex, evtc.UnsupportedOpError)
+    assert "matrix product" in str(err) and "second evtc.compile" in str(err) and "'xa'" in str(err)
+    _assert_points_at_marked_line(err, fn)
+
+
 def test_indexing_is_rejected():
     def epilogue(acc):
         return acc[:, :4]  # error here

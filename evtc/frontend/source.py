@@ -47,3 +47,24 @@ def traceback_location(tb) -> SourceLoc | None:
             found = SourceLoc(code.co_filename, tb.tb_lineno, linecache.getline(filename, tb.tb_lineno))
         tb = tb.tb_next
     return found
+
+
+def matrix_product_location(fn: object, names: frozenset[str]) -> SourceLoc | None:
+    """The first line of ``fn``'s own code that takes a matrix product: the ``@`` operator or an
+    attribute or global among ``names`` (``torch.matmul``, ``F.linear``, ``x.mm``). Read from the
+    bytecode, before tracing: an operand shaped for a matrix product fails the operand checks first,
+    and the user is better told about the product."""
+    import dis
+
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    for ins in dis.get_instructions(code):
+        product = (ins.opname == "BINARY_MATRIX_MULTIPLY"
+                   or ins.opname == "BINARY_OP" and ins.argrepr in ("@", "@=")
+                   or ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and ins.argval in names)
+        line = ins.positions.lineno if ins.positions is not None else None
+        if product and line is not None:
+            return SourceLoc(code.co_filename, line, linecache.getline(code.co_filename, line))
+    return None
+

@@ -15,6 +15,7 @@ from ..errors import (
     InputError,
     OutputError,
     ReductionError,
+    ShapeError,
     UnsupportedOpError,
     made_during,
 )
@@ -27,8 +28,8 @@ from . import composites, lowering  # noqa: F401 - composites registers its hand
 from .eager_dtypes import DIMENSIONED, ZERO_DIM, EagerDtypes, EagerType
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .made_tensors import MadeTensors
-from .proxy import SymDim, TracedValue, unsupported
-from .source import definition_location, traceback_location, user_location
+from .proxy import MATRIX_PRODUCTS, SymDim, TracedValue, unsupported
+from .source import definition_location, matrix_product_location, traceback_location, user_location
 from .type_checks import TypeChecks
 
 
@@ -321,6 +322,21 @@ def _describe(func: Any) -> str:
 
 
 # --- the whole trace ------------------------------------------------------------------------------
+
+def _classify(fn: Callable[..., Any], name: str, value: torch.Tensor, problem: Problem, def_loc) -> Operand:
+    """The operand kind of a tensor input; where its shape fits no kind and ``fn`` takes a matrix
+    product (LoRA's ``acc + (x @ lora_b)``), the error names the product at its line instead."""
+    try:
+        return classify_tensor(name, value, problem, def_loc)
+    except ShapeError as err:
+        where = matrix_product_location(fn, MATRIX_PRODUCTS)
+        if where is None:
+            raise
+        raise UnsupportedOpError(
+            f"a matrix product: an epilogue is elementwise over the accumulator of one GEMM, and its "
+            f"inputs are shaped like it ({err.message}). A second GEMM is a second evtc.compile (or "
+            "torch): pass its result as an (M, N) tile operand", where) from None
+
 def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
     """Trace `fn` on proxies built from `example` and return the graph as traced (no passes)."""
     if not isinstance(example, Mapping):
@@ -349,7 +365,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
                 def_loc,
             )
         if isinstance(value, torch.Tensor):
-            operand = classify_tensor(name, value, problem, def_loc)
+            operand = _classify(fn, name, value, problem, def_loc)
             operands[name] = operand
             load = builder.add("load", (), {"name": name, "kind": operand.kind, "dtype": operand.dtype,
                                             "shape": operand.shape, "batched": operand.batched},
