@@ -121,6 +121,27 @@ def test_operands_shaped_for_a_matrix_product_name_the_product(fn, lora_b):
     _assert_points_at_marked_line(err, fn)
 
 
+def _unbound_relu(acc):
+    return torch.Tensor.relu(acc)  # error here
+
+
+def _unbound_add(acc, C):
+    return torch.Tensor.add(acc, C)  # error here
+
+
+@pytest.mark.parametrize("fn, method", [(_unbound_relu, "relu"), (_unbound_add, "add")])
+def test_tensor_methods_called_through_the_class_say_how_to_write_them(fn, method):
+    err = _trace_error(fn, EX, evtc.UnsupportedOpError)
+    assert f"torch.Tensor.{method}(x, ...), a Tensor method called through the class" in str(err)
+    assert f"write x.{method}(...)" in str(err) and "TracedValue" not in str(err)
+    _assert_points_at_marked_line(err, fn)
+
+
+def test_a_tensor_method_as_the_epilogue_says_to_wrap_it():
+    err = _trace_error(torch.Tensor.relu, {"a": EX["a"], "b": EX["b"]}, evtc.UnsupportedOpError, exact=True)
+    assert "lambda acc: acc.relu()" in str(err)
+
+
 def test_indexing_is_rejected():
     def epilogue(acc):
         return acc[:, :4]  # error here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -323,6 +324,10 @@ def _describe(func: Any) -> str:
 
 # --- the whole trace ------------------------------------------------------------------------------
 
+# Python's message for torch.Tensor.relu(traced): the C method checks its first argument's type.
+_UNBOUND_METHOD = re.compile(r"descriptor '(\w+)' for 'torch\._C\.TensorBase' objects doesn't apply")
+
+
 def _classify(fn: Callable[..., Any], name: str, value: torch.Tensor, problem: Problem, def_loc) -> Operand:
     """The operand kind of a tensor input; where its shape fits no kind and ``fn`` takes a matrix
     product (LoRA's ``acc + (x @ lora_b)``), the error names the product at its line instead."""
@@ -407,8 +412,18 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         # A torch function given arguments it does not take (torch.add(acc), or a builtin used
         # as the epilogue that needs more than the accumulator): torch's message, at the user's line.
         name = getattr(fn, "__name__", type(fn).__name__)
+        where = traceback_location(err.__traceback__) or def_loc
+        unbound = _UNBOUND_METHOD.search(str(err))
+        if unbound is not None:
+            method = unbound.group(1)
+            raise UnsupportedOpError(
+                f"torch.Tensor.{method}(x, ...), a Tensor method called through the class, is not "
+                f"traced (evtc traces the epilogue with stand-ins for tensors, which the class's "
+                f"method refuses): write x.{method}(...)"
+                + ("" if where is not def_loc else f"; as the epilogue itself, lambda acc: acc.{method}()"),
+                where) from None
         raise UnsupportedOpError(f"{name}: a call does not take the arguments it was given: {err}",
-                                 traceback_location(err.__traceback__) or def_loc) from None
+                                 where) from None
 
     if made:
         # The function returned although evtc raised an error into it: its own try/except took it.
