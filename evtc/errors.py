@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import torch
+
 #: While an epilogue runs to be traced: every EpilogueError made meanwhile (see :func:`made_during`).
 _made: ContextVar[list | None] = ContextVar("evtc_errors_made", default=None)
 
@@ -32,12 +34,17 @@ class EpilogueError(Exception):
     """Base class of every error about an epilogue: its code, its inputs or its outputs."""
 
     def __init__(self, message: str, loc: SourceLoc | None = None) -> None:
+        # No call of Exception.__init__ (its __new__ keeps the arguments) and no context variable
+        # while torch.compile traces: dynamo traces neither, and with them a refusal under
+        # fullgraph=True became dynamo's own error about super(), without this message.
         self.message = message
         self.loc = loc
-        super().__init__(self._render())
-        made = _made.get()
+        made = None if torch.compiler.is_compiling() else _made.get()
         if made is not None:
             made.append(self)
+
+    def __str__(self) -> str:
+        return self._render()
 
     def _render(self) -> str:
         if self.loc is None:

@@ -255,6 +255,33 @@ def test_torch_compile_fullgraph_with_out_on_real_tensors(tmp_path):
     torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-2)
 
 
+def test_refusals_under_torch_compile_carry_evtc_messages(tmp_path):
+    """A refused call under torch.compile says what evtc says eagerly: with fullgraph=True inside
+    dynamo's error (it was dynamo's complaint about super() in evtc's error class), without it as
+    the CallError itself. A tensor for a runtime scalar is refused as eagerly (the operator would
+    take it, and dynamo failed inside the fake implementation)."""
+    def lincomb(acc, C, s: float):
+        return acc * s + C
+
+    h = torch.float16
+    a, b, C = torch.randn(16, 16, dtype=h), torch.randn(16, 32, dtype=h), torch.randn(16, 32, dtype=h)
+    k = evtc.compile(lincomb, dict(a=a, b=b, C=C, s=1.0), cache_dir=tmp_path)
+    scalar = "s is a runtime scalar: pass a Python float or int, got Tensor"
+    with pytest.raises(evtc.CallError, match=scalar):
+        k(a, b, C=C, s=torch.tensor(2.0))
+    cases = [(lambda a, b, C: k(a, b, C=C, s=torch.tensor(2.0)), scalar),
+             (lambda a, b, C: k(a, b, C=C, s=2.0, out=torch.empty(16, 31, dtype=h)),
+              r"out.*(must be a torch.float16 tensor of shape|expected \(M, N\) =) \(16, 32\)")]
+    for fn, message in cases:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=message) as err:
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(a, b, C)
+        assert "super()" not in str(err.value)
+        torch._dynamo.reset()
+        with pytest.raises(evtc.CallError, match=message):
+            torch.compile(fn, backend="aot_eager")(a, b, C)
+
+
 def test_make_fx_and_dispatch_modes_see_the_operator(kernel):
     """make_fx with real tensors records the call as the kernel's operator (a launch through
     TVM-FFI would be invisible to it, and a replay would return the outputs' allocation only); any

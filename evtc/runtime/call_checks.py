@@ -302,6 +302,16 @@ def _describe_value(value: Any) -> str:
     return repr(value)
 
 
+def refuse_tensor_scalars(spec: CallSpec, operands: dict) -> None:
+    """A tensor for a runtime scalar (compiled from a Python number) is refused by name, as the
+    eager path's :func:`validate` does; the operator would take it, and under torch.compile it
+    fails inside dynamo. A device scalar is compiled from a one-element tensor."""
+    for kernel_input in spec.plan.inputs:
+        if kernel_input.kind == "arg" and isinstance(operands.get(kernel_input.name), torch.Tensor):
+            raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
+                            "Tensor (for a device scalar, compile with a one-element tensor example)")
+
+
 def without_unused(spec: CallSpec, operands: dict) -> dict:
     """``operands`` without the parameters the kernel does not take: unused ones are dropped,
     compile-time constants checked against their compiled value. Unknown names stay, for
@@ -488,8 +498,10 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
         value = operands[kernel_input.name]
         if kernel_input.kind == "arg":
             if isinstance(value, torch.Tensor) or not isinstance(value, int | float):
+                hint = (" (for a device scalar, compile with a one-element tensor example)"
+                        if isinstance(value, torch.Tensor) else "")
                 raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
-                                f"{type(value).__name__}")
+                                f"{type(value).__name__}{hint}")
             continue
         # Another float dtype than compiled takes the torch path (see torch_reason); one that would
         # change an output's dtype was refused before (refuse_other_promotions).

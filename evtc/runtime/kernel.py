@@ -525,6 +525,7 @@ class Kernel:
         if spec.accepts_more:
             operands = call_checks.without_unused(spec, operands)
         call_checks.check_names(spec, operands)  # the operator takes spec.names only: nothing unnamed
+        call_checks.refuse_tensor_scalars(spec, operands)
         self._refuse_other_dtypes(operands)
         scales = ()
         if spec.scale_rows:
