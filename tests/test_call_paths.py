@@ -478,6 +478,15 @@ def test_the_operator_takes_the_compiled_batches_only():
     k = evtc.compile(residual, {"a": A, "b": B, "C": C})
     with pytest.raises(evtc.CallError, match="inconsistent with a and b"):
         k.op(A[:1], B[:1], C)
+    # The fake implementation (meta tensors, what torch.compile and make_fx trace) refuses what
+    # the real call refuses: it returned a shape for a 2-d b, and the graph failed only when run.
+    meta = [t.to("meta") for t in (A, B, C)]
+    for a, b, message in [(A, B[0], "must be 3-d and 3-d as when compiled"), (A, B[:, :31], "K differs"),
+                          (A[:2], B, "batch sizes 2 and 3")]:
+        with pytest.raises(evtc.CallError, match=message):
+            k.op(a, b, C)
+        with pytest.raises(evtc.CallError, match=message):
+            k.op(a.to("meta"), b.to("meta"), meta[2])
     A1 = A[:1].clone().requires_grad_()
     got = k(A1, B, C=C)  # autograd: the operator's path, views made first
     assert got.shape == (3, 16, 8)

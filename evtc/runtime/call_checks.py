@@ -452,6 +452,22 @@ def check_names(spec: CallSpec, operands: dict) -> None:
         raise CallError(f"missing argument(s) {missing}; the epilogue takes {spec.names}")
 
 
+def check_gemm_shapes(plan, a, b) -> None:
+    """Raise a CallError where ``a`` and ``b`` do not have the compiled ranks, share K, or batch
+    as compiled. Shapes only: the operator's fake implementation runs it too, so that a traced
+    graph is refused where its run would be."""
+    if a.dim() != len(plan.a.dims) or b.dim() != len(plan.b.dims):
+        raise CallError(f"a and b must be {len(plan.a.dims)}-d and {len(plan.b.dims)}-d as when compiled; "
+                        f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if b.shape[-2] != a.shape[-1]:
+        raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
+    # Comparisons only (no set of sizes): under torch.compile they are symbolic, and unhashable.
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0] and (
+            plan.broadcast_batch is None or (a.shape[0] != 1 and b.shape[0] != 1)):
+        raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
+                        + ("" if plan.broadcast_batch else " (compiled for equal batch sizes)"))
+
+
 def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
     """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
 
@@ -464,16 +480,9 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
                             "block scales: compile with pairs as example inputs (docs/fp8.md)")
         if not isinstance(t, torch.Tensor):
             raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if a.dim() != len(plan.a.dims) or b.dim() != len(plan.b.dims):
-        raise CallError(f"a and b must be {len(plan.a.dims)}-d and {len(plan.b.dims)}-d as when compiled; "
-                        f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    check_gemm_shapes(plan, a, b)
     check_names(spec, operands)
-    if b.shape[-2] != a.shape[-1]:
-        raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
     batches = [t.shape[0] for t in (a, b) if t.dim() == 3]
-    if len(set(batches) - {1}) > 1 or (len(set(batches)) > 1 and plan.broadcast_batch is None):
-        raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
-                        + ("" if plan.broadcast_batch else " (compiled for equal batch sizes)"))
     b_parts = [("b", b)]
     fixed_n = plan.interface.fixed_n
     if fixed_n is not None and b.shape[-1] != fixed_n:
