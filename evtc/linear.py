@@ -197,7 +197,10 @@ class Linear:
             raise CallError(f"evtc.linear: x has {x.shape[-1]} input features, weight {weight.shape[1]} "
                             f"(weight is (out_features, in_features) = {tuple(weight.shape)})")
         lead = tuple(x.shape[:-1])
-        flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
+        if lead:
+            flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
+        else:
+            flat = _one_row(kernel, operands)
         if x.dim() not in self._exact_dims:
             self._check_leading_dims(x.dim(), weight.shape[0], operands)
         x2 = _rows(x)
@@ -299,6 +302,16 @@ def unflatten_gradient(grad: torch.Tensor | None, value: Any, lead: tuple[int, .
         return None if grad is None else grad.reshape(value.shape)
     shape = (1,) * (len(lead) + 1 - value.dim()) + tuple(value.shape)
     return grad.reshape(*lead, shape[-1]).sum_to_size(shape).reshape(value.shape)
+
+
+def _one_row(kernel: Kernel, operands: Mapping[str, Any]) -> dict[str, Any]:
+    """Operands beside an ``x`` of one dim (``F.linear``'s (in_features,), one row of M): one shaped
+    (*lead, N) = (N,) or (*lead, 1) = (1,) is that row's, a (1, N) or (1, 1) view where the kernel
+    reads the operand along M (a tile or a column); others stay as they are."""
+    along_m = {inp.user for inp in kernel.plan.inputs
+               if inp.spec is not None and inp.spec.rank == 2 and inp.spec.dims[0] == "M"}
+    return {name: v.unsqueeze(0) if name in along_m and isinstance(v, torch.Tensor) and v.dim() == 1 else v
+            for name, v in operands.items()}
 
 
 def _describe_arg(value: Any) -> str:

@@ -344,6 +344,30 @@ def test_one_dimensional_x_gets_pytorch_shapes():
         _close(a, b, "1-d x")
 
 
+def test_one_dimensional_x_takes_operands_of_its_one_row():
+    """With x of (in_features,), operands shaped (*lead, N) = (N,) and (*lead, 1) = (1,) are that
+    row's (torch broadcasts them so), for a Linear compiled from leading dims, where the residual is
+    a tile and the scale a column; values and gradients are torch's. They were refused as not 2-d."""
+    def gated_residual(acc, res, c):
+        return torch.tanh(acc + res) * c
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 6, 32, generator=g), torch.randn(48, 32, generator=g)
+    lin = evtc.linear(gated_residual, dict(x=x, weight=w, res=torch.randn(2, 6, 48), c=torch.randn(2, 6, 1)))
+    inputs = [torch.randn(32, generator=g), w, torch.randn(48, generator=g), torch.randn(1, generator=g)]
+    ours = [t.clone().requires_grad_() for t in inputs]
+    theirs = [t.clone().requires_grad_() for t in inputs]
+    y = lin(ours[0], ours[1], res=ours[2], c=ours[3])
+    want = gated_residual(F.linear(theirs[0], theirs[1]), theirs[2], theirs[3])
+    assert y.shape == want.shape == (48,)
+    _close(y, want, "forward")
+    grad = torch.randn(48, generator=g)
+    y.backward(grad)
+    want.backward(grad)
+    for name, a, b in zip(("x", "weight", "res", "c"), ours, theirs, strict=True):
+        _close(a.grad, b.grad, f"{name} gradient")
+
+
 def test_leading_dims_that_flatten_exactly_are_accepted():
     """Per-row reductions, reductions over all leading dims and over everything give the same
     results flattened: accepted, with PyTorch's shapes and values, for 2-, 3- and 4-d x."""
