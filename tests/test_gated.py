@@ -108,6 +108,9 @@ def test_full_width_outputs_and_reductions_are_rejected_at_the_line():
     (lambda acc: acc.chunk(3, dim=-1)[0], "2 halves only"),
     (lambda acc: acc.chunk(2, dim=0)[0], "only the last dim"),
     (lambda acc: acc.split(64, dim=-1)[0], "2 equal halves"),
+    # q, k, v of a fused projection: the hint is to split the result, not to chunk in two
+    (lambda acc: acc.split([128, 64, 64], dim=-1)[0], r"makes 3 parts .*split the result after the call"),
+    (lambda acc: acc.split([200, 56], dim=-1)[0], r"write x.chunk\(2, dim=-1\)"),
 ])
 def test_other_splits_are_rejected(body, message):
     def fn(acc):
@@ -190,6 +193,20 @@ def test_call_errors_name_the_users_tensors(tmp_path):
         torch.testing.assert_close(got[0].float(), want[0].half().float(), rtol=2e-3, atol=2e-3)
         assert got[1].dtype == torch.float16  # a sum of float16 values, as in torch
         torch.testing.assert_close(got[1].float(), want[1].half().float(), rtol=2e-3, atol=2e-3)
+
+
+def test_a_broadcast_gated_operand_is_told_to_expand(tmp_path):
+    """A per-expert bias of a gated batched kernel given as (1, 1, 2N): its halves are views, not
+    broadcast; the message names the rule and the full shape."""
+    def moe_gated(acc, bias):
+        gate, up = (acc + bias).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    a, b = torch.randn(3, 8, 32).half(), torch.randn(3, 32, 64).half()
+    k = evtc.compile(moe_gated, dict(a=a, b=b, bias=torch.randn(3, 1, 64).half()), cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match=r"split into gate and up halves, which are not broadcast: "
+                                             r"pass it at its full shape \(3, 1, 64\)"):
+        k(a, b, bias=torch.randn(1, 1, 64).half())
 
 
 def test_joined_graph_evaluates_like_the_users():

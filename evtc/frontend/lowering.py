@@ -344,7 +344,8 @@ def _chunk(t: Tracer, input: Any, chunks: Any, dim: Any = 0) -> Any:
     if chunks != 2:
         raise UnsupportedOpError(
             f"chunk({chunks!r}, dim=-1): epilogues split the last dim into 2 halves only (the gate "
-            "and up of a gated epilogue)",
+            "and up of a gated epilogue); for q, k, v of a fused projection, return the whole tile "
+            "and split the result after the call (y.chunk(...) gives views, no copy)",
             user_location(),
         )
     if t.problem.sizes[N] % 2:
@@ -372,9 +373,14 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
     size = [concrete(s) for s in size] if isinstance(size, list | tuple) else concrete(size)
     even = t.problem.sizes[N] % 2 == 0
     if not (even and (size == half or (isinstance(size, list | tuple) and list(size) == [half, half]))):
+        parts = (len(size) if isinstance(size, list | tuple) else
+                 -(-t.problem.sizes[N] // size) if isinstance(size, int) and size > 0 else 2)
+        hint = ("write x.chunk(2, dim=-1)" if parts == 2 else
+                f"this split makes {parts} parts (q, k, v of a fused projection?): return the whole "
+                "tile and split the result after the call (y.split(...) gives views, no copy)")
         raise UnsupportedOpError(
             f"split({size!r}, dim=-1): epilogues split the last dim into 2 equal halves only (N = "
-            f"{t.problem.sizes[N]}); write x.chunk(2, dim=-1)",
+            f"{t.problem.sizes[N]}, a gated epilogue); {hint}",
             user_location(),
         )
     if literal:

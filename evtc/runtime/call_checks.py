@@ -85,6 +85,12 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
             hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
                     "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
                     "examples with M and N above 1)")
+        elif name.endswith(" half)") and t.dim() == len(want) and all(
+                size in (1, full) for size, full in zip(t.shape, want, strict=True)):
+            # A gated operand's halves are views of the user's tensor: they are not broadcast.
+            full = (*want[:-1], 2 * want[-1])
+            hint = (f" (a gated epilogue's operand is split into gate and up halves, which are not "
+                    f"broadcast: pass it at its full shape {full}, e.g. .expand{full})")
         raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
                         f"{want}{hint}")
     if layout and spec.contiguous is not None:
