@@ -158,6 +158,15 @@ class Linear:
                                     "input requires grad")
                 return self._differentiable(x, weight, operands)
             return self._call(x, weight, out, operands)
+        except CallError as err:
+            if err.message.startswith("evtc.linear") or not isinstance(x, torch.Tensor) or x.dim() < 1:
+                raise err.with_traceback(None) from None
+            # The kernel's own checks speak of a, b and flattened operands: say how they came about.
+            rows = math.prod(x.shape[:-1])
+            flat = (f"x {tuple(x.shape)} runs as a = x.reshape({rows}, {x.shape[-1]}), operands with "
+                    "x's leading dims flattened alike" if x.dim() != 2 else "x runs as a")
+            raise CallError(f"evtc.linear ({flat}, weight as b = weight.t()): {err.message}",
+                            err.loc) from None
         except EpilogueError as err:
             raise err.with_traceback(None) from None
 
@@ -399,7 +408,8 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
         return None  # the kernel's own checks say what is wrong with the structure
     for name, value in leaves.items():
         if isinstance(value, torch.Tensor) and tuple(value.shape) != ours[name]:
-            return (f"on x with leading dims {probe}, {label(name)} has shape {tuple(value.shape)} "
+            return (f"on x with {x_dims - 1} leading dims (probed with sizes {probe}), {label(name)} has "
+                    f"shape {tuple(value.shape)} "
                     f"in PyTorch, but evtc.linear flattens the leading dims into M and would return "
                     f"{ours[name]}")
     return None
@@ -446,6 +456,10 @@ def linear(
             if value.dtype not in supported:
                 raise CallError(f"evtc.linear: {name} has dtype {value.dtype}; the kernel multiplies "
                                 "float16, bfloat16, float32 (as tf32) or float8 inputs")
+        float8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+        if x.dtype != weight.dtype and not {x.dtype, weight.dtype} <= float8:
+            raise CallError(f"evtc.linear: example x is {x.dtype} and weight {weight.dtype}; they must "
+                            "match, as F.linear requires (only float8 ones may mix e4m3 and e5m2)")
         if x.shape[-1] != weight.shape[1]:
             raise CallError(f"evtc.linear: example x has {x.shape[-1]} input features, weight "
                             f"{weight.shape[1]} (weight is (out_features, in_features) = "

@@ -368,6 +368,22 @@ def test_one_dimensional_x_takes_operands_of_its_one_row():
         _close(a.grad, b.grad, f"{name} gradient")
 
 
+def test_linear_messages_say_how_x_and_the_operands_were_flattened():
+    """The kernel's checks name a, b and flattened shapes; evtc.linear's call says how they came
+    about, and a mixed-dtype example is refused as F.linear refuses it."""
+    x, w = torch.randn(2, 5, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    lin = evtc.linear(lambda acc, bias: acc + bias, dict(x=x, weight=w, bias=torch.randn(48).bfloat16()))
+    flattened = (r"^evtc.linear \(x \(2, 5, 32\) runs as a = x.reshape\(10, 32\), operands with x's "
+                 r"leading dims flattened alike, weight as b = weight.t\(\)\): bias must be 1-d like its")
+    with pytest.raises(evtc.CallError, match=flattened):
+        lin(x, w, bias=torch.randn(2, 1, 48).bfloat16())
+    with pytest.raises(evtc.CallError, match=r"^evtc.linear \(x runs as a, weight as b = weight.t\(\)\): "
+                                             r"a must be torch.bfloat16"):
+        lin(x[0].float(), w, bias=torch.randn(48).bfloat16())
+    with pytest.raises(evtc.CallError, match="example x is torch.float32 and weight torch.bfloat16; they"):
+        evtc.linear(lambda acc: acc, dict(x=x.float(), weight=w))
+
+
 def test_leading_dims_that_flatten_exactly_are_accepted():
     """Per-row reductions, reductions over all leading dims and over everything give the same
     results flattened: accepted, with PyTorch's shapes and values, for 2-, 3- and 4-d x."""
