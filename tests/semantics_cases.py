@@ -151,6 +151,15 @@ def composites_of_16bit_values_round_once(acc, alpha: float):
             F.elu(small, alpha).float(), torch.relu_(small * 1.0).float())
 
 
+def python_bools_of_runtime_scalars(acc, alpha: float, beta: float):
+    # Comparisons of runtime scalars are Python bools when the function runs: ints in arithmetic
+    # (True + True is 2, ~True is -2, True - False is 1), not masks; beside a tensor, a mask again.
+    hi, lo = alpha > 0.5, beta > 0.5
+    return ((acc * ((hi + hi) + lo)).float(), (acc * ~hi + ~lo).float(), (acc * (hi - lo) - (-lo)).float(),
+            (acc * (hi * 3)).float(), ((acc > 0) + hi).float(), (acc * (hi & lo)).float(),
+            (acc * (hi | lo)).float())
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -177,6 +186,7 @@ CASES = {
     "composite_activations": (composite_activations, {}),
     "glu_of_the_accumulator": (glu_of_the_accumulator, {}),
     "composites_of_16bit_values_round_once": (composites_of_16bit_values_round_once, {"alpha": 0.7}),
+    "python_bools_of_runtime_scalars": (python_bools_of_runtime_scalars, {"alpha": 0.75, "beta": 0.25}),
 }
 
 

@@ -26,7 +26,7 @@ from ..ir.infer import promote
 from ..ir.shapes import L, varying_dims
 from ..numpy_scalars import is_numpy_scalar
 from . import composites, lowering  # noqa: F401 - composites registers its handlers with lowering
-from .eager_dtypes import DIMENSIONED, ZERO_DIM, EagerDtypes, EagerType
+from .eager_dtypes import DIMENSIONED, NUMBER, ZERO_DIM, EagerDtypes, EagerType
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .made_tensors import MadeTensors
 from .proxy import MATRIX_PRODUCTS, SymDim, TracedValue, unsupported
@@ -141,6 +141,11 @@ class Tracer:
         be a mask."""
         masks = [n.dtype == torch.bool for n in inputs]
         loc = user_location()
+        if any(masks) and op in _PYTHON_ARITHMETIC and self._python_numbers(inputs):
+            # Python bools, not masks: a comparison of runtime scalars (alpha > 0.5) is a bool when
+            # the function runs, and bools are ints in arithmetic (True + True is 2, True - True 0).
+            inputs = tuple(self._as_int(n) if mask else n for n, mask in zip(inputs, masks, strict=True))
+            return op, inputs
         if op in ("sub", "neg") and any(masks):
             raise DTypeError(
                 "subtraction or negation of a boolean mask, which torch refuses: invert a mask with ~ "
@@ -174,10 +179,26 @@ class Tracer:
                              "refuses it): compare it, e.g. torch.where(x != 0, ...)", loc)
         return op, inputs
 
+    def _python_numbers(self, inputs: tuple[Node, ...]) -> bool:
+        """Whether every input is a Python number when the function runs (runtime scalars, literals
+        and what is computed from them alone)."""
+        return all(self.eager.of(n).rank_class == NUMBER for n in inputs)
+
+    def _as_int(self, node: Node) -> Node:
+        """A Python bool as the int it is in arithmetic (0 or 1), held as a float like every number."""
+        number = self.builder.add("cast", (node,), {"dtype": COMPUTE_DTYPE}, loc=user_location())
+        self.eager.set(number, EagerType(torch.int64, NUMBER))
+        return number
+
     def bitwise(self, op: str, args: tuple[Any, ...]) -> TracedValue:
         """Python's & | ~ on traced values: logical on masks, as torch's bitwise ops are; torch has
-        no bitwise op on floats, so anything else is refused."""
+        no bitwise op on floats, so anything else is refused. ``~`` of a Python bool (a comparison
+        of runtime scalars) is Python's: ~True is -2."""
         inputs = tuple(self.node_of(a) for a in args)
+        if op == "logical_not" and inputs[0].dtype == torch.bool and self._python_numbers(inputs):
+            loc = user_location()
+            negated = self.builder.add("neg", (self._as_int(inputs[0]),), None, loc=loc)
+            return self.wrap(self.builder.add("sub", (negated, self.builder.literal(1, loc)), None, loc=loc))
         if any(n.dtype != torch.bool for n in inputs):
             symbol = {"logical_and": "&", "logical_or": "|", "logical_not": "~"}[op]
             raise DTypeError(f"{symbol} on a value that is not a boolean mask: torch's {symbol} is bitwise, "
@@ -288,6 +309,9 @@ _COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 #: mask to float (``torch.exp(mask)``), as evtc does.
 _NO_MASKS = frozenset({"abs", "relu", "hardtanh", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu",
                        "softplus", "mish", "hardswish", "hardsigmoid"})
+
+#: Python's arithmetic, which takes bools as ints (where every input is a Python number).
+_PYTHON_ARITHMETIC = frozenset({"add", "sub", "mul", "div", "neg", "pow", "abs"})
 
 #: torch on two boolean masks: + and maximum are "or", * and minimum are "and".
 _MASK_PAIRS = {"add": "logical_or", "maximum": "logical_or", "mul": "logical_and", "minimum": "logical_and"}
