@@ -483,8 +483,15 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
     live = _user_operand_names(graph, emitted)
     unused: set[str] = set()
     constants: list[tuple[str, Any]] = []
+    defaults: list[tuple[str, Any]] = []
     for name in signature.params:
+        default = signature.defaults.get(name)
         if name in live:
+            if is_numpy_scalar(default):
+                default = default.item()
+            if name in example_inputs and isinstance(default, int | float) and not isinstance(default, bool) \
+                    and isinstance(example_inputs[name], int | float):
+                defaults.append((name, default))
             continue
         value = example_inputs[name] if name in example_inputs else signature.defaults[name]
         if is_numpy_scalar(value):
@@ -498,7 +505,7 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
             constants.append((name, value))
     return CallInterface(parameters=tuple(signature.params), unused=frozenset(unused),
                          constants=tuple(constants), strict=strict, fixed_n=graph.fixed_n,
-                         operand_variants=graph.operand_variants)
+                         operand_variants=graph.operand_variants, defaults=tuple(defaults))
 
 
 def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: str, remedy: str) -> Kernel:

@@ -234,6 +234,28 @@ def test_a_float_constant_takes_an_equal_int_and_a_tensor_is_not_printed(cache):
     assert "tensor(" not in str(err.value)
 
 
+def _scaled_residual(acc, C, alpha=1.0, *, beta: float = 0.5):
+    return alpha * acc + beta * C
+
+
+def test_runtime_scalars_left_out_take_their_python_defaults(cache):
+    """alpha and beta were given in the examples (runtime scalars); a call may leave them out, as
+    calling the function may, and gets the defaults, not the examples' values; under torch.compile
+    too."""
+    ex = _inputs()
+    k = evtc.compile(_scaled_residual, dict(a=ex["a"], b=ex["b"], C=ex["C"], alpha=2.0, beta=3.0),
+                     cache_dir=cache)
+    acc = ex["a"].float() @ ex["b"].float()
+    calls = [({}, (1.0, 0.5)), ({"alpha": 4.0}, (4.0, 0.5)), ({"beta": -1.0}, (1.0, -1.0))]
+    for kwargs, (alpha, beta) in calls:
+        want = (alpha * acc + beta * ex["C"].float()).half()
+        _close([k(ex["a"], ex["b"], C=ex["C"], **kwargs)], [want], torch.float16)
+    compiled = torch.compile(lambda a, b, C: k(a, b, C=C), backend="aot_eager", fullgraph=True)
+    _close([compiled(ex["a"], ex["b"], ex["C"])], [(acc + 0.5 * ex["C"].float()).half()], torch.float16)
+    with pytest.raises(evtc.CallError, match=r"missing argument\(s\) \['C'\]"):
+        k(ex["a"], ex["b"])
+
+
 def test_the_custom_operator_and_linear_accept_unused_parameters(cache):
     ex = _inputs(k=64)
     k = evtc.compile(_unused_c, ex, cache_dir=cache)

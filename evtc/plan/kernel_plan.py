@@ -142,6 +142,9 @@ class CallInterface:
     #: The dtypes (and 0-dim or not) a call may pass per operand where they change an output's
     #: dtype in torch (Graph.operand_variants); the call is refused for others.
     operand_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: Runtime scalars with a Python default (``alpha=1.0``, given in the examples): a call that
+    #: leaves one out gets the default, as calling the function would.
+    defaults: tuple[tuple[str, Any], ...] = ()
 
     def tag(self) -> str:
         """A digest of this interface: kernels that share compiled code but not the interface
@@ -151,7 +154,7 @@ class CallInterface:
         if self == CallInterface():
             return ""
         text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only,
-                     self.fixed_n, self.operand_variants))
+                     self.fixed_n, self.operand_variants) + ((self.defaults,) if self.defaults else ()))
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -291,7 +294,8 @@ def _decode_plan(d: dict) -> KernelPlan:
                                   _tuple(d["structure"]["keys"])),
         interface=CallInterface(tuple(interface["parameters"]), frozenset(interface["unused"]),
                                 _tuple(interface["constants"]), interface["strict"], interface["torch_only"],
-                                interface.get("fixed_n"), _tuple(interface.get("operand_variants", []))),
+                                interface.get("fixed_n"), _tuple(interface.get("operand_variants", [])),
+                                _tuple(interface.get("defaults", []))),
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
         kernel_finish=_tuple(d["kernel_finish"]),
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),

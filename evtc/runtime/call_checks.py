@@ -320,8 +320,8 @@ def refuse_tensor_scalars(spec: CallSpec, operands: dict) -> None:
 
 def without_unused(spec: CallSpec, operands: dict) -> dict:
     """``operands`` without the parameters the kernel does not take: unused ones are dropped,
-    compile-time constants checked against their compiled value. Unknown names stay, for
-    :func:`validate` to name."""
+    compile-time constants checked against their compiled value; runtime scalars left out that
+    have a Python default get it. Unknown names stay, for :func:`validate` to name."""
     interface = spec.plan.interface
     constants = dict(interface.constants)
     kept = {}
@@ -334,6 +334,8 @@ def without_unused(spec: CallSpec, operands: dict) -> dict:
                     "compile again with the new value")
         elif name not in interface.unused:
             kept[name] = value
+    for name, default in interface.defaults:
+        kept.setdefault(name, default)
     return kept
 
 

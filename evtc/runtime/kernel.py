@@ -550,7 +550,7 @@ class Kernel:
         sizes, strides and alignment itself). Anything it does not take goes to :meth:`_launch_slow`,
         which names a wrong argument or takes the staged or the torch path."""
         spec = self.call_spec
-        if spec.accepts_more and not operands.keys() <= spec.name_set:
+        if spec.accepts_more and operands.keys() != spec.name_set:
             operands = call_checks.without_unused(spec, operands)
         scales = None
         if spec.scale_rows:
