@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import traceback
 
 import pytest
@@ -140,6 +141,50 @@ def test_tensor_methods_called_through_the_class_say_how_to_write_them(fn, metho
 def test_a_tensor_method_as_the_epilogue_says_to_wrap_it():
     err = _trace_error(torch.Tensor.relu, {"a": EX["a"], "b": EX["b"]}, evtc.UnsupportedOpError, exact=True)
     assert "lambda acc: acc.relu()" in str(err)
+
+
+def _hardtanh_bounds_crossed(acc):
+    return F.hardtanh(acc, 1.0, -1.0)  # error here
+
+
+def _celu_alpha_zero(acc):
+    return F.celu(acc, alpha=0.0)  # error here
+
+
+def _lerp_mixed_dtypes(acc, bias):
+    return torch.lerp(acc, bias, 0.5)  # error here (float16 acc, float32 bias)
+
+
+def _clamp_tensor_and_number(acc, bias):
+    return torch.clamp(acc, min=bias, max=1.0)  # error here
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_hardtanh_bounds_crossed, "min_val 1.0 is greater than max_val -1.0, which torch refuses"),
+    (_celu_alpha_zero, "celu with alpha = 0, which torch refuses"),
+    (_lerp_mixed_dtypes, r"lerp of tensors of dtypes \['torch.float16', 'torch.float32'\], which torch"),
+    (_clamp_tensor_and_number, "clamp with a tensor for one bound and a number for the other"),
+])
+def test_calls_torch_refuses_are_refused_at_their_line(fn, message):
+    """Each of these fails in PyTorch; evtc traced them, and the interpreter (the torch path)
+    then failed inside torch."""
+    acc = EX["a"] @ EX["b"]
+    args = (acc, EX["bias"]) if "bias" in inspect.signature(fn).parameters else (acc,)
+    with pytest.raises((RuntimeError, TypeError, ValueError)):
+        fn(*args)  # torch itself
+    err = _trace_error(fn, EX, evtc.UnsupportedOpError)
+    assert re.search(message, str(err))
+    _assert_points_at_marked_line(err, fn)
+
+
+def test_glu_of_an_odd_n_is_refused_at_its_line():
+    def fn(acc):
+        return F.glu(acc, dim=-1)  # error here
+
+    odd = gemm_inputs(16, 23, 8, None)
+    err = _trace_error(fn, odd, evtc.UnsupportedOpError)
+    assert "glu of N = 23 columns" in str(err)
+    _assert_points_at_marked_line(err, fn)
 
 
 def test_indexing_is_rejected():

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedOpError
+from ..ir.shapes import N
 from .lowering import FUNCTIONS, _halves, _last_dim, _maybe_inplace, _reject_out, _rounded_once, register
 from .proxy import TracedValue
 from .source import user_location
@@ -148,6 +149,11 @@ def _lerp(t: Tracer, input: Any, end: Any, weight: Any, **kwargs: Any) -> Any:
     """torch.lerp, by torch's two formulas: start + w * (end - start) where |w| < 0.5, else
     end - (end - start) * (1 - w) (exact at w = 1); rounded once."""
     _reject_out(kwargs, "lerp")
+    tensors = [v for v in (input, end, weight) if isinstance(v, TracedValue) and not v._node.is_python_scalar]
+    dtypes = {t.eager.dtype(v._node) for v in tensors}
+    if len(dtypes) > 1:
+        raise UnsupportedOpError(f"lerp of tensors of dtypes {sorted(map(str, dtypes))}, which torch "
+                                 "refuses: cast them to one dtype first", user_location())
 
     def formula(start, stop, w):
         diff = t.emit("sub", (stop, start))
@@ -176,6 +182,10 @@ def _selu(t: Tracer, input: Any, inplace: bool = False) -> Any:
 
 def _celu(t: Tracer, input: Any, alpha: float = 1.0, inplace: bool = False) -> Any:
     """F.celu: x where x > 0, else alpha * (exp(x / alpha) - 1), rounded once."""
+    if isinstance(alpha, int | float) and alpha == 0:
+        raise UnsupportedOpError("celu with alpha = 0, which torch refuses (it divides by alpha)",
+                                 user_location())
+
     def formula(x):
         negative = t.emit("mul", (alpha, t.emit("expm1", (t.emit("div", (x, alpha)),))))
         return t.emit("where", (t.emit("gt", (x, 0.0)), x, negative))
@@ -201,6 +211,9 @@ def _softsign(t: Tracer, input: Any) -> Any:
 def _glu(t: Tracer, input: Any, dim: int = -1) -> Any:
     """F.glu over the last dim: the first half times the sigmoid of the second."""
     _last_dim(t, input, dim, "glu")
+    if t.problem.sizes[N] % 2:
+        raise UnsupportedOpError(f"glu of N = {t.problem.sizes[N]} columns: it halves the last dim, which "
+                                 "must be even (torch refuses an odd one)", user_location())
 
     def formula(x):
         first, second = _halves(t, x, "glu")

@@ -228,6 +228,12 @@ def _clamp(t: Tracer, input: Any, min: Any = None, max: Any = None, **kwargs: An
     _reject_out(kwargs, "clamp")
     if min is None and max is None:
         raise UnsupportedOpError("clamp needs min or max", user_location())
+    kinds = {"a tensor" if isinstance(bound, TracedValue) and not bound._node.is_python_scalar else "a number"
+             for bound in (min, max) if bound is not None}
+    if len(kinds) > 1:
+        raise UnsupportedOpError("clamp with a tensor for one bound and a number for the other, which torch "
+                                 "refuses: give both as tensors or both as numbers (or clamp twice, "
+                                 "clamp_min then clamp_max)", user_location())
     # clamp(x, lo, hi) == minimum(maximum(x, lo), hi), NaN propagating like torch.clamp and giving
     # hi where lo > hi, as torch documents.
     result = input
@@ -257,6 +263,9 @@ def _hardtanh(t: Tracer, input: Any, min_val: float = -1.0, max_val: float = 1.0
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise UnsupportedOpError(f"hardtanh: {name} must be a Python number, got {type(value).__name__}",
                                      user_location())
+    if min_val > max_val:
+        raise UnsupportedOpError(f"hardtanh: min_val {min_val} is greater than max_val {max_val}, which "
+                                 "torch refuses", user_location())
     bounds = {"min_val": float(min_val), "max_val": float(max_val)}
     return _maybe_inplace(t, input, t.emit("hardtanh", (input,), bounds), inplace, "hardtanh")
 
