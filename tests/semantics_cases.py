@@ -122,7 +122,8 @@ def composites_with_special_values(acc, C):
     y = acc.float()
     return (torch.nan_to_num(v), torch.nan_to_num(v.half(), nan=-1.0).float(),
             torch.isnan(v).float() + 2 * torch.isinf(v) + 4 * torch.isfinite(v),
-            y.masked_fill(acc > 1.0, float("-inf")), torch.lerp(y, C.float(), 0.25) + torch.lerp(y, C.float(), 0.75),
+            y.masked_fill(acc > 1.0, float("-inf")),
+            torch.lerp(y, C.float(), 0.25) + torch.lerp(y, C.float(), 0.75),
             torch.addcmul(C, y, y, value=-0.5) + torch.addcdiv(y, C, y.abs() + 1.0, value=2.0),
             torch.rsub(y, C, alpha=3.0))
 

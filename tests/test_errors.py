@@ -187,6 +187,16 @@ def test_glu_of_an_odd_n_is_refused_at_its_line():
     _assert_points_at_marked_line(err, fn)
 
 
+def test_python_max_of_a_runtime_scalar_says_to_compute_it_on_the_host():
+    def fn(acc, alpha: float):
+        return acc * max(alpha, 1e-6)  # error here
+
+    err = _trace_error(fn, {**EX, "alpha": 0.5}, evtc.ControlFlowError)
+    assert "on a runtime scalar" in str(err) and "compute it before the call" in str(err)
+    assert "torch.where" not in str(err)
+    _assert_points_at_marked_line(err, fn)
+
+
 def test_indexing_is_rejected():
     def epilogue(acc):
         return acc[:, :4]  # error here

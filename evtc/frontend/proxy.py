@@ -396,6 +396,14 @@ class TracedValue:
 
     # --- what cannot be traced -------------------------------------------------------------------
     def __bool__(self) -> bool:
+        if self._node.is_python_scalar:
+            # A comparison of runtime scalars (max(alpha, 1e-6), `if alpha > 0:`): no tile value
+            # is involved, so torch.where is not the answer; the host is.
+            raise ControlFlowError(
+                "`if`, `while`, `and`/`or`, bool(), max() or min() on a runtime scalar (an epilogue "
+                "argument), whose value is only known at the call: compute it before the call and "
+                "pass the result, or make the parameter a compile-time constant (a default left out "
+                "of the example inputs)", user_location())
         raise _control_flow_error("`if`, `while`, `and`/`or` or bool()")
 
     def _scalar_in_python(self, what: str) -> ControlFlowError:
