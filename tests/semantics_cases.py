@@ -161,6 +161,14 @@ def python_bools_of_runtime_scalars(acc, alpha: float, beta: float):
             (acc * (hi | lo)).float())
 
 
+def zero_dim_tensors_beside_16bit_values(acc, s, h):
+    # torch computes on tensors in their common dtype: a 0-dim tensor beside a bfloat16 value does
+    # not promote, and is rounded to bfloat16 first (the 0-dim tensor first: CPU torch passes a
+    # second-operand 0-dim tensor to some ops unrounded, CUDA torch never).
+    y = (acc * 0.37).to(torch.bfloat16)
+    return (s * y).float(), (s / y).float(), (s - y).float(), (h + y).float(), (y * 0.7).float()
+
+
 #: name -> (function, operands beyond a and b as shapes ("MN": a tile, "N": a row vector) or values)
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
@@ -188,6 +196,7 @@ CASES = {
     "glu_of_the_accumulator": (glu_of_the_accumulator, {}),
     "composites_of_16bit_values_round_once": (composites_of_16bit_values_round_once, {"alpha": 0.7}),
     "python_bools_of_runtime_scalars": (python_bools_of_runtime_scalars, {"alpha": 0.75, "beta": 0.25}),
+    "zero_dim_tensors_beside_16bit_values": (zero_dim_tensors_beside_16bit_values, {"s": "0", "h": "0h"}),
 }
 
 
@@ -200,6 +209,9 @@ def operands(spec: dict, m: int, n: int, dtype: torch.dtype, device: str, seed: 
             out[name] = torch.randn(m, n, generator=g, device=device).to(dtype)
         elif what == "N":
             out[name] = torch.randn(n, generator=g, device=device).to(dtype)
+        elif what in ("0", "0h"):  # a 0-dim float32 or float16 tensor (a device scalar)
+            value = torch.randn((), generator=g, device=device) + 1.3
+            out[name] = value if what == "0" else value.half()
         else:
             out[name] = what
     return out

@@ -23,6 +23,7 @@ from ..errors import (
 from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES, OPERAND_DTYPES, eager_acc_dtype, variant_name
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from ..ir.infer import promote
+from ..ir.ops import ELEMENTWISE
 from ..ir.shapes import L, varying_dims
 from ..numpy_scalars import is_numpy_scalar
 from . import composites, lowering  # noqa: F401 - composites registers its handlers with lowering
@@ -114,6 +115,8 @@ class Tracer:
         op, inputs = self._mask_rules(op, inputs)
         if op in _COMPARISONS:
             inputs = self._compared_in(inputs)
+        elif len(inputs) == 2 and op in ELEMENTWISE and not ELEMENTWISE[op].boolean:
+            inputs = self._zero_dim_rounded(inputs)
         return self.wrap(self.builder.add(op, inputs, attrs, loc=user_location()))
 
     def _compared_in(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
@@ -133,6 +136,24 @@ class Tracer:
         loc = user_location()
         return tuple(n if n.dtype == dtype else self.builder.add("cast", (n,), {"dtype": dtype}, loc=loc)
                      for n in inputs)
+
+    def _zero_dim_rounded(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
+        """torch computes a binary op on tensors in their common dtype, converting each input to it
+        first: a 0-dim tensor (a device scalar, a full reduction) beside a 16-bit value does not
+        promote the result, and is rounded to its dtype (``y * s`` for a bfloat16 ``y`` and a float32
+        0-dim ``s`` multiplies by s rounded to bfloat16). Python numbers are not: torch passes them
+        in float32."""
+        if any(n.dtype == torch.bool for n in inputs):
+            return inputs
+        sources = tuple(n.inputs[0] if n.op == "cast" and n.attrs.get("implicit") and n.inputs[0].op == "load"
+                        else n for n in inputs)
+        dtype = promote(sources)
+        if not dtype.is_floating_point or dtype.itemsize >= 4:
+            return inputs
+        loc = user_location()
+        return tuple(self.builder.add("cast", (n,), {"dtype": dtype}, loc=loc)
+                     if len(n.shape) == 0 and not n.is_python_scalar and source.dtype != dtype else n
+                     for n, source in zip(inputs, sources, strict=True))
 
     def _mask_rules(self, op: str, inputs: tuple[Node, ...]) -> tuple[str, tuple[Node, ...]]:
         """torch's rules for boolean masks in arithmetic: on two masks, + and maximum are "or", *
