@@ -87,8 +87,8 @@ class FusedLinear(nn.Module):
         device, dtype: of the parameters.
         out_dtypes, config, cache_dir: as for :func:`evtc.compile`.
 
-    The kernel is compiled on the first call (and again for inputs of another dtype, device or
-    rank), then kept.
+    The kernel is compiled on the first call (and again for inputs of another dtype or device, or
+    operands of another kind with x's leading dims flattened), then kept.
     """
 
     def __init__(self, in_features: int, out_features: int, epilogue: Callable[..., Any], *,
@@ -108,6 +108,8 @@ class FusedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self._options = {"out_dtypes": out_dtypes, "config": config, "cache_dir": cache_dir}
         self._compiled: dict[tuple, Any] = {}
+        #: Keys of M = 1 or N = 1 calls served by a layer compiled under another key (_serving).
+        self._served: dict[tuple, Any] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -140,12 +142,23 @@ class FusedLinear(nn.Module):
         # same kernel as any other). The epilogue too: a module whose epilogue was replaced
         # compiles the new one. x's rank is not: evtc.linear takes any leading dims, and refuses
         # those whose flattening would change the epilogue's results.
-        lead = tuple(x.shape[:-1])
-        patterns = tuple(_operand_pattern(name, v, lead, weight.shape[0]) for name, v in operands.items())
-        key = (self.epilogue, x.dtype, x.device, weight.dtype, tuple(p for p, _ in patterns))
+        # Loops and list comprehensions only: this runs under torch.compile's tracing, whose older
+        # versions refuse generator expressions outside tuple().
+        lead_dims = x.dim() - 1
+        parts = [self.epilogue, x.dtype, x.device, weight.dtype]
+        for name, value in operands.items():
+            parts.append((name, value.dtype, _flattened_ones(value.shape, lead_dims))
+                         if isinstance(value, torch.Tensor) else (name, type(value)))
+        key = tuple(parts)
         lin = self._compiled.get(key)
-        if lin is None and any(any(wild) for _, wild in patterns):
-            lin = self._serving(key, patterns)
+        if lin is None:
+            lin = self._served.get(key)
+        if lin is None:
+            one_row, one_column = bool(math.prod(x.shape[:-1]) == 1), bool(weight.shape[0] == 1)
+            if one_row or one_column:
+                lin = self._serving(key, one_row, one_column)
+                if lin is not None:
+                    self._served[key] = lin
         if lin is None and torch.compiler.is_compiling():
             # Building a kernel is not traceable (under fullgraph=True dynamo fails deep inside the
             # compiler); elsewhere dynamo breaks the graph here and the build runs eagerly.
@@ -161,16 +174,15 @@ class FusedLinear(nn.Module):
             lin = self._compiled[key] = linear(self.epilogue, example, **self._options)
         return lin
 
-    def _serving(self, key: tuple, patterns: tuple) -> Any:
-        """A compiled layer that takes operands of ``patterns`` although its key differs from
-        ``key`` only where a dim of the problem is 1 (M = 1 or N = 1): there a (1, N) residual and a
-        (1, N) bias broadcast alike, so a kernel that reads the operand as either serves the call."""
+    def _serving(self, key: tuple, one_row: bool, one_column: bool) -> Any:
+        """A compiled layer that takes operands of ``key`` although its key differs where a dim of
+        the problem is 1 (M = 1 or N = 1): there a (1, N) residual and a (1, N) bias broadcast
+        alike, so a kernel that reads the operand as either serves the call."""
         for other, lin in self._compiled.items():
-            if other[:-1] != key[:-1]:
+            if other[:4] != key[:4] or len(other) != len(key):
                 continue
-            if all(theirs[:2] == ours[:2] and len(theirs[2]) == len(ours[2])
-                   and all(w or t == o for t, o, w in zip(theirs[2], ours[2], wild, strict=True))
-                   for theirs, (ours, wild) in zip(other[-1], patterns, strict=True)):
+            if all([_serves(theirs, ours, one_row, one_column)
+                    for theirs, ours in zip(other[4:], key[4:], strict=True)]):
                 return lin
         return None
 
@@ -179,7 +191,7 @@ class FusedLinear(nn.Module):
         options, not the compiled kernels, which hold locks and library handles: a copy compiles
         on its first call again (a disk-cache hit, milliseconds)."""
         state = super().__getstate__()
-        return {**state, "_compiled": {}}
+        return {**state, "_compiled": {}, "_served": {}}
 
     def __prepare_scriptable__(self) -> nn.Module:
         # torch.jit.script asks this first: the forward launches compiled kernels that TorchScript
@@ -193,33 +205,29 @@ class FusedLinear(nn.Module):
                 f"bias={self.bias is not None}, epilogue={name}")
 
 
-def _is_one(size: Any) -> bool:
-    # bool() of a symbolic size's comparison (torch.compile, torch.export): a guard that the size's
-    # range decides, where a SymBool in the cache key could not be hashed.
-    return bool(size == 1)
+def _flattened_ones(shape: torch.Size, lead_dims: int) -> tuple[bool, ...]:
+    """Which dims of an operand of ``shape`` are 1 as ``evtc.linear`` hands it to the kernel, x's
+    ``lead_dims`` leading dims flattened into M (``_flatten_like``): a (B, S, N) residual is an
+    (M, N) tile whether B is 1 or not, a (1, 1, N) one a row. ``bool()`` of each comparison: under
+    torch.compile and torch.export a symbolic size's comparison is a guard its range decides, where
+    a SymBool in the key could not be hashed."""
+    if lead_dims > 1 and 2 <= len(shape) <= lead_dims + 1:
+        return bool(math.prod(shape[:-1]) == 1), bool(shape[-1] == 1)
+    return tuple([bool(size == 1) for size in shape])
 
 
-def _operand_pattern(name: str, value: Any, lead: tuple, n: int) -> tuple[tuple, tuple[bool, ...]]:
-    """An operand's part of :class:`FusedLinear`'s cache key, and which of its dims are ambiguous.
-
-    The pattern is the operand's dtype and which dims are 1 as ``evtc.linear`` hands it to the
-    kernel: x's leading dims ``lead`` flattened into M (``_flatten_like``), so a (B, S, N) residual
-    is an (M, N) tile whether B is 1 or not. A dim is ambiguous where the problem's own dim (M or
-    N) is 1: any kernel reads the operand right there."""
-    if not isinstance(value, torch.Tensor):
-        return (name, type(value)), ()
-    shape = tuple(value.shape)
-    rows = math.prod(lead) if lead else 1
-    if len(lead) > 1 and 2 <= len(shape) <= len(lead) + 1:
-        aligned = (1,) * (len(lead) + 1 - len(shape)) + shape
-        shape = (1 if all(_is_one(s) for s in aligned[:-1]) else rows, shape[-1])
-    ones = tuple(_is_one(s) for s in shape)
-    if 1 <= len(shape) <= 2:
-        problem = (rows, n)[2 - len(shape):]
-        wild = tuple(_is_one(s) for s in problem)
-    else:
-        wild = (False,) * len(shape)
-    return (name, value.dtype, ones), wild
+def _serves(theirs: tuple, ours: tuple, one_row: bool, one_column: bool) -> bool:
+    """Whether a layer compiled for operand pattern ``theirs`` takes ``ours``: equal, or differing
+    only in a dim that is 1 in the problem too (M for the first of a 2-d operand's dims, N for the
+    last of a 1-d or 2-d one)."""
+    if theirs == ours:
+        return True
+    if len(theirs) != 3 or len(ours) != 3 or theirs[:2] != ours[:2] or len(theirs[2]) != len(ours[2]):
+        return False
+    wild = {1: (one_column,), 2: (one_row, one_column)}.get(len(ours[2]))
+    if wild is None:
+        return False
+    return all([t == o or w for t, o, w in zip(theirs[2], ours[2], wild, strict=True)])
 
 
 def _identity(acc):

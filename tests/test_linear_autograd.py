@@ -717,6 +717,23 @@ def test_a_batch_or_sequence_of_one_is_the_same_layer(tmp_path):
         assert len(other._compiled) == 2
 
 
+def _scaled_gate(acc, bias, scale: float, gate=None):
+    y = acc + bias
+    return y * scale if gate is None else y * scale * gate
+
+
+def test_one_token_calls_with_numbers_and_optional_operands(tmp_path):
+    """At M = 1 a layer compiled at M > 1 serves the call whatever else its operands are (a Python
+    number, an optional tensor left out): the lookup compared them as tensors and failed."""
+    m = evtc.nn.FusedLinear(16, 24, _scaled_gate, cache_dir=tmp_path).eval()
+    with torch.no_grad():
+        for lead, gate in [((4,), True), ((1,), False), ((1,), True), ((2, 3), False)]:
+            x = torch.randn(*lead, 16)
+            ops = {"scale": 0.5, **({"gate": torch.randn(*lead, 24)} if gate else {})}
+            _close(m(x, **ops), _scaled_gate(F.linear(x, m.weight), m.bias, **ops), f"{lead} {gate}")
+    assert len(m._compiled) == 2  # with and without the gate
+
+
 def test_a_layer_warmed_at_one_batch_compiles_and_exports_with_dynamic_dims(tmp_path):
     m = evtc.nn.FusedLinear(16, 24, _add_bias_residual, cache_dir=tmp_path).eval()
 

@@ -143,17 +143,23 @@ class Tracer:
         promote the result, and is rounded to its dtype (``y * s`` for a bfloat16 ``y`` and a float32
         0-dim ``s`` multiplies by s rounded to bfloat16). Python numbers are not: torch passes them
         in float32."""
-        if any(n.dtype == torch.bool for n in inputs):
-            return inputs
-        sources = tuple(n.inputs[0] if n.op == "cast" and n.attrs.get("implicit") and n.inputs[0].op == "load"
-                        else n for n in inputs)
+        # Loops, not generator expressions: a trace may run inside torch.compile's region (a
+        # kernel built on first use), where dynamo refuses to enter a generator's frame.
+        sources = []
+        for n in inputs:
+            if n.dtype == torch.bool:
+                return inputs
+            implicit = n.op == "cast" and n.attrs.get("implicit") and n.inputs[0].op == "load"
+            sources.append(n.inputs[0] if implicit else n)
         dtype = promote(sources)
         if not dtype.is_floating_point or dtype.itemsize >= 4:
             return inputs
-        loc = user_location()
-        return tuple(self.builder.add("cast", (n,), {"dtype": dtype}, loc=loc)
-                     if len(n.shape) == 0 and not n.is_python_scalar and source.dtype != dtype else n
-                     for n, source in zip(inputs, sources, strict=True))
+        rounded = []
+        for n, source in zip(inputs, sources, strict=True):
+            if len(n.shape) == 0 and not n.is_python_scalar and source.dtype != dtype:
+                n = self.builder.add("cast", (n,), {"dtype": dtype}, loc=user_location())
+            rounded.append(n)
+        return tuple(rounded)
 
     def _mask_rules(self, op: str, inputs: tuple[Node, ...]) -> tuple[str, tuple[Node, ...]]:
         """torch's rules for boolean masks in arithmetic: on two masks, + and maximum are "or", *
@@ -165,7 +171,7 @@ class Tracer:
         if any(masks) and op in _PYTHON_ARITHMETIC and self._python_numbers(inputs):
             # Python bools, not masks: a comparison of runtime scalars (alpha > 0.5) is a bool when
             # the function runs, and bools are ints in arithmetic (True + True is 2, True - True 0).
-            inputs = tuple(self._as_int(n) if mask else n for n, mask in zip(inputs, masks, strict=True))
+            inputs = tuple([self._as_int(n) if mask else n for n, mask in zip(inputs, masks, strict=True)])
             return op, inputs
         if op in ("sub", "neg") and any(masks):
             raise DTypeError(
@@ -203,7 +209,7 @@ class Tracer:
     def _python_numbers(self, inputs: tuple[Node, ...]) -> bool:
         """Whether every input is a Python number when the function runs (runtime scalars, literals
         and what is computed from them alone)."""
-        return all(self.eager.of(n).rank_class == NUMBER for n in inputs)
+        return all([self.eager.of(n).rank_class == NUMBER for n in inputs])
 
     def _as_int(self, node: Node) -> Node:
         """A Python bool as the int it is in arithmetic (0 or 1), held as a float like every number."""
