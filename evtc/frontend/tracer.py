@@ -145,18 +145,17 @@ class Tracer:
         in float32."""
         # Loops, not generator expressions: a trace may run inside torch.compile's region (a
         # kernel built on first use), where dynamo refuses to enter a generator's frame.
-        sources = []
+        # The inputs' own dtypes, loads as widened (evtc computes on a loaded 16-bit operand in
+        # float32, as evtc.reference does): only a value the function itself narrowed is narrow.
         for n in inputs:
             if n.dtype == torch.bool:
                 return inputs
-            implicit = n.op == "cast" and n.attrs.get("implicit") and n.inputs[0].op == "load"
-            sources.append(n.inputs[0] if implicit else n)
-        dtype = promote(sources)
+        dtype = promote(inputs)
         if not dtype.is_floating_point or dtype.itemsize >= 4:
             return inputs
         rounded = []
-        for n, source in zip(inputs, sources, strict=True):
-            if len(n.shape) == 0 and not n.is_python_scalar and source.dtype != dtype:
+        for n in inputs:
+            if len(n.shape) == 0 and not n.is_python_scalar and n.dtype != dtype:
                 n = self.builder.add("cast", (n,), {"dtype": dtype}, loc=user_location())
             rounded.append(n)
         return tuple(rounded)
