@@ -149,6 +149,10 @@ class Linear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *, out: Any = None, **operands: Any) -> Any:
         """The epilogue's outputs. Differentiable in ``x``, ``weight`` and the tensor operands when
         any of them requires grad (see :mod:`evtc.linear_autograd`); ``out=`` is then refused."""
+        defaults = self.kernel.plan.interface.defaults
+        if defaults:  # runtime scalars left out read their Python defaults, in the backward too
+            for name, value in defaults:
+                operands.setdefault(name, value)
         try:
             if torch.compiler.is_compiling():
                 return self._compiled_call(x, weight, out, operands)

@@ -717,6 +717,22 @@ def test_a_batch_or_sequence_of_one_is_the_same_layer(tmp_path):
         assert len(other._compiled) == 2
 
 
+def _sigmoid_scaled(acc, alpha=2.0):
+    return torch.sigmoid(acc) * alpha
+
+
+def test_a_runtime_scalar_left_out_reads_its_default_in_the_backward_too():
+    w = torch.randn(16, 8)
+    lin = evtc.linear(_sigmoid_scaled, {"x": torch.randn(4, 8), "weight": w, "alpha": 0.5})
+    x, wr = torch.randn(3, 4, 8, requires_grad=True), w.clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y, want = lin(x, wr), _sigmoid_scaled(F.linear(xr, w))
+    _close(y, want, "forward")
+    y.sum().backward()
+    want.sum().backward()
+    _close(x.grad, xr.grad, "x gradient")
+
+
 def _scaled_gate(acc, bias, scale: float, gate=None):
     y = acc + bias
     return y * scale if gate is None else y * scale * gate
