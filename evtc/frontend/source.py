@@ -59,11 +59,17 @@ def matrix_product_location(fn: object, names: frozenset[str]) -> SourceLoc | No
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
+    line = None
     for ins in dis.get_instructions(code):
+        # Python 3.10's instructions have no positions: the line is the last one started.
+        positions = getattr(ins, "positions", None)
+        if positions is not None and positions.lineno is not None:
+            line = positions.lineno
+        elif positions is None and ins.starts_line:
+            line = ins.starts_line
         product = (ins.opname == "BINARY_MATRIX_MULTIPLY"
                    or ins.opname == "BINARY_OP" and ins.argrepr in ("@", "@=")
                    or ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and ins.argval in names)
-        line = ins.positions.lineno if ins.positions is not None else None
         if product and line is not None:
             return SourceLoc(code.co_filename, line, linecache.getline(code.co_filename, line))
     return None
