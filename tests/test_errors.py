@@ -177,6 +177,17 @@ def test_calls_torch_refuses_are_refused_at_their_line(fn, message):
     _assert_points_at_marked_line(err, fn)
 
 
+def test_zero_dim_bounds_and_weights_torch_reads_as_numbers_are_accepted():
+    """torch reads a 0-dim tensor as a number for clamp's bounds and lerp's weight: legal beside a
+    number bound, or of another dtype than lerp's input (the refusals above are for others)."""
+    s = torch.tensor(0.25)
+    inputs = {**EX, "s": s}
+    for fn in (lambda acc, s: torch.clamp(acc, min=s, max=1.0), lambda acc, s: torch.lerp(acc, acc * 2, s)):
+        params = set(inspect.signature(fn).parameters) | {"a", "b"}
+        graph = evtc.trace(fn, {k: v for k, v in inputs.items() if k in params})
+        assert graph is not None
+
+
 def test_glu_of_an_odd_n_is_refused_at_its_line():
     def fn(acc):
         return F.glu(acc, dim=-1)  # error here

@@ -149,7 +149,9 @@ def _lerp(t: Tracer, input: Any, end: Any, weight: Any, **kwargs: Any) -> Any:
     """torch.lerp, by torch's two formulas: start + w * (end - start) where |w| < 0.5, else
     end - (end - start) * (1 - w) (exact at w = 1); rounded once."""
     _reject_out(kwargs, "lerp")
-    tensors = [v for v in (input, end, weight) if isinstance(v, TracedValue) and not v._node.is_python_scalar]
+    # torch requires end in input's dtype, and a weight tensor too unless it is 0-dim.
+    tensors = [v for v in (input, end, weight) if isinstance(v, TracedValue) and not v._node.is_python_scalar
+               and (v is not weight or len(v._node.shape) > 0)]
     dtypes = {t.eager.dtype(v._node) for v in tensors}
     if len(dtypes) > 1:
         raise UnsupportedOpError(f"lerp of tensors of dtypes {sorted(map(str, dtypes))}, which torch "

@@ -228,8 +228,9 @@ def _clamp(t: Tracer, input: Any, min: Any = None, max: Any = None, **kwargs: An
     _reject_out(kwargs, "clamp")
     if min is None and max is None:
         raise UnsupportedOpError("clamp needs min or max", user_location())
-    kinds = {"a tensor" if isinstance(bound, TracedValue) and not bound._node.is_python_scalar else "a number"
-             for bound in (min, max) if bound is not None}
+    # torch reads a 0-dim tensor bound as a number (a Scalar), so only a dimensioned one is a tensor.
+    kinds = {"a tensor" if isinstance(bound, TracedValue) and not bound._node.is_python_scalar
+             and len(bound._node.shape) > 0 else "a number" for bound in (min, max) if bound is not None}
     if len(kinds) > 1:
         raise UnsupportedOpError("clamp with a tensor for one bound and a number for the other, which torch "
                                  "refuses: give both as tensors or both as numbers (or clamp twice, "
