@@ -167,8 +167,13 @@ class Linear:
                 raise err.with_traceback(None) from None
             # The kernel's own checks speak of a, b and flattened operands: say how they came about.
             rows = math.prod(x.shape[:-1])
-            flat = (f"x {tuple(x.shape)} runs as a = x.reshape({rows}, {x.shape[-1]}), operands with "
-                    "x's leading dims flattened alike" if x.dim() != 2 else "x runs as a")
+            if x.dim() == 1:
+                flat = f"x {tuple(x.shape)} runs as one row, a = x.reshape(1, {x.shape[-1]})"
+            elif x.dim() == 2:
+                flat = "x runs as a"
+            else:
+                flat = (f"x {tuple(x.shape)} runs as a = x.reshape({rows}, {x.shape[-1]}), operands "
+                        "with x's leading dims flattened alike")
             raise CallError(f"evtc.linear ({flat}, weight as b = weight.t()): {err.message}",
                             err.loc) from None
         except EpilogueError as err:

@@ -385,7 +385,7 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
     if not (even and (size == half or (isinstance(size, list | tuple) and list(size) == [half, half]))):
         parts = (len(size) if isinstance(size, list | tuple) else
                  -(-t.problem.sizes[N] // size) if isinstance(size, int) and size > 0 else 2)
-        hint = ("write x.chunk(2, dim=-1)" if parts == 2 else
+        hint = ("write x.chunk(2, dim=-1)" if parts <= 2 else
                 f"this split makes {parts} parts (q, k, v of a fused projection?): return the whole "
                 "tile and split the result after the call (y.split(...) gives views, no copy)")
         raise UnsupportedOpError(
