@@ -193,6 +193,10 @@ class FusedLinear(nn.Module):
         state = super().__getstate__()
         return {**state, "_compiled": {}, "_served": {}}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_served", {})  # a module pickled before it had one
+
     def __prepare_scriptable__(self) -> nn.Module:
         # torch.jit.script asks this first: the forward launches compiled kernels that TorchScript
         # cannot express.
