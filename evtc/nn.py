@@ -142,8 +142,9 @@ class FusedLinear(nn.Module):
         # same kernel as any other). The epilogue too: a module whose epilogue was replaced
         # compiles the new one. x's rank is not: evtc.linear takes any leading dims, and refuses
         # those whose flattening would change the epilogue's results.
-        # Loops and list comprehensions only: this runs under torch.compile's tracing, whose older
-        # versions refuse generator expressions outside tuple().
+        # Loops and list comprehensions only: this runs under torch.compile's tracing, and a
+        # generator expression given to all() there is the likely cause of a fullgraph failure on
+        # torch 2.11 (tuple() of one is what the key always had).
         lead_dims = x.dim() - 1
         parts = [self.epilogue, x.dtype, x.device, weight.dtype]
         for name, value in operands.items():

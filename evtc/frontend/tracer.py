@@ -143,8 +143,6 @@ class Tracer:
         promote the result, and is rounded to its dtype (``y * s`` for a bfloat16 ``y`` and a float32
         0-dim ``s`` multiplies by s rounded to bfloat16). Python numbers are not: torch passes them
         in float32."""
-        # Loops, not generator expressions: a trace may run inside torch.compile's region (a
-        # kernel built on first use), where dynamo refuses to enter a generator's frame.
         # The inputs' own dtypes, loads as widened (evtc computes on a loaded 16-bit operand in
         # float32, as evtc.reference does): only a value the function itself narrowed is narrow.
         for n in inputs:
