@@ -158,7 +158,7 @@ def python_bools_of_runtime_scalars(acc, alpha: float, beta: float):
     hi, lo = alpha > 0.5, beta > 0.5
     return ((acc * ((hi + hi) + lo)).float(), (acc * ~hi + ~lo).float(), (acc * (hi - lo) - (-lo)).float(),
             (acc * (hi * 3)).float(), ((acc > 0) + hi).float(), (acc * (hi & lo)).float(),
-            (acc * (hi | lo)).float())
+            (acc * (hi | lo)).float(), (acc * ~~hi + ~~lo).float())
 
 
 def zero_dim_tensors_beside_16bit_values(acc, s, h):

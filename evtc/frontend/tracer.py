@@ -219,10 +219,15 @@ class Tracer:
         no bitwise op on floats, so anything else is refused. ``~`` of a Python bool (a comparison
         of runtime scalars) is Python's: ~True is -2."""
         inputs = tuple(self.node_of(a) for a in args)
-        if op == "logical_not" and inputs[0].dtype == torch.bool and self._python_numbers(inputs):
+        if op == "logical_not" and self._python_numbers(inputs) and (
+                inputs[0].dtype == torch.bool or self.eager.dtype(inputs[0]) == torch.int64):
+            # ~ of a Python bool or int (~True is -2, ~~True is 1): -(x + 1)
             loc = user_location()
-            negated = self.builder.add("neg", (self._as_int(inputs[0]),), None, loc=loc)
-            return self.wrap(self.builder.add("sub", (negated, self.builder.literal(1, loc)), None, loc=loc))
+            number = self._as_int(inputs[0]) if inputs[0].dtype == torch.bool else inputs[0]
+            negated = self.builder.add("neg", (number,), None, loc=loc)
+            result = self.builder.add("sub", (negated, self.builder.literal(1, loc)), None, loc=loc)
+            self.eager.set(result, EagerType(torch.int64, NUMBER))
+            return self.wrap(result)
         if any(n.dtype != torch.bool for n in inputs):
             symbol = {"logical_and": "&", "logical_or": "|", "logical_not": "~"}[op]
             raise DTypeError(f"{symbol} on a value that is not a boolean mask: torch's {symbol} is bitwise, "
