@@ -166,12 +166,12 @@ class Linear:
             if err.message.startswith("evtc.linear") or not isinstance(x, torch.Tensor) or x.dim() < 1:
                 raise err.with_traceback(None) from None
             # The kernel's own checks speak of a, b and flattened operands: say how they came about.
-            rows = math.prod(x.shape[:-1])
             if x.dim() == 1:
                 flat = f"x {tuple(x.shape)} runs as one row, a = x.reshape(1, {x.shape[-1]})"
             elif x.dim() == 2:
                 flat = "x runs as a"
             else:
+                rows = math.prod(x.shape[:-1])
                 flat = (f"x {tuple(x.shape)} runs as a = x.reshape({rows}, {x.shape[-1]}), operands "
                         "with x's leading dims flattened alike")
             raise CallError(f"evtc.linear ({flat}, weight as b = weight.t()): {err.message}",

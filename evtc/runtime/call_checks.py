@@ -312,10 +312,10 @@ def refuse_tensor_scalars(spec: CallSpec, operands: dict) -> None:
     """A tensor for a runtime scalar (compiled from a Python number) is refused by name, as the
     eager path's :func:`validate` does; the operator would take it, and under torch.compile it
     fails inside dynamo. A device scalar is compiled from a one-element tensor."""
-    for kernel_input in spec.plan.inputs:
-        if kernel_input.kind == "arg" and isinstance(operands.get(kernel_input.name), torch.Tensor):
-            raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
-                            "Tensor (for a device scalar, compile with a one-element tensor example)")
+    for name in spec.arg_names:
+        if isinstance(operands.get(name), torch.Tensor):
+            raise CallError(f"{name} is a runtime scalar: pass a Python float or int, got Tensor (for a "
+                            "device scalar, compile with a one-element tensor example)")
 
 
 def without_unused(spec: CallSpec, operands: dict) -> dict:
@@ -509,16 +509,15 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
     check_tensor("a", a, plan.a, torch_dtype(plan.a.dtype), {**sizes, "L": a.shape[0]}, layout=False)
     for name, part in b_parts:
         check_tensor(name, part, plan.b, torch_dtype(plan.b.dtype), {**sizes, "L": b.shape[0]}, layout=False)
+    refuse_tensor_scalars(spec, operands)
     for kernel_input in plan.inputs:
         if kernel_input.kind == "literal":
             continue
         value = operands[kernel_input.name]
         if kernel_input.kind == "arg":
-            if isinstance(value, torch.Tensor) or not isinstance(value, int | float):
-                hint = (" (for a device scalar, compile with a one-element tensor example)"
-                        if isinstance(value, torch.Tensor) else "")
+            if not isinstance(value, int | float):  # (a tensor was refused above)
                 raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
-                                f"{type(value).__name__}{hint}")
+                                f"{type(value).__name__}")
             continue
         # Another float dtype than compiled takes the torch path (see torch_reason); one that would
         # change an output's dtype was refused before (refuse_other_promotions).

@@ -84,6 +84,8 @@ class CallSpec:
         self._result_kind = plan.structure.kind
         #: Whether a call may pass parameters the kernel does not take (unused ones, constants).
         self.accepts_more = bool(interface.unused or interface.constants or interface.defaults)
+        #: The runtime scalars (compiled from Python numbers), which a call passes as numbers.
+        self.arg_names = tuple(i.name for i in plan.inputs if i.kind == "arg")
         #: The compiled dtype of each tensor operand, by the name the user passes.
         self.operand_dtypes = {i.user: torch_dtype(i.spec.dtype) for i in plan.inputs if i.spec is not None}
         #: Elements per 16 bytes of the narrowest output dtype: an N that is not a multiple of it
