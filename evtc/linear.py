@@ -19,6 +19,7 @@ import torch
 from evtc.compile import compile as _compile_kernel
 from evtc.compile import graph_digest
 from evtc.errors import CallError, CompileError, EpilogueError
+from evtc.runtime import call_checks
 from evtc.runtime.call_checks import refuse_overlapping, refuse_shared_targets
 from evtc.runtime.dtype_variants import meta_copy
 from evtc.runtime.kernel import Kernel
@@ -229,6 +230,7 @@ class Linear:
             # Under torch.compile the kernel is a functional operator whose results are copied into
             # out= in any case; and a view of `out` that fails (below) cannot be caught while tracing.
             return self._written_into(kernel, x2, weight, flat, lead, out)
+        self._resize_empty_out(kernel, x2, weight, out, lead)
         self._check_out_rows(kernel, out, lead)
         try:
             # Views only: a reshape that copied would have the kernel write the copy, not `out`.
@@ -241,6 +243,22 @@ class Linear:
             flat_out = out  # not the epilogue's structure: the kernel's own check says what is wrong
         kernel(x2, weight.t(), out=flat_out, **flat)
         return out
+
+    @staticmethod
+    def _resize_empty_out(kernel: Kernel, x2, weight, out: Any, lead: tuple) -> None:
+        """Resize ``out=`` tensors with no elements to their outputs' shapes (x's leading dims where
+        the kernel's have M), as torch resizes an empty ``out=`` (see call_checks.resize_empty)."""
+        spec = kernel.call_spec
+        given = spec.tree.flatten(out, call_checks.is_tensor)
+        if given is None or all(not isinstance(t, torch.Tensor) or t.numel() for t in given.values()):
+            return
+        sizes = call_checks.problem_sizes(spec, x2, weight.t())
+        if sizes is None:
+            return
+        dims = _output_dims(kernel)
+        shapes = {name: ((*lead, *shape[1:]) if dims[name][:1] == ("M",) else shape, dtype)
+                  for name, (shape, dtype) in call_checks.output_shapes(spec, *sizes).items()}
+        call_checks.resize_empty(given, shapes, x2.device)
 
     def _check_out_rows(self, kernel: Kernel, out: Any, lead: tuple) -> None:
         """Refuse an out= tensor along M whose leading dims are not x's (a (S, B, N) one for x of
@@ -291,15 +309,20 @@ class Linear:
     def _per_output(kernel: Kernel, value: Any, along_m: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """``value`` (``kernel``'s output structure) with ``along_m`` applied to the outputs whose
         first dim is M (tiles, per-row reductions); per-column and whole-output reductions pass."""
-        plan = kernel.plan
-        structure = plan.structure
-        dims = {s.name: s.dims for s in plan.outputs} | {h.name: h.dims for h in plan.host_outputs}
+        structure = kernel.plan.structure
+        dims = _output_dims(kernel)
         leaves = structure.flatten(value, lambda _: True)
         if leaves is None:
             return value
         mapped = {name: along_m(t) if isinstance(t, torch.Tensor) and dims[name][:1] == ("M",) else t
                   for name, t in leaves.items()}
         return structure.build(mapped)
+
+
+def _output_dims(kernel: Kernel) -> dict[str, tuple[str, ...]]:
+    """Each output's dims (by name): ("M", "N") for a tile, ("M",) for a per-row reduction."""
+    plan = kernel.plan
+    return {s.name: s.dims for s in plan.outputs} | {h.name: h.dims for h in plan.host_outputs}
 
 
 def _requires_grad(x, weight, operands: Mapping[str, Any]) -> bool:

@@ -788,3 +788,49 @@ def test_a_wrong_dtype_on_meta_tensors_is_a_call_error(cache):
     k = evtc.compile(lambda acc: acc * 2, ex, cache_dir=cache)
     with pytest.raises(evtc.CallError, match="a must be torch.float16"):
         k(torch.empty(16, 32, device="meta"), torch.empty(32, 8, dtype=h, device="meta"))
+
+
+def _stats(acc, C):
+    return acc + C, (acc * C).sum(-1), acc.amax(0)
+
+
+def test_out_of_no_elements_is_resized_as_torch_resizes_it(cache):
+    """``torch.empty(0)`` for ``out=`` is resized to the output's shape, as torch's ops resize it
+    (tiles, per-row and per-column reductions alike); one of another dtype, or with elements and
+    another shape, is refused and left as it was."""
+    a, b, C = torch.randn(16, 32), torch.randn(32, 8), torch.randn(16, 8)
+    k = evtc.compile(_stats, {"a": a, "b": b, "C": C}, cache_dir=cache)
+    out = (torch.empty(0), torch.empty(0), torch.empty(0))
+    assert all(r is o for r, o in zip(k(a, b, C=C, out=out), out, strict=True))
+    acc = a.double() @ b.double()
+    for got, want in zip(out, (acc + C.double(), (acc * C.double()).sum(-1), acc.amax(0)), strict=True):
+        assert got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-4)
+    wrong_dtype = (torch.empty(0, dtype=torch.float16), torch.empty(0), torch.empty(0))
+    with pytest.raises(evtc.CallError, match="D0"):
+        k(a, b, C=C, out=wrong_dtype)
+    assert all(t.shape == (0,) for t in wrong_dtype)
+    with_elements = (torch.full((4, 8), 7.0), torch.empty(0), torch.empty(0))
+    with pytest.raises(evtc.CallError, match="shape"):
+        k(a, b, C=C, out=with_elements)
+    assert with_elements[0].shape == (4, 8) and (with_elements[0] == 7).all()
+    shared = torch.empty(0)
+    with pytest.raises(evtc.CallError):
+        k(a, b, C=C, out=(shared, shared, torch.empty(0)))
+    assert shared.shape == (0,)
+
+
+def test_linear_resizes_an_empty_out_to_xs_leading_dims(cache):
+    """evtc.linear's empty ``out=`` tensors take x's leading dims where the output has rows."""
+    def residual_and_norms(acc, C):
+        return acc + C, (acc * acc).sum(-1)
+
+    w = torch.randn(8, 32)
+    example = {"x": torch.randn(2, 3, 32), "weight": w, "C": torch.randn(2, 3, 8)}
+    lin = evtc.linear(residual_and_norms, example, cache_dir=cache)
+    for lead in [(), (6,), (2, 3)]:
+        x, C = torch.randn(*lead, 32), torch.randn(*lead, 8)
+        out = (torch.empty(0), torch.empty(0))
+        assert all(r is o for r, o in zip(lin(x, w, C=C, out=out), out, strict=True))
+        y = torch.nn.functional.linear(x.double(), w.double())
+        assert out[0].shape == (*lead, 8) and torch.allclose(out[0].double(), y + C.double(), atol=1e-4)
+        assert out[1].shape == lead and torch.allclose(out[1].double(), (y * y).sum(-1), rtol=1e-4)

@@ -246,6 +246,72 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     return tensors
 
 
+def output_shapes(spec: CallSpec, m: int, n: int,
+                  batches: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each output's shape and dtype (by name) for a problem of ``m`` x ``n`` (the output's width) and
+    ``batches``."""
+    sizes = {"L": batches, "M": m, "N": n, "1": 1}
+    plan = spec.plan
+    shapes = {name: (tuple(sizes[d] for d in out_spec.dims), dt)
+              for name, out_spec, dt in zip(spec.kernel_order, plan.outputs, spec.out_dtypes, strict=False)}
+    for name, host in zip(spec.kernel_order[len(plan.outputs):], spec.host_outputs, strict=True):
+        shapes[name] = (tuple(sizes[d] for d in host.dims), torch_dtype(host.dtype))
+    return shapes
+
+
+def problem_sizes(spec: CallSpec, a, b) -> tuple[int, int, int] | None:
+    """(M, the output's N, batches) of a call on ``a`` and ``b``, or None where they are not a
+    problem's inputs (the checks then say why)."""
+    if spec.scale_rows and is_pair(a) and is_pair(b):
+        a, b = a[0], b[0]
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() not in (2, 3) \
+            or b.dim() not in (2, 3):
+        return None
+    n = b.shape[-1]
+    if spec.gated:
+        if n % 2:
+            return None
+        n //= 2
+    batches = a.shape[0] if a.dim() == 3 else b.shape[0] if b.dim() == 3 else 1
+    return a.shape[-2], n, batches
+
+
+def resize_empty(given: dict, shapes: dict, device: torch.device) -> None:
+    """torch's rule for an ``out=`` tensor with no elements (``torch.empty(0)``): it is resized to the
+    output's shape (a tensor with elements and another shape stays refused, where torch resizes it
+    with a deprecation warning). Only where every target then fits (its output's dtype, device and
+    shape) is anything resized: a refused call leaves ``out=`` as it was."""
+    resize = []
+    ids = [id(t) for t in given.values()]
+    for name, target in given.items():
+        if name not in shapes or not isinstance(target, torch.Tensor):
+            return
+        shape, dtype = shapes[name]
+        if target.dtype != dtype or target.device != device:
+            return
+        if tuple(target.shape) == shape:
+            continue
+        if target.numel() or ids.count(id(target)) > 1 or target.requires_grad \
+                or target.layout != torch.strided or not target.untyped_storage().resizable() \
+                or target.is_inference() and not torch.is_inference_mode_enabled():
+            return  # refused by the checks, as it is
+        resize.append((target, shape))
+    for target, shape in resize:
+        target.resize_(shape)
+
+
+def resize_empty_outputs(spec: CallSpec, out, a, b) -> None:
+    """:func:`resize_empty` for a kernel call's ``out=`` on ``a`` and ``b``."""
+    given = spec.tree.flatten(out, is_tensor)
+    if given is None or all(not isinstance(t, torch.Tensor) or t.numel() for t in given.values()):
+        return
+    sizes = problem_sizes(spec, a, b)
+    if sizes is None:
+        return
+    device = (a[0] if is_pair(a) else a).device
+    resize_empty(given, output_shapes(spec, *sizes), device)
+
+
 def refuse_shared_targets(given: dict) -> None:
     """Refuse ``out=`` tensors (by output name) whose memory overlaps another's: each would hold
     whichever output was stored last."""

@@ -427,6 +427,8 @@ class Kernel:
         spec = self.call_spec
         if positional:
             operands = self._by_position(positional, operands)
+        if out is not None and not torch.compiler.is_compiling():
+            call_checks.resize_empty_outputs(spec, out, a, b)  # torch.empty(0) for out=, as torch takes it
         if out is not None and torch.is_grad_enabled():
             _refuse_out_requiring_grad(spec, out)
             if call_checks.needs_grad(a, b, operands):
