@@ -360,3 +360,25 @@ def test_views_with_torchs_negative_bit_are_resolved(cache):
     got = ks(a, b, s=s)
     assert ks.last_path == "staged"
     _check(got, _ref(scaled, a, b, s=torch.tensor(-0.5, device="cuda")), "a scalar with the negative bit")
+
+
+def test_empty_out_tensors_are_resized_and_written_by_the_kernel(cache):
+    """``torch.empty(0)`` for each output, reductions included: resized as torch resizes it, then
+    written on the kernel path (strict: no copy), in kernel calls and through evtc.linear."""
+    def gelu_and_row_norms(acc, bias):
+        y = F.gelu(acc + bias)
+        return y, (y.float() ** 2).sum(-1)
+
+    a, b, bias = randn(256, 128), randn(128, 192), randn(192)
+    k = evtc.compile(gelu_and_row_norms, {"a": a, "b": b, "bias": bias}, cache_dir=cache, strict=True)
+    out = (torch.empty(0, device="cuda", dtype=torch.float16), torch.empty(0, device="cuda"))
+    got = k(a, b, bias=bias, out=out)
+    assert got[0] is out[0] and got[1] is out[1] and k.last_path == "kernel"
+    _check(out, gelu_and_row_norms(a.float() @ b.float(), bias.float()), "k(out=empty)")
+    w = randn(192, 128)
+    lin = evtc.linear(gelu_and_row_norms, {"x": randn(2, 128, 128), "weight": w, "bias": bias},
+                      cache_dir=cache)
+    x = randn(2, 128, 128)
+    out = (torch.empty(0, device="cuda", dtype=torch.float16), torch.empty(0, device="cuda"))
+    lin(x, w, bias=bias, out=out)
+    _check(out, gelu_and_row_norms(x.float() @ w.float().t(), bias.float()), "linear(out=empty)")
