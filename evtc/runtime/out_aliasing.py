@@ -104,8 +104,8 @@ def unaliased(targets: list, gemm_inputs, operands) -> list:
         if target.numel():
             lo, hi = _memory_span(target)
             for t, span, gemm in spans:
-                if t.device != target.device or not spans_meet(span, (lo, hi)):
-                    continue
+                if t.device != target.device or not spans_meet(span, (lo, hi)) or not overlap(t, target):
+                    continue  # side by side in one buffer (C's columns and out='s) is not a race
                 same_view = (t.data_ptr() == target.data_ptr() and t.shape == target.shape
                              and t.stride() == target.stride() and t.dtype == target.dtype)
                 if gemm or not same_view:
