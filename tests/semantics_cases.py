@@ -20,6 +20,14 @@ def masks_added_and_multiplied(acc):
     return ((up + down) * acc).float(), ((up * down) * acc).float(), (torch.maximum(up, down) * 1.0).float()
 
 
+def masks_added_with_alpha(acc):
+    # torch adds two masks in bool, alpha included: alpha * other is other for a nonzero alpha, and
+    # nothing for 0; a mask beside a float value is 0 or 1 in arithmetic.
+    up, down = acc > 0.5, acc < -1.0
+    return ((torch.add(up, down, alpha=2) * acc).float(), (up.add(down, alpha=0) * acc).float(),
+            torch.add(acc, up, alpha=0.5).float(), torch.add(up, acc, alpha=-3).float())
+
+
 def masks_xor_and_logical_of_floats(acc):
     return ((acc > 0) ^ (acc > 1)).float(), torch.logical_and(acc, acc - 1.0).float(), \
         torch.logical_not(acc - 1.0).float()
@@ -173,6 +181,7 @@ def zero_dim_tensors_beside_16bit_values(acc, s, h):
 CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
     "masks_added_and_multiplied": (masks_added_and_multiplied, {}),
+    "masks_added_with_alpha": (masks_added_with_alpha, {}),
     "masks_xor_and_logical_of_floats": (masks_xor_and_logical_of_floats, {}),
     "half_mean_and_float_sum": (half_mean_and_float_sum, {}),
     "bfloat16_mean_all": (bfloat16_mean_all, {}),

@@ -81,6 +81,9 @@ def _refused(fn, match, **ops):
 def test_what_torch_refuses_is_refused():
     _refused(lambda acc: acc - (acc > 0), "subtraction or negation of a boolean mask")
     _refused(lambda acc: -(acc > 0), "subtraction or negation of a boolean mask")
+    _refused(lambda acc: torch.sub(acc, acc > 0, alpha=0.5), "subtraction or negation of a boolean mask")
+    _refused(lambda acc: (acc * 1.0).sub_(acc > 0, alpha=2), "subtraction or negation of a boolean mask")
+    _refused(lambda acc: torch.add(acc > 0, acc > 1, alpha=0.5) * acc, "int alpha")
     _refused(lambda acc: torch.where(acc, acc, 0.0), "condition is torch.float32, not a boolean mask")
     _refused(lambda acc: acc & (acc > 0), "not a boolean mask")
     _refused(lambda acc: (acc > 0) ^ acc, "not a boolean mask")

@@ -188,6 +188,15 @@ def _add_sub(op: str) -> Handler:
         if isinstance(alpha, TracedValue) and alpha.dim() > 0:
             raise DTypeError(f"torch.{op}'s alpha must be a number or a 0-dim tensor (torch refuses a "
                              f"tensor of shape {tuple(alpha._node.shape)})", user_location())
+        masks = [isinstance(v, TracedValue) and v._node.dtype == torch.bool for v in (input, other)]
+        if op == "sub" and any(masks):
+            return t.emit(op, (input, other))  # refused as torch refuses a mask's subtraction
+        if all(masks):
+            # On two masks torch adds in bool: alpha * other is other where alpha is nonzero.
+            if not isinstance(alpha, bool | int):
+                raise DTypeError(f"torch.{op} of two boolean masks takes an int alpha (torch refuses "
+                                 "a float one for integral tensors)", user_location())
+            return t.emit(op, (input, other)) if alpha else input
         # torch computes input + alpha * other in float32 and rounds once, to the dtype the plain
         # sum would have (alpha, a scalar, takes no part): alpha * other is never rounded to a
         # 16-bit other's dtype on its own.
