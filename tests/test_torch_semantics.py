@@ -254,3 +254,16 @@ def test_a_16bit_operand_compares_with_numbers_rounded_to_its_dtype():
     want = compared(a @ b, **ops)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w), (g, w)
+
+
+def test_activation_parameters_computed_from_sizes():
+    """A leaky_relu slope or an elu alpha computed from the problem's sizes is known per call, as a
+    runtime scalar is: traced as one; a parameter evtc takes only as a constant names the size."""
+    a, b, _ = _inputs({})
+    acc = a.float() @ b.float()
+    for fn in (lambda acc: F.leaky_relu(acc, 1.0 / acc.shape[-1]),
+               lambda acc: F.elu(acc, acc.shape[0] / 4.0)):
+        got = evtc.trace(fn, {"a": a, "b": b}).evaluate({"a": a, "b": b})
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got, fn(acc).half(), rtol=0, atol=0)
+    _refused(lambda acc: F.softplus(acc, beta=acc.shape[-1] / 4), "computed from the problem's sizes")

@@ -139,17 +139,21 @@ def _unary_inplace_kw(op: str, **defaults: Any) -> Handler:
             if key not in defaults:
                 raise UnsupportedOpError(f"{op}: argument {key!r} not supported", user_location())
             params[key] = value
-        runtime = [key for key, value in params.items()
-                   if isinstance(value, TracedValue) and value._node.is_python_scalar]
+        # A runtime scalar, or a number computed from the problem's sizes (1 / acc.shape[-1]),
+        # which is known only per call too.
+        runtime = [key for key, value in params.items() if isinstance(value, SymDim)
+                   or isinstance(value, TracedValue) and value._node.is_python_scalar]
         if runtime and op in _BY_RUNTIME_SCALAR:
             # A parameter passed per call: the op written out with it, as torch computes it.
             return _maybe_inplace(t, input, _BY_RUNTIME_SCALAR[op](t, input, **params), inplace, op)
         for key, value in params.items():
             if key in runtime:
+                what = ("computed from the problem's sizes" if isinstance(params[key], SymDim)
+                        else "a runtime scalar (an epilogue argument)")
                 raise UnsupportedOpError(
-                    f"{op}: parameter {key} is a runtime scalar (an epilogue argument); evtc takes it "
-                    "only as a compile-time number: write it as a literal, or give the parameter a "
-                    "default value and leave it out of the example inputs", user_location())
+                    f"{op}: parameter {key} is {what}; evtc takes it only as a compile-time number: "
+                    "write it as a literal, or give the parameter a default value and leave it out of "
+                    "the example inputs", user_location())
             if not isinstance(value, int | float):
                 raise UnsupportedOpError(
                     f"{op}: parameter {key} must be a Python number, got {type(value).__name__}",
