@@ -197,6 +197,7 @@ class Linear:
     def _differentiable(self, x, weight, operands):
         from evtc.linear_autograd import LinearFunction
 
+        call_checks.refuse_functorch_autograd("evtc.linear")
         names = tuple(operands)
         outputs = LinearFunction.apply(self, x, weight, names, *operands.values())
         return self.kernel.plan.structure.build(dict(zip(self.output_names, outputs, strict=True)))

@@ -25,6 +25,16 @@ if TYPE_CHECKING:
     from evtc.linear import Linear
 
 
+def not_views(outputs: tuple) -> tuple:
+    """``outputs`` with each view (x's leading dims put back on a kernel's flat output, a reduction
+    cut from one allocation) made a tensor of its own over the same memory, without a copy: an
+    autograd Function's outputs that are views refuse in-place changes (``y.mul_(2)``,
+    ``nn.ReLU(inplace=True)`` after the layer), which nn.Linear's outputs take."""
+    unsafe_view = torch.ops.aten._unsafe_view
+    return tuple(unsafe_view(t, t.shape) if isinstance(t, torch.Tensor) and t._is_view() else t
+                 for t in outputs)
+
+
 def first_derivative_only(backward):
     """``backward`` (a ``torch.autograd.Function``'s, already ``once_differentiable``) refusing
     ``backward(create_graph=True)``: ``once_differentiable`` raises only where the incoming gradients
@@ -63,6 +73,7 @@ class LinearFunction(torch.autograd.Function):
         ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
         ctx.save_for_backward(x, weight, *saved_acc, *[values[i] for i in ctx.tensor_slots])
+        outputs = not_views(outputs)
         ctx.mark_non_differentiable(*[t for t in outputs if not t.dtype.is_floating_point])
         return outputs
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from evtc.linear_autograd import first_derivative_only
+from evtc.linear_autograd import first_derivative_only, not_views
 from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class MLPFunction(torch.autograd.Function):
         ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
         ctx.save_for_backward(x, w1, w2, h, *saved1, *saved2, *[values[i] for i in ctx.tensor_slots])
+        outputs = not_views(outputs)
         ctx.mark_non_differentiable(*[t for t in outputs if not t.dtype.is_floating_point])
         return outputs
 

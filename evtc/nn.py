@@ -317,7 +317,9 @@ class MLP(nn.Module):
             second = operator.second
         else:
             from evtc.mlp_autograd import MLPFunction
+            from evtc.runtime.call_checks import refuse_functorch_autograd
 
+            refuse_functorch_autograd("evtc.nn.MLP")
             outputs = MLPFunction.apply(self, x, w1, w2, names1, names2, *values)
             second = self._second  # the one MLPFunction.forward just ran
         return second.kernel.plan.structure.build(dict(zip(second.output_names, outputs, strict=True)))

@@ -950,3 +950,83 @@ def test_no_input_features_backward_as_nn_linear(tmp_path):
     bias_gelu(F.linear(xe, layer.weight.detach()), be).sum().backward()
     assert x.grad.shape == (2, 3, 0)
     _close(layer.bias.grad, be.grad, "bias.grad")
+
+
+def _add_residual(acc, residual):
+    return acc + residual
+
+
+def _changed_in_place(y):
+    y.mul_(2)
+    y[0] = 0
+    return torch.relu_(y)
+
+
+@pytest.mark.parametrize("lead", [(4,), (2, 3)])
+def test_outputs_take_in_place_changes_as_nn_linears_do(lead, tmp_path):
+    """A layer's outputs may be changed in place while autograd records (``y.mul_(2)``, ``y[0] = 0``,
+    ``nn.ReLU(inplace=True)`` after the layer), with gradients as torch's: they were views made
+    inside an autograd Function, which torch refuses to change in place."""
+    from evtc.nn import MLP, FusedLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(*lead, 16)
+    fused = FusedLinear(16, 24, bias_gelu, cache_dir=tmp_path)
+    plain = torch.nn.Linear(16, 24)
+    plain.load_state_dict(fused.state_dict())
+    _changed_in_place(fused(x)).square().sum().backward()
+    _changed_in_place(F.gelu(plain(x))).square().sum().backward()
+    _close(fused.weight.grad, plain.weight.grad, "weight")
+    _close(fused.bias.grad, plain.bias.grad, "bias")
+
+    block = MLP(16, 12, swiglu, _add_residual, cache_dir=tmp_path)
+    _changed_in_place(block(x, residual=x)).square().sum().backward()
+    up, down = block.up.weight.detach().requires_grad_(), block.down.weight.detach().requires_grad_()
+    _changed_in_place(swiglu(x @ up.t()) @ down.t() + x).square().sum().backward()
+    _close(block.up.weight.grad, up.grad, "MLP up")
+    _close(block.down.weight.grad, down.grad, "MLP down")
+
+
+def test_reductions_cut_from_one_allocation_take_in_place_changes(tmp_path):
+    """A per-row reduction (a piece of one allocation with the others) changed in place, gradients
+    as torch's (torch's amax saves its result, so its in-place change is torch's error)."""
+    g = torch.Generator().manual_seed(1)
+    x, bias = torch.randn(6, 16, generator=g), torch.randn(24, generator=g)
+    w = torch.randn(24, 16, generator=g, requires_grad=True)
+    lin = evtc.linear(with_stats, {"x": x, "weight": w, "bias": bias}, cache_dir=tmp_path)
+    w_ref = w.detach().clone().requires_grad_()
+    for outputs in (lin(x, w, bias=bias), with_stats(x @ w_ref.t(), bias)):
+        y, sums, maxima = outputs
+        sums.mul_(3)
+        (y.square().sum() + sums.sum() + maxima.square().sum()).backward()
+    _close(w.grad, w_ref.grad, "weight")
+
+
+def test_torch_func_transforms_are_refused_by_name_and_vmap_without_grad_runs(tmp_path):
+    """torch.func's grad, vjp and vmap while autograd records cannot run evtc's autograd: a CallError
+    that says what to use instead (torch's own was about an autograd.Function's setup_context);
+    vmap of the forward under no_grad runs, one call per sample."""
+    from evtc.nn import MLP, FusedLinear
+
+    torch.manual_seed(0)
+    x, xs = torch.randn(4, 16), torch.randn(3, 4, 16)
+    layer = FusedLinear(16, 24, bias_gelu, cache_dir=tmp_path)
+    block = MLP(16, 12, swiglu, _add_residual, cache_dir=tmp_path)
+    a, b, bias = torch.randn(8, 16), torch.randn(16, 24), torch.randn(24)
+    k = evtc.compile(bias_gelu, {"a": a, "b": b, "bias": bias}, cache_dir=tmp_path)
+    params = dict(layer.named_parameters())
+    attempts = [
+        lambda: torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x,)).sum())(params),
+        lambda: torch.func.vjp(layer, x)[1](torch.ones(4, 24)),
+        lambda: torch.func.vmap(layer)(xs),
+        lambda: torch.func.grad(lambda xx: block(xx, residual=xx).sum())(x),
+        lambda: torch.func.grad(lambda aa: k(aa, b, bias=bias).sum())(a),
+    ]
+    for attempt in attempts:
+        with pytest.raises(evtc.CallError, match="torch.func transforms"):
+            attempt()
+    with torch.no_grad():
+        got = torch.func.vmap(layer)(xs)
+        torch.testing.assert_close(got, F.gelu(xs @ layer.weight.t() + layer.bias), rtol=1e-5, atol=1e-5)
+        got = torch.func.vmap(lambda aa: k(aa, b, bias=bias))(xs[:, :, :16].repeat(1, 2, 1))
+        torch.testing.assert_close(got, bias_gelu(xs.repeat(1, 2, 1) @ b, bias), rtol=1e-5, atol=1e-5)

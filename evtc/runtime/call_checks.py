@@ -405,6 +405,17 @@ def without_unused(spec: CallSpec, operands: dict) -> dict:
     return kept
 
 
+def refuse_functorch_autograd(what: str) -> None:
+    """Refuse a differentiable call inside a torch.func transform (grad, vjp, jacrev, jvp, or vmap
+    while autograd records): evtc's backward launches kernels the transforms cannot see through, and
+    torch's own error (an autograd.Function without ``setup_context``) does not say what to do."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise CallError(f"{what} is differentiable through torch.autograd only, not inside torch.func "
+                        "transforms (grad, vjp, jacrev, jvp, or vmap while autograd records): compute "
+                        "gradients with loss.backward() or torch.autograd.grad (per-sample ones in a loop), "
+                        "or call under torch.no_grad() for vmap of the forward alone")
+
+
 def needs_grad(a, b, operands: dict) -> bool:
     """Whether any input requires grad (on the per-call path: no tuple or generator built)."""
     if getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False):

@@ -537,6 +537,8 @@ class Kernel:
         views = to_compiled_shapes(self.plan, a, b, operands, scales)
         if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
             a, b, operands, scales = views
+        if torch.is_grad_enabled() and call_checks.needs_grad(a, b, operands):
+            call_checks.refuse_functorch_autograd(f"{self.plan.name!r}")
         result = self.op(a, b, *scales, *[operands[name] for name in spec.names])
         outs = [result] if len(spec.kernel_order) == 1 else list(result)
         if out is not None:
