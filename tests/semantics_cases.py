@@ -28,6 +28,11 @@ def masks_added_with_alpha(acc):
             torch.add(acc, up, alpha=0.5).float(), torch.add(up, acc, alpha=-3).float())
 
 
+def activation_parameters_from_sizes(acc):
+    # A leaky_relu slope and an elu alpha computed from the problem's sizes: known per call.
+    return F.leaky_relu(acc, 4.0 / acc.shape[-1]).float(), F.elu(acc - 1.0, acc.shape[0] / 16.0).float()
+
+
 def masks_xor_and_logical_of_floats(acc):
     return ((acc > 0) ^ (acc > 1)).float(), torch.logical_and(acc, acc - 1.0).float(), \
         torch.logical_not(acc - 1.0).float()
@@ -182,6 +187,7 @@ CASES = {
     "neg_inf_literal": (neg_inf_literal, {}),
     "masks_added_and_multiplied": (masks_added_and_multiplied, {}),
     "masks_added_with_alpha": (masks_added_with_alpha, {}),
+    "activation_parameters_from_sizes": (activation_parameters_from_sizes, {}),
     "masks_xor_and_logical_of_floats": (masks_xor_and_logical_of_floats, {}),
     "half_mean_and_float_sum": (half_mean_and_float_sum, {}),
     "bfloat16_mean_all": (bfloat16_mean_all, {}),
