@@ -302,6 +302,14 @@ def resize_empty(given: dict, shapes: dict, device: torch.device) -> None:
 
 def resize_empty_outputs(spec: CallSpec, out, a, b) -> None:
     """:func:`resize_empty` for a kernel call's ``out=`` on ``a`` and ``b``."""
+    # The per-call look (out= of tensors with elements) first: no structure flattened.
+    leaves = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, tuple | list) else None
+    if leaves is not None:
+        for t in leaves:
+            if not isinstance(t, torch.Tensor) or not t.numel():
+                break
+        else:
+            return
     given = spec.tree.flatten(out, is_tensor)
     if given is None or all(not isinstance(t, torch.Tensor) or t.numel() for t in given.values()):
         return
