@@ -135,10 +135,11 @@ class Linear:
     def _output_leaves(self, result: Any) -> dict[str, torch.Tensor]:
         return self.kernel.plan.structure.flatten(result, lambda _: True)
 
-    def _gradients(self, x, weight, operands, grads, acc=None):
+    def _gradients(self, x, weight, operands, grads, acc=None, *, need_x=True, need_weight=True):
         from evtc.linear_autograd import backward_of_linear
 
-        return backward_of_linear(self, x, weight, operands, grads, acc=acc)
+        return backward_of_linear(self, x, weight, operands, grads, acc=acc, need_x=need_x,
+                                  need_weight=need_weight)
 
     @property
     def source(self) -> str:

@@ -89,18 +89,22 @@ class LinearFunction(torch.autograd.Function):
         operands = dict(zip(ctx.names, values, strict=True))
         grads = dict(zip(ctx.lin.output_names, grad_outputs, strict=True))
         acc = (torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]) if saved_acc else None
-        dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads, acc=acc)
         needs = ctx.needs_input_grad
+        dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads, acc=acc,
+                                                     need_x=needs[1], need_weight=needs[2])
         operand_grads = [d_operands.get(name) if needs[4 + i] else None for i, name in enumerate(ctx.names)]
         return (None, dx if needs[1] else None, dweight if needs[2] else None, None, *operand_grads)
 
 
 def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, operands: dict[str, Any],
-                       grads: dict[str, torch.Tensor | None], acc: torch.Tensor | None = None):
+                       grads: dict[str, torch.Tensor | None], acc: torch.Tensor | None = None, *,
+                       need_x: bool = True, need_weight: bool = True):
     """(dx, dweight, {operand: gradient}) of ``lin``'s call on ``x``, ``weight``, ``operands``
     given the outputs' gradients ``grads`` by output name (None for outputs that received none):
     the GEMM epilogue's backward with a = x (flattened) and b = weight^T. ``acc``: the accumulator
-    the forward saved (with x's leading dims), else recomputed where the backward reads it."""
+    the forward saved (with x's leading dims), else recomputed where the backward reads it. dx and
+    dweight are None where not needed (``need_x``, ``need_weight``): a frozen weight (LoRA's base
+    layer) or an input without a gradient costs no GEMM."""
     from evtc.linear import _flatten_like, _rows, unflatten_gradient
     from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
@@ -110,10 +114,11 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     x2 = _rows(x)  # also with no input features (reshape(-1, 0) cannot tell the rows)
     dz, d_flat = epilogue_gradients(lin.backward_graph(), x2, weight.t(), names, flat, grads,
                                     acc=None if acc is None else _rows(acc))
-    dx, _ = input_gradients(dz, x2, weight.t(), need_b=False)
+    dx, _ = input_gradients(dz, x2, weight.t(), need_a=need_x, need_b=False)
     d_operands = {name: unflatten_gradient(d, operands[name], lead)
                   for name, d in zip(names, d_flat, strict=True) if d is not None}
-    return dx.reshape(x.shape), weight_gradient(dz, x2, weight), d_operands
+    return (dx.reshape(x.shape) if dx is not None else None,
+            weight_gradient(dz, x2, weight) if need_weight else None, d_operands)
 
 
 __all__ = ["LinearFunction", "backward_of_linear"]

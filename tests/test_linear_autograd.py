@@ -1030,3 +1030,45 @@ def test_torch_func_transforms_are_refused_by_name_and_vmap_without_grad_runs(tm
         torch.testing.assert_close(got, F.gelu(xs @ layer.weight.t() + layer.bias), rtol=1e-5, atol=1e-5)
         got = torch.func.vmap(lambda aa: k(aa, b, bias=bias))(xs[:, :, :16].repeat(1, 2, 1))
         torch.testing.assert_close(got, bias_gelu(xs.repeat(1, 2, 1) @ b, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_frozen_weight_or_an_input_without_grad_costs_no_gemm(tmp_path, monkeypatch):
+    """LoRA's frozen base layer: the backward makes no weight gradient (a GEMM as large as the
+    forward's), and no input gradient where x needs none; what is wanted still matches torch."""
+    import evtc.runtime.op_autograd as op_autograd
+
+    calls = []
+    real_weight, real_input = op_autograd.weight_gradient, op_autograd.input_gradients
+    monkeypatch.setattr(op_autograd, "weight_gradient", lambda *a: calls.append("dW") or real_weight(*a))
+
+    def counted_input(d, a, b, *, need_a=True, need_b=True):
+        calls.extend(["dA"] * need_a + ["dB"] * need_b)
+        return real_input(d, a, b, need_a=need_a, need_b=need_b)
+
+    monkeypatch.setattr(op_autograd, "input_gradients", counted_input)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 5, 16, generator=g), torch.randn(24, 16, generator=g)
+    bias = torch.randn(24, generator=g)
+    lin = evtc.linear(bias_gelu, {"x": x, "weight": w, "bias": bias}, cache_dir=tmp_path)
+    xg = x.clone().requires_grad_()
+    lin(xg, w, bias=bias).square().sum().backward()
+    assert calls == ["dA"]
+    xr = x.clone().requires_grad_()
+    bias_gelu(xr @ w.t(), bias).square().sum().backward()
+    _close(xg.grad, xr.grad, "x")
+    calls.clear()
+    wg = w.clone().requires_grad_()
+    lin(x, wg, bias=bias).square().sum().backward()
+    assert calls == ["dW"]
+    wr = w.clone().requires_grad_()
+    bias_gelu(x @ wr.t(), bias).square().sum().backward()
+    _close(wg.grad, wr.grad, "weight")
+    calls.clear()
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 24, generator=g)
+    k = evtc.compile(bias_gelu, {"a": a, "b": b, "bias": bias}, cache_dir=tmp_path)
+    ag = a.clone().requires_grad_()
+    k(ag, b, bias=bias).square().sum().backward()
+    assert calls == ["dA"]
+    ar = a.clone().requires_grad_()
+    bias_gelu(ar @ b, bias).square().sum().backward()
+    _close(ag.grad, ar.grad, "a")

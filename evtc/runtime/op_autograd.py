@@ -26,21 +26,26 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequence[Any],
-                grads: Sequence[torch.Tensor | None], acc: torch.Tensor | None = None) -> tuple:
+                grads: Sequence[torch.Tensor | None], acc: torch.Tensor | None = None, *,
+                need_a: bool = True, need_b: bool = True) -> tuple:
     """Gradients of (a, b, *operands) (None for Python-number operands) from the gradients of the
-    kernel's outputs in its output order; ``acc``: the accumulator the forward stored, if it did."""
+    kernel's outputs in its output order; ``acc``: the accumulator the forward stored, if it did;
+    ``need_a``, ``need_b``: whether a's and b's are wanted (a GEMM each, skipped where not)."""
     return gemm_epilogue_backward(kernel.backward_graph(), a, b, kernel.operand_names, operands,
-                                  dict(zip(kernel.plan.output_order, grads, strict=True)), acc)
+                                  dict(zip(kernel.plan.output_order, grads, strict=True)), acc,
+                                  need_a=need_a, need_b=need_b)
 
 
 def gemm_epilogue_backward(back: Backward, a: torch.Tensor, b: torch.Tensor, names: Sequence[str],
                            operands: Sequence[Any], by_output: dict[str, torch.Tensor | None],
-                           acc: torch.Tensor | None = None) -> tuple:
+                           acc: torch.Tensor | None = None, *, need_a: bool = True,
+                           need_b: bool = True) -> tuple:
     """(da, db, *operand gradients) of ``epilogue(a @ b, *operands)`` with backward graph ``back``,
     given the outputs' gradients by output name (None or missing: no gradient). ``acc``: the
-    accumulator as the forward saved it (any float dtype), else recomputed where the graph reads it."""
+    accumulator as the forward saved it (any float dtype), else recomputed where the graph reads it.
+    da and db are None where not needed (a frozen weight: no GEMM for its gradient)."""
     d_acc, d_operands = epilogue_gradients(back, a, b, names, operands, by_output, acc)
-    da, db = input_gradients(d_acc, a, b)
+    da, db = input_gradients(d_acc, a, b, need_a=need_a, need_b=need_b)
     return (da, db, *d_operands)
 
 

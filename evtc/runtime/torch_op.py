@@ -122,7 +122,6 @@ def register(kernel: Kernel):
         def backward(ctx, *grads):
             from evtc.runtime.op_autograd import op_backward
 
-
             saved = ctx.saved_tensors
             inputs, saved_acc = saved[:len(saved) - ctx.acc_count], saved[len(saved) - ctx.acc_count:]
             a, b, *tensors = inputs
@@ -136,7 +135,8 @@ def register(kernel: Kernel):
                                 "its accumulator is not supported: its backward is differentiated once only")
             if saved_acc:  # the gate and up halves side by side, as the accumulator
                 acc = torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]
-            return op_backward(_BOUND[name], a, b, operands, grads, acc=acc)
+            needs = ctx.needs_input_grad
+            return op_backward(_BOUND[name], a, b, operands, grads, acc=acc, need_a=needs[0], need_b=needs[1])
 
         torch.library.register_autograd(f"evtc::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
         op = getattr(torch.ops.evtc, name).default
