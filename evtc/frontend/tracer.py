@@ -129,13 +129,9 @@ class Tracer:
             return inputs
         # A loaded 16-bit operand is widened to float32 as it is loaded; torch compares it in its
         # own dtype, so the promotion reads the load's.
-        dtype = promote(tuple(n.inputs[0] if n.op == "cast" and n.attrs.get("implicit")
-                              and n.inputs[0].op == "load" else n for n in inputs))
-        if not dtype.is_floating_point or dtype.itemsize >= 4:
-            return inputs
-        loc = user_location()
-        return tuple(n if n.dtype == dtype else self.builder.add("cast", (n,), {"dtype": dtype}, loc=loc)
-                     for n in inputs)
+        unloaded = tuple(n.inputs[0] if n.op == "cast" and n.attrs.get("implicit")
+                         and n.inputs[0].op == "load" else n for n in inputs)
+        return self._cast_to_narrow_promotion(inputs, unloaded, lambda n: True)
 
     def _zero_dim_rounded(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
         """torch computes a binary op on tensors in their common dtype, converting each input to it
@@ -143,20 +139,23 @@ class Tracer:
         promote the result, and is rounded to its dtype (``y * s`` for a bfloat16 ``y`` and a float32
         0-dim ``s`` multiplies by s rounded to bfloat16). Python numbers are not: torch passes them
         in float32."""
+        if any(n.dtype == torch.bool for n in inputs):
+            return inputs
         # The inputs' own dtypes, loads as widened (evtc computes on a loaded 16-bit operand in
         # float32, as evtc.reference does): only a value the function itself narrowed is narrow.
-        for n in inputs:
-            if n.dtype == torch.bool:
-                return inputs
-        dtype = promote(inputs)
+        return self._cast_to_narrow_promotion(
+            inputs, inputs, lambda n: len(n.shape) == 0 and not n.is_python_scalar)
+
+    def _cast_to_narrow_promotion(self, inputs: tuple[Node, ...], promoted_from: tuple[Node, ...],
+                                  cast: Callable[[Node], bool]) -> tuple[Node, ...]:
+        """``inputs`` with those ``cast`` selects cast to the dtype ``promoted_from`` promotes to,
+        where that dtype is a 16-bit float (float32 and wider: evtc computes in float32 anyway)."""
+        dtype = promote(promoted_from)
         if not dtype.is_floating_point or dtype.itemsize >= 4:
             return inputs
-        rounded = []
-        for n in inputs:
-            if len(n.shape) == 0 and not n.is_python_scalar and n.dtype != dtype:
-                n = self.builder.add("cast", (n,), {"dtype": dtype}, loc=user_location())
-            rounded.append(n)
-        return tuple(rounded)
+        loc = user_location()
+        return tuple(self.builder.add("cast", (n,), {"dtype": dtype}, loc=loc) if n.dtype != dtype and cast(n)
+                     else n for n in inputs)
 
     def _mask_rules(self, op: str, inputs: tuple[Node, ...]) -> tuple[str, tuple[Node, ...]]:
         """torch's rules for boolean masks in arithmetic: on two masks, + and maximum are "or", *
