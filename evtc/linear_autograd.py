@@ -35,6 +35,32 @@ def not_views(outputs: tuple) -> tuple:
                  for t in outputs)
 
 
+def backward_reads(back) -> tuple[bool, frozenset[str]]:
+    """What the backward graph ``back`` reads besides the incoming gradients: whether the
+    accumulator's values, and the names it loads (operands; incoming gradients too)."""
+    nodes = back.graph.nodes
+    return (any(node.op == "acc" for node in nodes),
+            frozenset(node.attrs["name"] for node in nodes if node.op == "load"))
+
+
+def save_inputs(ctx, tensors: list[torch.Tensor], needed: list[bool]) -> None:
+    """Save ``tensors`` for the backward where ``needed``; of the others only their shape, dtype
+    and device (:func:`saved_inputs` gives a stand-in of no memory): a tensor the backward never
+    reads is neither kept alive nor guarded by its version counter (changing a residual in place
+    between forward and backward is legal in eager torch)."""
+    ctx.save_for_backward(*[t for t, keep in zip(tensors, needed, strict=True) if keep])
+    ctx.absent = [None if keep else (t.shape, t.dtype, t.device)
+                  for t, keep in zip(tensors, needed, strict=True)]
+
+
+def saved_inputs(ctx) -> list[torch.Tensor]:
+    """The tensors :func:`save_inputs` was given, those not saved as zero-strided stand-ins of their
+    shape, dtype and device (their values are never read)."""
+    saved = iter(ctx.saved_tensors)
+    return [next(saved) if meta is None else torch.zeros((), dtype=meta[1], device=meta[2]).expand(meta[0])
+            for meta in ctx.absent]
+
+
 def first_derivative_only(backward):
     """``backward`` (a ``torch.autograd.Function``'s, already ``once_differentiable``) refusing
     ``backward(create_graph=True)``: ``once_differentiable`` raises only where the incoming gradients
@@ -72,7 +98,15 @@ class LinearFunction(torch.autograd.Function):
         ctx.lin, ctx.names, ctx.saved_count = lin, names, len(saved_acc)
         ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
-        ctx.save_for_backward(x, weight, *saved_acc, *[values[i] for i in ctx.tensor_slots])
+        # Only what the backward reads: x for the weight's gradient, the weight for x's, both to
+        # recompute the accumulator, and the operands its graph loads (a residual's gradient is
+        # the incoming one: the residual itself is not kept alive, nor guarded against changes).
+        reads_acc, loads = backward_reads(lin.backward_graph())
+        recompute = reads_acc and not saved_acc
+        needs = ctx.needs_input_grad
+        save_inputs(ctx, [x, weight, *saved_acc, *[values[i] for i in ctx.tensor_slots]],
+                    [needs[2] or recompute, needs[1] or recompute, *[True] * len(saved_acc),
+                     *[names[i] in loads for i in ctx.tensor_slots]])
         outputs = not_views(outputs)
         ctx.mark_non_differentiable(*[t for t in outputs if not t.dtype.is_floating_point])
         return outputs
@@ -81,7 +115,7 @@ class LinearFunction(torch.autograd.Function):
     @first_derivative_only
     @once_differentiable  # its kernels' saved accumulators are not differentiable: no create_graph
     def backward(ctx, *grad_outputs: torch.Tensor | None):
-        x, weight, *tensors = ctx.saved_tensors
+        x, weight, *tensors = saved_inputs(ctx)
         saved_acc, tensors = tensors[:ctx.saved_count], tensors[ctx.saved_count:]
         values = list(ctx.others)
         for slot, t in zip(ctx.tensor_slots, tensors, strict=True):

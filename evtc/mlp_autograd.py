@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from evtc.linear_autograd import first_derivative_only, not_views
+from evtc.linear_autograd import backward_reads, first_derivative_only, not_views, save_inputs, saved_inputs
 from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
 if TYPE_CHECKING:
@@ -59,7 +59,13 @@ class MLPFunction(torch.autograd.Function):
         ctx.counts = (len(saved1), len(saved2))
         ctx.tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
-        ctx.save_for_backward(x, w1, w2, h, *saved1, *saved2, *[values[i] for i in ctx.tensor_slots])
+        # The second layer's operands only where its backward graph loads them (a residual's
+        # gradient is the incoming one: the residual is not kept alive, nor guarded against changes).
+        _, loads = backward_reads(pair._second.backward_graph())
+        first_count = len(names1)
+        save_inputs(ctx, [x, w1, w2, h, *saved1, *saved2, *[values[i] for i in ctx.tensor_slots]],
+                    [True] * (4 + len(saved1) + len(saved2))
+                    + [i < first_count or names2[i - first_count] in loads for i in ctx.tensor_slots])
         outputs = not_views(outputs)
         ctx.mark_non_differentiable(*[t for t in outputs if not t.dtype.is_floating_point])
         return outputs
@@ -68,7 +74,7 @@ class MLPFunction(torch.autograd.Function):
     @first_derivative_only
     @once_differentiable  # its kernels' saved accumulators are not differentiable: no create_graph
     def backward(ctx, *grad_outputs: torch.Tensor | None):
-        x, w1, w2, h, *rest = ctx.saved_tensors
+        x, w1, w2, h, *rest = saved_inputs(ctx)
         n1, n2 = ctx.counts
         saved1, saved2, tensors = rest[:n1], rest[n1:n1 + n2], rest[n1 + n2:]
         values = list(ctx.others)

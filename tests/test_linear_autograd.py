@@ -1072,3 +1072,50 @@ def test_a_frozen_weight_or_an_input_without_grad_costs_no_gemm(tmp_path, monkey
     ar = a.clone().requires_grad_()
     bias_gelu(ar @ b, bias).square().sum().backward()
     _close(ag.grad, ar.grad, "a")
+
+
+def test_what_the_backward_never_reads_is_not_saved(tmp_path):
+    """A residual (its gradient is the incoming one) and x beside a frozen weight are not saved for
+    the backward: changing them in place between forward and backward is legal, as in eager torch,
+    and the gradients are torch's; an operand the backward reads (a scale) is still guarded."""
+    from evtc.nn import MLP
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 16, generator=g, requires_grad=True), torch.randn(24, 16, generator=g)
+    r = torch.randn(4, 24, generator=g)
+    lin = evtc.linear(_add_residual, {"x": x, "weight": w, "residual": r}, cache_dir=tmp_path)
+    wg = w.clone().requires_grad_()
+    y = lin(x, wg, residual=r)
+    r.add_(1.0)
+    y.square().sum().backward()
+    wr, xr = w.clone().requires_grad_(), x.detach().clone().requires_grad_()
+    (F.linear(xr, wr) + r - 1.0).square().sum().backward()
+    _close(wg.grad, wr.grad, "weight")
+    _close(x.grad, xr.grad, "x")
+
+    h = x.detach() * 1.0
+    y = lin(h, wg, residual=r)  # h needs no gradient: x is saved only for the weight's
+    frozen = lin(h.requires_grad_(), w, residual=r)  # a frozen weight: x is not saved
+    with torch.no_grad():
+        h.add_(1.0)
+    frozen.sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    scaled = evtc.linear(residual_scaled, {"x": x, "weight": w, "residual": r, "scale": torch.ones(24),
+                                           "alpha": 0.5}, cache_dir=tmp_path)
+    scale = torch.randn(24, generator=g)
+    y = scaled(x, w, residual=r, scale=scale, alpha=0.5)
+    scale.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    block = MLP(16, 12, swiglu, _add_residual, cache_dir=tmp_path)
+    residual = torch.randn(4, 16, generator=g)
+    out = block(x.detach(), residual=residual)
+    residual.add_(1.0)
+    out.square().sum().backward()
+    up, down = block.up.weight.detach().requires_grad_(), block.down.weight.detach().requires_grad_()
+    (swiglu(x.detach() @ up.t()) @ down.t() + residual - 1.0).square().sum().backward()
+    _close(block.up.weight.grad, up.grad, "MLP up")
+    _close(block.down.weight.grad, down.grad, "MLP down")
