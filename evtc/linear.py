@@ -388,6 +388,88 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
 _PROBE_SIZES = (3, 5, 7, 11, 13, 17, 19, 23)
 
 
+class _SizeWatch(torch.Tensor):
+    """A meta tensor whose leading sizes (the probe's, :data:`_PROBE_SIZES`) come back from
+    ``shape`` and ``size()`` as :class:`_LeadingSize`, which notes any use of its value in
+    :attr:`read`, and whose rank (``dim()``, ``ndim``) notes a comparison (``if acc.dim() == 3``).
+    Arithmetic on the rank (``range(y.dim() - 1)``) and uses inside torch's own functions do not
+    count: they give the same results on the flattened x."""
+
+    read: str | None = None
+    _depth = 0
+
+    @staticmethod
+    def make(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).as_subclass(_SizeWatch)
+
+    @classmethod
+    def note(cls, what: str) -> None:
+        cls.read = cls.read or what
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        outermost = cls._depth == 0
+        if outermost and any(isinstance(v, _LeadingSize) for v in (*args, *kwargs.values())):
+            cls.note("a leading size (in a torch function's arguments)")
+        cls._depth += 1
+        try:
+            result = super().__torch_function__(func, types, args, kwargs)
+        finally:
+            cls._depth -= 1
+        if not outermost:
+            return result
+        if func in (torch.Tensor.size, torch.Tensor.shape.__get__):
+            if isinstance(result, tuple):
+                return tuple(_LeadingSize(size) if size in _PROBE_SIZES else size for size in result)
+            return _LeadingSize(result) if result in _PROBE_SIZES else result
+        if func in (torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.ndim.__get__):
+            return _Rank(result)
+        if func is torch.Tensor.__len__ and result in _PROBE_SIZES:
+            cls.note("a leading size (len())")
+        return result
+
+
+def _noting(name: str):
+    def method(self, *args):
+        _SizeWatch.note(f"a leading size ({self._what} used in {name.strip('_')})")
+        return getattr(int, name)(int(self), *args)
+
+    return method
+
+
+class _LeadingSize(int):
+    """A size of one of x's leading dims in the probe: any use of its value is noted."""
+
+    _what = "shape[...]"
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+              "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__",
+              "__neg__", "__float__", "__index__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
+              "__ge__", "__bool__"):
+    setattr(_LeadingSize, _name, _noting(_name))
+_LeadingSize.__hash__ = int.__hash__
+
+
+class _Rank(int):
+    """The rank of a value with x's leading dims in the probe: a comparison of it is noted (a branch
+    on it would take the other way on the flattened x)."""
+
+
+def _noting_rank(name: str):
+    def method(self, other):
+        _SizeWatch.note("its rank in a comparison (dim(), ndim)")
+        return getattr(int, name)(int(self), other)
+
+    return method
+
+
+for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+    setattr(_Rank, _name, _noting_rank(_name))
+_Rank.__hash__ = int.__hash__
+
+
 def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: int,
                          operands: Mapping[str, Any]) -> str | None:
     """Why flattening x's leading dims into M changes ``fn``'s results (None where it does not;
@@ -426,11 +508,20 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
             # the operand spans x's dim, 1 where it broadcasts (_flatten_like checked the sizes).
             aligned = probe[len(probe) - (len(shape) - 1):]
             shape = (*(1 if s == 1 else p for s, p in zip(shape[:-1], aligned, strict=True)), shape[-1])
-        return torch.empty(shape, dtype=value.dtype, device="meta")
+        return (_SizeWatch.make if watch else torch.empty)(shape, dtype=value.dtype, device="meta")
 
-    acc = torch.empty((*probe, n), dtype=torch.float32, device="meta")
+    watch = not torch.compiler.is_compiling()  # (a tensor subclass is not for dynamo to trace)
+    tensor = _SizeWatch.make if watch else torch.empty
+    acc = tensor((*probe, n), dtype=torch.float32, device="meta")
+    _SizeWatch.read = None
     try:
         result = unwrap(fn)(acc, **{name: meta(v) for name, v in operands.items()})
+        if _SizeWatch.read is not None:
+            # The values, not only the shapes, would differ: torch's function reads a leading dim
+            # or the rank of a value with x's leading dims, where the kernel's sees M or 2.
+            return (f"the epilogue reads {_SizeWatch.read} of a value with x's leading dims, which "
+                    f"flattening x's {x_dims - 1} leading dims into M changes (read only the last "
+                    "dim, acc.shape[-1], and index dims from the end)")
     except NotImplementedError:  # an op without a meta kernel: judge by the plan alone
         across = [name for name in plan.output_order if "M" not in dims[name] and dims[name]]
         return (f"{label(across[0])} reduces over rows, which flattening x's {x_dims - 1} leading dims "

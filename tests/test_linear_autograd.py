@@ -384,6 +384,41 @@ def test_linear_messages_say_how_x_and_the_operands_were_flattened():
         evtc.linear(lambda acc: acc, dict(x=x.float(), weight=w))
 
 
+def _by_row_count(acc):
+    return acc / acc.shape[-2]
+
+
+def _by_first_size(acc):
+    return acc * acc.size(0)
+
+
+def _by_rank(acc):
+    return acc * 2.0 if acc.dim() == 3 else acc
+
+
+def _last_size_and_rank_arithmetic(acc):
+    *_, n = acc.shape
+    return acc / n * acc.size(-1), acc.sum(dim=tuple(range(acc.dim() - 1)))
+
+
+@pytest.mark.parametrize("fn", [_by_row_count, _by_first_size, _by_rank])
+def test_a_leading_size_or_a_branch_on_the_rank_is_refused(fn, tmp_path):
+    """A leading size read by position (``acc.shape[-2]``, ``acc.size(0)``) or a branch on the rank
+    changes the values, not only the shapes, when x's leading dims are flattened into M: refused
+    (they were computed silently from M and rank 2), for evtc.linear and FusedLinear alike; the
+    last dim and arithmetic on the rank are exact."""
+    from evtc.nn import FusedLinear
+
+    x, w = torch.randn(2, 5, 16), torch.randn(24, 16)
+    with pytest.raises(evtc.CallError, match="leading size|its rank"):
+        evtc.linear(fn, {"x": x, "weight": w}, cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="leading size|its rank"):
+        FusedLinear(16, 24, fn, bias=False, cache_dir=tmp_path)(x)
+    lin = evtc.linear(_last_size_and_rank_arithmetic, {"x": x, "weight": w}, cache_dir=tmp_path)
+    for a, b in zip(lin(x, w), _last_size_and_rank_arithmetic(x @ w.t()), strict=True):
+        _close(a, b, "last size and rank arithmetic")
+
+
 def test_leading_dims_that_flatten_exactly_are_accepted():
     """Per-row reductions, reductions over all leading dims and over everything give the same
     results flattened: accepted, with PyTorch's shapes and values, for 2-, 3- and 4-d x."""
