@@ -129,3 +129,25 @@ def test_cache_dir_goes_before_or_after_the_command(cache_dir, tmp_path, capsys)
     assert f"{other}: 0 kernel(s)" in capsys.readouterr().out
     assert main(["cache", "list"]) == 0
     assert f"{cache_dir}:" in capsys.readouterr().out
+
+
+def test_cache_clear_removes_only_what_evtc_wrote(tmp_path, capsys):
+    """`cache clear` on a directory of the user's own files (a mistyped --cache-dir) removes none of
+    them, also folders whose names evtc uses (two letters, front/, build-*), and still removes the
+    entries evtc wrote beside them."""
+    from evtc.runtime.cache import DiskCache
+
+    own = {"go/notes.txt", "ab/keep.py", "front/index.html", "build-output/app.bin", "locks/data.db"}
+    for path in own:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("mine")
+    entry = tmp_path / "cd" / ("cd" + "1" * 62)
+    entry.mkdir(parents=True)
+    (entry / "manifest.json").write_text("{}")
+    assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    for path in own:
+        assert (tmp_path / path).read_text() == "mine", path
+    assert not (tmp_path / "cd").exists()
+    DiskCache(tmp_path).clear()
+    assert all((tmp_path / path).exists() for path in own)

@@ -62,6 +62,31 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _hex(name: str, length: int) -> bool:
+    return len(name) == length and all(c in "0123456789abcdef" for c in name)
+
+
+def _written_by_evtc(folder: Path) -> bool:
+    """Whether ``folder``, at a cache directory's top, holds only what evtc writes there: entries
+    (``ab/ab<64 hex>/``), front records (``front/ab/<hex>.json``), lock files, device and tuning
+    records (``.lock`` and ``.json`` files) or an unfinished build (``build-XXXXXXXX``)."""
+    name = folder.name
+    try:
+        if _hex(name, 2):
+            return all(entry.is_dir() and _hex(entry.name, 64) and entry.name.startswith(name)
+                       for entry in folder.iterdir())
+        if name == "front":
+            return all(part.is_dir() and _hex(part.name, 2)
+                       and all(record.suffix in (".json", ".tmp") for record in part.iterdir())
+                       for part in folder.iterdir())
+        if name in ("locks", "devices", "autotune"):
+            return all(path.is_dir() or path.suffix in (".json", ".lock", ".tmp")
+                       for path in folder.rglob("*"))
+        return name.startswith("build-") and len(name) == len("build-") + 8
+    except OSError:
+        return False
+
+
 class DiskCache:
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         # Absolute: kernels read their entries later (a variant's source), perhaps after os.chdir.
@@ -116,13 +141,12 @@ class DiskCache:
 
     def clear(self) -> int:
         """Remove every entry, front record, tuned launch, lock file and unfinished build; returns
-        the number of entries removed."""
+        the number of entries removed. Only folders that hold nothing but what evtc writes there are
+        removed: a cache directory pointed at the user's own files (``--cache-dir .``) loses none."""
         count = len(self.entries())
         if self.root.is_dir():
             for child in self.root.iterdir():
-                kept_dirs = ("locks", "front", "devices", "autotune")
-                if child.is_dir() and (len(child.name) == 2 or child.name in kept_dirs
-                                       or child.name.startswith("build-")):
+                if child.is_dir() and _written_by_evtc(child):
                     shutil.rmtree(child, ignore_errors=True)
         return count
 
