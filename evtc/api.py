@@ -131,7 +131,9 @@ def reference(
     if missing:
         raise InputError(f"missing input(s): {', '.join(map(repr, missing))}", definition_location(user_fn))
     if acc is not None:
-        acc = _given_accumulator(acc, inputs, user_fn).to(dtype)
+        # A copy: an in-place op of the function must not change the caller's tensor (``.to`` of
+        # a float32 tensor to float32 is the tensor itself).
+        acc = _given_accumulator(acc, inputs, user_fn).to(dtype, copy=True)
     else:
         plain, scales = split_inputs(inputs)
         if scales is not None:
@@ -143,5 +145,5 @@ def reference(
     kwargs: dict[str, Any] = {}
     for name in sig.params:
         value = inputs[name] if name in inputs else sig.defaults[name]
-        kwargs[name] = value.to(dtype) if isinstance(value, torch.Tensor) else value
+        kwargs[name] = value.to(dtype, copy=True) if isinstance(value, torch.Tensor) else value
     return sig.call(user_fn, acc, kwargs)

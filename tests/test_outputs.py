@@ -157,3 +157,20 @@ def test_a_list_comes_back_a_list_on_every_path(tmp_path):
     check(torch.compile(lambda a, b, C: k(a, b, C=C), backend="aot_eager", fullgraph=True)(a, b, C))
     w = b.t().contiguous()
     check(evtc.linear(as_list, dict(x=a, weight=w, C=C), cache_dir=tmp_path)(a, w, C=C))
+
+
+def test_reference_leaves_the_callers_tensors_as_they_were():
+    """evtc.reference runs the function on copies: an in-place op on a float32 operand or a given
+    accumulator (whose conversion to float32 would be the tensor itself) changes nothing of the
+    caller's."""
+    def scale_in_place(acc, C):
+        C.mul_(2)
+        return acc + C
+
+    a, b, C = torch.randn(8, 16), torch.randn(16, 4), torch.ones(8, 4)
+    got = evtc.reference(scale_in_place, {"a": a, "b": b, "C": C})
+    assert torch.equal(C, torch.ones(8, 4))
+    torch.testing.assert_close(got, a.double().matmul(b.double()).float() + 2, rtol=1e-5, atol=1e-5)
+    acc = torch.ones(8, 4)
+    evtc.reference(lambda acc: acc.mul_(3), {}, acc=acc)
+    assert torch.equal(acc, torch.ones(8, 4))
