@@ -775,3 +775,15 @@ def test_a_reduction_times_a_row_operand_names_the_operand():
     assert "[M, 1]" in str(err) and "second pass" not in str(err)
     err = _trace_error(lambda acc: acc - acc.amax(-1, keepdim=True), EX, evtc.ReductionError)
     assert "second pass" in str(err)
+
+
+def test_random_numbers_inside_an_epilogue_are_refused_at_the_line():
+    """torch.randn / torch.rand / an in-place uniform_ inside the function would be drawn once while
+    tracing and frozen into the kernel: refused at the user's line. Made constants still trace."""
+    a, b = torch.randn(8, 16).half(), torch.randn(16, 8).half()
+    for fn in (lambda acc: acc + torch.randn(1), lambda acc: acc * torch.rand(()),
+               lambda acc: acc + torch.zeros(()).uniform_(), lambda acc: acc + torch.randn_like(acc)):
+        with pytest.raises(evtc.UnsupportedOpError, match="random numbers") as info:
+            evtc.trace(fn, {"a": a, "b": b})
+        assert "test_errors.py" in str(info.value)
+    evtc.trace(lambda acc: acc + torch.empty(()).fill_(2.0) + torch.tensor(1.0), {"a": a, "b": b})

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..errors import UnsupportedOpError
 from . import lowering
 from .proxy import SymDim, TracedValue
+from .source import user_location
 
 if TYPE_CHECKING:
     from .tracer import Tracer
@@ -35,6 +37,13 @@ class MadeTensors(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _RANDOM or getattr(func, "__name__", None) in _RANDOM_METHODS:
+            # Drawn once while tracing, the numbers would be a constant of the kernel, the same on
+            # every call, where torch draws new ones.
+            raise UnsupportedOpError(
+                f"{getattr(func, '__name__', func)}: random numbers inside an epilogue are not supported "
+                "(drawn once while tracing, they would be a constant of the kernel); draw them outside "
+                "and pass them as an operand", user_location())
         if func in _FROM_DATA and args and isinstance(args[0], SymDim):
             # torch.tensor(acc.shape[-1]): the size, as a value of the epilogue.
             return _from_traced(func, self.tracer.wrap(self.tracer.node_of(args[0])), **kwargs)
@@ -52,6 +61,11 @@ class MadeTensors(TorchFunctionMode):
 
 #: torch's functions that make a tensor from data: on a traced value (torch.tensor(alpha)), the value.
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
+#: torch's random factories, and the in-place methods that fill a tensor with random numbers.
+_RANDOM = (torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal, torch.bernoulli,
+           torch.poisson, torch.multinomial, torch.rand_like, torch.randn_like, torch.randint_like)
+_RANDOM_METHODS = frozenset({"uniform_", "normal_", "random_", "exponential_", "bernoulli_", "cauchy_",
+                             "log_normal_", "geometric_"})
 #: Functions that make a tensor on the default device unless told another.
 _FACTORIES = (*_FROM_DATA, torch.ones, torch.zeros, torch.full, torch.empty)
 
