@@ -267,3 +267,18 @@ def test_activation_parameters_computed_from_sizes():
         assert got.dtype == torch.float16
         torch.testing.assert_close(got, fn(acc).half(), rtol=0, atol=0)
     _refused(lambda acc: F.softplus(acc, beta=acc.shape[-1] / 4), "computed from the problem's sizes")
+
+
+def test_a_long_chain_of_ops_traces_without_deep_recursion():
+    """A Python loop of 1500 ops (beyond Python's recursion limit as one recursion per node) traces
+    and evaluates as torch computes it."""
+    def many_steps(acc, bias):
+        for _ in range(1500):
+            acc = acc + bias * 0.001
+        return acc
+
+    a, b, ops = _inputs({"bias": "N"})
+    got = evtc.trace(many_steps, {"a": a, "b": b, **ops}).evaluate({"a": a, "b": b, **ops})
+    want = many_steps(a.float() @ b.float(), ops["bias"].float())
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want.half().float(), rtol=1e-3, atol=1e-3)

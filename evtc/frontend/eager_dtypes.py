@@ -83,16 +83,30 @@ class EagerDtypes:
 
     def of(self, node: Node) -> EagerType:
         known = self._known.get(node.id)
-        if known is None:
-            fixed = self._fixed.get(node.id)
+        if known is not None:
+            return known
+        # What ``node`` reads first, deepest first, with a stack of our own: a long chain of ops
+        # (a loop of 400 additions) would otherwise recurse once per node, past Python's limit.
+        stack = [node]
+        while stack:
+            top = stack[-1]
+            if top.id in self._known:
+                stack.pop()
+                continue
+            fixed = self._fixed.get(top.id)
+            reads = [] if isinstance(fixed, EagerType) else [fixed] if fixed is not None else top.inputs
+            pending = [n for n in reads if n.id not in self._known]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
             if isinstance(fixed, EagerType):
-                known = fixed
+                self._known[top.id] = fixed
             elif fixed is not None:
-                known = self.of(fixed)
+                self._known[top.id] = self._known[fixed.id]
             else:
-                known = self._infer(node)
-            self._known[node.id] = known
-        return known
+                self._known[top.id] = self._infer(top)
+        return self._known[node.id]
 
     def same_as(self, node: Node, source: Node) -> None:
         """Let ``node``, a widening evtc adds for its own arithmetic, read as ``source`` does."""
