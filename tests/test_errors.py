@@ -787,3 +787,14 @@ def test_random_numbers_inside_an_epilogue_are_refused_at_the_line():
             evtc.trace(fn, {"a": a, "b": b})
         assert "test_errors.py" in str(info.value)
     evtc.trace(lambda acc: acc + torch.empty(()).fill_(2.0) + torch.tensor(1.0), {"a": a, "b": b})
+
+
+@pytest.mark.parametrize("name", ["out", "self"])
+def test_parameters_named_like_the_calls_own_are_refused(name):
+    """A parameter named ``out`` or ``self`` compiled, then could not be passed (k's own ``out=``,
+    its ``self``): refused at the definition, as ``a`` and ``b`` are."""
+    namespace: dict = {}
+    exec(f"def fn(acc, {name}):\n    return acc + {name}\n", namespace)
+    a, b = torch.randn(8, 16).half(), torch.randn(16, 8).half()
+    with pytest.raises(evtc.InputError, match=f"parameter '{name}' clashes"):
+        evtc.trace(namespace["fn"], {"a": a, "b": b, name: torch.randn(8, 8)})

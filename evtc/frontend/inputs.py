@@ -78,6 +78,12 @@ def read_signature(fn: Callable[..., Any]) -> Signature:
                 f"(the example-input keys 'a' and 'b' are reserved for A and B): rename it",
                 loc,
             )
+    for own in ("out", "self"):
+        if own in names[1:]:
+            raise InputError(
+                f"epilogue parameter {own!r} clashes with the compiled kernel's call "
+                f"(k(a, b, ..., {'out=...' if own == 'out' else 'as a method'}) takes {own!r} itself): "
+                "rename it", loc)
     defaults = {p.name: p.default for p in params[1:] if p.default is not p.empty}
     positional_only = sum(p.kind == p.POSITIONAL_ONLY for p in params)
     return Signature(acc_name=names[0], params=names[1:], defaults=defaults, positional_only=positional_only)
