@@ -286,6 +286,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
         _refuse_jit("evtc.nn.MLP")
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+            raise CallError(f"evtc.nn.MLP: x must be a (..., in_features) tensor, got {got}")
         if not all(type(layer) is FusedLinear and not _hooked(layer) for layer in (self.up, self.down)):
             # A hooked layer (a forward hook, pruning's or the old weight_norm's pre-hook that
             # recomputes the weight) or one replaced by another module (an adapter) runs as itself:
@@ -410,7 +413,12 @@ def _is_gated(activation: Callable[..., Any], in_features: int, hidden_features:
     if bias:
         example["bias"] = torch.empty(width, device="meta", dtype=torch.bfloat16)
     graph = trace(activation, example)
-    return any(sympy.sympify(store.shape[-1]) == N / 2 for store in graph.stores)
+    stores = list(graph.stores)
+    if len(stores) != 1 or len(stores[0].shape) != 2:
+        shapes = ", ".join(str(tuple(str(d) for d in store.shape)) for store in stores)
+        raise CallError(f"evtc.nn.MLP: the activation must return one (M, hidden) tile, the second "
+                        f"layer's input; it returns {len(stores)} output(s) of shape {shapes}")
+    return sympy.sympify(stores[0].shape[-1]) == N / 2
 
 
 __all__ = ["MLP", "FusedLinear"]
