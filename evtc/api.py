@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from .errors import DTypeError, EpilogueError, InputError, OutputError
+from .errors import DTypeError, EpilogueError, InputError, OutputError, ShapeError
 from .frontend.epilogue import unwrap
 from .frontend.inputs import RESERVED, read_signature
 from .frontend.source import definition_location
 from .frontend.tracer import trace_raw
-from .ir.block_scales import scale_problem, split_inputs
+from .ir.block_scales import is_pair, scale_problem, split_inputs
 from .ir.dtypes import CAST_DTYPES, short_name
 from .ir.graph import Graph, rewrite
 from .ir.interpreter import accumulator
@@ -45,8 +45,9 @@ def trace(
         EpilogueError: a subclass naming the problem and the line of the epilogue.
     """
     user_fn = unwrap(fn)
-    example_inputs, _ = split_inputs(example_inputs)
     try:
+        if isinstance(example_inputs, Mapping):  # (trace_raw names anything else)
+            example_inputs, _ = split_inputs(example_inputs)
         graph = trace_raw(user_fn, example_inputs)
         if out_dtypes is not None:
             graph = _override_dtypes(graph, out_dtypes, user_fn)
@@ -126,6 +127,12 @@ def reference(
     """
     user_fn = unwrap(fn)
     sig = read_signature(user_fn)
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must be a dict of name -> tensor or scalar, got {type(inputs).__name__}",
+                         definition_location(user_fn))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"dtype must be a floating-point torch.dtype (torch.float32 or torch.float64), "
+                         f"got {dtype!r}", definition_location(user_fn))
     needed = (*(() if acc is not None else RESERVED), *sig.params)
     missing = [k for k in needed if k not in inputs and k not in sig.defaults]
     if missing:
@@ -141,7 +148,15 @@ def reference(
             problem, _ = scale_problem(plain["a"], plain["b"], scales)
             if problem is not None:
                 raise InputError(problem, definition_location(user_fn))
-        acc = accumulator(inputs["a"], inputs["b"], dtype)
+        a, b = inputs["a"], inputs["b"]
+        for name, value in (("a", a), ("b", b)):
+            if not isinstance(value, torch.Tensor) and not is_pair(value):
+                raise InputError(f"{name} must be a tensor (or a (tensor, scales) pair), got "
+                                 f"{type(value).__name__}", definition_location(user_fn))
+        try:
+            acc = accumulator(a, b, dtype)
+        except (RuntimeError, ValueError) as exc:
+            raise ShapeError(f"a @ b: {str(exc).splitlines()[0]}", definition_location(user_fn)) from None
     kwargs: dict[str, Any] = {}
     for name in sig.params:
         value = inputs[name] if name in inputs else sig.defaults[name]

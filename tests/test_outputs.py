@@ -174,3 +174,19 @@ def test_reference_leaves_the_callers_tensors_as_they_were():
     acc = torch.ones(8, 4)
     evtc.reference(lambda acc: acc.mul_(3), {}, acc=acc)
     assert torch.equal(acc, torch.ones(8, 4))
+
+
+def test_reference_names_bad_inputs():
+    def add(acc, C):
+        return acc + C
+
+    a, b, C = torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 4)
+    for inputs, kwargs, error, match in [
+            (None, {}, evtc.InputError, "inputs must be a dict"),
+            ({"a": None, "b": b, "C": C}, {}, evtc.InputError, "a must be a tensor"),
+            ({"a": a, "b": b[:15], "C": C}, {}, evtc.ShapeError, "a @ b"),
+            ({"a": a, "b": b, "C": C}, {"dtype": "float64"}, evtc.InputError, "dtype must be")]:
+        with pytest.raises(error, match=match):
+            evtc.reference(add, inputs, **kwargs)
+    with pytest.raises(evtc.InputError, match="must be a dict"):
+        evtc.trace(add, [a, b])
