@@ -798,3 +798,14 @@ def test_parameters_named_like_the_calls_own_are_refused(name):
     a, b = torch.randn(8, 16).half(), torch.randn(16, 8).half()
     with pytest.raises(evtc.InputError, match=f"parameter '{name}' clashes"):
         evtc.trace(namespace["fn"], {"a": a, "b": b, name: torch.randn(8, 8)})
+
+
+def test_launch_for_names_a_size_that_is_no_problem_size(tmp_path):
+    a, b = torch.empty(64, 64, dtype=torch.bfloat16, device="meta"), torch.empty(64, 64, dtype=torch.bfloat16,
+                                                                              device="meta")
+    k = evtc.compile(lambda acc: acc, {"a": a, "b": b.t()}, arch="sm_90a", cache_dir=tmp_path)
+    for args in [(0, 4096, 4096), (64, -1, 4096), ("64", 64, 64), (64, 64, None)]:
+        with pytest.raises(evtc.CallError, match="must be a positive int"):
+            k.launch_for(*args)
+    config, splits = k.launch_for(64, 1024, 8192)
+    assert splits >= 1 and config.tile_m in (64, 128)

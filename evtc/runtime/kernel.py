@@ -265,6 +265,11 @@ class Kernel:
         tuned launch of the problem's size bucket once it has one."""
         if self.config is None:
             raise ValueError("launch_for: this kernel has no SM90 code (every call takes the torch path)")
+        for name, size in (("m", m), ("n", n), ("k", k), ("batches", batches)):
+            if isinstance(size, bool) or not isinstance(size, int | torch.SymInt) \
+                    or isinstance(size, int) and size < 1:
+                raise CallError(f"launch_for: {name} must be a positive int (a problem with no elements "
+                                f"launches nothing), got {size!r}")
         from evtc.plan.selector import choose_launch
 
         if self._tuner is not None:
