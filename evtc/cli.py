@@ -16,7 +16,7 @@ import inspect
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,21 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
         m, n, k = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--shape must look like 4096x4096x1024, got {text!r}") from None
+    if min(m, n, k) < 1:
+        raise SystemExit(f"--shape needs sizes of at least 1, got {text!r}")
     return m, n, k
+
+
+def _check_picture(path: str | None) -> None:
+    """Refuse a --picture path before the compile that precedes it: a format the renderer does not
+    write, or a folder that does not exist."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.suffix.lower() not in (".svg", ".png", ".dot"):
+        raise SystemExit(f"--picture must end in .svg, .png or .dot, got {path!r}")
+    if not target.parent.is_dir():
+        raise SystemExit(f"--picture: the folder {str(target.parent)!r} does not exist")
 
 
 # ---- PTX statistics -----------------------------------------------------------------------------
@@ -103,6 +117,7 @@ def _demo_inputs(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dic
 
 def demo(args: argparse.Namespace) -> int:
     m, n, k = _parse_shape(args.shape)
+    _check_picture(args.picture)
     dtype = DTYPES[args.dtype]
     gpu = _has_gpu()
     print(f"evtc {evtc.__version__} demo: D, y = bias_gelu_residual(a @ b, bias, residual, alpha) at "
@@ -229,9 +244,14 @@ def show(args: argparse.Namespace) -> int:
     fn = _load_function(args.target)
     m, n, k = _parse_shape(args.shape)
     provided = getattr(fn, "__dict__", {}).get("_evtc_show_inputs")
+    _check_picture(args.picture)
     if provided is not None and not args.kind:
-        ex = provided() if callable(provided) else dict(provided)
+        ex = provided() if callable(provided) else provided
         source = f"{args.target.rpartition(':')[2]}_inputs"
+        if not isinstance(ex, Mapping):
+            raise SystemExit(f"{source} must be a dict of example inputs (or a function returning one), "
+                             f"got {type(ex).__name__}")
+        ex = dict(ex)
     else:
         ex = example_inputs(fn, m, n, k, DTYPES[args.dtype], _parse_kinds(args.kind))
         source = "the signature (" + ", ".join(

@@ -151,3 +151,14 @@ def test_cache_clear_removes_only_what_evtc_wrote(tmp_path, capsys):
     assert not (tmp_path / "cd").exists()
     DiskCache(tmp_path).clear()
     assert all((tmp_path / path).exists() for path in own)
+
+
+def test_bad_arguments_are_one_line_errors_before_any_compile(tmp_path):
+    user = tmp_path / "listed.py"
+    user.write_text("def good(acc, C):\n    return acc + C\n\ngood_inputs = [1, 2]\n")
+    for argv, match in [(["demo", "--shape", "0x0x0"], "sizes of at least 1"),
+                        (["demo", "--picture", "g.jpg"], r"\.svg, \.png or \.dot"),
+                        (["demo", "--picture", str(tmp_path / "missing" / "g.svg")], "does not exist"),
+                        (["show", f"{user}:good"], "good_inputs must be a dict")]:
+        with pytest.raises(SystemExit, match=match):
+            main(argv)
