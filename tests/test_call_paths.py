@@ -834,3 +834,16 @@ def test_linear_resizes_an_empty_out_to_xs_leading_dims(cache):
         y = torch.nn.functional.linear(x.double(), w.double())
         assert out[0].shape == (*lead, 8) and torch.allclose(out[0].double(), y + C.double(), atol=1e-4)
         assert out[1].shape == lead and torch.allclose(out[1].double(), (y * y).sum(-1), rtol=1e-4)
+
+
+def test_an_int_scalar_beyond_int64_is_named(cache):
+    """torch refuses an int scalar that does not fit in int64; so does the call, by name (the
+    interpreter raised OverflowError)."""
+    def scaled(acc, alpha: float):
+        return acc * alpha
+
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    k = evtc.compile(scaled, {"a": a, "b": b, "alpha": 2.0}, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match="does not fit in int64"):
+        k(a, b, alpha=10**400)
+    assert torch.allclose(k(a, b, alpha=2**62), (a @ b) * 2.0**62, rtol=1e-5)

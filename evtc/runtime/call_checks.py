@@ -23,6 +23,8 @@ from evtc.runtime.out_aliasing import overlap, storage_span
 
 #: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
 FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The largest int a runtime scalar may be, as torch takes one.
+_INT64_MAX = (1 << 63) - 1
 #: The largest size (M, N, K, L) and workspace length the kernel's 32-bit arguments hold.
 INT32_MAX = (1 << 31) - 1
 
@@ -603,6 +605,10 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
             if not isinstance(value, int | float):  # (a tensor was refused above)
                 raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
                                 f"{type(value).__name__}")
+            if isinstance(value, int) and not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+                # torch refuses it too (an int scalar must fit in int64)
+                raise CallError(f"{kernel_input.name}, an int of {len(str(abs(value)))} digits, does not fit "
+                                "in int64, which torch requires of an int scalar: pass a float")
             continue
         # Another float dtype than compiled takes the torch path (see torch_reason); one that would
         # change an output's dtype was refused before (refuse_other_promotions).

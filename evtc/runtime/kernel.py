@@ -573,7 +573,7 @@ class Kernel:
                                                                       scales=scales)
             except torch.OutOfMemoryError:
                 raise  # the caller's to handle (free memory, a smaller batch): not an argument problem
-            except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError):
+            except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError, OverflowError):
                 pass  # the slow path finds out what it was
             else:
                 return self._finished(out, outs, workspaces, problem, operands, pending)
