@@ -44,6 +44,8 @@ def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise CallError(f"x must be a (..., in_features) tensor, got {got}")
+    if x.layout != torch.strided and not torch.compiler.is_compiling():
+        x = x.to_dense()  # a sparse x, as nn.Linear takes one (differentiable)
     device = x.device.type
     try:
         enabled = torch.is_autocast_enabled(device)

@@ -1165,3 +1165,15 @@ def test_mlp_names_an_activation_that_is_no_tile_and_an_x_that_is_no_tensor(tmp_
     for x in (None, [1.0, 2.0], torch.tensor(1.0)):
         with pytest.raises(evtc.CallError, match="x must be a"):
             block(x)
+
+
+def test_a_sparse_x_computes_as_f_linear_does(tmp_path):
+    from evtc.nn import FusedLinear
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(24, 16, generator=g)
+    bias = torch.randn(24, generator=g)
+    lin = evtc.linear(bias_gelu, {"x": x, "weight": w, "bias": bias}, cache_dir=tmp_path)
+    _close(lin(x.to_sparse(), w, bias=bias), F.gelu(F.linear(x.to_sparse(), w) + bias), "sparse x")
+    layer = FusedLinear(16, 24, bias_gelu, cache_dir=tmp_path)
+    _close(layer(x.to_sparse()), bias_gelu(x @ layer.weight.t(), layer.bias), "FusedLinear")
