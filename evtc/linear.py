@@ -151,6 +151,9 @@ class Linear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *, out: Any = None, **operands: Any) -> Any:
         """The epilogue's outputs. Differentiable in ``x``, ``weight`` and the tensor operands when
         any of them requires grad (see :mod:`evtc.linear_autograd`); ``out=`` is then refused."""
+        if isinstance(x, torch.Tensor) and x.is_nested:
+            raise CallError("evtc.linear: x is a nested tensor: the kernel needs one (..., in_features) "
+                            "shape; pad it (torch.nested.to_padded_tensor) or concatenate its rows")
         if isinstance(x, torch.Tensor) and x.layout != torch.strided and not torch.compiler.is_compiling():
             x = x.to_dense()  # a sparse x, as F.linear takes one (differentiable: autograd sees the copy)
         defaults = self.kernel.plan.interface.defaults

@@ -44,6 +44,9 @@ def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise CallError(f"x must be a (..., in_features) tensor, got {got}")
+    if x.is_nested:
+        raise CallError("x is a nested tensor: the layer needs one (..., in_features) shape; pad it "
+                        "(torch.nested.to_padded_tensor) or concatenate its rows")
     if x.layout != torch.strided and not torch.compiler.is_compiling():
         x = x.to_dense()  # a sparse x, as nn.Linear takes one (differentiable)
     device = x.device.type

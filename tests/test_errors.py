@@ -809,3 +809,19 @@ def test_launch_for_names_a_size_that_is_no_problem_size(tmp_path):
             k.launch_for(*args)
     config, splits = k.launch_for(64, 1024, 8192)
     assert splits >= 1 and config.tile_m in (64, 128)
+
+
+def test_nested_tensors_are_named(tmp_path):
+    """A nested (ragged) tensor has no one shape to tile: refused by name in examples, calls and the
+    layers (torch's "NestedTensorImpl doesn't support sizes" before)."""
+    from evtc.nn import FusedLinear
+
+    a, b, C = torch.randn(8, 16), torch.randn(16, 8), torch.randn(8, 8)
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    with pytest.raises(evtc.InputError, match="'C' is a nested tensor"):
+        evtc.trace(lambda acc, C: acc + C, {"a": a, "b": b, "C": nested})
+    k = evtc.compile(lambda acc, C: acc + C, {"a": a, "b": b, "C": C}, cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="C is a nested tensor"):
+        k(a, b, C=nested)
+    with pytest.raises(evtc.CallError, match="x is a nested tensor"):
+        FusedLinear(8, 4, torch.relu, bias=False, cache_dir=tmp_path)(nested)

@@ -114,6 +114,7 @@ def read_problem(example: Mapping[str, Any], loc: SourceLoc | None) -> Problem:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"example input {name!r} must be a tensor, got {type(t).__name__}", loc)
+        refuse_nested(f"example input {name!r}", t, loc)
         if t.dim() not in (2, 3):
             raise ShapeError(
                 f"{name!r} must be 2-d or 3-d (batched), got shape {tuple(t.shape)}", loc
@@ -141,8 +142,16 @@ def read_problem(example: Mapping[str, Any], loc: SourceLoc | None) -> Problem:
     return Problem(batched=batched, sizes=sizes, ab_dtype=a.dtype)
 
 
+def refuse_nested(what: str, t: torch.Tensor, loc: SourceLoc | None = None) -> None:
+    """Refuse a nested (ragged) tensor, whose rows have no one shape for the kernel to tile."""
+    if t.is_nested:
+        raise InputError(f"{what} is a nested tensor: the kernel needs one dense shape; pad it "
+                         "(torch.nested.to_padded_tensor) or concatenate its rows", loc)
+
+
 def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc | None) -> Operand:
     """The operand kind of a tensor input, from its shape against (L, M, N)."""
+    refuse_nested(f"input {name!r}", t, loc)
     if t.dtype not in OPERAND_DTYPES:
         allowed = ", ".join(short_name(d) for d in OPERAND_DTYPES)
         raise DTypeError(f"input {name!r} has dtype {t.dtype}; epilogue tensors may be {allowed}", loc)
