@@ -88,6 +88,8 @@ def compile(  # noqa: A001 - the public name, as torch.compile
     Raises:
         EpilogueError: a subclass naming the problem (and the epilogue's line when there is one).
     """
+    if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+        raise CompileError(f"cache_dir must be a path (a str or os.PathLike), got {type(cache_dir).__name__}")
     try:
         kernel = _compile(fn, example_inputs, out_dtypes, config, arch, cache_dir, strict)
     except EpilogueError as err:

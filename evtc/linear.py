@@ -575,6 +575,11 @@ def linear(
         if "x" not in example or "weight" not in example:
             raise CallError("evtc.linear: example_inputs needs 'x' (..., in_features) and 'weight' "
                             "(out_features, in_features)")
+        stray = [key for key in ("a", "b") if key in example]
+        if stray:
+            raise CallError(f"evtc.linear: example_inputs has {', '.join(map(repr, stray))}, which "
+                            "evtc.linear builds itself from x and weight (a = x's rows, b = weight.t()): "
+                            "leave it out")
         x, weight = example.pop("x"), example.pop("weight")
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 1 \
                 or weight.dim() != 2:

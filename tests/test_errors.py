@@ -825,3 +825,11 @@ def test_nested_tensors_are_named(tmp_path):
         k(a, b, C=nested)
     with pytest.raises(evtc.CallError, match="x is a nested tensor"):
         FusedLinear(8, 4, torch.relu, bias=False, cache_dir=tmp_path)(nested)
+
+
+def test_linear_refuses_a_and_b_in_its_examples_and_compile_a_cache_dir_that_is_no_path(tmp_path):
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(evtc.CallError, match="builds itself from x and weight"):
+        evtc.linear(torch.relu, {"x": x, "weight": w, "a": x.t().contiguous()}, cache_dir=tmp_path)
+    with pytest.raises(evtc.CompileError, match="cache_dir must be a path"):
+        evtc.compile(torch.relu, {"a": x, "b": w.t()}, cache_dir=5)
