@@ -60,9 +60,6 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
     if not isinstance(t, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != spec.rank:
-        raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
-                        f"{tuple(t.shape)}")
     if t.dtype != dtype:
         hint = ""
         if t.dtype == torch.float64:
@@ -73,6 +70,9 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
                     "was compiled for, and its outputs keep theirs; cast them, or use evtc.nn's "
                     "modules, which follow autocast as nn.Linear does)")
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
+    if t.dim() != spec.rank:
+        raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
+                        f"{tuple(t.shape)}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
     if tuple(t.shape) != want:
         dims = ", ".join(spec.dims)
