@@ -88,6 +88,11 @@ def compile(  # noqa: A001 - the public name, as torch.compile
     Raises:
         EpilogueError: a subclass naming the problem (and the epilogue's line when there is one).
     """
+    if not isinstance(strict, bool):
+        raise CompileError(f"strict must be True or False, got {strict!r}")
+    if autotune is not None and not isinstance(autotune, bool):
+        raise CompileError(f"autotune must be True, False or None (the environment decides), got "
+                           f"{autotune!r}")
     if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
         raise CompileError(f"cache_dir must be a path (a str or os.PathLike), got {type(cache_dir).__name__}")
     try:

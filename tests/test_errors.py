@@ -833,3 +833,14 @@ def test_linear_refuses_a_and_b_in_its_examples_and_compile_a_cache_dir_that_is_
         evtc.linear(torch.relu, {"x": x, "weight": w, "a": x.t().contiguous()}, cache_dir=tmp_path)
     with pytest.raises(evtc.CompileError, match="cache_dir must be a path"):
         evtc.compile(torch.relu, {"a": x, "b": w.t()}, cache_dir=5)
+
+
+def test_dropout_probability_and_compile_flags_are_checked(tmp_path):
+    a, b = torch.randn(8, 16).half(), torch.randn(16, 8).half()
+    with pytest.raises(evtc.UnsupportedOpError, match="between 0 and 1"):
+        evtc.trace(lambda acc: F.dropout(acc, p=1.5, training=False), {"a": a, "b": b})
+    evtc.trace(lambda acc: F.dropout(acc, p=0.5, training=False), {"a": a, "b": b})
+    with pytest.raises(evtc.CompileError, match="strict must be True or False"):
+        evtc.compile(torch.relu, {"a": a, "b": b}, strict="yes", cache_dir=tmp_path)
+    with pytest.raises(evtc.CompileError, match="autotune must be"):
+        evtc.compile(torch.relu, {"a": a, "b": b}, autotune={"x": 1}, cache_dir=tmp_path)

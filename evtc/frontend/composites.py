@@ -227,6 +227,10 @@ def _glu(t: Tracer, input: Any, dim: int = -1) -> Any:
 def _dropout(t: Tracer, input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
     """F.dropout: the value itself where it drops nothing (training=False, as in a model's eval
     mode, or p = 0); random masks are not something one kernel call can reproduce."""
+    if not isinstance(p, int | float) or isinstance(p, bool) or not 0 <= p <= 1:
+        # torch refuses it whatever training is
+        raise UnsupportedOpError(f"dropout probability has to be a number between 0 and 1, but got {p!r}",
+                                 user_location())
     if not training or p == 0:
         return input
     raise UnsupportedOpError(
