@@ -418,12 +418,12 @@ def _is_gated(activation: Callable[..., Any], in_features: int, hidden_features:
     if bias:
         example["bias"] = torch.empty(width, device="meta", dtype=torch.bfloat16)
     graph = trace(activation, example)
-    stores = list(graph.stores)
-    if len(stores) != 1 or len(stores[0].shape) != 2:
-        shapes = ", ".join(str(tuple(str(d) for d in store.shape)) for store in stores)
-        raise CallError(f"evtc.nn.MLP: the activation must return one (M, hidden) tile, the second "
-                        f"layer's input; it returns {len(stores)} output(s) of shape {shapes}")
-    return sympy.sympify(stores[0].shape[-1]) == N / 2
+    tiles = [store for store in graph.stores if len(store.shape) == 2]
+    if not tiles:  # (several outputs are refused at the call, by the first layer's own check)
+        shapes = ", ".join(str(tuple(str(d) for d in store.shape)) for store in graph.stores)
+        raise CallError(f"evtc.nn.MLP: the activation must return one tensor, an (M, hidden) tile (the "
+                        f"second layer's input); it returns output(s) of shape {shapes}")
+    return any(sympy.sympify(store.shape[-1]) == N / 2 for store in tiles)
 
 
 __all__ = ["MLP", "FusedLinear"]

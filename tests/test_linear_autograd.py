@@ -1159,7 +1159,7 @@ def test_what_the_backward_never_reads_is_not_saved(tmp_path):
 def test_mlp_names_an_activation_that_is_no_tile_and_an_x_that_is_no_tensor(tmp_path):
     from evtc.nn import MLP
 
-    with pytest.raises(evtc.CallError, match=r"activation must return one \(M, hidden\) tile"):
+    with pytest.raises(evtc.CallError, match=r"activation must return one tensor, an \(M, hidden\) tile"):
         MLP(32, 64, lambda acc: acc.amax(), cache_dir=tmp_path)
     block = MLP(32, 64, torch.relu, cache_dir=tmp_path)
     for x in (None, [1.0, 2.0], torch.tensor(1.0)):
