@@ -1177,3 +1177,20 @@ def test_a_sparse_x_computes_as_f_linear_does(tmp_path):
     _close(lin(x.to_sparse(), w, bias=bias), F.gelu(F.linear(x.to_sparse(), w) + bias), "sparse x")
     layer = FusedLinear(16, 24, bias_gelu, cache_dir=tmp_path)
     _close(layer(x.to_sparse()), bias_gelu(x @ layer.weight.t(), layer.bias), "FusedLinear")
+
+
+def test_linear_takes_operands_by_position(tmp_path):
+    """lin(x, w, C, alpha) passes the operands in the order of the epilogue's parameters, as
+    calling the function would and as a kernel's call does; too many, or one twice, is named."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 3, 16, generator=g), torch.randn(24, 16, generator=g)
+    residual, scale = torch.randn(2, 3, 24, generator=g), torch.randn(24, generator=g)
+    lin = evtc.linear(residual_scaled, {"x": x, "weight": w, "residual": residual, "scale": scale,
+                                        "alpha": 0.5}, cache_dir=tmp_path)
+    want = residual_scaled(x @ w.t(), residual, scale, 0.5)
+    _close(lin(x, w, residual, scale, 0.5), want, "by position")
+    _close(lin(x, w, residual, scale=scale, alpha=0.5), want, "by position and name")
+    with pytest.raises(evtc.CallError, match="at most 5 positional arguments"):
+        lin(x, w, residual, scale, 0.5, 1.0)
+    with pytest.raises(evtc.CallError, match="multiple values for 'residual'"):
+        lin(x, w, residual, residual=residual, scale=scale, alpha=0.5)
