@@ -155,7 +155,8 @@ class Linear:
         ``weight`` and the tensor operands when any of them requires grad (see
         :mod:`evtc.linear_autograd`); ``out=`` is then refused."""
         if positional:
-            operands = self._by_position(positional, operands)
+            operands = call_checks.by_position(self.kernel.plan.interface.parameters, positional, operands,
+                                               f"evtc.linear {self.kernel.plan.name!r}", ("x", "weight"))
         if isinstance(x, torch.Tensor) and x.is_nested:
             raise CallError("evtc.linear: x is a nested tensor: the kernel needs one (..., in_features) "
                             "shape; pad it (torch.nested.to_padded_tensor) or concatenate its rows")
@@ -190,21 +191,6 @@ class Linear:
                             err.loc) from None
         except EpilogueError as err:
             raise err.with_traceback(None) from None
-
-    def _by_position(self, positional: tuple, operands: dict) -> dict:
-        """``operands`` with those given by position named, in the order of the epilogue's
-        parameters, as calling the function would take them."""
-        params = self.kernel.plan.interface.parameters
-        if len(positional) > len(params):
-            names = "".join(", " + p for p in params)
-            raise CallError(f"evtc.linear: {self.kernel.plan.name!r} takes at most {2 + len(params)} "
-                            f"positional arguments (x, weight{names}); got {2 + len(positional)}")
-        named = dict(zip(params, positional, strict=False))
-        twice = [name for name in named if name in operands]
-        if twice:
-            raise CallError(f"evtc.linear: got multiple values for {', '.join(map(repr, twice))} (by "
-                            "position and by name)")
-        return {**named, **operands}
 
     def _compiled_call(self, x, weight, out, operands):
         """The call under torch.compile: through the custom operator of a kernel, which the compiler

@@ -426,6 +426,23 @@ def refuse_functorch_autograd(what: str) -> None:
                         "or call under torch.no_grad() for vmap of the forward alone")
 
 
+def by_position(params: tuple[str, ...] | list[str], positional: tuple, operands: dict, callee: str,
+                leading: tuple[str, str]) -> dict:
+    """``operands`` with those given by ``positional`` (after the two ``leading`` arguments, a and
+    b or x and weight) named by ``params``, the epilogue's parameters in order, as calling the
+    function would take them; ``callee`` names the call in the errors."""
+    if len(positional) > len(params):
+        names = ", ".join((*leading, *params))
+        raise CallError(f"{callee} takes at most {2 + len(params)} positional arguments ({names}); got "
+                        f"{2 + len(positional)}")
+    named = dict(zip(params, positional, strict=False))
+    twice = [name for name in named if name in operands]
+    if twice:
+        raise CallError(f"{callee} got multiple values for {', '.join(map(repr, twice))} (by position and by "
+                        "name)")
+    return {**named, **operands}
+
+
 def needs_grad(a, b, operands: dict) -> bool:
     """Whether any input requires grad (on the per-call path: no tuple or generator built)."""
     if getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False):

@@ -467,16 +467,8 @@ class Kernel:
     def _by_position(self, positional: tuple, operands: dict) -> dict:
         """``operands`` with the operands given by position (``k(a, b, C, bias)``) named, in the
         order of the epilogue's parameters, as calling the function would take them."""
-        params = self.plan.interface.parameters
-        if len(positional) > len(params):
-            raise CallError(f"{self.plan.name!r} takes at most {2 + len(params)} positional arguments (a, b"
-                            f"{''.join(', ' + p for p in params)}); got {2 + len(positional)}")
-        named = dict(zip(params, positional, strict=False))
-        twice = [name for name in named if name in operands]
-        if twice:
-            raise CallError(f"{self.plan.name!r} got multiple values for {', '.join(map(repr, twice))} "
-                            "(by position and by name)")
-        return {**named, **operands}
+        return call_checks.by_position(self.plan.interface.parameters, positional, operands,
+                                       f"{self.plan.name!r}", ("a", "b"))
 
     @property
     def op(self):
