@@ -49,6 +49,7 @@ class Linear:
         self._example = None if example is None else {k: meta_copy(v) for k, v in example.items()}
         self._out_dtypes = out_dtypes
         self._backward = None
+        self._backward_reads: tuple[bool, frozenset[str]] | None = None
         # The kernel a differentiable call runs where the backward reads the accumulator: the same
         # epilogue that also stores the accumulator (see :meth:`_saving_kernel`); False where none.
         self._saving: Kernel | bool | None = None
@@ -140,6 +141,15 @@ class Linear:
 
         return backward_of_linear(self, x, weight, operands, grads, acc=acc, need_x=need_x,
                                   need_weight=need_weight)
+
+    def backward_reads(self) -> tuple[bool, frozenset[str]]:
+        """Whether the backward graph reads the accumulator, and the names it loads (found once:
+        every differentiable forward asks what to save)."""
+        if self._backward_reads is None:
+            from evtc.linear_autograd import backward_reads
+
+            self._backward_reads = backward_reads(self.backward_graph())
+        return self._backward_reads
 
     @property
     def source(self) -> str:

@@ -101,7 +101,7 @@ class LinearFunction(torch.autograd.Function):
         # Only what the backward reads: x for the weight's gradient, the weight for x's, both to
         # recompute the accumulator, and the operands its graph loads (a residual's gradient is
         # the incoming one: the residual itself is not kept alive, nor guarded against changes).
-        reads_acc, loads = backward_reads(lin.backward_graph())
+        reads_acc, loads = lin.backward_reads()
         recompute = reads_acc and not saved_acc
         needs = ctx.needs_input_grad
         save_inputs(ctx, [x, weight, *saved_acc, *[values[i] for i in ctx.tensor_slots]],

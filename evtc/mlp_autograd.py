@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from evtc.linear_autograd import backward_reads, first_derivative_only, not_views, save_inputs, saved_inputs
+from evtc.linear_autograd import first_derivative_only, not_views, save_inputs, saved_inputs
 from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class MLPFunction(torch.autograd.Function):
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
         # The second layer's operands only where its backward graph loads them (a residual's
         # gradient is the incoming one: the residual is not kept alive, nor guarded against changes).
-        _, loads = backward_reads(pair._second.backward_graph())
+        _, loads = pair._second.backward_reads()
         first_count = len(names1)
         save_inputs(ctx, [x, w1, w2, h, *saved1, *saved2, *[values[i] for i in ctx.tensor_slots]],
                     [True] * (4 + len(saved1) + len(saved2))
