@@ -280,7 +280,7 @@ class Linear:
             return
         dims = _output_dims(kernel)
         shapes = {name: ((*lead, *shape[1:]) if dims[name][:1] == ("M",) else shape, dtype)
-                  for name, (shape, dtype) in call_checks.output_shapes(spec, *sizes).items()}
+                  for name, (shape, dtype) in call_checks.output_shapes(spec, sizes).items()}
         call_checks.resize_empty(given, shapes, x2.device)
 
     def _check_out_rows(self, kernel: Kernel, out: Any, lead: tuple) -> None:

@@ -248,32 +248,17 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     return tensors
 
 
-def output_shapes(spec: CallSpec, m: int, n: int,
-                  batches: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Each output's shape and dtype (by name) for a problem of ``m`` x ``n`` (the output's width) and
-    ``batches``."""
-    sizes = {"L": batches, "M": m, "N": n, "1": 1}
-    plan = spec.plan
-    shapes = {name: (tuple(sizes[d] for d in out_spec.dims), dt)
-              for name, out_spec, dt in zip(spec.kernel_order, plan.outputs, spec.out_dtypes, strict=False)}
-    for name, host in zip(spec.kernel_order[len(plan.outputs):], spec.host_outputs, strict=True):
-        shapes[name] = (tuple(sizes[d] for d in host.dims), torch_dtype(host.dtype))
-    return shapes
-
-
 def problem_sizes(spec: CallSpec, a, b) -> tuple[int, int, int] | None:
-    """(M, the output's N, batches) of a call on ``a`` and ``b``, or None where they are not a
-    problem's inputs (the checks then say why)."""
+    """(M, the GEMM's N, batches) of a call on ``a`` and ``b``, as :meth:`CallSpec.output_meta`
+    takes them, or None where they are not a problem's inputs (the checks then say why)."""
     if spec.scale_rows and is_pair(a) and is_pair(b):
         a, b = a[0], b[0]
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() not in (2, 3) \
             or b.dim() not in (2, 3):
         return None
     n = b.shape[-1]
-    if spec.gated:
-        if n % 2:
-            return None
-        n //= 2
+    if spec.gated and n % 2:
+        return None
     batches = a.shape[0] if a.dim() == 3 else b.shape[0] if b.dim() == 3 else 1
     return a.shape[-2], n, batches
 
@@ -319,7 +304,12 @@ def resize_empty_outputs(spec: CallSpec, out, a, b) -> None:
     if sizes is None:
         return
     device = (a[0] if is_pair(a) else a).device
-    resize_empty(given, output_shapes(spec, *sizes), device)
+    resize_empty(given, output_shapes(spec, sizes), device)
+
+
+def output_shapes(spec: CallSpec, sizes: tuple[int, int, int]) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Each output's (shape, dtype) by name for a problem of :func:`problem_sizes` ``sizes``."""
+    return dict(zip(spec.kernel_order, spec.output_meta(*sizes), strict=True))
 
 
 def refuse_shared_targets(given: dict) -> None:
