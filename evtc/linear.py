@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -409,6 +410,11 @@ def _flatten_like(value: Any, lead: tuple[int, ...]) -> Any:
 _PROBE_SIZES = (3, 5, 7, 11, 13, 17, 19, 23)
 
 
+# What the probe noted, per thread: layers called from several threads probe at once, and one
+# thread's note must not refuse (or a reset hide) another's call.
+_WATCHED = threading.local()
+
+
 class _SizeWatch(torch.Tensor):
     """A meta tensor whose leading sizes (the probe's, :data:`_PROBE_SIZES`) come back from
     ``shape`` and ``size()`` as :class:`_LeadingSize`, which notes any use of its value in
@@ -416,28 +422,37 @@ class _SizeWatch(torch.Tensor):
     Arithmetic on the rank (``range(y.dim() - 1)``) and uses inside torch's own functions do not
     count: they give the same results on the flattened x."""
 
-    read: str | None = None
-    _depth = 0
-
     @staticmethod
     def make(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device).as_subclass(_SizeWatch)
 
-    @classmethod
-    def note(cls, what: str) -> None:
-        cls.read = cls.read or what
+    @staticmethod
+    def start() -> None:
+        """Forget what an earlier probe in this thread noted."""
+        _WATCHED.read = None
+        _WATCHED.depth = 0
+
+    @staticmethod
+    def read() -> str | None:
+        """The first use noted since :meth:`start` in this thread, or None."""
+        return getattr(_WATCHED, "read", None)
+
+    @staticmethod
+    def note(what: str) -> None:
+        _WATCHED.read = getattr(_WATCHED, "read", None) or what
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        outermost = cls._depth == 0
+        depth = getattr(_WATCHED, "depth", 0)
+        outermost = depth == 0
         if outermost and any(isinstance(v, _LeadingSize) for v in (*args, *kwargs.values())):
             cls.note("a leading size (in a torch function's arguments)")
-        cls._depth += 1
+        _WATCHED.depth = depth + 1
         try:
             result = super().__torch_function__(func, types, args, kwargs)
         finally:
-            cls._depth -= 1
+            _WATCHED.depth = depth
         if not outermost:
             return result
         if func in (torch.Tensor.size, torch.Tensor.shape.__get__):
@@ -534,13 +549,13 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
     watch = not torch.compiler.is_compiling()  # (a tensor subclass is not for dynamo to trace)
     tensor = _SizeWatch.make if watch else torch.empty
     acc = tensor((*probe, n), dtype=torch.float32, device="meta")
-    _SizeWatch.read = None
+    _SizeWatch.start()
     try:
         result = unwrap(fn)(acc, **{name: meta(v) for name, v in operands.items()})
-        if _SizeWatch.read is not None:
+        if _SizeWatch.read() is not None:
             # The values, not only the shapes, would differ: torch's function reads a leading dim
             # or the rank of a value with x's leading dims, where the kernel's sees M or 2.
-            return (f"the epilogue reads {_SizeWatch.read} of a value with x's leading dims, which "
+            return (f"the epilogue reads {_SizeWatch.read()} of a value with x's leading dims, which "
                     f"flattening x's {x_dims - 1} leading dims into M changes (read only the last "
                     "dim, acc.shape[-1], and index dims from the end)")
     except NotImplementedError:  # an op without a meta kernel: judge by the plan alone

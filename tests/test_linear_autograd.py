@@ -4,6 +4,9 @@ as torch.matmul and the epilogue graph)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -417,6 +420,46 @@ def test_a_leading_size_or_a_branch_on_the_rank_is_refused(fn, tmp_path):
     lin = evtc.linear(_last_size_and_rank_arithmetic, {"x": x, "weight": w}, cache_dir=tmp_path)
     for a, b in zip(lin(x, w), _last_size_and_rank_arithmetic(x @ w.t()), strict=True):
         _close(a, b, "last size and rank arithmetic")
+
+
+_PROBES_MEET = threading.Barrier(2, timeout=30)
+
+
+def _reads_a_leading_size_after_the_other_probe_started(acc):
+    if acc.device.type == "meta":
+        _PROBES_MEET.wait()  # both threads' probes have started: the other's start is behind us
+    return acc * acc.size(0)
+
+
+def _reads_no_size_beside_the_other_probe(acc):
+    if acc.device.type == "meta":
+        _PROBES_MEET.wait()
+    return acc * 2.0
+
+
+def test_layers_probed_in_two_threads_at_once_keep_their_own_notes(tmp_path):
+    """The probe of x's leading dims notes what each function reads per thread: two layers first
+    called with 3-d x in two threads at once each get their own verdict (with one note for the
+    process, the layer that reads no size was refused for the other's read, and one probe's start
+    could erase the other's note: a silently wrong result)."""
+    x2, w = torch.randn(5, 16), torch.randn(24, 16)
+    reads = evtc.linear(_reads_a_leading_size_after_the_other_probe_started, {"x": x2, "weight": w},
+                        cache_dir=tmp_path)
+    plain = evtc.linear(_reads_no_size_beside_the_other_probe, {"x": x2, "weight": w},
+                        cache_dir=tmp_path)
+    x = torch.randn(2, 5, 16)
+
+    def call(lin):
+        try:
+            return lin(x, w)
+        except evtc.CallError as err:
+            return err
+
+    with ThreadPoolExecutor(2) as pool:
+        refused, result = pool.map(call, [reads, plain])
+    assert isinstance(refused, evtc.CallError) and "leading size" in str(refused), refused
+    assert isinstance(result, torch.Tensor), result
+    _close(result, (x @ w.t()) * 2.0, "the layer that reads no size")
 
 
 def test_leading_dims_that_flatten_exactly_are_accepted():
