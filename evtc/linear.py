@@ -417,8 +417,8 @@ _WATCHED = threading.local()
 
 class _SizeWatch(torch.Tensor):
     """A meta tensor whose leading sizes (the probe's, :data:`_PROBE_SIZES`) come back from
-    ``shape`` and ``size()`` as :class:`_LeadingSize`, which notes any use of its value in
-    :attr:`read`, and whose rank (``dim()``, ``ndim``) notes a comparison (``if acc.dim() == 3``).
+    ``shape`` and ``size()`` as :class:`_LeadingSize`, which notes any use of its value (see
+    :meth:`read`), and whose rank (``dim()``, ``ndim``) notes a comparison (``if acc.dim() == 3``).
     Arithmetic on the rank (``range(y.dim() - 1)``) and uses inside torch's own functions do not
     count: they give the same results on the flattened x."""
 
