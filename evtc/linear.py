@@ -66,6 +66,8 @@ class Linear:
             return
         why = _flattening_changes(self.kernel, self._fn, x_dims, n, operands)
         if why is not None:
+            if x_dims == 1:
+                raise CallError(f"evtc.linear: {why}")
             raise CallError(f"evtc.linear: {why}. Pass x as (rows, in_features) (x.reshape(-1, "
                             "x.shape[-1])) for a reduction over all rows, or compile the epilogue with "
                             "evtc.compile on a batched a for one per leading index")
@@ -569,6 +571,12 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
         return None  # the kernel's own checks say what is wrong with the structure
     for name, value in leaves.items():
         if isinstance(value, torch.Tensor) and tuple(value.shape) != ours[name]:
+            if x_dims == 1:  # x is one row: its GEMM's row dim is dropped, as F.linear drops it
+                hint = ("; an operand with more dims broadcasts it: pass x as x.unsqueeze(0)"
+                        if value.dim() > len(ours[name]) else "")
+                return (f"with a 1-d x, {label(name)} has shape {tuple(value.shape)} in PyTorch, but "
+                        f"evtc.linear, which runs x as the one row of its GEMM, would return "
+                        f"{ours[name]}{hint}")
             return (f"on x with {x_dims - 1} leading dims (probed with sizes {probe}), {label(name)} has "
                     f"shape {tuple(value.shape)} "
                     f"in PyTorch, but evtc.linear flattens the leading dims into M and would return "

@@ -330,7 +330,7 @@ def test_leading_dims_that_flattening_would_change_are_refused(fn, what):
     with pytest.raises(evtc.CallError, match="flattens the leading dims into M"):
         lin(x3, w, **ops)
     # 1-d x: PyTorch reduces the one row's N values (amax(0)) or fails (sum(1)).
-    with pytest.raises(evtc.CallError, match="flattens the leading dims into M|fails in PyTorch"):
+    with pytest.raises(evtc.CallError, match="with a 1-d x, .* has shape .* in PyTorch|fails in PyTorch"):
         lin(torch.randn(16), w, **ops)
 
 
@@ -345,6 +345,22 @@ def test_one_dimensional_x_gets_pytorch_shapes():
     for a, b in zip(lin(x, w, bias=bias), per_row(x @ w.t(), bias), strict=True):
         assert a.shape == b.shape
         _close(a, b, "1-d x")
+
+
+def test_one_dimensional_x_beside_an_operand_with_a_row_dim_is_refused_with_a_way_out():
+    """With a 1-d x, an operand of (1, N) broadcasts PyTorch's output to (1, N), where evtc.linear
+    returns (N,) as F.linear does: refused, naming the shape and the way out (x.unsqueeze(0)),
+    which then gives PyTorch's values."""
+    def residual(acc, C):
+        return acc + C
+
+    w, x, C = torch.randn(24, 16), torch.randn(16), torch.randn(1, 24)
+    lin = evtc.linear(residual, {"x": torch.randn(4, 16), "weight": w, "C": torch.randn(4, 24)})
+    refusal = (r"with a 1-d x, the epilogue's output has shape \(1, 24\) in PyTorch, .* would return "
+               r"\(24,\); an operand .* x.unsqueeze\(0\)")
+    with pytest.raises(evtc.CallError, match=refusal):
+        lin(x, w, C=C)
+    _close(lin(x.unsqueeze(0), w, C=C), residual(x @ w.t(), C), "x.unsqueeze(0)")
 
 
 def test_one_dimensional_x_takes_operands_of_its_one_row():
