@@ -844,3 +844,17 @@ def test_dropout_probability_and_compile_flags_are_checked(tmp_path):
         evtc.compile(torch.relu, {"a": a, "b": b}, strict="yes", cache_dir=tmp_path)
     with pytest.raises(evtc.CompileError, match="autotune must be"):
         evtc.compile(torch.relu, {"a": a, "b": b}, autotune={"x": 1}, cache_dir=tmp_path)
+
+
+def test_an_int_literal_beyond_int64_is_refused_at_its_line():
+    """torch refuses a Python int beyond int64 in an op (OverflowError); evtc took it as the float
+    1.27e30 (``acc * 2**100``): refused at the line, as torch refuses it."""
+    def huge(acc):
+        return acc * 2**100  # error here
+
+    err = _trace_error(huge, EX, evtc.DTypeError)
+    assert "beyond int64" in str(err)
+    _assert_points_at_marked_line(err, huge)
+    with pytest.raises(OverflowError):  # the reference: torch refuses it too
+        huge(torch.randn(2, 2))
+    evtc.trace(lambda acc: acc * 2**62 + acc * -(2**63), gemm_inputs(16, 24, 8, None))  # int64 itself

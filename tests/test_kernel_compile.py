@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gemm_kernels import compile_config, uses_d_buffers_of_c
 
 import evtc
@@ -385,3 +386,28 @@ def test_max_and_min_reductions_propagate_nan(tmp_path):
     ptx = evtc.compile(extrema, ex, cache_dir=tmp_path).ptx
     assert re.search(r"\bmax\.NaN\.f32\b", ptx) and re.search(r"\bmin\.NaN\.f32\b", ptx)
     assert not re.search(r"\b(max|min)\.f32\b", ptx)
+
+
+def test_sigmoid_takes_the_exp_that_carries_the_rounding_of_its_argument(tmp_path):
+    """sigmoid (and silu, SwiGLU) compute e^-x with libdevice's exp, whose argument reduction splits
+    log2(e) over two constants by fused multiply-adds; the fast exp rounds -x * log2(e) to float32
+    before its 2^t, tens of ulps off for x below -10 (a review emulated 57 ulps at x = -59.6)."""
+    ex = dict(a=torch.randn(128, 64, dtype=torch.bfloat16), b=torch.randn(64, 128, dtype=torch.bfloat16))
+    ptx = evtc.compile(lambda acc: torch.sigmoid(acc), ex, cache_dir=tmp_path).ptx
+    exps = len(re.findall(r"\bex2\.approx", ptx))
+    assert exps and len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= 2 * exps, "no argument reduction"
+    assert "0f3FB8AA3B" not in ptx, "log2(e) as one float32 constant: the fast exp"
+
+
+def test_softplus_with_beta_zero_compiles_to_torchs_inf(tmp_path):
+    """F.softplus(x, beta=0) divides log(2) by zero, inf as in torch: it compiles (1 / beta raised
+    ZeroDivisionError inside the code generator), and the call gives torch's values."""
+    def soft(acc):
+        return F.softplus(acc, beta=0.0)
+
+    ex = dict(a=torch.randn(64, 32, dtype=torch.bfloat16), b=torch.randn(32, 48, dtype=torch.bfloat16))
+    k = evtc.compile(soft, ex, out_dtypes=torch.float32, cache_dir=tmp_path)
+    assert "lg2.approx" in k.ptx or "log" in k.source
+    want = soft(ex["a"].float() @ ex["b"].float())
+    assert torch.isinf(want).all()
+    torch.testing.assert_close(k(ex["a"], ex["b"]), want)

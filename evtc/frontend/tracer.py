@@ -67,6 +67,10 @@ class Tracer:
                 "build masks from comparisons (acc > 0) and combine them with &, |, ~",
                 user_location(),
             )
+        if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:
+            # torch reads an int as an int64 and refuses one beyond it (OverflowError)
+            raise DTypeError(f"the Python int {value} in an epilogue expression is beyond int64, which "
+                             "torch refuses; write it as a float (a literal such as 1e30)", user_location())
         if isinstance(value, int | float):
             return self.builder.literal(value, user_location())
         if isinstance(value, SymDim):

@@ -14,6 +14,8 @@ e5m2 overflows to infinity), as evtc's IR does.
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -142,11 +144,14 @@ def erf(x):
 
 
 def sigmoid(x):
-    # 1 / (1 + e^-x) with the hardware's approximate exp and reciprocal (a few ulp in float32): an
-    # IEEE division costs ~10 instructions and a slow path per value, which SwiGLU-sized epilogues
-    # feel at small K. The denominator is >= 1; below x = -87.3 the result, a float32 denormal in
-    # torch, flushes to 0. e^-x = inf gives 0 and NaN stays NaN, as in torch.
-    denominator = cute.math.exp(_f32(-x), fastmath=True) + 1.0
+    # 1 / (1 + e^-x) with libdevice's exp and the hardware's approximate reciprocal (a few ulp in
+    # float32): an IEEE division costs ~10 instructions and a slow path per value, which
+    # SwiGLU-sized epilogues feel at small K. Not the fast exp: it rounds -x * log2(e) to float32
+    # before its 2^t, which is 2^-24 of |t| off, tens of ulps of the result for x below -10 (the
+    # libdevice one carries that rounding error with a second constant). The denominator is >= 1;
+    # below x = -87.3 the result, a float32 denormal in torch, flushes to 0. e^-x = inf gives 0
+    # and NaN stays NaN, as in torch.
+    denominator = exp(-x) + 1.0
     return cute.math.rcp(denominator, approx=True, ftz=True)
 
 
@@ -181,7 +186,8 @@ def silu(x):
 def softplus(x, beta: float, threshold: float):
     """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (as torch)."""
     bx = x * beta
-    soft = log1p(exp(bx)) if beta == 1 else log1p(exp(bx)) * (1.0 / beta)
+    # beta = 0 divides by zero, as in torch: log(2) / 0 = inf (NaN stays NaN)
+    soft = log1p(exp(bx)) if beta == 1 else log1p(exp(bx)) * (1.0 / beta if beta else math.inf)
     return where(bx > threshold, x, soft)
 
 
