@@ -119,26 +119,3 @@ def test_a_user_operand_named_like_a_reduction_keeps_its_name():
     assert [p.ident for p in emitted.inputs] == ["r0"]
     assert [r.ident for r in emitted.reductions] == ["r0_"]
     assert emitted.finishes[0].reductions == ["r0_"]
-
-
-@pytest.mark.parametrize("flats", [
-    [(256, torch.float32), (1, torch.float32), (256, torch.float32)],
-    [(10, torch.float32), (3, torch.bfloat16), (7, torch.float32), (1, torch.float32), (5, torch.bfloat16)],
-    [(5, torch.float32)],
-    [(1, torch.float8_e4m3fn), (33, torch.float8_e4m3fn)],
-])
-def test_kernel_finished_outputs_are_cut_exact_and_aligned_from_one_allocation_per_dtype(flats):
-    from evtc.runtime.reductions import _flat_groups
-
-    groups = _flat_groups(flats)
-    assert [dt for dt, _, _ in groups] == list(dict.fromkeys(dt for _, dt in flats))
-    seen = []
-    for dtype, sizes, pieces in groups:
-        cut = torch.empty(sum(sizes), dtype=dtype).split_with_sizes(sizes)
-        for i, piece in pieces:
-            t = cut[piece]
-            seen.append(i)
-            # Exactly the output's elements, of its dtype, starting 16 bytes in.
-            assert (t.numel(), t.dtype) == flats[i]
-            assert t.storage_offset() * t.element_size() % 16 == 0
-    assert sorted(seen) == list(range(len(flats)))

@@ -259,6 +259,25 @@ def test_rows_and_everything_in_one_kernel(cache):
         _close(amax, acc.abs().amax(), tol=1e-5)
 
 
+def test_finished_outputs_are_tensors_of_their_own(cache):
+    """Each output the kernel finishes has a storage of its own, as torch's ops return them (they
+    were cut from one allocation per dtype: views of one storage, which torch refuses to change in
+    place while autograd records, and which torch.save writes whole): separate storages, and an
+    in-place op with an operand that requires grad records and differentiates as on a fresh tensor."""
+    x, w, bias = _problem(300, 1000, 128, seed=21)
+    k = _compile(rms_and_extrema, x, w, cache, operands={"bias": bias, "eps": 1e-5})
+    y, rms, mx, mn = k(x, w.t(), bias=bias, eps=1e-5)
+    storages = {t.untyped_storage().data_ptr() for t in (y, rms, mx, mn)}
+    assert len(storages) == 4
+    assert rms.untyped_storage().nbytes() == rms.numel() * rms.element_size()
+    scale = torch.rand(300, device="cuda", requires_grad=True)
+    rms.mul_(scale)  # refused for a view among several before
+    rms.sum().backward()
+    ref = _acc(x, w) + bias.double()
+    _close(scale.grad, torch.sqrt((ref * ref).mean(-1) + 1e-5))
+    _close(mx, ref.amax(-1))
+
+
 def test_per_batch_with_split_k(cache):
     x, w, _ = _problem(700, 904, 3000, seed=13, batches=3)
     k = _compile(per_batch, x, w, cache, config={"split_k": True})

@@ -99,31 +99,6 @@ class SizeLayout:
     #: The host outputs in the plan's order, for a kernel finish: (index among ``flats``, the shape
     #: to view it as, or None where the flat tensor already has it).
     views: tuple[tuple[int, tuple[int, ...] | None], ...] = ()
-    #: How ``flats`` are allocated: per dtype, (dtype, the pieces' sizes, padding included, and
-    #: per flat its piece), one allocation each (see :func:`_flat_groups`).
-    groups: tuple[tuple[torch.dtype, tuple[int, ...], tuple[tuple[int, int], ...]], ...] = ()
-
-
-def _flat_groups(flats: Sequence[tuple[int, torch.dtype]]):
-    """The kernel-finished outputs of one dtype cut from one allocation (the per-call path: one
-    torch op and a split instead of an allocation per output; they are small, L x M values at
-    most, so that they share a storage costs nothing). Each piece starts 16 bytes in (the kernel
-    takes them aligned as TMA needs), with padding pieces between them."""
-    groups = []
-    for dtype in dict.fromkeys(dt for _, dt in flats):
-        per_16 = max(1, 16 // dtype.itemsize)
-        sizes: list[int] = []
-        pieces = []
-        for i, (numel, dt) in enumerate(flats):
-            if dt != dtype:
-                continue
-            pad = -sum(sizes) % per_16
-            if pad:
-                sizes.append(pad)
-            pieces.append((i, len(sizes)))
-            sizes.append(numel)
-        groups.append((dtype, tuple(sizes), tuple(pieces)))
-    return tuple(groups)
 
 
 class ReductionFinish:
@@ -172,7 +147,7 @@ class ReductionFinish:
         index = {name: i for i, (name, _, _) in enumerate(self.finished)}
         views = tuple((index[name], None if len(self.host_dims[name]) == 1
                        else tuple(sizes[d] for d in self.host_dims[name])) for name in self.host_names)
-        return SizeLayout(True, numels, flats, self._counters(m, n, batches), views, _flat_groups(flats))
+        return SizeLayout(True, numels, flats, self._counters(m, n, batches), views)
 
     def buffers(self, m: int, n: int, batches: int, device) -> list[torch.Tensor]:
         """The buffers a launch passes after its full-tile outputs: each reduction's workspace, then
@@ -184,14 +159,10 @@ class ReductionFinish:
         if layout.in_kernel:
             # Read back by the kernel itself: buffers reused on this stream.
             stream = stream_buffers.stream_key(device)
-            flats: list = [None] * len(layout.flats)
-            for dtype, sizes, pieces in layout.groups:
-                if len(sizes) == 1:
-                    flats[pieces[0][0]] = torch.empty(sizes[0], dtype=dtype, device=device)
-                else:
-                    cut = torch.empty(sum(sizes), dtype=dtype, device=device).split_with_sizes(sizes)
-                    for i, piece in pieces:
-                        flats[i] = cut[piece]
+            # An allocation per output, as torch's ops return them: pieces cut from one would be
+            # views of one storage, which torch refuses to change in place while autograd records
+            # (a function returning several views), and which torch.save writes whole.
+            flats = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype in layout.flats]
             return (stream_buffers.scratch_workspaces(device, layout.numels, stream) + flats
                     + [stream_buffers.counters(device, layout.counters, pool="finish", stream=stream)])
         numels = layout.numels
