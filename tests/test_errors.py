@@ -858,3 +858,17 @@ def test_an_int_literal_beyond_int64_is_refused_at_its_line():
     with pytest.raises(OverflowError):  # the reference: torch refuses it too
         huge(torch.randn(2, 2))
     evtc.trace(lambda acc: acc * 2**62 + acc * -(2**63), gemm_inputs(16, 24, 8, None))  # int64 itself
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_max_over_everything_with_keepdim_is_refused_as_torch_refuses_it(kind):
+    """torch's x.max() over everything takes no keepdim (a TypeError); evtc returned a (1, 1)
+    value: refused at the line, naming amax((-2, -1), keepdim=True)."""
+    def over_all(acc):
+        return getattr(acc, kind)(keepdim=True)  # error here
+
+    with pytest.raises(TypeError):  # the reference: torch refuses it
+        over_all(torch.randn(2, 3))
+    err = _trace_error(over_all, EX, evtc.ReductionError)
+    assert f"a{kind}((-2, -1), keepdim=True)" in str(err)
+    _assert_points_at_marked_line(err, over_all)

@@ -317,6 +317,9 @@ def _max_min(kind: str) -> Handler:
                 f"use a{kind}(dim) for the values",
                 user_location(),
             )
+        if keepdim:  # torch's max() over everything takes no keepdim (TypeError)
+            raise ReductionError(f"{kind}(keepdim=True) without a dim, which torch refuses; use "
+                                 f"a{kind}((-2, -1), keepdim=True)", user_location())
         return t.reduce(input, kind, None, keepdim)
 
     return handler
