@@ -163,7 +163,7 @@ class FusedLinear(nn.Module):
             one_row, one_column = bool(math.prod(x.shape[:-1]) == 1), bool(weight.shape[0] == 1)
             if one_row or one_column:
                 lin = self._serving(key, one_row, one_column)
-                if lin is not None:
+                if lin is not None and not torch.compiler.is_compiling():  # (a side effect there)
                     self._served[key] = lin
         if lin is None and torch.compiler.is_compiling():
             # Building a kernel is not traceable (under fullgraph=True dynamo fails deep inside the

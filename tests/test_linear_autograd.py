@@ -234,6 +234,30 @@ def test_layers_under_torch_compile_fullgraph(monkeypatch):
         _close(a, b, name)
 
 
+def test_activation_checkpointing_under_one_fullgraph_compile():
+    """torch.compile(fullgraph=True) around torch.utils.checkpoint of a FusedLinear, the usual
+    setup of large-model training: dynamo refuses any side effect inside the checkpoint, and each
+    call rebound the kernel's operator in a global dict ("Unsafe side effect"). Gradients of x and
+    the parameters as torch's, for one row too (a kernel served for M = 1 is noted outside
+    compile only)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = evtc.nn.FusedLinear(32, 48, bias_gelu)
+    for shape in [(2, 5, 32), (1, 1, 32)]:
+        x = torch.randn(*shape, requires_grad=True)
+        layer(x).sum().backward()  # eager first: builds the kernel
+        layer.zero_grad()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: checkpoint(layer, t, use_reentrant=False).sum(),
+                                 backend="aot_eager", fullgraph=True)
+        params = [x, layer.weight, layer.bias]
+        mine = torch.autograd.grad(compiled(x), params)
+        want = F.gelu(x @ layer.weight.t() + layer.bias).sum()
+        for name, a, b in zip(["x", "weight", "bias"], mine, torch.autograd.grad(want, params),
+                              strict=True):
+            _close(a, b, f"{name} {shape}")
+
+
 def _residual_scaled(acc, residual, alpha: float):
     return acc * alpha + residual, acc.sum(-1)
 

@@ -481,9 +481,11 @@ class Kernel:
             from evtc.runtime.torch_op import register
 
             self._op = register(self)
-        else:
+        elif self._op_binding.get(self._op_name) is not self:
             # Kernel objects of one compiled code share the operator, which runs the one that
             # called it last (its last_path and saved accumulators are the ones its caller reads).
+            # Written only when it changes: under torch.compile a write is a side effect, which
+            # dynamo refuses inside activation checkpointing (fullgraph=True).
             self._op_binding[self._op_name] = self
         return self._op
 
