@@ -294,10 +294,12 @@ class MLP(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
             raise CallError(f"evtc.nn.MLP: x must be a (..., in_features) tensor, got {got}")
-        if not all(type(layer) is FusedLinear and not _hooked(layer) for layer in (self.up, self.down)):
+        if not all(type(layer) is FusedLinear and not _hooked(layer) and "forward" not in layer.__dict__
+                   for layer in (self.up, self.down)):
             # A hooked layer (a forward hook, pruning's or the old weight_norm's pre-hook that
-            # recomputes the weight) or one replaced by another module (an adapter) runs as itself:
-            # the fused pair below would read the parameters past its forward.
+            # recomputes the weight), one whose forward is patched on the instance (an adapter's
+            # way, types.MethodType) or one replaced by another module runs as itself: the fused
+            # pair below would read the parameters past its forward.
             return self.down(self.up(x), **operands)
         _refuse_own_bias(self.down.bias, operands, "evtc.nn.MLP")
         if torch.float64 in (x.dtype, self.up.weight.dtype, self.down.weight.dtype):
@@ -360,7 +362,9 @@ class MLP(nn.Module):
                   ops1: dict[str, Any]):
         """The kernel of the fused backward step (``dZ1`` in the epilogue of ``dZ2 @ W2``) and its
         generated epilogue, or None where there is none (compiled on first use, then kept)."""
-        key = (dz2.dtype, dz2.device, w2.dtype,
+        # The first layer's Linear is part of the key: its epilogue (the activation) may be
+        # replaced between calls, and the fused step differentiates that epilogue.
+        key = (first, dz2.dtype, dz2.device, w2.dtype,
                tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, type(v))
                      for n, v in ops1.items()))
         if key not in self._dz:

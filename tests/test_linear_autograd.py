@@ -1277,3 +1277,64 @@ def test_linear_takes_operands_by_position(tmp_path):
         lin(x, w, residual, scale, 0.5, 1.0)
     with pytest.raises(evtc.CallError, match="multiple values for 'residual'"):
         lin(x, w, residual, residual=residual, scale=scale, alpha=0.5)
+
+
+def _geglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+def _plus_residual(acc, residual):
+    return acc + residual
+
+
+def test_mlp_fused_backward_step_follows_a_replaced_activation():
+    """The fused backward step (dZ1 in the epilogue of dZ2 @ W2) was kept per dtypes and operand
+    kinds only: after ``block.up.epilogue = geglu`` it still differentiated SwiGLU (18% off). It is
+    now kept per first layer too, and computes the new activation's dZ1 (its generated kernel runs
+    on the torch path here)."""
+    block = evtc.nn.MLP(16, 24, swiglu, _plus_residual, dtype=torch.bfloat16)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    w1, w2 = block.up.weight.detach(), block.down.weight.detach()
+    x2, dz2 = x.reshape(-1, 16), torch.randn(10, 16, dtype=torch.bfloat16)
+    old, _ = block.dz_kernel(block.first_linear(x, {}, w1), dz2, w2, x2, w1, {})
+    block.up.epilogue = _geglu
+    first = block.first_linear(x, {}, w1)
+    new, _ = block.dz_kernel(first, dz2, w2, x2, w1, {})
+    assert new is not old
+    acc = x2.float() @ w1.float().t()
+    gate, up = (h.clone().requires_grad_() for h in acc.chunk(2, -1))
+    (F.gelu(gate) * up).backward(dz2.float() @ w2.float())
+    want = torch.cat([gate.grad, up.grad], -1)
+    got = torch.empty(10, 48, dtype=torch.bfloat16)
+    saved = {name: half.bfloat16() for name, half in zip(["saved_gate", "saved_up"], acc.chunk(2, -1),
+                                                          strict=True)}
+    assert set(new.operand_names) == set(saved), new.operand_names
+    new(dz2, w2, **saved, out=(got[:, :24], got[:, 24:]))
+    error = ((got.float() - want).norm() / want.norm()).item()
+    assert error < 1e-2, f"dZ1 of the new activation: relative error {error:.3g} (bfloat16 output)"
+
+
+def test_mlp_runs_a_layer_whose_forward_is_patched_on_the_instance():
+    """An adapter patches a layer's forward on the instance (types.MethodType, as PEFT and offload
+    hooks do): MLP honoured it under no_grad only, and with grad ran the fused pair, which reads
+    the parameters past the patch. Both modes now run the patched forward."""
+    import types
+
+    block = evtc.nn.MLP(16, 24, swiglu, _plus_residual)
+    delta = torch.randn(48, 16) * 0.1
+
+    def patched(self, x, **operands):
+        return swiglu(F.linear(x, self.weight + delta))
+
+    block.up.forward = types.MethodType(patched, block.up)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    want = swiglu(F.linear(x, block.up.weight + delta)) @ block.down.weight.t() + x
+    with torch.no_grad():
+        _close(block(x, residual=x), want, "no_grad")
+    got = block(x, residual=x)
+    _close(got, want, "with grad")
+    mine = torch.autograd.grad(got.sum(), [x, block.up.weight])
+    for name, a, b in zip(["x", "up weight"], mine, torch.autograd.grad(want.sum(), [x, block.up.weight]),
+                          strict=True):
+        _close(a, b, name)
