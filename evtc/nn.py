@@ -184,7 +184,7 @@ class FusedLinear(nn.Module):
         """A compiled layer that takes operands of ``key`` although its key differs where a dim of
         the problem is 1 (M = 1 or N = 1): there a (1, N) residual and a (1, N) bias broadcast
         alike, so a kernel that reads the operand as either serves the call."""
-        for other, lin in self._compiled.items():
+        for other, lin in list(self._compiled.items()):  # (another thread's call may add one)
             if other[:4] != key[:4] or len(other) != len(key):
                 continue
             if all([_serves(theirs, ours, one_row, one_column)

@@ -1338,3 +1338,24 @@ def test_mlp_runs_a_layer_whose_forward_is_patched_on_the_instance():
     for name, a, b in zip(["x", "up weight"], mine, torch.autograd.grad(want.sum(), [x, block.up.weight]),
                           strict=True):
         _close(a, b, name)
+
+
+def test_a_one_row_call_while_another_thread_adds_a_kernel(monkeypatch):
+    """A one-row call looks for a compiled kernel that serves it among the layer's kernels while
+    another thread's first call may add one: it iterated the dict itself ('dictionary changed size
+    during iteration'). Simulated by an addition while the first candidate is examined."""
+    from evtc import nn as evtc_nn
+
+    layer = evtc.nn.FusedLinear(16, 24, _plus_residual, bias=False)
+    layer(torch.randn(3, 16), residual=torch.randn(3, 24))  # a (M, N) residual's kernel
+    examine = evtc_nn._serves
+
+    def meanwhile(*args):
+        if ("another thread's kernel",) in layer._compiled:
+            return examine(*args)
+        layer._compiled[("another thread's kernel",)] = None
+        return False  # this candidate does not serve: the search goes on
+
+    monkeypatch.setattr(evtc_nn, "_serves", meanwhile)
+    x, residual = torch.randn(1, 16), torch.randn(1, 24)
+    _close(layer(x, residual=residual), x @ layer.weight.t() + residual, "one row")
