@@ -291,6 +291,26 @@ def test_per_batch_with_split_k(cache):
         _close(low, acc.amin((-2, -1)), tol=1e-5)
 
 
+@pytest.mark.parametrize("batches", [1, 3, 5])
+def test_per_batch_outputs_finished_on_the_host(cache, monkeypatch, batches):
+    """Above KERNEL_FINISH_MAX_OUTPUT (16M output elements by default, so a (3, 4096, 4096)
+    problem) the host finishes: the launch passes placeholders for the kernel-finished outputs,
+    and a per-batch output's is tied to a's batch size in the compiled signature. One element for
+    every placeholder failed the launch for L > 1 ("Mismatched outputs[...].shape[0]")."""
+    from evtc.runtime import reductions
+
+    x, w, _ = _problem(300, 1000, 264, seed=31, batches=batches)
+    k = _compile(rows_batches_everything, x, w, cache)
+    acc = _acc(x, w)
+    for limit in (0, 1 << 62, 0):  # the host, the kernel, the host again
+        monkeypatch.setattr(reductions, "KERNEL_FINISH_MAX_OUTPUT", limit)
+        _, per_batch, rows, total = k(x, w.transpose(-1, -2))
+        assert per_batch.shape == (batches,)
+        _close(per_batch, acc.sum((-2, -1)))
+        _close(rows, acc.amax(-1), tol=1e-5)
+        _close(total, acc.sum())
+
+
 def test_fp8_output_and_amax_in_one_kernel(cache, monkeypatch):
     """The float8 chain's amax comes from the kernel: no host finish runs."""
     from evtc.runtime import reductions

@@ -171,7 +171,10 @@ class ReductionFinish:
         else:  # one allocation, split
             workspaces = list(torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels))
         if self.in_kernel and m and n and batches:
-            workspaces += _placeholders(device, [dt for _, _, dt in self.finished])
+            # A per-batch output's length is tied to a's batch size in the compiled signature:
+            # its placeholder has L elements (one element failed the launch for L > 1).
+            workspaces += _placeholders(device, [(dt, batches if axis == "batch" else 1)
+                                                 for _, axis, dt in self.finished])
         return workspaces
 
     def _counters(self, m: int, n: int, batches: int) -> int:
@@ -253,17 +256,19 @@ class ReductionFinish:
 _PLACEHOLDERS: dict = {}
 
 
-def _placeholders(device, dtypes: list) -> list[torch.Tensor]:
-    """One-element tensors of ``dtypes`` and one int32 counter, kept per device: the arguments of
-    a launch whose finish is off (never read or written)."""
-    key = (str(device), tuple(dtypes))
+def _placeholders(device, outputs: list) -> list[torch.Tensor]:
+    """Tensors of ``outputs``' (dtype, elements) and one int32 counter, kept per device: the
+    arguments of a launch whose finish is off (never read or written)."""
+    key = (str(device), tuple(outputs))
     cached = _PLACEHOLDERS.get(key)
     if cached is None:
         def make():
-            return ([torch.empty(1, dtype=dt, device=device) for dt in dtypes]
+            return ([torch.empty(numel, dtype=dt, device=device) for dt, numel in outputs]
                     + [torch.zeros(1, dtype=torch.int32, device=device)])
         if device.type == "cuda" and stream_buffers.stream_key(device) is None:
             return make()  # under stream capture: nothing is kept
+        if len(_PLACEHOLDERS) > 256:  # many batch sizes: start over rather than grow
+            _PLACEHOLDERS.clear()
         with stream_buffers.kept(device):
             cached = _PLACEHOLDERS[key] = make()
     return cached
