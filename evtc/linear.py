@@ -170,11 +170,7 @@ class Linear:
         if positional:
             operands = call_checks.by_position(self.kernel.plan.interface.parameters, positional, operands,
                                                f"evtc.linear {self.kernel.plan.name!r}", ("x", "weight"))
-        if isinstance(x, torch.Tensor) and x.is_nested:
-            raise CallError("evtc.linear: x is a nested tensor: the kernel needs one (..., in_features) "
-                            "shape; pad it (torch.nested.to_padded_tensor) or concatenate its rows")
-        if isinstance(x, torch.Tensor) and x.layout != torch.strided and not torch.compiler.is_compiling():
-            x = x.to_dense()  # a sparse x, as F.linear takes one (differentiable: autograd sees the copy)
+        x = call_checks.dense_x("evtc.linear: x", x)
         defaults = self.kernel.plan.interface.defaults
         if defaults:  # runtime scalars left out read their Python defaults, in the backward too
             for name, value in defaults:
@@ -546,7 +542,7 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
             # the operand spans x's dim, 1 where it broadcasts (_flatten_like checked the sizes).
             aligned = probe[len(probe) - (len(shape) - 1):]
             shape = (*(1 if s == 1 else p for s, p in zip(shape[:-1], aligned, strict=True)), shape[-1])
-        return (_SizeWatch.make if watch else torch.empty)(shape, dtype=value.dtype, device="meta")
+        return tensor(shape, dtype=value.dtype, device="meta")
 
     watch = not torch.compiler.is_compiling()  # (a tensor subclass is not for dynamo to trace)
     tensor = _SizeWatch.make if watch else torch.empty

@@ -24,6 +24,7 @@ from torch import nn
 
 from evtc.errors import CallError
 from evtc.frontend.epilogue import parameter_names, unwrap
+from evtc.runtime import call_checks
 
 log = logging.getLogger("evtc")
 
@@ -36,19 +37,20 @@ def _refuse_own_bias(bias: torch.Tensor | None, operands: dict[str, Any], module
                         "operands under other names, or build the module with bias=False")
 
 
+def _refuse_not_an_x(x: Any, prefix: str) -> None:
+    """A layer's ``x`` must be a tensor of at least one dim (``(..., in_features)``)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise CallError(f"{prefix}x must be a (..., in_features) tensor, got {got}")
+
+
 def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
     """``x`` and ``tensors`` as ``nn.Linear`` takes them under ``torch.autocast``: float32 ones in
     the autocast dtype of ``x``'s device (the cast is differentiable, so float32 parameters get
     float32 gradients); unchanged where autocast is off. The epilogue's other operands are not
     cast, as ``nn.Linear`` never sees them."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-        raise CallError(f"x must be a (..., in_features) tensor, got {got}")
-    if x.is_nested:
-        raise CallError("x is a nested tensor: the layer needs one (..., in_features) shape; pad it "
-                        "(torch.nested.to_padded_tensor) or concatenate its rows")
-    if x.layout != torch.strided and not torch.compiler.is_compiling():
-        x = x.to_dense()  # a sparse x, as nn.Linear takes one (differentiable)
+    _refuse_not_an_x(x, "")
+    x = call_checks.dense_x("x", x)  # nested refused, sparse made dense, as nn.Linear takes it
     device = x.device.type
     try:
         enabled = torch.is_autocast_enabled(device)
@@ -291,9 +293,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, **operands: Any) -> Any:
         _refuse_jit("evtc.nn.MLP")
-        if not isinstance(x, torch.Tensor) or x.dim() < 1:
-            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-            raise CallError(f"evtc.nn.MLP: x must be a (..., in_features) tensor, got {got}")
+        _refuse_not_an_x(x, "evtc.nn.MLP: ")
         if not all(type(layer) is FusedLinear and not _hooked(layer) and "forward" not in layer.__dict__
                    for layer in (self.up, self.down)):
             # A hooked layer (a forward hook, pruning's or the old weight_norm's pre-hook that

@@ -405,6 +405,22 @@ def without_unused(spec: CallSpec, operands: dict) -> dict:
     return kept
 
 
+def refuse_nested(what: str, t: Any) -> None:
+    """Refuse a nested (ragged) tensor ``t``, whose rows have no one shape for the kernel to tile."""
+    if isinstance(t, torch.Tensor) and t.is_nested:
+        raise CallError(f"{what} is a nested tensor: the kernel needs one dense shape; pad it "
+                        "(torch.nested.to_padded_tensor) or concatenate its rows")
+
+
+def dense_x(what: str, x: Any) -> Any:
+    """A layer's ``x`` as ``F.linear`` takes it: a nested one refused, a sparse one made dense (a
+    differentiable copy); anything else as it is."""
+    refuse_nested(what, x)
+    if isinstance(x, torch.Tensor) and x.layout != torch.strided and not torch.compiler.is_compiling():
+        return x.to_dense()
+    return x
+
+
 def refuse_functorch_autograd(what: str) -> None:
     """Refuse a differentiable call inside a torch.func transform (grad, vjp, jacrev, jvp, or vmap
     while autograd records): evtc's backward launches kernels the transforms cannot see through, and

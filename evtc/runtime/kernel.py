@@ -579,9 +579,7 @@ class Kernel:
         layout it cannot take (the staged path). ``strict`` turns both paths into CallErrors."""
         spec = self.call_spec
         for name, t in (("a", a), ("b", b), *operands.items()):
-            if isinstance(t, torch.Tensor) and t.is_nested:
-                raise CallError(f"{name} is a nested tensor: the kernel needs one shape; pad it "
-                                "(torch.nested.to_padded_tensor) or concatenate its rows")
+            call_checks.refuse_nested(name, t)
         if any(_without_memory(t) for t in (a, b, *operands.values()) if isinstance(t, torch.Tensor)):
             raise _UnderFunctorch
         operands = call_checks.numbers_read_as_python(operands)
