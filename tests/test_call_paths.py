@@ -711,6 +711,38 @@ def test_an_example_of_one_row_names_why_a_tile_operand_became_a_row(cache):
         k(torch.randn(9, 32), b, residual=torch.randn(9, 16))
 
 
+def _residual_bias(acc, C, bias):
+    return acc + C + bias
+
+
+def test_examples_of_one_batch_make_full_rank_operands_per_batch(cache):
+    """a and b of batch 1 are per batch, so a (1, M, N) C beside them is too: a later call with a
+    batch of 3 takes a C of its own per batch, and a shared (1, M, N) one (expanded)."""
+    a, b, C, bias = torch.randn(1, 16, 32), torch.randn(1, 32, 8), torch.randn(1, 16, 8), torch.randn(8)
+    k = evtc.compile(_residual_bias, {"a": a, "b": b, "C": C, "bias": bias}, cache_dir=cache)
+    assert k.graph.operands["C"].batched
+    a3, b3 = torch.randn(3, 16, 32), torch.randn(3, 32, 8)
+    for c in (torch.randn(3, 16, 8), torch.randn(1, 16, 8)):
+        got = k(a3, b3, C=c, bias=bias)
+        want = (a3.double() @ b3.double()) + c.double() + bias.double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_operand_called_per_batch_names_the_batch(cache):
+    """A (1, M, N) C beside a and b of batch 3, or an (N,) bias, is shared by the batches: a call
+    with one of its own per batch is another operand kind, refused with the batch named (not the
+    hint for examples of M = 1)."""
+    a, b = torch.randn(3, 16, 32), torch.randn(3, 32, 8)
+    k = evtc.compile(_residual_bias, {"a": a, "b": b, "C": torch.randn(1, 16, 8), "bias": torch.randn(8)},
+                     cache_dir=cache)
+    assert not k.graph.operands["C"].batched
+    with pytest.raises(evtc.CallError, match=r"C was compiled as shared by all batches, from an example of "
+                                              r"batch 1"):
+        k(a, b, C=torch.randn(3, 16, 8), bias=torch.randn(8))
+    with pytest.raises(evtc.CallError, match=r"bias has a batch of 3 .*shared by all batches"):
+        k(a, b, C=torch.randn(1, 16, 8), bias=torch.randn(3, 1, 8))
+
+
 def test_views_with_torchs_negative_bit(cache):
     """``z.conj().imag`` is a view whose memory holds the negation of its values (torch's negative
     bit): an operand of that kind is resolved before anything reads its memory, and an out= of that

@@ -140,3 +140,18 @@ def test_batch_stride_zero_under_split_k_and_clusters(cache, knobs, splits):
                 assert _rel(got[i], want[i]) < 2e-2, (i, knobs, splits)
     finally:
         kernel.pin_splits(None)
+
+
+def test_examples_of_one_batch_then_three(cache):
+    """Compiled from a, b and C of batch 1 (so C is per batch), called with batches of 3: a C of
+    its own per batch, and a shared (1, M, N) C, which the kernel reads expanded (batch stride 0)."""
+    m, n, k = 256, 384, 128
+    bias = randn(n, dtype=torch.float32)
+    kernel = evtc.compile(residual, dict(a=randn(1, m, k), b=randn(1, k, n), C=randn(1, m, n), bias=bias),
+                          cache_dir=cache)
+    a, b = randn(3, m, k), randn(3, k, n)
+    for C in (randn(3, m, n), randn(1, m, n)):
+        got = kernel(a, b, C=C, bias=bias)
+        assert kernel.last_path == "kernel"
+        assert got.shape == (3, m, n)
+        assert _rel(got, _ref(residual, a, b, C=C, bias=bias)) < 1e-2

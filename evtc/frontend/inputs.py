@@ -174,6 +174,10 @@ def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc
         elif dim == N and size != 1 and 2 * size == problem.sizes[N]:
             # Half of N: an operand of a gated epilogue's output (after acc.chunk(2, dim=-1)).
             shape.append(HALF_N)
+        elif size == 1 and dim == L and problem.sizes[L] == 1:
+            # Examples of one batch: a full-rank operand is per batch, as a and b are. A call
+            # with a shared (1, M, N) operand beside a batch of L still runs: it is expanded.
+            shape.append(L)
         elif size == 1:
             shape.append(ONE)
         else:

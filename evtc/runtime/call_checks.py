@@ -71,8 +71,14 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
                     "modules, which follow autocast as nn.Linear does)")
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     if t.dim() != spec.rank:
+        hint = ""
+        if t.dim() > spec.rank and t.dim() == 3 and t.shape[0] > 1:
+            # Shapes torch would broadcast, but a batch of its own is another operand kind.
+            hint = (f" ({name} has a batch of {t.shape[0]} where its example had none, so it was "
+                    "compiled as shared by all batches; the kind is part of the kernel: compile from "
+                    "an example of this rank to pass one per batch)")
         raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
-                        f"{tuple(t.shape)}")
+                        f"{tuple(t.shape)}{hint}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
     if tuple(t.shape) != want:
         dims = ", ".join(spec.dims)
@@ -82,6 +88,11 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
             # N = 1 make a (M, N) or (N,) example one.
             hint = (f" ({name} was compiled as a one-element scalar operand, from its example's shape: "
                     "give examples with M and N above 1 for a tile, row or column operand)")
+        elif spec.rank == 3 and spec.dims[0] == "1" and t.shape[0] > 1:
+            # A (1, M, N) example beside a and b of a larger batch is an operand shared by all.
+            hint = (f" ({name} was compiled as shared by all batches, from an example of batch 1 "
+                    "beside a and b of a larger batch; the kind is part of the kernel: compile from "
+                    "an example with a batch of its own to pass one per batch)")
         elif any(d == "1" and size > 1 for d, size in zip(spec.dims, t.shape, strict=True)):
             # An example of M = 1 (one token) makes an (M, N) operand a row, N = 1 a column.
             hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
