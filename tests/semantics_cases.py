@@ -43,6 +43,18 @@ def half_mean_and_float_sum(acc):
     return h.mean(-1).float(), h.sum(-1, dtype=torch.float32), h.mean(-2).float()
 
 
+def sums_into_16bit_dtypes(acc):
+    # dtype= casts the input first, then accumulates in float32 and rounds the result once.
+    y = acc * 3.0
+    return y.sum(-1, dtype=torch.float16).float(), torch.mean(y, -2, dtype=torch.bfloat16).float()
+
+
+def _sums_into_16bit_dtypes_on_cpu(acc):
+    # CPU torch's mean(dtype=) does not cast its float32 input first; CUDA torch's does.
+    y = acc * 3.0
+    return y.sum(-1, dtype=torch.float16).float(), y.bfloat16().float().mean(-2).bfloat16().float()
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -191,6 +203,7 @@ CASES = {
     "masks_xor_and_logical_of_floats": (masks_xor_and_logical_of_floats, {}),
     "half_mean_and_float_sum": (half_mean_and_float_sum, {}),
     "bfloat16_mean_all": (bfloat16_mean_all, {}),
+    "sums_into_16bit_dtypes": (sums_into_16bit_dtypes, {}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),
     "sums_cancelling_before_a_literal": (sums_cancelling_before_a_literal, {}),
@@ -236,4 +249,6 @@ def torch_reference(fn, acc: torch.Tensor, ops: dict):
     """The function itself on the accumulator (float32) and the operands widened to float32, as
     evtc computes them: torch's rules from there."""
     ops = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}
+    if fn is sums_into_16bit_dtypes and acc.device.type == "cpu":
+        fn = _sums_into_16bit_dtypes_on_cpu
     return fn(acc, **ops) if fn is not positional_only else fn(acc, ops["C"], bias=ops["bias"])

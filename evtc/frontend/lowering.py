@@ -330,8 +330,13 @@ def _reduction(kind: str, mean: bool = False) -> Handler:
     def handler(t: Tracer, input: Any, dim: Any = None, keepdim: bool = False, *,
                 dtype: Any = None, **kwargs: Any) -> Any:
         _reject_out(kwargs, kind)
+        if dtype in (torch.float16, torch.bfloat16):
+            # torch casts the input to dtype first, accumulates in float32 and rounds the result
+            # to dtype once: a reduction of the cast input does the same.
+            return t.reduce(input.to(dtype), kind, dim, keepdim, mean=mean, dtype=None)
         if dtype not in (None, torch.float32):
-            raise DTypeError(f"reductions accumulate in float32; dtype={dtype} is not supported",
+            raise DTypeError(f"reductions accumulate in float32 and round to the input's dtype; "
+                             f"dtype={dtype} is not supported (float32, float16 or bfloat16 are)",
                              user_location())
         return t.reduce(input, kind, dim, keepdim, mean=mean, dtype=dtype)
 
