@@ -699,6 +699,16 @@ def test_a_float64_scale_is_refused_with_what_to_pass(cache):
         k(a, b, s=torch.tensor(0.5, dtype=torch.float64), C=C)
 
 
+def test_a_number_for_a_device_scalar_names_how_it_was_compiled(cache):
+    """A one-element tensor example makes a device scalar: a Python number in its place is refused
+    with the way to compile a runtime scalar."""
+    a, b, C = torch.randn(16, 32), torch.randn(32, 8), torch.randn(16, 8)
+    k = evtc.compile(_scaled, {"a": a, "b": b, "s": torch.tensor(0.5), "C": C}, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match=r"s must be a torch.Tensor, got float \(s was compiled as a "
+                                              r"device scalar.*Python number as its example"):
+        k(a, b, s=0.5, C=C)
+
+
 def test_an_example_of_one_row_names_why_a_tile_operand_became_a_row(cache):
     """An example with M = 1 (one token) classes an (M, N) operand as a row: a later call with more
     rows is refused, and the message says why and what to compile from."""

@@ -59,7 +59,11 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
     """Raise a CallError unless ``t`` fits ``spec`` (checks the kernel also makes, with messages).
     ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
     if not isinstance(t, torch.Tensor):
-        raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        hint = ""
+        if isinstance(t, int | float) and all(d in ("1", "L") for d in spec.dims):
+            hint = (f" ({name} was compiled as a device scalar, from a one-element tensor example; for "
+                    "a Python number per call, compile with a Python number as its example)")
+        raise CallError(f"{name} must be a torch.Tensor, got {type(t).__name__}{hint}")
     if t.dtype != dtype:
         hint = ""
         if t.dtype == torch.float64:
