@@ -738,6 +738,28 @@ def test_examples_of_one_batch_make_full_rank_operands_per_batch(cache):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_an_operand_narrower_than_compiled_names_the_broadcast_and_the_way_out(cache):
+    """A (M, 1), (1, N) or 0-d C where a tile was compiled: torch broadcasts it, the kernel reads
+    another kind. The refusal says so, names the shape the caller passed (not a view made of it)
+    and the way out, C.expand(...), which then gives torch's result."""
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    k = evtc.compile(_residual_bias, {"a": a, "b": b, "C": torch.randn(16, 8), "bias": torch.randn(8)},
+                     cache_dir=cache)
+    bias = torch.randn(8)
+    for C in (torch.randn(16, 1), torch.randn(1, 8), torch.randn(())):
+        with pytest.raises(evtc.CallError, match=r"torch would broadcast it, but C was compiled as \(M, N\)"
+                                                  r".*C\.expand\(16, 8\)"):
+            k(a, b, C=C, bias=bias)
+        got = k(a, b, C=C.expand(16, 8), bias=bias)
+        want = a.double() @ b.double() + C.double() + bias.double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    a3, b3 = torch.randn(3, 16, 32), torch.randn(3, 32, 8)
+    k3 = evtc.compile(_residual_bias, {"a": a3, "b": b3, "C": torch.randn(3, 16, 8), "bias": bias},
+                      cache_dir=cache)
+    with pytest.raises(evtc.CallError, match=r"got shape \(16, 1\) .*C\.expand\(3, 16, 8\)"):
+        k3(a3, b3, C=torch.randn(16, 1), bias=bias)
+
+
 def test_a_shared_operand_called_per_batch_names_the_batch(cache):
     """A (1, M, N) C beside a and b of batch 3, or an (N,) bias, is shared by the batches: a call
     with one of its own per batch is another operand kind, refused with the batch named (not the

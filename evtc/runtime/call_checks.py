@@ -76,7 +76,13 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     if t.dim() != spec.rank:
         hint = ""
-        if t.dim() > spec.rank and t.dim() == 3 and t.shape[0] > 1:
+        if t.dim() < spec.rank and all(size in (1, full) for size, full in zip(
+                t.shape[::-1], [1 if d == "1" else sizes[d] for d in spec.dims[::-1]], strict=False)):
+            want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
+            hint = (f" (torch would broadcast it, but {name} was compiled as ({', '.join(spec.dims)}) "
+                    f"from its example's shape, and the kind is part of the kernel: pass "
+                    f"{name}.expand{want}, or compile from an example of this shape)")
+        elif t.dim() > spec.rank and t.dim() == 3 and t.shape[0] > 1:
             # Shapes torch would broadcast, but a batch of its own is another operand kind.
             hint = (f" ({name} has a batch of {t.shape[0]} where its example had none, so it was "
                     "compiled as shared by all batches; the kind is part of the kernel: compile from "
@@ -102,6 +108,11 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
             hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
                     "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
                     "examples with M and N above 1)")
+        elif all(size in (1, full) for size, full in zip(t.shape, want, strict=True)):
+            # Fewer varying dims than compiled: torch broadcasts it, the kernel reads another kind.
+            hint = (f" (torch would broadcast it, but {name} was compiled as ({dims}) from its "
+                    "example's shape, and the kind is part of the kernel: pass "
+                    f"{name}.expand{want}, or compile from an example of this shape)")
         elif name.endswith(" half)") and t.dim() == len(want) and all(
                 size in (1, full) for size, full in zip(t.shape, want, strict=True)):
             # A gated operand's halves are views of the user's tensor: they are not broadcast.

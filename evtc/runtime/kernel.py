@@ -588,12 +588,23 @@ class Kernel:
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
         views = to_compiled_shapes(self.plan, a, b, operands, scales) if broadcasts else None
+        given = (a, b, operands, scales)
         if views is not None:  # torch-legal broadcasts the compiled function refused, as views
             a, b, operands, scales = views
+
+        def validate() -> None:
+            # A refusal names the shapes the caller passed, not the views made of them.
+            try:
+                call_checks.validate(spec, a, b, out, operands, scales)
+            except CallError:
+                if views is not None:
+                    call_checks.validate(spec, given[0], given[1], out, given[2], given[3])
+                raise
+
         reason = call_checks.torch_reason(spec, a, operands, b) if isinstance(a, torch.Tensor) else None
         if reason is None and self.interface.strict:
             # A wrong argument is named before any layout rule.
-            call_checks.validate(spec, a, b, out, operands, scales)
+            validate()
         if reason is None:
             try:
                 outs, workspaces, problem, pending = self._run_kernel(a, b, out, operands, stage=True,
@@ -603,12 +614,12 @@ class Kernel:
             except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, IndexError) as exc:
                 # Staging copies whatever it is given: the compiled function then rejects a wrong
                 # argument, and the checks below name it.
-                call_checks.validate(spec, a, b, out, operands, scales)
+                validate()
                 raise CallError(f"the kernel rejected arguments that evtc checked and staged: {exc} (an "
                                 "evtc bug: please report it with the shapes and strides of the call)"
                                 ) from None
             return self._finished(out, outs, workspaces, problem, operands, pending)
-        call_checks.validate(spec, a, b, out, operands, scales)
+        validate()
         if self.interface.strict:
             raise CallError(f"cannot run {self.plan.name!r} as a kernel: {reason}. strict=True "
                             "refuses the torch path (torch.matmul, then the epilogue evaluated by "
