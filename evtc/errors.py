@@ -107,3 +107,10 @@ class CompileError(EpilogueError):
 
 class CallError(EpilogueError, ValueError):
     """A call of a compiled kernel with arguments it cannot take (the message names the argument)."""
+
+
+def nested_tensor_message(what: str) -> str:
+    """Why a nested (ragged) tensor is refused, where it is refused: at compile time (an example)
+    and at a call."""
+    return (f"{what} is a nested tensor: the kernel needs one dense shape; pad it "
+            "(torch.nested.to_padded_tensor) or concatenate its rows")

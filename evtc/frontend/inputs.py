@@ -14,7 +14,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..errors import DTypeError, InputError, ShapeError, SourceLoc
+from ..errors import DTypeError, InputError, ShapeError, SourceLoc, nested_tensor_message
 from ..ir.dtypes import FLOAT8_DTYPES, GEMM_INPUT_DTYPES, OPERAND_DTYPES, short_name
 from ..ir.graph import Operand
 from ..ir.shapes import HALF_N, ONE, L, M, N, Shape, varying_dims
@@ -145,8 +145,7 @@ def read_problem(example: Mapping[str, Any], loc: SourceLoc | None) -> Problem:
 def refuse_nested(what: str, t: torch.Tensor, loc: SourceLoc | None = None) -> None:
     """Refuse a nested (ragged) tensor, whose rows have no one shape for the kernel to tile."""
     if t.is_nested:
-        raise InputError(f"{what} is a nested tensor: the kernel needs one dense shape; pad it "
-                         "(torch.nested.to_padded_tensor) or concatenate its rows", loc)
+        raise InputError(nested_tensor_message(what), loc)
 
 
 def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc | None) -> Operand:

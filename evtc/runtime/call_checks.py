@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from evtc.errors import CallError
+from evtc.errors import CallError, nested_tensor_message
 from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
 from evtc.ir.dtypes import short_name, torch_dtype, variant_name
 from evtc.numpy_scalars import is_numpy_scalar
@@ -434,8 +434,7 @@ def without_unused(spec: CallSpec, operands: dict) -> dict:
 def refuse_nested(what: str, t: Any) -> None:
     """Refuse a nested (ragged) tensor ``t``, whose rows have no one shape for the kernel to tile."""
     if isinstance(t, torch.Tensor) and t.is_nested:
-        raise CallError(f"{what} is a nested tensor: the kernel needs one dense shape; pad it "
-                        "(torch.nested.to_padded_tensor) or concatenate its rows")
+        raise CallError(nested_tensor_message(what))
 
 
 def dense_x(what: str, x: Any) -> Any:
