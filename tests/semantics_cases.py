@@ -55,6 +55,11 @@ def _sums_into_16bit_dtypes_on_cpu(acc):
     return y.sum(-1, dtype=torch.float16).float(), y.bfloat16().float().mean(-2).bfloat16().float()
 
 
+def clamp_between_a_0dim_tensor_and_a_tile(acc, s, C):
+    # torch's clamp takes a 0-dim tensor bound beside a tensor one (and beside a number).
+    return torch.clamp(acc, -s, C).float(), torch.clamp(acc, s - 2.0, 0.5).float()
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -204,6 +209,7 @@ CASES = {
     "half_mean_and_float_sum": (half_mean_and_float_sum, {}),
     "bfloat16_mean_all": (bfloat16_mean_all, {}),
     "sums_into_16bit_dtypes": (sums_into_16bit_dtypes, {}),
+    "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),
     "sums_cancelling_before_a_literal": (sums_cancelling_before_a_literal, {}),

@@ -241,10 +241,10 @@ def _clamp(t: Tracer, input: Any, min: Any = None, max: Any = None, **kwargs: An
     _reject_out(kwargs, "clamp")
     if min is None and max is None:
         raise UnsupportedOpError("clamp needs min or max", user_location())
-    # torch reads a 0-dim tensor bound as a number (a Scalar), so only a dimensioned one is a tensor.
-    kinds = {"a tensor" if isinstance(bound, TracedValue) and not bound._node.is_python_scalar
-             and len(bound._node.shape) > 0 else "a number" for bound in (min, max) if bound is not None}
-    if len(kinds) > 1:
+    # torch's clamp takes two tensor bounds or two numbers; a 0-dim tensor passes as either (a
+    # Tensor, or a Scalar), so only a dimensioned tensor beside a number is refused.
+    kinds = {_clamp_bound_kind(bound) for bound in (min, max) if bound is not None}
+    if {"a tensor", "a number"} <= kinds:
         raise UnsupportedOpError("clamp with a tensor for one bound and a number for the other, which torch "
                                  "refuses: give both as tensors or both as numbers (or clamp twice, "
                                  "clamp_min then clamp_max)", user_location())
@@ -256,6 +256,16 @@ def _clamp(t: Tracer, input: Any, min: Any = None, max: Any = None, **kwargs: An
     if max is not None:
         result = t.emit("clamp_max", (result, max))
     return result
+
+
+def _clamp_bound_kind(bound: Any) -> str:
+    """"a tensor" (dimensioned), "a number" (a Python number or an epilogue's float argument) or
+    "0-dim" (a 0-dim tensor, which torch's clamp takes in place of either)."""
+    if isinstance(bound, TracedValue) and not bound._node.is_python_scalar:
+        return "a tensor" if len(bound._node.shape) > 0 else "0-dim"
+    if isinstance(bound, torch.Tensor):
+        return "a tensor" if bound.dim() > 0 else "0-dim"
+    return "a number"
 
 
 def _clamp_min(t: Tracer, input: Any, min: Any) -> Any:
