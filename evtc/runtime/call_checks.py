@@ -76,9 +76,10 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     if t.dim() != spec.rank:
         hint = ""
-        if t.dim() < spec.rank and all(size in (1, full) for size, full in zip(
-                t.shape[::-1], [1 if d == "1" else sizes[d] for d in spec.dims[::-1]], strict=False)):
-            want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
+        want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
+        # Trailing dims aligned as torch broadcasts them.
+        broadcastable = all(size in (1, full) for size, full in zip(t.shape[::-1], want[::-1], strict=False))
+        if t.dim() < spec.rank and not name.endswith(" half)") and broadcastable:
             hint = (f" (torch would broadcast it, but {name} was compiled as ({', '.join(spec.dims)}) "
                     f"from its example's shape, and the kind is part of the kernel: pass "
                     f"{name}.expand{want}, or compile from an example of this shape)")
@@ -108,17 +109,17 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
             hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
                     "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
                     "examples with M and N above 1)")
-        elif all(size in (1, full) for size, full in zip(t.shape, want, strict=True)):
-            # Fewer varying dims than compiled: torch broadcasts it, the kernel reads another kind.
-            hint = (f" (torch would broadcast it, but {name} was compiled as ({dims}) from its "
-                    "example's shape, and the kind is part of the kernel: pass "
-                    f"{name}.expand{want}, or compile from an example of this shape)")
         elif name.endswith(" half)") and t.dim() == len(want) and all(
                 size in (1, full) for size, full in zip(t.shape, want, strict=True)):
             # A gated operand's halves are views of the user's tensor: they are not broadcast.
             full = (*want[:-1], 2 * want[-1])
             hint = (f" (a gated epilogue's operand is split into gate and up halves, which are not "
                     f"broadcast: pass it at its full shape {full}, e.g. .expand{full})")
+        elif all(size in (1, full) for size, full in zip(t.shape, want, strict=True)):
+            # Fewer varying dims than compiled: torch broadcasts it, the kernel reads another kind.
+            hint = (f" (torch would broadcast it, but {name} was compiled as ({dims}) from its "
+                    "example's shape, and the kind is part of the kernel: pass "
+                    f"{name}.expand{want}, or compile from an example of this shape)")
         raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
                         f"{want}{hint}")
     if layout and spec.contiguous is not None:
