@@ -60,6 +60,11 @@ def clamp_between_a_0dim_tensor_and_a_tile(acc, s, C):
     return torch.clamp(acc, -s, C).float(), torch.clamp(acc, s - 2.0, 0.5).float()
 
 
+def masks_times_minus_one(acc, C):
+    # x * -1 folds to -x, but not for a mask: torch has no negation of a bool.
+    return ((acc > 0) * -1.0).float(), (acc + (C > 0) / -1.0).float()
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -209,6 +214,7 @@ CASES = {
     "half_mean_and_float_sum": (half_mean_and_float_sum, {}),
     "bfloat16_mean_all": (bfloat16_mean_all, {}),
     "sums_into_16bit_dtypes": (sums_into_16bit_dtypes, {}),
+    "masks_times_minus_one": (masks_times_minus_one, {"C": "MN"}),
     "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),

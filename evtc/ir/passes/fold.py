@@ -142,9 +142,10 @@ class _Simplifier:
                 return x
             if _is(x, 1) and same(y):
                 return y
-            if _is(y, -1):
+            # A mask times -1 stays a product: neg of a bool is not a number (torch refuses it).
+            if _is(y, -1) and x.dtype != torch.bool:
                 return self.make("neg", (x,), node, b)
-            if _is(x, -1):
+            if _is(x, -1) and y.dtype != torch.bool:
                 return self.make("neg", (y,), node, b)
             return self.reassociate("mul", inputs, node, b)
         if op == "div":
