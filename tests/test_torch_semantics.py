@@ -48,6 +48,27 @@ def test_graph_matches_torch(name):
         _same(g, w)
 
 
+def test_clamp_at_a_tie_keeps_the_signed_zero():
+    """torch's clamp by a number keeps x where it equals the bound: -0.0 clamped at 0.0 stays -0.0,
+    and 1 / it is -inf. The interpreter (the torch path's evaluator) must not return the bound
+    there, as CPU torch's clamp by a tensor bound does on long rows; a NaN bound still gives NaN."""
+    def ties(acc, C, lo: float):
+        return (1.0 / C.clamp_max(0.0), 1.0 / C.clamp(min=lo), 1.0 / C.clamp_min(-0.0),
+                1.0 / torch.clamp(C, 0.0, 1.0), torch.clamp(C, float("nan"), 1.0))
+
+    a, b = torch.randn(64, 32), torch.randn(32, 64)
+    C = torch.zeros(64, 64)
+    C[:, ::2] = -0.0
+    C[:, 1::4] = 0.5
+    inputs = {"a": a, "b": b, "C": C, "lo": 0.0}
+    got = evtc.trace(ties, inputs).evaluate(inputs, cast_outputs=True)
+    want = ties(a @ b, C, 0.0)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.isnan(), w.isnan())
+        finite = ~w.isnan()
+        assert torch.equal(g[finite], w[finite]) and torch.equal(g[finite].signbit(), w[finite].signbit())
+
+
 def test_half_mean_rounds_once():
     """A 16-bit mean is summed and divided in float32 and rounded once, as torch does: a sum
     rounded to float16 first overflows to inf for these rows."""

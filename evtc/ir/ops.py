@@ -37,6 +37,14 @@ def _softplus(x: Tensor, beta: float, threshold: float) -> Tensor:
     return F.softplus(x, beta=beta, threshold=threshold)
 
 
+def _clamp_bound(x: Tensor, bound: Tensor, beyond: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """``x`` clamped at ``bound`` on the side ``beyond`` tests (``torch.lt``: a lower bound), as
+    torch's clamp by a number: a tie keeps ``x`` (so -0.0 at a bound of 0.0 stays -0.0, where CPU
+    torch's clamp by a tensor bound may return the bound), and a NaN bound or ``x`` gives NaN."""
+    bound = torch.as_tensor(bound, dtype=x.dtype, device=x.device)
+    return torch.where(beyond(x, bound) | bound.isnan(), bound, x)
+
+
 _TABLE: list[OpDef] = [
     # arithmetic
     OpDef("add", 2, torch.add, infix="+", commutative=True),
@@ -51,8 +59,8 @@ _TABLE: list[OpDef] = [
     OpDef("maximum", 2, torch.maximum, commutative=True),
     # clamp's halves and hardtanh: the values of maximum / minimum, but torch's gradients at the
     # bounds (the input's gradient where x == bound, none to a bound there; hardtanh's none at either).
-    OpDef("clamp_min", 2, torch.clamp_min),
-    OpDef("clamp_max", 2, torch.clamp_max),
+    OpDef("clamp_min", 2, lambda x, lo: _clamp_bound(x, lo, torch.lt)),
+    OpDef("clamp_max", 2, lambda x, hi: _clamp_bound(x, hi, torch.gt)),
     OpDef("hardtanh", 1, F.hardtanh, params=("min_val", "max_val")),
     # transcendental
     OpDef("sqrt", 1, torch.sqrt),
