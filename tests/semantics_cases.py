@@ -65,6 +65,11 @@ def masks_times_minus_one(acc, C):
     return ((acc > 0) * -1.0).float(), (acc + (C > 0) / -1.0).float()
 
 
+def clamp_of_a_mask(acc, C):
+    # A mask clamped by a number is a number (torch promotes it), not a mask.
+    return torch.clamp(acc > 0, min=0.5).float(), (C > 0).clamp_max(0.5).float()
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -215,6 +220,7 @@ CASES = {
     "bfloat16_mean_all": (bfloat16_mean_all, {}),
     "sums_into_16bit_dtypes": (sums_into_16bit_dtypes, {}),
     "masks_times_minus_one": (masks_times_minus_one, {"C": "MN"}),
+    "clamp_of_a_mask": (clamp_of_a_mask, {"C": "MN"}),
     "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),

@@ -41,7 +41,9 @@ def _clamp_bound(x: Tensor, bound: Tensor, beyond: Callable[[Tensor, Tensor], Te
     """``x`` clamped at ``bound`` on the side ``beyond`` tests (``torch.lt``: a lower bound), as
     torch's clamp by a number: a tie keeps ``x`` (so -0.0 at a bound of 0.0 stays -0.0, where CPU
     torch's clamp by a tensor bound may return the bound), and a NaN bound or ``x`` gives NaN."""
-    bound = torch.as_tensor(bound, dtype=x.dtype, device=x.device)
+    bound = torch.as_tensor(bound, device=x.device)
+    dtype = torch.result_type(x, bound)  # a mask's clamp is a number (torch promotes it)
+    x, bound = x.to(dtype), bound.to(dtype)
     return torch.where(beyond(x, bound) | bound.isnan(), bound, x)
 
 
