@@ -74,54 +74,9 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
                     "was compiled for, and its outputs keep theirs; cast them, or use evtc.nn's "
                     "modules, which follow autocast as nn.Linear does)")
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
-    if t.dim() != spec.rank:
-        hint = ""
-        want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
-        # Trailing dims aligned as torch broadcasts them.
-        broadcastable = all(size in (1, full) for size, full in zip(t.shape[::-1], want[::-1], strict=False))
-        if t.dim() < spec.rank and not name.endswith(" half)") and broadcastable:
-            hint = (f" (torch would broadcast it, but {name} was compiled as ({', '.join(spec.dims)}) "
-                    f"from its example's shape, and the kind is part of the kernel: pass "
-                    f"{name}.expand{want}, or compile from an example of this shape)")
-        elif t.dim() > spec.rank and t.dim() == 3 and t.shape[0] > 1:
-            # Shapes torch would broadcast, but a batch of its own is another operand kind.
-            hint = (f" ({name} has a batch of {t.shape[0]} where its example had none, so it was "
-                    "compiled as shared by all batches; the kind is part of the kernel: compile from "
-                    "an example of this rank to pass one per batch)")
-        raise CallError(f"{name} must be {spec.rank}-d like its example ({', '.join(spec.dims)}), got shape "
-                        f"{tuple(t.shape)}{hint}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
-    if tuple(t.shape) != want:
-        dims = ", ".join(spec.dims)
-        hint = ""
-        if all(d in ("1", "L") for d in spec.dims) and t.numel() > max(want, default=1):
-            # A one-element example is a scalar operand whatever its rank: examples of M = 1 or
-            # N = 1 make a (M, N) or (N,) example one.
-            hint = (f" ({name} was compiled as a one-element scalar operand, from its example's shape: "
-                    "give examples with M and N above 1 for a tile, row or column operand)")
-        elif spec.rank == 3 and spec.dims[0] == "1" and t.shape[0] > 1:
-            # A (1, M, N) example beside a and b of a larger batch is an operand shared by all.
-            hint = (f" ({name} was compiled as shared by all batches, from an example of batch 1 "
-                    "beside a and b of a larger batch; the kind is part of the kernel: compile from "
-                    "an example with a batch of its own to pass one per batch)")
-        elif any(d == "1" and size > 1 for d, size in zip(spec.dims, t.shape, strict=True)):
-            # An example of M = 1 (one token) makes an (M, N) operand a row, N = 1 a column.
-            hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
-                    "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
-                    "examples with M and N above 1)")
-        elif name.endswith(" half)") and t.dim() == len(want) and all(
-                size in (1, full) for size, full in zip(t.shape, want, strict=True)):
-            # A gated operand's halves are views of the user's tensor: they are not broadcast.
-            full = (*want[:-1], 2 * want[-1])
-            hint = (f" (a gated epilogue's operand is split into gate and up halves, which are not "
-                    f"broadcast: pass it at its full shape {full}, e.g. .expand{full})")
-        elif all(size in (1, full) for size, full in zip(t.shape, want, strict=True)):
-            # Fewer varying dims than compiled: torch broadcasts it, the kernel reads another kind.
-            hint = (f" (torch would broadcast it, but {name} was compiled as ({dims}) from its "
-                    "example's shape, and the kind is part of the kernel: pass "
-                    f"{name}.expand{want}, or compile from an example of this shape)")
-        raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
-                        f"{want}{hint}")
+    if t.dim() != spec.rank or tuple(t.shape) != want:
+        _refuse_shape(name, t, spec, want)
     if layout and spec.contiguous is not None:
         strides = t.stride()
         c = spec.contiguous
@@ -138,6 +93,54 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
         if t.data_ptr() % 16:
             raise CallError(f"{name}'s data pointer is not 16-byte aligned (TMA needs 16 bytes; a view "
                             f"offset by {t.storage_offset()} elements); pass a copy (.clone())")
+
+
+def _refuse_shape(name: str, t: torch.Tensor, spec, want: tuple[int, ...]) -> None:
+    """Raise the CallError for a tensor of another rank or shape than ``want``, with a hint where
+    the example's shape explains it."""
+    dims = ", ".join(spec.dims)
+    # Whether torch would broadcast t to the compiled shape (trailing dims aligned).
+    broadcastable = all(size in (1, full) for size, full in zip(t.shape[::-1], want[::-1], strict=False))
+    narrower = (f" (torch would broadcast it, but {name} was compiled as ({dims}) from its example's "
+                f"shape, and the kind is part of the kernel: pass {name}.expand{want}, or compile from "
+                "an example of this shape)")
+    if t.dim() != spec.rank:
+        hint = ""
+        if t.dim() < spec.rank and not name.endswith(" half)") and broadcastable:
+            hint = narrower
+        elif t.dim() > spec.rank and t.dim() == 3 and t.shape[0] > 1:
+            # Shapes torch would broadcast, but a batch of its own is another operand kind.
+            hint = (f" ({name} has a batch of {t.shape[0]} where its example had none, so it was "
+                    "compiled as shared by all batches; the kind is part of the kernel: compile from "
+                    "an example of this rank to pass one per batch)")
+        raise CallError(f"{name} must be {spec.rank}-d like its example ({dims}), got shape "
+                        f"{tuple(t.shape)}{hint}")
+    hint = ""
+    if all(d in ("1", "L") for d in spec.dims) and t.numel() > max(want, default=1):
+        # A one-element example is a scalar operand whatever its rank: examples of M = 1 or
+        # N = 1 make a (M, N) or (N,) example one.
+        hint = (f" ({name} was compiled as a one-element scalar operand, from its example's shape: "
+                "give examples with M and N above 1 for a tile, row or column operand)")
+    elif spec.rank == 3 and spec.dims[0] == "1" and t.shape[0] > 1:
+        # A (1, M, N) example beside a and b of a larger batch is an operand shared by all.
+        hint = (f" ({name} was compiled as shared by all batches, from an example of batch 1 "
+                "beside a and b of a larger batch; the kind is part of the kernel: compile from "
+                "an example with a batch of its own to pass one per batch)")
+    elif any(d == "1" and size > 1 for d, size in zip(spec.dims, t.shape, strict=True)):
+        # An example of M = 1 (one token) makes an (M, N) operand a row, N = 1 a column.
+        hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
+                "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
+                "examples with M and N above 1)")
+    elif name.endswith(" half)") and broadcastable:
+        # A gated operand's halves are views of the user's tensor: they are not broadcast.
+        full = (*want[:-1], 2 * want[-1])
+        hint = (f" (a gated epilogue's operand is split into gate and up halves, which are not "
+                f"broadcast: pass it at its full shape {full}, e.g. .expand{full})")
+    elif broadcastable:
+        # Fewer varying dims than compiled: torch broadcasts it, the kernel reads another kind.
+        hint = narrower
+    raise CallError(f"{name} has shape {tuple(t.shape)}, inconsistent with a and b: expected ({dims}) = "
+                    f"{want}{hint}")
 
 
 def numbers_read_as_python(operands: dict) -> dict:
