@@ -70,6 +70,13 @@ def clamp_of_a_mask(acc, C):
     return torch.clamp(acc > 0, min=0.5).float(), (C > 0).clamp_max(0.5).float()
 
 
+def zero_literals_of_both_signs(acc, C):
+    # -0.0 and 0.0 are two constants in the kernel (the DSL caches constants by Python value, where
+    # they are equal): each reciprocal below is an infinity whose sign shows which zero it got.
+    return ((1.0 / (acc * -0.0)).float(), (1.0 / (C * 0.0)).float(),
+            (1.0 / torch.relu(acc - 1000.0)).float(), F.softplus(acc, beta=-0.0).float())
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -221,6 +228,7 @@ CASES = {
     "sums_into_16bit_dtypes": (sums_into_16bit_dtypes, {}),
     "masks_times_minus_one": (masks_times_minus_one, {"C": "MN"}),
     "clamp_of_a_mask": (clamp_of_a_mask, {"C": "MN"}),
+    "zero_literals_of_both_signs": (zero_literals_of_both_signs, {"C": "MN"}),
     "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),

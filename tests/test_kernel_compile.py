@@ -399,6 +399,30 @@ def test_sigmoid_takes_the_exp_that_carries_the_rounding_of_its_argument(tmp_pat
     assert "0f3FB8AA3B" not in ptx, "log2(e) as one float32 constant: the fast exp"
 
 
+@pytest.mark.parametrize("negative_first", [False, True], ids=["positive_first", "negative_first"])
+def test_zero_constants_of_both_signs_stay_two_constants(tmp_path, negative_first):
+    """The DSL makes Python numbers into constants through a cache keyed by the number, where
+    -0.0 == 0.0: the first zero answered for both (`acc * -0.0` multiplied by +0.0 after a `C * 0.0`,
+    and 1 / it was the wrong infinity on the H100; a -0.0 first would make relu's 0.0 a -0.0).
+    evtc.sm90.zero_sign gives each -0.0 a constant of its own."""
+    def positive_first(acc, C):
+        return 1.0 / (C * 0.0), 1.0 / (acc * -0.0)
+
+    def negative_zero_first(acc, C):  # hardtanh's -0.0 in the same block as relu's 0.0, before it
+        return 1.0 / F.hardtanh(acc, -0.0, 1.0), 1.0 / torch.relu(C)
+
+    ex = dict(a=torch.randn(64, 32, dtype=torch.bfloat16), b=torch.randn(32, 48, dtype=torch.bfloat16),
+              C=torch.randn(64, 48))
+    fn = negative_zero_first if negative_first else positive_first
+    ptx = evtc.compile(fn, ex, out_dtypes=torch.float32, cache_dir=tmp_path).ptx
+    if negative_first:  # max with each zero (which the compiler may make a compare and a select)
+        assert re.search(r"\b(max|selp)\S*\s+[^;]*0f80000000", ptx), "hardtanh's -0.0 lost its sign"
+        assert re.search(r"\b(max|selp)\S*\s+[^;]*0f00000000", ptx), "relu's 0.0 became -0.0"
+    else:
+        assert re.search(r"\bmul\.f32\s+%r\d+, %r\d+, 0f80000000;", ptx), "acc * -0.0 lost its sign"
+        assert re.search(r"\bmul\.f32\s+%r\d+, %r\d+, 0f00000000;", ptx)
+
+
 def test_softplus_with_beta_zero_compiles_to_torchs_inf(tmp_path):
     """F.softplus(x, beta=0) divides log(2) by zero, inf as in torch: it compiles (1 / beta raised
     ZeroDivisionError inside the code generator), and the call gives torch's values."""

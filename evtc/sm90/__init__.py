@@ -4,3 +4,7 @@ kind (:mod:`evtc.sm90.operands`), the base class of generated visitors (:mod:`ev
 the jit entry point that views torch tensors for it (:mod:`evtc.sm90.launch`).
 
 Everything here imports ``cutlass``: only a build (a cache miss) does. See docs/kernel.md."""
+
+from evtc.sm90 import zero_sign as _zero_sign
+
+_zero_sign.install()  # before any kernel is traced: a -0.0 constant keeps its sign (see the module)

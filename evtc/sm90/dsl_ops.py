@@ -186,8 +186,9 @@ def silu(x):
 def softplus(x, beta: float, threshold: float):
     """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (as torch)."""
     bx = x * beta
-    # beta = 0 divides by zero, as in torch: log(2) / 0 = inf (NaN stays NaN)
-    soft = log1p(exp(bx)) if beta == 1 else log1p(exp(bx)) * (1.0 / beta if beta else math.inf)
+    # beta = 0 divides by zero, as in torch: log(2) / 0 = inf, and -inf for beta = -0.0 (NaN stays NaN)
+    inverse = 1.0 / beta if beta else math.copysign(math.inf, beta)
+    soft = log1p(exp(bx)) if beta == 1 else log1p(exp(bx)) * inverse
     return where(bx > threshold, x, soft)
 
 
