@@ -872,3 +872,46 @@ def test_max_over_everything_with_keepdim_is_refused_as_torch_refuses_it(kind):
     err = _trace_error(over_all, EX, evtc.ReductionError)
     assert f"a{kind}((-2, -1), keepdim=True)" in str(err)
     _assert_points_at_marked_line(err, over_all)
+
+
+def test_an_operand_returned_as_it_came_in_is_named_at_the_return():
+    """A loaded operand was made at the def line; returned unchanged, its store and its refusal name
+    the return statement, not the decorator."""
+    def row_output(acc, bias):
+        y = acc + 1.0
+        return y, bias  # error here
+
+    err = _trace_error(row_output, EX, evtc.OutputError)
+    _assert_points_at_marked_line(err, row_output)
+
+    def tile_copy(acc, C):
+        y = acc + 1.0
+        return y, C  # error here
+
+    graph = evtc.trace(tile_copy, {k: EX[k] for k in ("a", "b", "C")})
+    (copy,) = [s for s in graph.stores if s.attrs["name"] == "D1"]
+    assert copy.loc.lineno == _marked_line(tile_copy)
+
+
+def test_a_profiler_the_user_set_is_left_in_place():
+    """Tracing runs a profile hook of its own (type checks, and where the epilogue returns): it
+    passes every event on to a profiler the user set, and puts that profiler back."""
+    import sys
+
+    calls = []
+
+    def profiler(frame, event, arg):
+        calls.append(event)
+
+    def row_output(acc, bias):
+        return acc, bias  # error here
+
+    sys.setprofile(profiler)
+    try:
+        with pytest.raises(evtc.OutputError) as info:
+            evtc.trace(row_output, {k: EX[k] for k in ("a", "b", "bias")})
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert "return" in calls, "the user's profiler missed the epilogue's events"
+    _assert_points_at_marked_line(info.value, row_output)

@@ -17,6 +17,7 @@ from ..errors import (
     OutputError,
     ReductionError,
     ShapeError,
+    SourceLoc,
     UnsupportedOpError,
     made_during,
 )
@@ -460,7 +461,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             )
 
     try:
-        with made_during() as made, tracer.made, TypeChecks():
+        with made_during() as made, tracer.made, TypeChecks(fn) as checks:
             returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
     except EpilogueError as err:
         raise err.with_traceback(None) from None
@@ -486,7 +487,8 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         first = made[0]
         raise type(first)(f"{first.message} (the epilogue caught this error itself, in a try/except; "
                           "evtc cannot trace past it: remove the try/except)", first.loc)
-    tree, values = _flatten_outputs(returned, def_loc)
+    return_loc = checks.returned_at or def_loc
+    tree, values = _flatten_outputs(returned, return_loc)
     ab_dtype = problem.ab_dtype
     names: list[str] = []
     stored: list[Node] = []
@@ -496,11 +498,13 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             raise OutputError(
                 f"output {out_name!r} is a {type(value).__name__}, not a tensor computed by the "
                 "epilogue",
-                def_loc,
+                return_loc,
             )
-        _check_output(out_name, node)
+        # A value returned as it came in (an operand, acc) was made at the def: its store is the return.
+        where = return_loc if node.loc == def_loc else node.loc
+        _check_output(out_name, node, where)
         dtype = _default_output_dtype(node, ab_dtype, tracer.eager.dtype(node))
-        builder.add("store", (node,), {"name": out_name, "dtype": dtype}, loc=node.loc)
+        builder.add("store", (node,), {"name": out_name, "dtype": dtype}, loc=where)
         names.append(out_name)
         stored.append(node)
     tree.names = names
@@ -536,7 +540,7 @@ def _flatten_outputs(returned: Any, loc: Any) -> tuple[OutputTree, list[tuple[st
     return OutputTree("single", []), [("D", returned)]
 
 
-def _check_output(name: str, node: Node) -> None:
+def _check_output(name: str, node: Node, where: SourceLoc | None) -> None:
     from ..ir.shapes import M, N, varying_dims
 
     if node.op in ("reduce",) or _depends_on_reduction(node):
@@ -546,7 +550,7 @@ def _check_output(name: str, node: Node) -> None:
         raise OutputError(
             f"output {name!r} has shape {shape}: outputs are full (M, N) tiles or reductions; "
             "a value that does not vary over the tile can be computed outside the kernel",
-            node.loc,
+            where,
         )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import dis
+import linecache
 import os
 import sys
 import sysconfig
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedOpError
+from ..errors import SourceLoc, UnsupportedOpError
 from .proxy import TracedValue
 from .source import user_location
 
@@ -54,7 +55,15 @@ _instructions: dict[CodeType, list[dis.Instruction]] = {}
 
 
 class TypeChecks:
-    """A context in which type checks on proxies raise :class:`evtc.UnsupportedOpError`."""
+    """A context in which type checks on proxies raise :class:`evtc.UnsupportedOpError`.
+
+    Its profile hook also notes where ``epilogue`` (a function) returns, in ``returned_at``: an
+    output returned as it came in (``return y, C``) has no line of its own, and its messages name
+    the return rather than the ``def``."""
+
+    def __init__(self, epilogue: Any = None) -> None:
+        self._code = getattr(getattr(epilogue, "__func__", epilogue), "__code__", None)
+        self.returned_at: SourceLoc | None = None
 
     def __enter__(self) -> TypeChecks:
         self._previous = sys.getprofile()
@@ -76,6 +85,10 @@ class TypeChecks:
             check = _PYTHON_CHECKS.get(frame.f_code)
             if check is not None and isinstance(frame.f_locals.get(check[1]), TracedValue):
                 _refuse(f"{check[0]}()")
+        elif event == "return" and frame.f_code is self._code:
+            line = frame.f_lineno
+            self.returned_at = SourceLoc(self._code.co_filename, line,
+                                         linecache.getline(self._code.co_filename, line))
 
 
 def _refuse(what: str) -> None:
