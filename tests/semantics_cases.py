@@ -77,6 +77,31 @@ def zero_literals_of_both_signs(acc, C):
             (1.0 / torch.relu(acc - 1000.0)).float(), F.softplus(acc, beta=-0.0).float())
 
 
+def roundings(acc, C):
+    # Quarters tie at .5, where torch.round goes to the even integer; round(-0.3) is -0.0.
+    x = acc.float() * 0.25
+    y = x + C.float()
+    return (torch.round(x), torch.floor(y), torch.ceil(y), torch.trunc(y), torch.frac(y), y.fix(),
+            torch.round(y, decimals=1), torch.round(x * 100.0, decimals=-2), torch.sign(y), torch.sgn(x),
+            1.0 / torch.round(x * 0.1), (x > 0).sign().float())
+
+
+def shrinks_and_steps(acc, C, bias, s):
+    x = acc.float() * 0.125 + C.float()
+    w = bias.float()
+    return (F.threshold(x, 0.25, -2.0), F.hardshrink(x, 0.5), F.softshrink(x, 0.5), F.tanhshrink(x),
+            F.prelu(x, w), F.prelu(x, s), torch.heaviside(x.round(), w))
+
+
+def pairwise_functions(acc, C):
+    x = acc.float() * 0.125
+    y = torch.where(C > 1.5, float("nan"), C.float())  # NaNs where C is large
+    big = torch.where(C < -1.0, float("inf"), y)          # and infinities
+    return (torch.logaddexp(x, y), torch.logaddexp2(x, big), torch.logaddexp(big, big),
+            torch.xlogy(x, y.abs()), torch.xlogy(x.round() * 0.0, y), torch.fmax(x, y), torch.fmin(y, x),
+            torch.deg2rad(x), torch.rad2deg(y), torch.positive(x))
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -229,6 +254,9 @@ CASES = {
     "masks_times_minus_one": (masks_times_minus_one, {"C": "MN"}),
     "clamp_of_a_mask": (clamp_of_a_mask, {"C": "MN"}),
     "zero_literals_of_both_signs": (zero_literals_of_both_signs, {"C": "MN"}),
+    "roundings": (roundings, {"C": "MN"}),
+    "shrinks_and_steps": (shrinks_and_steps, {"C": "MN", "bias": "N", "s": "0"}),
+    "pairwise_functions": (pairwise_functions, {"C": "MN"}),
     "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),

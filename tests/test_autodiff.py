@@ -145,7 +145,15 @@ def test_every_op_has_a_rule_or_none():
                                  lambda x: torch.rsqrt(x.abs() + 1), lambda x: torch.reciprocal(x.abs() + 1),
                                  lambda x: x.abs() ** 1.5, lambda x: 2.0 ** x,
                                  lambda x: torch.maximum(x, -x * 0.5), lambda x: torch.minimum(x, x * x),
-                                 lambda x: torch.where(x > 0, x * 3, -x)])
+                                 lambda x: torch.where(x > 0, x * 3, -x),
+                                 torch.round, torch.floor, torch.ceil, torch.trunc, torch.frac, torch.sign,
+                                 lambda x: torch.round(x, decimals=1), lambda x: F.threshold(x, 0.1, 2.0),
+                                 F.hardshrink, F.softshrink, F.tanhshrink,
+                                 lambda x: torch.logaddexp(x, x * 0.5),
+                                 lambda x: torch.logaddexp2(x * 0.5, x),
+                                 lambda x: torch.xlogy(x, x.abs() + 1),
+                                 lambda x: torch.fmax(x, -x * 0.5), lambda x: torch.fmin(x, x * x),
+                                 torch.deg2rad])
 def test_activation_rules_with_operands(act):
     def epilogue(acc, C, bias, scale, s):
         return act(acc * scale + bias) * s + C
@@ -155,6 +163,17 @@ def test_activation_rules_with_operands(act):
               "C": torch.randn(16, 32, generator=g), "bias": torch.randn(32, generator=g),
               "scale": torch.rand(16, 1, generator=g) + 0.5, "s": torch.randn(1, generator=g)}
     assert check_gradients(epilogue, inputs) == 5
+
+
+def test_prelu_gives_its_weight_a_gradient():
+    """F.prelu's weight of N values is a row vector: its gradient sums over M, as autograd's."""
+    def epilogue(acc, w, s):
+        return F.prelu(acc, w) + F.prelu(acc * 0.5, s)
+
+    g = torch.Generator().manual_seed(5)
+    inputs = {"a": torch.randn(16, 8, generator=g), "b": torch.randn(8, 32, generator=g),
+              "w": torch.rand(32, generator=g), "s": torch.rand(1, generator=g)}
+    assert check_gradients(epilogue, inputs) == 3
 
 
 def test_reductions_and_their_finish():

@@ -423,6 +423,18 @@ def test_zero_constants_of_both_signs_stay_two_constants(tmp_path, negative_firs
         assert re.search(r"\bmul\.f32\s+%r\d+, %r\d+, 0f00000000;", ptx)
 
 
+def test_roundings_compile_to_one_conversion_each(tmp_path):
+    """floor, ceil, trunc and round are one cvt each, in the rounding mode of its name; torch.round's
+    ties go to the even integer (rni), not away from zero as C's round does."""
+    def roundings(acc):
+        return torch.floor(acc), torch.ceil(acc), torch.trunc(acc), torch.round(acc)
+
+    ex = dict(a=torch.randn(64, 32, dtype=torch.bfloat16), b=torch.randn(32, 48, dtype=torch.bfloat16))
+    ptx = evtc.compile(roundings, ex, out_dtypes=torch.float32, cache_dir=tmp_path).ptx
+    for mode in ("rmi", "rpi", "rzi", "rni"):
+        assert re.search(rf"\bcvt\.{mode}\.f32\.f32\b", ptx), mode
+
+
 def test_softplus_with_beta_zero_compiles_to_torchs_inf(tmp_path):
     """F.softplus(x, beta=0) divides log(2) by zero, inf as in torch: it compiles (1 / beta raised
     ZeroDivisionError inside the code generator), and the call gives torch's values."""

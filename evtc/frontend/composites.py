@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -168,7 +169,185 @@ def _lerp(t: Tracer, input: Any, end: Any, weight: Any, **kwargs: Any) -> Any:
     return _rounded_once(t, (input, end, weight), formula)
 
 
+def _xlogy(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
+    """torch.xlogy: x * log(y), 0 where x is 0 (log(0) notwithstanding), NaN where y is NaN."""
+    _reject_out(kwargs, "xlogy")
+
+    def formula(x, y):
+        product = t.emit("where", (t.emit("eq", (x, 0.0)), 0.0, t.emit("mul", (x, t.emit("log", (y,))))))
+        return t.emit("where", (t.emit("ne", (y, y)), y, product))
+
+    return _rounded_once(t, (input, other), formula)
+
+
+def _logaddexp_by(exp: str, log_scale: float) -> Any:
+    """torch.logaddexp (exp, scale 1) and logaddexp2 (exp2, 1 / log(2)): max + log1p(exp(-|a - b|))
+    * scale, and a itself where a and b are the same infinity (whose difference is NaN)."""
+    def handler(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
+        _reject_out(kwargs, "logaddexp")
+
+        def formula(a, b):
+            distance = t.emit("abs", (t.emit("sub", (a, b)),))
+            tail = t.emit("log1p", (t.emit(exp, (t.emit("neg", (distance,)),)),))
+            if log_scale != 1:
+                tail = t.emit("mul", (tail, log_scale))
+            infinite = t.emit("ge", (t.emit("abs", (a,)), _INF))
+            same_infinity = t.emit("logical_and", (infinite, t.emit("eq", (a, b))))
+            return t.emit("where", (same_infinity, a, t.emit("add", (t.emit("maximum", (a, b)), tail))))
+
+        return _rounded_once(t, (input, other), formula)
+
+    return handler
+
+
+def _nan_ignoring(extremum: str) -> Any:
+    """torch.fmax / fmin: the other value where one is NaN, else maximum / minimum."""
+    def handler(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
+        _reject_out(kwargs, f"f{extremum[:3]}")
+
+        def formula(a, b):
+            both = t.emit(extremum, (a, b))
+            either = t.emit("where", (t.emit("ne", (b, b)), a, both))
+            return t.emit("where", (t.emit("ne", (a, a)), b, either))
+
+        return _rounded_once(t, (input, other), formula)
+
+    return handler
+
+
+def _scaled_by(factor: float) -> Any:
+    """torch.deg2rad and rad2deg: the value times the constant."""
+    def handler(t: Tracer, input: Any, **kwargs: Any) -> Any:
+        _reject_out(kwargs, "deg2rad")
+        return t.emit("mul", (input, factor))
+
+    return handler
+
+
+# --- to integer values ----------------------------------------------------------------------
+def _round(t: Tracer, input: Any, *, decimals: Any = 0, **kwargs: Any) -> Any:
+    """torch.round: to the nearest integer, a tie to the even one; with ``decimals`` d, as torch:
+    round(x * 10^d) / 10^d for d > 0, round(x / 10^-d) * 10^-d for d < 0, rounded once."""
+    _reject_out(kwargs, "round")
+    if not isinstance(decimals, int) or isinstance(decimals, bool):
+        raise UnsupportedOpError(f"round's decimals must be an int (got {decimals!r})", user_location())
+    if decimals == 0:
+        return t.emit("round", (input,))
+    scale = 10.0 ** abs(decimals)
+
+    def formula(x):
+        if decimals > 0:
+            return t.emit("div", (t.emit("round", (t.emit("mul", (x, scale)),)), scale))
+        return t.emit("mul", (t.emit("round", (t.emit("div", (x, scale)),)), scale))
+
+    return _rounded_once(t, (input,), formula)
+
+
+def _frac(t: Tracer, input: Any, **kwargs: Any) -> Any:
+    """torch.frac: x - trunc(x) (NaN for an infinity), rounded once."""
+    _reject_out(kwargs, "frac")
+    return _rounded_once(t, (input,), lambda x: t.emit("sub", (x, t.emit("trunc", (x,)))))
+
+
+def _sign(t: Tracer, input: Any, **kwargs: Any) -> Any:
+    """torch.sign (and sgn, for real values): 1, -1 or 0; 0 for NaN, as torch gives; a mask's sign
+    is the mask."""
+    _reject_out(kwargs, "sign")
+    if t.node_of(input).dtype == torch.bool:
+        return input
+    negative = t.emit("where", (t.emit("lt", (input, 0.0)), -1.0, 0.0))
+    return t.emit("where", (t.emit("gt", (input, 0.0)), 1.0, negative))
+
+
 # --- activations ----------------------------------------------------------------------------
+def _threshold(t: Tracer, input: Any, threshold: Any, value: Any, inplace: bool = False) -> Any:
+    """F.threshold: value where x <= threshold, else x (NaN stays NaN), in x's dtype."""
+    def formula(x):
+        return t.emit("where", (t.emit("le", (x, threshold)), value, x))
+
+    return _maybe_inplace(t, input, _rounded_once(t, (input,), formula), inplace, "threshold")
+
+
+def _shrink_bound(lambd: Any, name: str, refuse_negative: bool) -> None:
+    if isinstance(lambd, TracedValue) and lambd.dim() > 0:
+        raise UnsupportedOpError(f"{name}'s lambd must be a number (torch refuses a tensor)", user_location())
+    if refuse_negative and isinstance(lambd, int | float) and lambd < 0:
+        raise UnsupportedOpError(f"{name} with lambd = {lambd}, which torch refuses (lambd >= 0)",
+                                 user_location())
+
+
+def _hardshrink(t: Tracer, input: Any, lambd: Any = 0.5) -> Any:
+    """F.hardshrink: 0 where -lambd <= x <= lambd, else x (NaN stays NaN)."""
+    _shrink_bound(lambd, "hardshrink", refuse_negative=False)
+    low = -lambd if isinstance(lambd, int | float) else t.emit("neg", (lambd,))
+
+    def formula(x):
+        inside = t.emit("logical_and", (t.emit("ge", (x, low)), t.emit("le", (x, lambd))))
+        return t.emit("where", (inside, 0.0, x))
+
+    return _rounded_once(t, (input,), formula)
+
+
+def _softshrink(t: Tracer, input: Any, lambd: Any = 0.5) -> Any:
+    """F.softshrink: x - lambd above lambd, x + lambd below -lambd, else x * 0 (a signed zero,
+    NaN for NaN), as torch's kernel; rounded once."""
+    _shrink_bound(lambd, "softshrink", refuse_negative=True)
+    low = -lambd if isinstance(lambd, int | float) else t.emit("neg", (lambd,))
+
+    def formula(x):
+        below = t.emit("where", (t.emit("lt", (x, low)), t.emit("add", (x, lambd)), t.emit("mul", (x, 0.0))))
+        return t.emit("where", (t.emit("gt", (x, lambd)), t.emit("sub", (x, lambd)), below))
+
+    return _rounded_once(t, (input,), formula)
+
+
+def _tanhshrink(t: Tracer, input: Any) -> Any:
+    """F.tanhshrink: x - tanh(x), rounded once."""
+    return _rounded_once(t, (input,), lambda x: t.emit("sub", (x, t.emit("tanh", (x,)))))
+
+
+def _prelu(t: Tracer, input: Any, weight: Any) -> Any:
+    """F.prelu: x where x > 0, else weight * x. torch reads the weight along dim 1: an (M, N) value's
+    N columns (a weight of N values is a row vector) or one value for all."""
+    if not isinstance(weight, TracedValue) or weight._node.is_python_scalar:
+        raise UnsupportedOpError("prelu's weight must be a tensor (torch refuses a number): pass it as an "
+                                 "operand of the epilogue", user_location())
+    if t.eager.dtype(weight._node) != t.eager.dtype(t.node_of(input)):
+        raise UnsupportedOpError(f"prelu of a {t.eager.dtype(t.node_of(input))} value by a "
+                                 f"{t.eager.dtype(weight._node)} weight, which torch refuses (it does not "
+                                 "promote): cast one to the other's dtype", user_location())
+    shape, value_shape = weight._node.shape, t.node_of(input).shape
+    one_value = all(sympy.sympify(d) == 1 for d in shape)
+    columns = len(shape) == 1 and len(value_shape) == 2 and sympy.sympify(shape[0] - value_shape[1]) == 0
+    if not (one_value or columns):
+        raise UnsupportedOpError(
+            f"prelu of a {len(value_shape)}-dim value by a weight of shape {list(shape)}: torch applies the "
+            "weight along dim 1, which evtc takes as one value for all or the N columns of an (M, N) value",
+            user_location())
+
+    def formula(x, w):
+        return t.emit("where", (t.emit("gt", (x, 0.0)), x, t.emit("mul", (w, x))))
+
+    return _rounded_once(t, (input, weight), formula)
+
+
+def _heaviside(t: Tracer, input: Any, values: Any, **kwargs: Any) -> Any:
+    """torch.heaviside: values where x is 0, 1 where x > 0, else 0 (0 for NaN, as torch)."""
+    _reject_out(kwargs, "heaviside")
+    if not isinstance(values, TracedValue) or values._node.is_python_scalar:
+        raise UnsupportedOpError("heaviside's values must be a tensor (torch refuses a number): pass it as "
+                                 "an operand of the epilogue", user_location())
+    if t.eager.dtype(values._node) != t.eager.dtype(t.node_of(input)):
+        raise UnsupportedOpError("heaviside of tensors of different dtypes, which torch refuses: cast them "
+                                 "to one dtype first", user_location())
+
+    def formula(x, v):
+        step = t.emit("where", (t.emit("gt", (x, 0.0)), 1.0, 0.0))
+        return t.emit("where", (t.emit("eq", (x, 0.0)), v, step))
+
+    return _rounded_once(t, (input, values), formula)
+
+
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
 
@@ -258,6 +437,23 @@ register([F.logsigmoid], [], _logsigmoid, inplace=False)
 register([F.softsign], [], _softsign, inplace=False)
 register([F.glu], [], _glu, inplace=False)
 register([F.dropout], [], _dropout, inplace=False)
+register([torch.xlogy, torch.special.xlogy], ["xlogy"], _xlogy)
+register([torch.logaddexp], ["logaddexp"], _logaddexp_by("exp", 1.0), inplace=False)
+register([torch.logaddexp2], ["logaddexp2"], _logaddexp_by("exp2", 1 / math.log(2)), inplace=False)
+register([torch.fmax], ["fmax"], _nan_ignoring("maximum"), inplace=False)
+register([torch.fmin], ["fmin"], _nan_ignoring("minimum"), inplace=False)
+register([torch.deg2rad], ["deg2rad"], _scaled_by(math.pi / 180))
+register([torch.rad2deg], ["rad2deg"], _scaled_by(180 / math.pi))
+register([torch.positive], ["positive"], _itself, inplace=False)
+register([torch.round], ["round"], _round)
+register([torch.frac], ["frac"], _frac)
+register([torch.sign, torch.sgn], ["sign", "sgn"], _sign)
+register([F.threshold], [], _threshold, inplace=False)
+register([F.hardshrink], ["hardshrink"], _hardshrink, inplace=False)
+register([F.softshrink], [], _softshrink, inplace=False)
+register([F.tanhshrink], [], _tanhshrink, inplace=False)
+register([F.prelu, torch.prelu], ["prelu"], _prelu, inplace=False)
+register([torch.heaviside], ["heaviside"], _heaviside)
 
 
 # --- in-place functions -----------------------------------------------------------------------

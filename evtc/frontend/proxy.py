@@ -358,8 +358,8 @@ class TracedValue:
 
     def _no_integer_op(self, *_: Any) -> Any:
         raise UnsupportedOpError(
-            "//, %, divmod(), round() and shifts on a traced value are not supported in epilogues "
-            "(docs/epilogues.md lists the ops)",
+            "//, %, divmod(), Python's round() and shifts on a traced value are not supported in "
+            "epilogues (torch.round(x) is; docs/epilogues.md lists the ops)",
             user_location(),
         )
 

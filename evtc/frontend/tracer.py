@@ -180,8 +180,8 @@ class Tracer:
                 "or torch.logical_not, or convert it with .float() first", loc)
         if op in _NO_MASKS and any(masks):
             raise DTypeError(
-                f"{op} of a boolean mask, which torch refuses (its activations and abs are not defined "
-                "for bool): convert the mask with .float() first", loc)
+                f"{op} of a boolean mask, which torch refuses (its activations, abs and roundings are not "
+                "defined for bool): convert the mask with .float() first", loc)
         if len(inputs) == 2 and all(masks) and op in _MASK_PAIRS:
             return _MASK_PAIRS[op], inputs
         if op == "logical_xor":  # a != b on masks (Python's ^ on two masks)
@@ -341,7 +341,7 @@ _COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 #: Ops torch does not define for bool tensors (``F.relu(mask)`` raises); other unary ops promote a
 #: mask to float (``torch.exp(mask)``), as evtc does.
 _NO_MASKS = frozenset({"abs", "relu", "hardtanh", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu",
-                       "softplus", "mish", "hardswish", "hardsigmoid"})
+                       "softplus", "mish", "hardswish", "hardsigmoid", "floor", "ceil", "trunc", "round"})
 
 #: Python's arithmetic, which takes bools as ints (where every input is a Python number).
 _PYTHON_ARITHMETIC = frozenset({"add", "sub", "mul", "div", "neg", "pow", "abs"})

@@ -77,6 +77,11 @@ _TABLE: list[OpDef] = [
     OpDef("cos", 1, torch.cos),
     OpDef("tanh", 1, torch.tanh),
     OpDef("erf", 1, torch.erf),
+    # to an integer value (round: half to even, as torch.round); torch's gradient of each is zero
+    OpDef("floor", 1, torch.floor),
+    OpDef("ceil", 1, torch.ceil),
+    OpDef("trunc", 1, torch.trunc),
+    OpDef("round", 1, torch.round),
     # activations
     OpDef("sigmoid", 1, torch.sigmoid),
     OpDef("relu", 1, torch.relu),

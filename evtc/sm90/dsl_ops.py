@@ -108,6 +108,24 @@ def exp2(x):
     return cute.math.exp2(_f32(x))
 
 
+def floor(x):
+    return cute.math.floor(_f32(x))
+
+
+def ceil(x):
+    return cute.math.ceil(_f32(x))
+
+
+def trunc(x):
+    return cute.math.trunc(_f32(x))
+
+
+def round(x):  # noqa: A001 - the op's name
+    """To the nearest integer, a tie to the even one (torch.round; cute.math.round takes ties away
+    from zero)."""
+    return cute.math.roundeven(_f32(x))
+
+
 def expm1(x):
     return cute.math.expm1(_f32(x))
 
