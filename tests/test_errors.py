@@ -159,7 +159,37 @@ def _clamp_tensor_and_number(acc, bias):
     return torch.clamp(acc, min=bias, max=1.0)  # error here
 
 
+def _prelu_number_weight(acc):
+    return F.prelu(acc, 0.25)  # error here
+
+
+def _prelu_mixed_dtypes(acc, bias):
+    return F.prelu(acc, bias)  # error here (float16 acc, float32 weight)
+
+
+def _heaviside_mixed_dtypes(acc, bias):
+    return torch.heaviside(acc, bias)  # error here
+
+
+def _softshrink_negative(acc):
+    return F.softshrink(acc, -0.5)  # error here
+
+
+def _threshold_by_a_tensor(acc, bias):
+    return F.threshold(acc, bias, 1.0)  # error here
+
+
+def _round_to_float_decimals(acc):
+    return torch.round(acc, decimals=0.5)  # error here
+
+
 @pytest.mark.parametrize("fn, message", [
+    (_prelu_number_weight, "argument 'weight' .* must be Tensor, not float"),  # torch's own message
+    (_prelu_mixed_dtypes, "prelu of a torch.float16 value by a torch.float32 weight, which torch refuses"),
+    (_heaviside_mixed_dtypes, "heaviside of tensors of different dtypes, which torch refuses"),
+    (_softshrink_negative, "softshrink with lambd = -0.5, which torch refuses"),
+    (_threshold_by_a_tensor, "threshold's threshold must be a number"),
+    (_round_to_float_decimals, "round\\(\\) received an invalid combination of arguments"),
     (_hardtanh_bounds_crossed, "min_val 1.0 is greater than max_val -1.0, which torch refuses"),
     (_celu_alpha_zero, "celu with alpha = 0, which torch refuses"),
     (_lerp_mixed_dtypes, r"lerp of tensors of dtypes \['torch.float16', 'torch.float32'\], which torch"),

@@ -180,11 +180,11 @@ def _xlogy(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
     return _rounded_once(t, (input, other), formula)
 
 
-def _logaddexp_by(exp: str, log_scale: float) -> Any:
+def _logaddexp_by(name: str, exp: str, log_scale: float) -> Any:
     """torch.logaddexp (exp, scale 1) and logaddexp2 (exp2, 1 / log(2)): max + log1p(exp(-|a - b|))
     * scale, and a itself where a and b are the same infinity (whose difference is NaN)."""
     def handler(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
-        _reject_out(kwargs, "logaddexp")
+        _reject_out(kwargs, name)
 
         def formula(a, b):
             distance = t.emit("abs", (t.emit("sub", (a, b)),))
@@ -215,10 +215,10 @@ def _nan_ignoring(extremum: str) -> Any:
     return handler
 
 
-def _scaled_by(factor: float) -> Any:
+def _scaled_by(name: str, factor: float) -> Any:
     """torch.deg2rad and rad2deg: the value times the constant."""
     def handler(t: Tracer, input: Any, **kwargs: Any) -> Any:
-        _reject_out(kwargs, "deg2rad")
+        _reject_out(kwargs, name)
         return t.emit("mul", (input, factor))
 
     return handler
@@ -233,7 +233,7 @@ def _round(t: Tracer, input: Any, *, decimals: Any = 0, **kwargs: Any) -> Any:
         raise UnsupportedOpError(f"round's decimals must be an int (got {decimals!r})", user_location())
     if decimals == 0:
         return t.emit("round", (input,))
-    scale = 10.0 ** abs(decimals)
+    scale = 10.0 ** abs(decimals) if abs(decimals) <= 308 else _INF  # torch's 10^d overflows to inf too
 
     def formula(x):
         if decimals > 0:
@@ -262,6 +262,11 @@ def _sign(t: Tracer, input: Any, **kwargs: Any) -> Any:
 # --- activations ----------------------------------------------------------------------------
 def _threshold(t: Tracer, input: Any, threshold: Any, value: Any, inplace: bool = False) -> Any:
     """F.threshold: value where x <= threshold, else x (NaN stays NaN), in x's dtype."""
+    for what, number in (("threshold", threshold), ("value", value)):
+        if isinstance(number, TracedValue) and number.dim() > 0:
+            raise UnsupportedOpError(f"threshold's {what} must be a number (torch refuses a tensor)",
+                                     user_location())
+
     def formula(x):
         return t.emit("where", (t.emit("le", (x, threshold)), value, x))
 
@@ -438,18 +443,19 @@ register([F.softsign], [], _softsign, inplace=False)
 register([F.glu], [], _glu, inplace=False)
 register([F.dropout], [], _dropout, inplace=False)
 register([torch.xlogy, torch.special.xlogy], ["xlogy"], _xlogy)
-register([torch.logaddexp], ["logaddexp"], _logaddexp_by("exp", 1.0), inplace=False)
-register([torch.logaddexp2], ["logaddexp2"], _logaddexp_by("exp2", 1 / math.log(2)), inplace=False)
+register([torch.logaddexp], ["logaddexp"], _logaddexp_by("logaddexp", "exp", 1.0), inplace=False)
+register([torch.logaddexp2], ["logaddexp2"], _logaddexp_by("logaddexp2", "exp2", 1 / math.log(2)),
+         inplace=False)
 register([torch.fmax], ["fmax"], _nan_ignoring("maximum"), inplace=False)
 register([torch.fmin], ["fmin"], _nan_ignoring("minimum"), inplace=False)
-register([torch.deg2rad], ["deg2rad"], _scaled_by(math.pi / 180))
-register([torch.rad2deg], ["rad2deg"], _scaled_by(180 / math.pi))
+register([torch.deg2rad], ["deg2rad"], _scaled_by("deg2rad", math.pi / 180))
+register([torch.rad2deg], ["rad2deg"], _scaled_by("rad2deg", 180 / math.pi))
 register([torch.positive], ["positive"], _itself, inplace=False)
 register([torch.round], ["round"], _round)
 register([torch.frac], ["frac"], _frac)
 register([torch.sign, torch.sgn], ["sign", "sgn"], _sign)
-register([F.threshold], [], _threshold, inplace=False)
-register([F.hardshrink], ["hardshrink"], _hardshrink, inplace=False)
+register([F.threshold, torch.threshold], [], _threshold, inplace=False)
+register([F.hardshrink, torch.hardshrink], ["hardshrink"], _hardshrink, inplace=False)
 register([F.softshrink], [], _softshrink, inplace=False)
 register([F.tanhshrink], [], _tanhshrink, inplace=False)
 register([F.prelu, torch.prelu], ["prelu"], _prelu, inplace=False)
