@@ -945,3 +945,17 @@ def test_a_profiler_the_user_set_is_left_in_place():
         sys.setprofile(None)
     assert "return" in calls, "the user's profiler missed the epilogue's events"
     _assert_points_at_marked_line(info.value, row_output)
+
+
+def test_in_place_on_a_value_that_was_detached_is_refused():
+    """x.detach() shares x's memory in torch: an in-place op on either changes both, which the
+    graph (where the detached copy is a node of its own) cannot say."""
+    def epilogue(acc):
+        y = acc * 2.0
+        d = y.detach()
+        y.add_(1.0)  # error here
+        return d
+
+    err = _trace_error(epilogue, EX, evtc.InPlaceError)
+    assert "detached" in str(err)
+    _assert_points_at_marked_line(err, epilogue)

@@ -60,6 +60,32 @@ def test_bias_gelu():
     _check(bias_gelu, (6,), 16, 24, {"bias": lambda g: torch.randn(24, generator=g)})
 
 
+def _squared_against_a_detached_copy(acc, bias):
+    y = acc + bias
+    return y * y.detach()  # d/dy is y, not 2y: no gradient flows through the detached copy
+
+
+def _fake_quant_straight_through(acc, bias):
+    y = acc + bias
+    q = torch.round(y * 4.0) / 4.0  # no gradient of its own, as in torch
+    return y + (q - y).detach()      # the straight-through estimator: forward q, backward y's
+
+
+def _prelu_learned_slope(acc, slope):
+    return F.prelu(acc, slope)
+
+
+@pytest.mark.parametrize("fn, operands", [
+    (_squared_against_a_detached_copy, {"bias": lambda g: torch.randn(24, generator=g)}),
+    (_fake_quant_straight_through, {"bias": lambda g: torch.randn(24, generator=g)}),
+    (_prelu_learned_slope, {"slope": lambda g: torch.rand(24, generator=g)}),
+])
+def test_detach_rounding_and_prelu_follow_torch_autograd(fn, operands):
+    """detach stops the gradient (it had been traced as the value itself: y * y.detach() got 2y),
+    torch.round passes none, and prelu's weight gets its row reduction."""
+    _check(fn, (6,), 16, 24, operands)
+
+
 def test_leading_dims_and_operands_shaped_like_the_output():
     _check(residual_scaled, (2, 3), 16, 24,
            {"residual": lambda g: torch.randn(2, 3, 24, generator=g),

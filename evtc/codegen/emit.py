@@ -54,7 +54,7 @@ _DTYPE_NAME = {
 _CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
     "pow", "abs", "reciprocal", "minimum", "maximum", "clamp_min", "clamp_max", "hardtanh", "sqrt",
     "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log1p", "sin", "cos", "tanh", "erf", "floor", "ceil",
-    "trunc", "round", "sigmoid", "relu", "leaky_relu", "elu", "gelu",
+    "trunc", "round", "detach", "sigmoid", "relu", "leaky_relu", "elu", "gelu",
     "gelu_tanh", "silu", "softplus", "mish", "hardswish", "hardsigmoid", "logical_not", "where",
 }
 _RESERVED = {"self", "op", "cute", "cutlass", "Float32", "Float16", "BFloat16", "Float8E4M3FN",

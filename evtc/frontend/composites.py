@@ -1,9 +1,10 @@
 """torch functions that evtc writes out with the IR's own ops, as torch defines them.
 
 None of these needs an op of its own in the kernel: each is a few elementwise ops (``F.selu`` is a
-``where`` of ``x`` and ``expm1``), a choice (``masked_fill``), a no-op on values (``contiguous``,
-``detach``) or a test of the value against itself (``isnan``). The formulas are torch's, branch
-for branch, so values, NaN and infinities come out as torch's do (up to float32 rounding).
+``where`` of ``x`` and ``expm1``), a choice (``masked_fill``), a no-op on values (``contiguous``;
+``detach``, which only stops the gradient) or a test of the value against itself (``isnan``). The
+formulas are torch's, branch for branch, so values, NaN and infinities come out as torch's do (up
+to float32 rounding).
 Importing this module registers them with :mod:`evtc.frontend.lowering`.
 """
 
@@ -44,9 +45,22 @@ def _overflow_bound(value: Any) -> float:
 
 # --- no-ops on values -------------------------------------------------------------------------
 def _itself(t: Tracer, input: Any, *args: Any, memory_format: Any = None, **kwargs: Any) -> Any:
-    """x.contiguous() and x.detach(): x itself (torch returns the same memory), so an in-place op
+    """x.contiguous(): x itself (torch returns the same memory), so an in-place op
     on one changes the other, as in torch."""
     return input
+
+
+def _detach(t: Tracer, input: Any) -> Any:
+    """x.detach(): the same values, through which no gradient flows (a ``detach`` node, where the
+    backward graph stops; the kernel passes the value on). torch returns x's own memory, so an
+    in-place op on either would change both, which the graph cannot say: it is refused."""
+    if not isinstance(input, TracedValue) or t.node_of(input).dtype == torch.bool:
+        return input  # a mask or a number carries no gradient
+    result = t.emit("detach", (input,))
+    result._shares_memory = "a detached value (x.detach() shares x's memory)"
+    if input._input_name is None:
+        input._shares_memory = "a value that was detached (x.detach() shares x's memory)"
+    return result
 
 
 def _clone(t: Tracer, input: Any, *, memory_format: Any = None) -> Any:
@@ -422,9 +436,9 @@ def _dropout(t: Tracer, input: Any, p: float = 0.5, training: bool = True, inpla
         "training=False (evaluation), or apply dropout outside the kernel", user_location())
 
 
-register([], ["contiguous", "detach"], _itself, inplace=False)
+register([], ["contiguous"], _itself, inplace=False)
+register([torch.detach], ["detach"], _detach, inplace=False)
 register([torch.clone], ["clone"], _clone, inplace=False)
-register([torch.detach], [], _itself, inplace=False)
 register([torch.masked_fill], ["masked_fill"], _masked_fill)
 register([torch.nan_to_num], ["nan_to_num"], _nan_to_num)
 register([torch.isnan], ["isnan"], _isnan, inplace=False)

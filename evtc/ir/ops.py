@@ -77,6 +77,8 @@ _TABLE: list[OpDef] = [
     OpDef("cos", 1, torch.cos),
     OpDef("tanh", 1, torch.tanh),
     OpDef("erf", 1, torch.erf),
+    # the value itself, through which no gradient flows (x.detach())
+    OpDef("detach", 1, torch.Tensor.detach),
     # to an integer value (round: half to even, as torch.round); torch's gradient of each is zero
     OpDef("floor", 1, torch.floor),
     OpDef("ceil", 1, torch.ceil),

@@ -108,6 +108,11 @@ def exp2(x):
     return cute.math.exp2(_f32(x))
 
 
+def detach(x):
+    """The value itself: a detach matters only to the backward graph."""
+    return x
+
+
 def floor(x):
     return cute.math.floor(_f32(x))
 
