@@ -75,14 +75,31 @@ def _prelu_learned_slope(acc, slope):
     return F.prelu(acc, slope)
 
 
+def _gate_under_no_grad(acc, bias):
+    with torch.no_grad():  # torch records no gradient for the gate
+        gate = torch.sigmoid(acc + bias)
+    return (acc + bias) * gate
+
+
+def _scale_with_grad_disabled(acc, bias):
+    with torch.set_grad_enabled(False):
+        scale = F.softplus(acc) + 1.0
+    with torch.inference_mode():
+        shift = acc * 0.5
+    return (acc + bias) * scale + shift
+
+
 @pytest.mark.parametrize("fn, operands", [
+    (_gate_under_no_grad, {"bias": lambda g: torch.randn(24, generator=g)}),
+    (_scale_with_grad_disabled, {"bias": lambda g: torch.randn(24, generator=g)}),
     (_squared_against_a_detached_copy, {"bias": lambda g: torch.randn(24, generator=g)}),
     (_fake_quant_straight_through, {"bias": lambda g: torch.randn(24, generator=g)}),
     (_prelu_learned_slope, {"slope": lambda g: torch.rand(24, generator=g)}),
 ])
 def test_detach_rounding_and_prelu_follow_torch_autograd(fn, operands):
-    """detach stops the gradient (it had been traced as the value itself: y * y.detach() got 2y),
-    torch.round passes none, and prelu's weight gets its row reduction."""
+    """detach and the epilogue's own no_grad blocks stop the gradient (both had been traced as the
+    values themselves: y * y.detach() got 2y), torch.round passes none, and prelu's weight gets its
+    row reduction."""
     _check(fn, (6,), 16, 24, operands)
 
 
@@ -1385,3 +1402,17 @@ def test_a_one_row_call_while_another_thread_adds_a_kernel(monkeypatch):
     monkeypatch.setattr(evtc_nn, "_serves", meanwhile)
     x, residual = torch.randn(1, 16), torch.randn(1, 24)
     _close(layer(x, residual=residual), x @ layer.weight.t() + residual, "one row")
+
+
+def test_compiling_under_no_grad_changes_no_gradient():
+    """Inference code compiles under torch.no_grad(); the trace runs with gradients enabled all the
+    same, so the kernel's backward is the function's (no value is taken as detached)."""
+    x = torch.randn(6, 16).half()
+    w = torch.randn(24, 16).half()
+    bias = torch.randn(24).half()  # widened to float32 as it is loaded: that cast is evtc's, before the call
+    with torch.no_grad():
+        graph = evtc.trace(bias_gelu, {"a": x, "b": w.t(), "bias": bias})
+    assert not [n for n in graph if n.op == "detach"]
+    with torch.inference_mode():
+        graph = evtc.trace(bias_gelu, {"a": x, "b": w.t(), "bias": bias})
+    assert not [n for n in graph if n.op == "detach"]

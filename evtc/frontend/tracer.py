@@ -50,6 +50,8 @@ class Tracer:
         #: float8 a and b have no eager product (torch._scaled_mm takes an out_dtype), so their
         #: accumulator reads as what it is, float32.
         self.eager = EagerDtypes(eager_acc_dtype(problem.ab_dtype))
+        #: Whether the epilogue is running (its values, not the inputs evtc sets up for it).
+        self.running = False
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -113,6 +115,12 @@ class Tracer:
         )
 
     def wrap(self, node: Node, input_name: str | None = None) -> TracedValue:
+        if self.running and not torch.is_grad_enabled() and _carries_gradient(node):
+            # Made inside the epilogue's own torch.no_grad() (or inference_mode, set_grad_enabled(
+            # False)): torch records no gradient for it, so the backward graph must stop here. The
+            # trace itself runs with gradients enabled (trace_raw), whatever the caller's mode.
+            node = self.builder.add("detach", (node,), None, loc=node.loc)
+            self.eager.same_as(node, node.inputs[0])
         return TracedValue(self, node, input_name)
 
     def emit(self, op: str, args: tuple[Any, ...], attrs: dict[str, Any] | None = None) -> TracedValue:
@@ -461,8 +469,14 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             )
 
     try:
-        with made_during() as made, tracer.made, TypeChecks(fn) as checks:
-            returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
+        # Gradients enabled while the function runs: a value it makes inside its own
+        # torch.no_grad() is then one made with them disabled (Tracer.wrap).
+        with made_during() as made, tracer.made, TypeChecks(fn) as checks, torch.enable_grad():
+            tracer.running = True
+            try:
+                returned = sig.call(fn, call_args.pop(sig.acc_name), call_args)
+            finally:
+                tracer.running = False
     except EpilogueError as err:
         raise err.with_traceback(None) from None
     except TypeError as err:
@@ -538,6 +552,13 @@ def _flatten_outputs(returned: Any, loc: Any) -> tuple[OutputTree, list[tuple[st
         kind = "list" if isinstance(returned, list) else "tuple"
         return OutputTree(kind, []), [(f"D{i}", v) for i, v in enumerate(returned)]
     return OutputTree("single", []), [("D", returned)]
+
+
+def _carries_gradient(node: Node) -> bool:
+    """Whether a value made by the epilogue could carry a gradient: a float tensor value computed
+    from its inputs (not an input itself, a number, a mask or a detached value)."""
+    return (node.dtype.is_floating_point and not node.is_python_scalar
+            and node.op not in ("acc", "load", "arg", "literal", "detach"))
 
 
 def _check_output(name: str, node: Node, where: SourceLoc | None) -> None:
