@@ -189,7 +189,7 @@ def _xlogy(t: Tracer, input: Any, other: Any, **kwargs: Any) -> Any:
 
     def formula(x, y):
         product = t.emit("where", (t.emit("eq", (x, 0.0)), 0.0, t.emit("mul", (x, t.emit("log", (y,))))))
-        return t.emit("where", (t.emit("ne", (y, y)), y, product))
+        return t.emit("where", (_isnan(t, y), y, product))
 
     return _rounded_once(t, (input, other), formula)
 
@@ -205,8 +205,7 @@ def _logaddexp_by(name: str, exp: str, log_scale: float) -> Any:
             tail = t.emit("log1p", (t.emit(exp, (t.emit("neg", (distance,)),)),))
             if log_scale != 1:
                 tail = t.emit("mul", (tail, log_scale))
-            infinite = t.emit("ge", (t.emit("abs", (a,)), _INF))
-            same_infinity = t.emit("logical_and", (infinite, t.emit("eq", (a, b))))
+            same_infinity = t.emit("logical_and", (_isinf(t, a), t.emit("eq", (a, b))))
             return t.emit("where", (same_infinity, a, t.emit("add", (t.emit("maximum", (a, b)), tail))))
 
         return _rounded_once(t, (input, other), formula)
@@ -221,8 +220,8 @@ def _nan_ignoring(extremum: str) -> Any:
 
         def formula(a, b):
             both = t.emit(extremum, (a, b))
-            either = t.emit("where", (t.emit("ne", (b, b)), a, both))
-            return t.emit("where", (t.emit("ne", (a, a)), b, either))
+            either = t.emit("where", (_isnan(t, b), a, both))
+            return t.emit("where", (_isnan(t, a), b, either))
 
         return _rounded_once(t, (input, other), formula)
 
@@ -287,18 +286,19 @@ def _threshold(t: Tracer, input: Any, threshold: Any, value: Any, inplace: bool 
     return _maybe_inplace(t, input, _rounded_once(t, (input,), formula), inplace, "threshold")
 
 
-def _shrink_bound(lambd: Any, name: str, refuse_negative: bool) -> None:
+def _shrink_band(t: Tracer, lambd: Any, name: str, refuse_negative: bool) -> Any:
+    """The band's lower edge, -lambd, once lambd is checked as torch checks it."""
     if isinstance(lambd, TracedValue) and lambd.dim() > 0:
         raise UnsupportedOpError(f"{name}'s lambd must be a number (torch refuses a tensor)", user_location())
     if refuse_negative and isinstance(lambd, int | float) and lambd < 0:
         raise UnsupportedOpError(f"{name} with lambd = {lambd}, which torch refuses (lambd >= 0)",
                                  user_location())
+    return -lambd if isinstance(lambd, int | float) else t.emit("neg", (lambd,))
 
 
 def _hardshrink(t: Tracer, input: Any, lambd: Any = 0.5) -> Any:
     """F.hardshrink: 0 where -lambd <= x <= lambd, else x (NaN stays NaN)."""
-    _shrink_bound(lambd, "hardshrink", refuse_negative=False)
-    low = -lambd if isinstance(lambd, int | float) else t.emit("neg", (lambd,))
+    low = _shrink_band(t, lambd, "hardshrink", refuse_negative=False)
 
     def formula(x):
         inside = t.emit("logical_and", (t.emit("ge", (x, low)), t.emit("le", (x, lambd))))
@@ -310,8 +310,7 @@ def _hardshrink(t: Tracer, input: Any, lambd: Any = 0.5) -> Any:
 def _softshrink(t: Tracer, input: Any, lambd: Any = 0.5) -> Any:
     """F.softshrink: x - lambd above lambd, x + lambd below -lambd, else x * 0 (a signed zero,
     NaN for NaN), as torch's kernel; rounded once."""
-    _shrink_bound(lambd, "softshrink", refuse_negative=True)
-    low = -lambd if isinstance(lambd, int | float) else t.emit("neg", (lambd,))
+    low = _shrink_band(t, lambd, "softshrink", refuse_negative=True)
 
     def formula(x):
         below = t.emit("where", (t.emit("lt", (x, low)), t.emit("add", (x, lambd)), t.emit("mul", (x, 0.0))))
