@@ -79,7 +79,7 @@ def test_a_trimmed_launch_reused_for_a_taller_problem(cache):
     x, w, _ = linear_inputs(48, 256, 512, seed=500)
     kernel = evtc.compile(identity, {"a": x, "b": w.t()}, cache_dir=cache)
     config, splits = kernel.launch_for(2, 256, 512)
-    assert config.a_rows in (16, 32)
+    assert config.a_rows in (8, 16, 32)
     fn, *_ = kernel.resolve(config, splits, 48, 256, 512, 1)
     whole, *_ = kernel.resolve(config.replace(a_rows=None), splits, 48, 256, 512, 1)
     assert fn is whole

@@ -1,7 +1,9 @@
 """GPU: four-CTA clusters (1x4: A multicast to four CTAs along N), which the selector picks for
-decode-sized problems, and the 2x1 clusters it picks for two rows of 64-row tiles, against torch in
-float64. Each case runs where the cluster overhangs N (the last cluster's trailing CTAs have no
-tile), with epilogue operands along M and N, reductions, split-K, batches and trimmed A loads."""
+decode-sized problems of 33 to 64 rows, and the 2x1 clusters it picks for two rows of 64-row tiles,
+against torch in float64. Each case runs where the cluster overhangs N (the last cluster's trailing
+CTAs have no tile), with epilogue operands along M and N, reductions, split-K and batches. At
+M <= 32 the selector runs the same tiles without a cluster, loading only A's rows: that case is
+here too, on the same ragged N."""
 
 from __future__ import annotations
 
@@ -38,14 +40,21 @@ def cache(tmp_path_factory):
 N_RAGGED = 3648
 
 
-@pytest.mark.parametrize("m", [1, 17, 33, 64])
+@pytest.mark.parametrize("m", [33, 47, 64])
 def test_decode_sizes_run_four_cta_clusters(cache, m):
     # K = 1000: not a multiple of the 64-wide K tile.
     check_plain_and_fused(cache, m, N_RAGGED, 1000, m, lambda c: c.cluster == (1, 4),
                           _fill_free_memory_with_nan)
 
 
-@pytest.mark.parametrize("m", [5, 64])
+@pytest.mark.parametrize("m", [1, 17, 32])
+def test_fewer_rows_run_without_a_cluster(cache, m):
+    check_plain_and_fused(cache, m, N_RAGGED, 1000, m,
+                          lambda c: c.cluster == (1, 1) and c.a_rows is not None and m <= c.a_rows,
+                          _fill_free_memory_with_nan)
+
+
+@pytest.mark.parametrize("m", [40, 64])
 def test_reductions_over_four_cta_clusters(cache, m):
     k = 768
     x, w, g = linear_inputs(m, N_RAGGED, k, seed=50 + m)
@@ -58,7 +67,7 @@ def test_reductions_over_four_cta_clusters(cache, m):
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_k_over_four_cta_clusters(cache, splits):
     four = lambda c: c.cluster == (1, 4)  # noqa: E731
-    (y, col_sums, _, total), ref = run_pinned_splits(cache, 16, 2048, 8192, 100 + splits, splits, four,
+    (y, col_sums, _, total), ref = run_pinned_splits(cache, 40, 2048, 8192, 100 + splits, splits, four,
                                                      _fill_free_memory_with_nan)
     assert_close(y, ref)
     assert_close(col_sums, ref.sum(0))

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import evtc
-from evtc.plan.clusters import FOUR_CTA_CLUSTERS_HELD_BACK, planned_clusters
+from evtc.plan.clusters import (
+    FOUR_CTA_CLUSTERS_HELD_BACK,
+    TRIMMED_A_CLUSTER_COST,
+    cluster_costs,
+    planned_clusters,
+)
 from evtc.plan.config import ConfigError, GemmConfig
 from evtc.plan.selector import (
     BIG_WEIGHT_ELEMENTS,
@@ -32,6 +37,7 @@ from evtc.plan.selector import (
     one_wave_twins,
     tile_family,
     with_a_rows_for,
+    with_cluster_for,
 )
 from evtc.plan.split_k import (
     MAX_SPLITS,
@@ -432,20 +438,20 @@ def test_a_rows_is_not_a_compile_knob(tmp_path):
 
 
 def test_trimmed_a_loads_expect_only_their_bytes(tmp_path):
-    """Each stage's barrier expects the bytes its loads bring: 32 rows of A (4 KiB, 8 rows from each
-    CTA of the 1x4 cluster) and the 64 x 64 B block (8 KiB) for a 1-row problem, the whole 64-row A
-    block (8 KiB) for 64 rows."""
+    """Each stage's barrier expects the bytes its loads bring: 8 rows of A (1 KiB, in the 1x1
+    cluster a 1-row problem runs with) and the 64 x 64 B block (8 KiB) for a 1-row problem, the
+    whole 64-row A block (8 KiB) for 64 rows."""
     kernel = evtc.compile(_identity, {"a": _meta(1, 4096), "b": _meta(6144, 4096).t()}, arch="sm_90a",
                           cache_dir=tmp_path)
     short, _ = kernel.launch_for(1, 6144, 4096)
     whole, _ = kernel.launch_for(64, 6144, 4096)
-    assert (short.a_rows, short.tile_m, short.tile_n, short.cluster) == (32, 64, 64, (1, 4))
+    assert (short.a_rows, short.tile_m, short.tile_n, short.cluster) == (8, 64, 64, (1, 1))
     assert whole.a_rows is None
-    assert short.replace(a_rows=None) == whole
-    expects = re.compile(r"\bmov\.[bu]32\s+%r\d+, (12288|16384);")
-    assert set(expects.findall(kernel._variant(short).ptx)) == {"12288"}
+    assert short.replace(a_rows=None, cluster=whole.cluster) == whole
+    expects = re.compile(r"\bmov\.[bu]32\s+%r\d+, (9216|16384);")
+    assert set(expects.findall(kernel._variant(short).ptx)) == {"9216"}
     assert set(expects.findall(kernel._variant(whole).ptx)) == {"16384"}
-    assert "32 rows of A" in kernel.explain()  # the trimmed variant is listed among those built
+    assert "8 rows of A" in kernel.explain()  # the trimmed variant is listed among those built
 
 
 def test_a_thin_second_round_gives_way_to_one_full_round():
@@ -466,9 +472,10 @@ def test_a_thin_second_round_gives_way_to_one_full_round():
 
 def test_decode_tiles_share_their_loads_across_the_widest_useful_cluster():
     """Decode-sized problems stream their weights; the cluster shares what each CTA loads per K
-    step. One row of 64 x 64 tiles: A multicast to four CTAs (1x4). Two rows: 1x4 where its
-    clusters fit one wave, else each weight tile multicast to both rows (2x1). Where 4-CTA
-    clusters would not all run at once, 1x2."""
+    step. One row of 64 x 64 tiles at M = 33-64: A multicast to four CTAs (1x4). At M <= 32, where
+    each CTA loads only A's rows, no cluster (1x1): there is little of A to share, and a cluster
+    couples its CTAs' pipelines. Two rows: 1x4 where its clusters fit one wave, else each weight
+    tile multicast to both rows (2x1). Where 4-CTA clusters would not all run at once, 1x2."""
     def h100(cluster):  # the occupancy API's answers on the H100: 132 CTAs, 66 pairs, 33 fours
         size = cluster[0] * cluster[1]
         return planned_clusters(size, 132 // size) * size
@@ -476,10 +483,12 @@ def test_decode_tiles_share_their_loads_across_the_widest_useful_cluster():
     def launch(m, n, k):
         return _launch(m, n, k, slots_of=h100)[0]
 
-    for m in (1, 16, 64):
+    for m, cluster, rows in ((1, (1, 1), 8), (16, (1, 1), 16), (32, (1, 1), 32), (33, (1, 4), None),
+                             (64, (1, 4), None)):
         for n, k in [(3584, 3584), (4096, 4096), (4608, 3584), (7168, 2048)]:
             config = launch(m, n, k)
-            assert (config.tile_m, config.tile_n, config.cluster) == (64, 64, (1, 4)), (m, n, k)
+            assert (config.tile_m, config.tile_n, config.cluster, config.a_rows) == (64, 64, cluster, rows), \
+                (m, n, k)
     for m in (96, 128):
         assert launch(m, 3584, 3584).cluster == (1, 4)  # 112 tiles: 28 clusters of four
         for n, k in [(4096, 4096), (4096, 14336)]:  # 128 tiles: 32 clusters of four, 29 planned
@@ -488,6 +497,26 @@ def test_decode_tiles_share_their_loads_across_the_widest_useful_cluster():
     # 64 tiles of 64 x 64 need 16 four-CTA clusters: with room for only 12 the 1x2 cluster runs.
     tight = {1: 132, 2: 132, 4: 48}
     assert _launch(64, 4096, 4096, slots_of=lambda c: tight[c[0] * c[1]])[0].cluster == (1, 2)
+
+
+def test_only_trimmed_16_bit_decode_tiles_drop_their_cluster():
+    """The 1x1 rule for trimmed loads (TRIMMED_A_CLUSTER_COST) was measured on 16-bit A and B with a
+    K-major A: an M-major A (whose loads are never trimmed) and float8 keep the cluster costs they
+    had, and so does a problem whose rows a 64-row tile loads whole."""
+    pp64 = BASE.replace(tile_m=64, tile_n=64, cluster=(1, 4))
+    slots = {1: 132, 2: 132, 4: 116}
+
+    def cluster(config, m):
+        return with_cluster_for(config, m, 4608, 1, lambda c: slots[c[0] * c[1]]).cluster
+
+    assert cluster(pp64, 1) == cluster(pp64, 32) == (1, 1)
+    assert cluster(pp64, 33) == cluster(pp64.replace(a_major="m"), 1) == (1, 4)
+    assert cluster(pp64.replace(ab_dtype="float8_e4m3fn"), 1) == (1, 4)
+    trimmed = TRIMMED_A_CLUSTER_COST[("pingpong", 64, 64)]
+    assert cluster_costs("pingpong", 64, 64, 1, trimmed_a=True) == trimmed
+    assert min(trimmed, key=trimmed.get) == (1, 1)
+    # Tiles without a measured trimmed table keep their own.
+    assert cluster_costs("pingpong", 64, 128, 1, trimmed_a=True) == cluster_costs("pingpong", 64, 128, 1)
 
 
 def test_four_cta_clusters_are_planned_with_some_held_back():

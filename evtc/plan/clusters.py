@@ -71,6 +71,17 @@ TILE_CLUSTER_COST = {
 }
 
 
+# The same for 64 x 64 ping-pong tiles that load only A's first rows (GemmConfig.a_rows: problems
+# of at most 32 rows, 16-bit A and B). Sharing A's few rows saves next to nothing, and a cluster
+# makes its CTAs wait for each other's consumers before any of them refills a stage. Measured on
+# the H200 (docs/performance.md, "Decode tiles without clusters"), 12 LLM layers at M = 1-32,
+# the launch pinned (bench/decode_launches.py), 13 A/B stages, cuBLAS time over ours: 1x1
+# 0.91-1.12, 1x4 0.67-1.09, 1x2 0.89-1.09, 2x1 0.65-1.11; no shape ran faster with a cluster.
+TRIMMED_A_CLUSTER_COST = {
+    ("pingpong", 64, 64): {(1, 1): 1.0, (1, 2): 1.04, (1, 4): 1.05, (2, 1): 1.15},
+}
+
+
 # Four-CTA clusters the selector leaves unplanned. Each needs four free SMs of one GPC at the same
 # moment; on the H100 (33 resident per the occupancy API) launches of 32 such clusters ran 20-35%
 # slower than 2-CTA clusters in back-to-back calls, where 28 ran at full speed (docs/performance.md,
@@ -121,12 +132,16 @@ PROMOTING_MANY_ROWS_CLUSTER_COST = {
 
 
 def cluster_costs(schedule: str, tile_m: int, tile_n: int, tiles_m: int | None = None,
-                  promotes_in_pairs: bool = False) -> dict[tuple[int, int], float]:
+                  promotes_in_pairs: bool = False, trimmed_a: bool = False) -> dict[tuple[int, int], float]:
     """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST), for a
     problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`);
     ``promotes_in_pairs``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`;
-    the selector passes False for block-scaled kernels, which measured faster in 2x1)."""
+    the selector passes False for block-scaled kernels, which measured faster in 2x1);
+    ``trimmed_a``: a 16-bit problem few enough rows for any cluster shape to load only A's first
+    rows (:data:`TRIMMED_A_CLUSTER_COST`)."""
     key = (schedule, tile_m, tile_n)
+    if trimmed_a and key in TRIMMED_A_CLUSTER_COST:
+        return TRIMMED_A_CLUSTER_COST[key]
     many_rows = tiles_m is not None and tiles_m > FEW_TILE_ROWS
     if promotes_in_pairs and many_rows and key in PROMOTING_MANY_ROWS_CLUSTER_COST:
         return PROMOTING_MANY_ROWS_CLUSTER_COST[key]

@@ -467,11 +467,15 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     """``config`` with the cluster shape that needs the fewest waves of its tiles for an (L, M, N)
     problem (:func:`evtc.plan.clusters.cluster_for_problem`, with the tile's cluster costs)."""
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
+    # A 1x1 cluster (8 rows per CTA) can trim A's loads to the problem's rows (with_a_rows_for).
+    trimmed_a = (config.a_major == "k" and m <= max(A_ROWS) and m < config.tile_m
+                 and config.ab_dtype in SIXTEEN_BIT and not config.gated)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
                                                 # 128 x 128 blocks of A: 2x1 (PROMOTING_LONG_K_WAVES)
                                                 config.promotes_in_pairs
-                                                and (config.stages_a_scales or not config.block_scales)))
+                                                and (config.stages_a_scales or not config.block_scales),
+                                                trimmed_a=trimmed_a))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 

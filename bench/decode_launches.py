@@ -1,0 +1,115 @@
+"""Decode-sized launches pinned one by one: 64-row tiles that load only A's rows
+(``GemmConfig.a_rows``), by cluster shape and A/B pipeline depth, against cuBLAS.
+
+``a_rows`` is not a compile knob (a kernel that chooses its launch trims A's loads itself), so
+``bench/sweep_configs.py`` cannot pin it. Here each candidate is a handle of the default kernel
+whose launch choice returns that configuration: the same compiled family, one launch each.
+
+    python3 bench/decode_launches.py 1x4608x3584 16x4096x14336
+    python3 bench/decode_launches.py --compile-only            # build the candidates (no GPU)
+
+Each shape's candidates and cuBLAS run in one ``time_paired`` call (CUDA graphs cycling 256 MB of
+weight copies, shuffled order per sample, medians); ratio = cuBLAS time / candidate time. A
+candidate's ``a_rows`` is the fewest of 8, 16 and 32 that holds M with 8 rows per CTA sharing A
+(none past 32 rows: the whole tile); one that does not fit shared memory is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import evtc  # noqa: E402
+from evtc.plan.config import A_ROWS, ConfigError  # noqa: E402
+from evtc.timing import time_paired  # noqa: E402
+
+# (tile_n, cluster, ab_stages or None for as many as fit)
+CANDIDATES = [
+    (64, (1, 4), None), (64, (1, 4), 10), (64, (1, 2), None), (64, (1, 1), None), (64, (1, 1), 10),
+    (64, (2, 1), None), (128, (1, 1), None), (128, (1, 4), None),
+]
+
+
+def identity(acc):
+    return acc
+
+
+def pinned(kernel, m: int, n: int, k: int) -> tuple[object, dict]:
+    """(the default launch, {label: a handle of ``kernel`` that always launches that candidate})."""
+    default, _ = kernel.launch_for(m, n, k)
+    handles = {}
+    for tile_n, cluster, ab in CANDIDATES:
+        rows = next((r for r in A_ROWS if r >= m and r % (8 * cluster[1]) == 0), None)
+        config = default.replace(tile_n=tile_n, cluster=cluster, a_rows=rows, ab_stages=ab, epi_stages=None)
+        handle = kernel._copy(_launch_memo={})
+        handle.launch_for = lambda *_, config=config, **__: (config, 1)
+        handles[f"{tile_n} {cluster[0]}x{cluster[1]} a{rows} ab{ab or 'fit'}"] = handle
+    return default, handles
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("shapes", nargs="*", default=["1x4608x3584", "1x4096x14336", "16x4608x3584"])
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--samples", type=int, default=9)
+    args = p.parse_args()
+    example = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+               "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    kernel = evtc.compile(identity, example)
+    if args.compile_only:
+        for shape in args.shapes:
+            m, n, k = (int(x) for x in shape.split("x"))
+            for label, handle in pinned(kernel, m, n, k)[1].items():
+                try:
+                    stages = kernel._variant(handle.launch_for(m, n, k)[0]).stages
+                except ConfigError as exc:
+                    print(f"{shape} {label}: skipped ({exc})")
+                else:
+                    print(f"{shape} {label}: {stages}")
+        return
+    import shapes as shape_suite  # bench/shapes.py: its CUDA-graph capture
+
+    shape_suite.load_torch()
+    for shape in args.shapes:
+        time_shape(kernel, shape, args.samples, shape_suite.capture)
+
+
+def time_shape(kernel, shape: str, samples: int, capture) -> None:
+    """Time cuBLAS, the default launch and every candidate on one M x N x K problem; print ratios."""
+    m, n, k = (int(x) for x in shape.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    copies = min(64, max(2, math.ceil((256 << 20) / (n * k * 2))))
+    weights = [(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+               for _ in range(copies)]
+    ref = x.double() @ weights[0].double().t()
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    default, handles = pinned(kernel, m, n, k)
+    calls = {"cublas": lambda w: torch.matmul(x, w.t()), "default": lambda w: kernel(x, w.t(), out=out)}
+    for label, handle in handles.items():
+        try:
+            got = handle(x, weights[0].t(), out=out)
+        except (ConfigError, evtc.CallError) as exc:
+            print(f"{shape} {label}: skipped ({str(exc)[:80]})")
+            continue
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-2, (shape, label, err)
+        calls[label] = lambda w, handle=handle: handle(x, w.t(), out=out)
+    reps = max(1, min(500, math.ceil(1e3 / max(2.0, m * n * k * 2 / 600e12 * 1e6))))
+    graphs = {label: capture(fn, weights, reps).replay for label, fn in calls.items()}
+    labels = list(graphs)
+    times = time_paired([graphs[label] for label in labels], 2, samples, 1)
+    us = {label: t / reps * 1e3 for label, t in zip(labels, times, strict=True)}
+    base = us["cublas"]
+    print(f"{shape}: cuBLAS {base:.1f} us; default [{default.short_name()}] {base / us['default']:.3f}; "
+          + "; ".join(f"{label} {base / us[label]:.3f}" for label in labels[2:]), flush=True)
+
+if __name__ == "__main__":
+    main()

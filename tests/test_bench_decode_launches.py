@@ -1,0 +1,38 @@
+"""bench/decode_launches.py without a GPU: each candidate handle launches exactly its configuration
+(A's rows trimmed as a CTA of its cluster can), and the default kernel's own launch is untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bench_modules import bench_module
+
+import evtc
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with bench_module("decode_launches") as module:
+        yield module
+
+
+def _identity(acc):
+    return acc
+
+
+def test_each_handle_launches_its_candidate(bench, tmp_path):
+    meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+            "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    kernel = evtc.compile(_identity, meta, arch="sm_90a", cache_dir=tmp_path)
+    before = kernel.launch_for(1, 4608, 3584)
+    default, handles = bench.pinned(kernel, 1, 4608, 3584)
+    assert default == before[0]
+    assert len(handles) == len(bench.CANDIDATES)
+    for (tile_n, cluster, ab), handle in zip(bench.CANDIDATES, handles.values(), strict=True):
+        config, splits = handle.launch_for(1, 4608, 3584)
+        assert (config.tile_n, config.cluster, config.ab_stages, splits) == (tile_n, cluster, ab, 1)
+        assert config.a_rows == 8 * cluster[1]  # the fewest rows a CTA of the cluster can load
+    # At 33 rows no trimmed load holds M: whole tiles.
+    _, taller = bench.pinned(kernel, 33, 4608, 3584)
+    assert all(h.launch_for(33, 4608, 3584)[0].a_rows is None for h in taller.values())
+    assert kernel.launch_for(1, 4608, 3584) == before
