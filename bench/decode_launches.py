@@ -6,6 +6,7 @@
 whose launch choice returns that configuration: the same compiled family, one launch each.
 
     python3 bench/decode_launches.py 1x4608x3584 16x4096x14336
+    python3 bench/decode_launches.py 64x3584x3584 --candidates 64:1x4,32:1x4,32:1x1:10
     python3 bench/decode_launches.py --compile-only            # build the candidates (no GPU)
 
 Each shape's candidates and cuBLAS run in one ``time_paired`` call (CUDA graphs cycling 256 MB of
@@ -41,16 +42,38 @@ def identity(acc):
     return acc
 
 
-def pinned(kernel, m: int, n: int, k: int) -> tuple[object, dict]:
-    """(the default launch, {label: a handle of ``kernel`` that always launches that candidate})."""
+def parse_candidates(text: str) -> list[tuple]:
+    """``[tile_m x]tile_n:cluster[:ab_stages]`` items, comma-separated (``64:1x4,64x32:1x1:10``);
+    a tile without tile_m keeps the default launch's."""
+    out = []
+    for item in filter(None, text.split(",")):
+        tile, cluster, *ab = item.split(":")
+        cm, cn = (int(c) for c in cluster.split("x"))
+        tile_m, _, tile_n = tile.rpartition("x")
+        out.append((int(tile_n), (cm, cn), int(ab[0]) if ab else None, int(tile_m) if tile_m else None))
+    return out
+
+
+def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dict]:
+    """(the default launch, {label: a handle of ``kernel`` that always launches that candidate of
+    ``candidates``, :data:`CANDIDATES` by default})."""
     default, _ = kernel.launch_for(m, n, k)
     handles = {}
-    for tile_n, cluster, ab in CANDIDATES:
-        rows = next((r for r in A_ROWS if r >= m and r % (8 * cluster[1]) == 0), None)
-        config = default.replace(tile_n=tile_n, cluster=cluster, a_rows=rows, ab_stages=ab, epi_stages=None)
+    for tile_n, cluster, ab, *tile_m in candidates or CANDIDATES:
+        tile_m = (tile_m[0] if tile_m else None) or default.tile_m
+        rows = next((r for r in A_ROWS if r >= m and r % (8 * cluster[1]) == 0 and r < tile_m), None)
+        schedule = "pingpong" if tile_m == 64 else default.schedule
+        label = f"{tile_m}x{tile_n} {cluster[0]}x{cluster[1]} a{rows} ab{ab or 'fit'}"
+        epi_tile_n = default.epi_tile_n if tile_n % default.epi_tile_n == 0 else 16
+        try:
+            config = default.replace(tile_m=tile_m, tile_n=tile_n, cluster=cluster, a_rows=rows, ab_stages=ab,
+                                     epi_stages=None, schedule=schedule, epi_tile_n=epi_tile_n)
+        except ConfigError as exc:
+            print(f"{m}x{n}x{k} {label}: skipped ({exc})")
+            continue
         handle = kernel._copy(_launch_memo={})
         handle.launch_for = lambda *_, config=config, **__: (config, 1)
-        handles[f"{tile_n} {cluster[0]}x{cluster[1]} a{rows} ab{ab or 'fit'}"] = handle
+        handles[label] = handle
     return default, handles
 
 
@@ -58,15 +81,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("shapes", nargs="*", default=["1x4608x3584", "1x4096x14336", "16x4608x3584"])
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--candidates", default="", help="tile_n:cluster[:ab_stages] items, e.g. 32:1x4,64:1x1:10")
     p.add_argument("--samples", type=int, default=9)
     args = p.parse_args()
     example = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
                "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
     kernel = evtc.compile(identity, example)
+    candidates = parse_candidates(args.candidates) or CANDIDATES
     if args.compile_only:
         for shape in args.shapes:
             m, n, k = (int(x) for x in shape.split("x"))
-            for label, handle in pinned(kernel, m, n, k)[1].items():
+            for label, handle in pinned(kernel, m, n, k, candidates)[1].items():
                 try:
                     stages = kernel._variant(handle.launch_for(m, n, k)[0]).stages
                 except ConfigError as exc:
@@ -78,10 +103,10 @@ def main() -> None:
 
     shape_suite.load_torch()
     for shape in args.shapes:
-        time_shape(kernel, shape, args.samples, shape_suite.capture)
+        time_shape(kernel, shape, args.samples, shape_suite.capture, candidates)
 
 
-def time_shape(kernel, shape: str, samples: int, capture) -> None:
+def time_shape(kernel, shape: str, samples: int, capture, candidates) -> None:
     """Time cuBLAS, the default launch and every candidate on one M x N x K problem; print ratios."""
     m, n, k = (int(x) for x in shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -91,7 +116,7 @@ def time_shape(kernel, shape: str, samples: int, capture) -> None:
                for _ in range(copies)]
     ref = x.double() @ weights[0].double().t()
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    default, handles = pinned(kernel, m, n, k)
+    default, handles = pinned(kernel, m, n, k, candidates)
     calls = {"cublas": lambda w: torch.matmul(x, w.t()), "default": lambda w: kernel(x, w.t(), out=out)}
     for label, handle in handles.items():
         try:
