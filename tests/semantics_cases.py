@@ -102,6 +102,17 @@ def pairwise_functions(acc, C):
             torch.deg2rad(x), torch.rad2deg(y), torch.positive(x))
 
 
+def hyperbolic_tan_and_log10(acc, C):
+    # sinh and cosh switch formulas at |x| = 20 (x reaches about 100, past float32's overflow at
+    # 89.4, where torch's are infinite too); a small x keeps its digits; 16-bit values round once.
+    x = acc.float() * 4.0 + C.float() * 30.0
+    small = acc.float() * 1e-3
+    h = (acc * 2.0).half()
+    return (torch.sinh(x), torch.cosh(x), torch.sinh(small), torch.cosh(small), x.sinh().sign(),
+            torch.sinh(h).float(), torch.cosh(h * 3.0).float(), torch.tan(acc.float() * 0.5), C.float().tan(),
+            torch.log10(C.float().abs()), torch.log10(acc.float().abs() * 1000.0), torch.log10(h).float())
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -257,6 +268,7 @@ CASES = {
     "roundings": (roundings, {"C": "MN"}),
     "shrinks_and_steps": (shrinks_and_steps, {"C": "MN", "bias": "N", "s": "0"}),
     "pairwise_functions": (pairwise_functions, {"C": "MN"}),
+    "hyperbolic_tan_and_log10": (hyperbolic_tan_and_log10, {"C": "MN"}),
     "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),

@@ -153,7 +153,9 @@ def test_every_op_has_a_rule_or_none():
                                  lambda x: torch.logaddexp2(x * 0.5, x),
                                  lambda x: torch.xlogy(x, x.abs() + 1),
                                  lambda x: torch.fmax(x, -x * 0.5), lambda x: torch.fmin(x, x * x),
-                                 torch.deg2rad])
+                                 torch.deg2rad, torch.sinh, torch.cosh, lambda x: torch.sinh(x * 12.0),
+                                 lambda x: torch.cosh(x * 12.0), lambda x: torch.tan(x * 0.4),
+                                 lambda x: torch.log10(x.abs() + 1)])
 def test_activation_rules_with_operands(act):
     def epilogue(acc, C, bias, scale, s):
         return act(acc * scale + bias) * s + C
@@ -163,6 +165,34 @@ def test_activation_rules_with_operands(act):
               "C": torch.randn(16, 32, generator=g), "bias": torch.randn(32, generator=g),
               "scale": torch.rand(16, 1, generator=g) + 0.5, "s": torch.randn(1, generator=g)}
     assert check_gradients(epilogue, inputs) == 5
+
+
+def test_hyperbolic_gradients_are_torchs_in_float32():
+    """sinh and cosh switch formulas at |x| = 20, and each branch sees 0 where it is not taken: the
+    backward graph, run in float32 as the kernel runs it, gives torch's gradient, inf where
+    cosh(x) overflows (|x| = 100) rather than inf * 0 = NaN from the branch not taken, whose e^|x|
+    overflows from |x| = 88.7. (Within ln 2 of the overflow, |x| = 88.8-89.4, the product of the
+    two halves' gradients overflows where torch's gradient is still finite; docs/epilogues.md.)"""
+    def epilogue(acc, C, D):
+        return torch.sinh(acc * 0.0 + C), torch.cosh(acc * 0.0 + D)
+
+    C = torch.tensor([[100.0, -100.0, 88.0, -60.0, 30.0, -20.5, 19.5, 0.0, 1e-4, -3.0]]).repeat(2, 1)
+    a, b = torch.randn(2, 3), torch.randn(3, C.shape[1])
+    graph = evtc.trace(epilogue, {"a": a, "b": b, "C": C, "D": C})
+    back = backward(graph)
+    upstream = torch.rand(2, *C.shape) + 0.5
+    feeds = {graph.acc_name: a @ b, "C": C, "D": C}
+    for (_, grad_name), up in zip(back.output_grads.items(), upstream, strict=True):
+        feeds[grad_name] = up
+    got = evaluate(back.graph, feeds, compute_dtype=torch.float32, cast_outputs=False)
+    x, y = C.clone().requires_grad_(), C.clone().requires_grad_()
+    want = torch.autograd.grad(epilogue(torch.zeros_like(C), x, y), (x, y), list(upstream))
+    for name, expected in zip("CD", want, strict=True):
+        value = got[name]
+        assert not value.isnan().any(), name
+        assert torch.equal(value.isinf(), expected.isinf()) and torch.equal(value.sign(), expected.sign())
+        finite = expected.isfinite()
+        torch.testing.assert_close(value[finite], expected[finite], rtol=1e-5, atol=1e-6)
 
 
 def test_prelu_gives_its_weight_a_gradient():

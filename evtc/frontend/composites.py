@@ -237,6 +237,54 @@ def _scaled_by(name: str, factor: float) -> Any:
     return handler
 
 
+# --- functions of exp, log, sin and cos -----------------------------------------------------
+# From this |x| on, sinh and cosh are e^|x| / 2 to within a part in e^40 (e^-|x| is far below an
+# ulp of it), computed as a product of two halves so that they overflow only where torch's do.
+_HYPERBOLIC_LARGE = 20.0
+
+
+def _log10(t: Tracer, input: Any, **kwargs: Any) -> Any:
+    """torch.log10: log2(x) * log10(2), rounded once (a few ulp; torch's own log10 is one rounding)."""
+    _reject_out(kwargs, "log10")
+    return _rounded_once(t, (input,), lambda x: t.emit("mul", (t.emit("log2", (x,)), math.log10(2.0))))
+
+
+def _tan(t: Tracer, input: Any, **kwargs: Any) -> Any:
+    """torch.tan: sin(x) / cos(x), rounded once (a few ulp; no float32 x is a pole, and NaN for an
+    infinity, as torch gives)."""
+    _reject_out(kwargs, "tan")
+    return _rounded_once(t, (input,), lambda x: t.emit("div", (t.emit("sin", (x,)), t.emit("cos", (x,)))))
+
+
+def _hyperbolic(name: str) -> Any:
+    """torch.sinh and cosh, rounded once. Up to |x| = 20: (expm1(x) - expm1(-x)) / 2 for sinh, which
+    keeps a small x's digits, and (e^x + e^-x) / 2 for cosh. Beyond: e^(|x|/2) / 2 * e^(|x|/2) (with
+    x's sign for sinh), finite up to where torch's value overflows, where e^|x| alone would overflow
+    from |x| = 88.7. Each branch sees 0 where it is not taken, so neither puts an infinity (or a NaN
+    times 0) into the other's gradient."""
+    def handler(t: Tracer, input: Any, **kwargs: Any) -> Any:
+        _reject_out(kwargs, name)
+
+        def formula(x):
+            magnitude = t.emit("abs", (x,))
+            large = t.emit("gt", (magnitude, _HYPERBOLIC_LARGE))
+            near = t.emit("where", (large, 0.0, x))
+            if name == "sinh":
+                ends = t.emit("sub", (t.emit("expm1", (near,)), t.emit("expm1", (t.emit("neg", (near,)),))))
+            else:
+                ends = t.emit("add", (t.emit("exp", (near,)), t.emit("exp", (t.emit("neg", (near,)),))))
+            small = t.emit("mul", (ends, 0.5))
+            half = t.emit("exp", (t.emit("mul", (t.emit("where", (large, magnitude, 0.0)), 0.5)),))
+            far = t.emit("mul", (t.emit("mul", (half, 0.5)), half))
+            if name == "sinh":
+                far = t.emit("where", (t.emit("lt", (x, 0.0)), t.emit("neg", (far,)), far))
+            return t.emit("where", (large, far, small))
+
+        return _rounded_once(t, (input,), formula)
+
+    return handler
+
+
 # --- to integer values ----------------------------------------------------------------------
 def _round(t: Tracer, input: Any, *, decimals: Any = 0, **kwargs: Any) -> Any:
     """torch.round: to the nearest integer, a tie to the even one; with ``decimals`` d, as torch:
@@ -464,6 +512,10 @@ register([torch.fmin], ["fmin"], _nan_ignoring("minimum"), inplace=False)
 register([torch.deg2rad], ["deg2rad"], _scaled_by("deg2rad", math.pi / 180))
 register([torch.rad2deg], ["rad2deg"], _scaled_by("rad2deg", 180 / math.pi))
 register([torch.positive], ["positive"], _itself, inplace=False)
+register([torch.log10], ["log10"], _log10)
+register([torch.tan], ["tan"], _tan)
+register([torch.sinh], ["sinh"], _hyperbolic("sinh"))
+register([torch.cosh], ["cosh"], _hyperbolic("cosh"))
 register([torch.round], ["round"], _round)
 register([torch.frac], ["frac"], _frac)
 register([torch.sign, torch.sgn], ["sign", "sgn"], _sign)
