@@ -506,10 +506,12 @@ def test_only_trimmed_16_bit_decode_tiles_drop_their_cluster():
     pp64 = BASE.replace(tile_m=64, tile_n=64, cluster=(1, 4))
     slots = {1: 132, 2: 132, 4: 116}
 
-    def cluster(config, m):
-        return with_cluster_for(config, m, 4608, 1, lambda c: slots[c[0] * c[1]]).cluster
+    def cluster(config, m, trims_a=True):
+        return with_cluster_for(config, m, 4608, 1, lambda c: slots[c[0] * c[1]], trims_a=trims_a).cluster
 
     assert cluster(pp64, 1) == cluster(pp64, 32) == (1, 1)
+    # A kernel of one tile shape loads whole tiles of A: A's multicast still pays.
+    assert cluster(pp64, 1, trims_a=False) == (1, 4)
     assert cluster(pp64, 33) == cluster(pp64.replace(a_major="m"), 1) == (1, 4)
     assert cluster(pp64.replace(ab_dtype="float8_e4m3fn"), 1) == (1, 4)
     trimmed = TRIMMED_A_CLUSTER_COST[("pingpong", 64, 64)]
@@ -517,6 +519,20 @@ def test_only_trimmed_16_bit_decode_tiles_drop_their_cluster():
     assert min(trimmed, key=trimmed.get) == (1, 1)
     # Tiles without a measured trimmed table keep their own.
     assert cluster_costs("pingpong", 64, 128, 1, trimmed_a=True) == cluster_costs("pingpong", 64, 128, 1)
+
+
+def test_a_kernel_of_one_tile_keeps_a_multicast_at_decode_sizes(tmp_path):
+    """A kernel compiled with its tile pinned chooses its cluster per call but loads whole tiles of
+    A (it does not trim them): at M = 1 it keeps sharing A's 64-row loads (1x4), where a kernel that
+    chooses its tile runs 1x1 with 8 rows of A."""
+    ex = {"a": _meta(8, 64), "b": _meta(64, 64).t()}
+    pinned = evtc.compile(_identity, ex, arch="sm_90a", cache_dir=tmp_path,
+                          config={"tile_m": 64, "tile_n": 64, "schedule": "pingpong"})
+    config, _ = pinned.launch_for(1, 4608, 3584)
+    assert (config.cluster, config.a_rows) == ((1, 4), None) and pinned.cluster_for(1, 4608) == (1, 4)
+    chooser = evtc.compile(_identity, ex, arch="sm_90a", cache_dir=tmp_path)
+    config, _ = chooser.launch_for(1, 4608, 3584)
+    assert (config.tile_m, config.tile_n, config.cluster, config.a_rows) == (64, 64, (1, 1), 8)
 
 
 def test_four_cta_clusters_are_planned_with_some_held_back():

@@ -137,8 +137,8 @@ def cluster_costs(schedule: str, tile_m: int, tile_n: int, tiles_m: int | None =
     problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`);
     ``promotes_in_pairs``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`;
     the selector passes False for block-scaled kernels, which measured faster in 2x1);
-    ``trimmed_a``: a 16-bit problem few enough rows for any cluster shape to load only A's first
-    rows (:data:`TRIMMED_A_CLUSTER_COST`)."""
+    ``trimmed_a``: a launch of 16-bit A and B that loads only the problem's rows of A, at most 32
+    (:data:`TRIMMED_A_CLUSTER_COST`)."""
     key = (schedule, tile_m, tile_n)
     if trimmed_a and key in TRIMMED_A_CLUSTER_COST:
         return TRIMMED_A_CLUSTER_COST[key]

@@ -463,12 +463,14 @@ def _without_a_thin_last_round(chosen: GemmConfig, ordered: Sequence[GemmConfig]
 
 
 def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
-                     slots_of: Callable[[tuple[int, int]], int]) -> GemmConfig:
+                     slots_of: Callable[[tuple[int, int]], int], *, trims_a: bool = False) -> GemmConfig:
     """``config`` with the cluster shape that needs the fewest waves of its tiles for an (L, M, N)
-    problem (:func:`evtc.plan.clusters.cluster_for_problem`, with the tile's cluster costs)."""
+    problem (:func:`evtc.plan.clusters.cluster_for_problem`, with the tile's cluster costs).
+    ``trims_a``: the launch then loads only the problem's rows of A (:func:`with_a_rows_for`, which
+    kernels that choose their tile apply), whose cluster costs differ."""
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
-    # A 1x1 cluster (8 rows per CTA) can trim A's loads to the problem's rows (with_a_rows_for).
-    trimmed_a = (config.a_major == "k" and m <= max(A_ROWS) and m < config.tile_m
+    # Any cluster shape, 1x1 too (8 rows per CTA), then loads at most 32 rows of A per stage.
+    trimmed_a = (trims_a and config.a_major == "k" and m <= max(A_ROWS) and m < config.tile_m
                  and config.ab_dtype in SIXTEEN_BIT and not config.gated)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
@@ -500,7 +502,7 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     config = (choose_tile(m, n, k, batches, family, slots_of((1, 1)), epilogue_tiles) if len(family) > 1
               else family[0])
     if choose_cluster:
-        config = with_cluster_for(config, m, n, batches, slots_of)
+        config = with_cluster_for(config, m, n, batches, slots_of, trims_a=len(family) > 1)
     if len(family) > 1:
         config = with_a_rows_for(config, m)
     if pinned_splits is not None:

@@ -75,7 +75,7 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
     k_tiles = ceil_div(k, default[0].tile_k)
     for config in family:
         if choose_cluster:
-            config = with_cluster_for(config, m, n, batches, slots_of)
+            config = with_cluster_for(config, m, n, batches, slots_of, trims_a=len(family) > 1)
         if len(family) > 1:  # as the rules launch it: only the rows of A a short problem has
             config = with_a_rows_for(config, m)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)

@@ -223,7 +223,7 @@ class Kernel:
             return self.config.cluster
         from evtc.plan.selector import with_cluster_for
 
-        return with_cluster_for(self.config, m, n, batches, self.slots).cluster
+        return with_cluster_for(self.config, m, n, batches, self.slots, trims_a=len(self._family) > 1).cluster
 
     def slots(self, cluster: tuple[int, int]) -> int:
         """CTAs of clusters of this shape that the selector plans to run at once on the current GPU
