@@ -113,6 +113,18 @@ def hyperbolic_tan_and_log10(acc, C):
             torch.log10(C.float().abs()), torch.log10(acc.float().abs() * 1000.0), torch.log10(h).float())
 
 
+def logit_and_sinc(acc, C):
+    # logit inside and outside (0, 1), with eps clamping to [eps, 1 - eps]; sinc at 0 and its
+    # integer zeros; a 16-bit sinc rounds once. (Not a 16-bit logit: CPU torch's rounds each step,
+    # where CUDA torch's and evtc's round once.)
+    p = torch.sigmoid(acc.float() * 0.5)
+    y = C.float() * 0.75
+    h = (acc * 0.25).half()
+    return (torch.logit(p), torch.logit(y), torch.logit(y, eps=0.1), p.logit(1e-6),
+            torch.sinc(y.round()), torch.sinc(acc.float() * 0.1), torch.special.sinc(h).float(),
+            torch.logit(h.float().sigmoid()))
+
+
 def bfloat16_mean_all(acc):
     return (acc * 512.0).bfloat16().mean().float()
 
@@ -269,6 +281,7 @@ CASES = {
     "shrinks_and_steps": (shrinks_and_steps, {"C": "MN", "bias": "N", "s": "0"}),
     "pairwise_functions": (pairwise_functions, {"C": "MN"}),
     "hyperbolic_tan_and_log10": (hyperbolic_tan_and_log10, {"C": "MN"}),
+    "logit_and_sinc": (logit_and_sinc, {"C": "MN"}),
     "clamp_between_a_0dim_tensor_and_a_tile": (clamp_between_a_0dim_tensor_and_a_tile, {"s": "0", "C": "MN"}),
     "sums_not_regrouped": (sums_not_regrouped, {}),
     "products_not_underflowing": (products_not_underflowing, {}),

@@ -128,6 +128,13 @@ def test_unsupported_python_forms_are_named():
     _refused(lambda acc: acc * (acc.shape[-1] % 2), "only known at run time")
 
 
+def test_logit_eps_must_be_a_number():
+    _refused(lambda acc, s: torch.logit(acc.sigmoid(), eps=s), "eps must be a number .* runtime value",
+             s=torch.tensor([0.1]))
+    _refused(lambda acc, s: torch.logit(acc.sigmoid(), eps=s), "eps must be a number .* runtime value", s=0.1)
+    _refused(lambda acc: torch.logit(acc.sigmoid(), eps="0.1"), "eps must be a number .*'0.1'")
+
+
 def test_tensor_default_is_refused():
     def fn(acc, bias=torch.ones(N)):  # noqa: B008 (the point of the test)
         return acc + bias

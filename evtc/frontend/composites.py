@@ -285,6 +285,39 @@ def _hyperbolic(name: str) -> Any:
     return handler
 
 
+def _logit(t: Tracer, input: Any, eps: Any = None, **kwargs: Any) -> Any:
+    """torch.logit: log(z / (1 - z)), z = x clamped to [eps, 1 - eps] where eps >= 0 is given (both
+    bounds in float32, as torch's kernel computes them), rounded once."""
+    _reject_out(kwargs, "logit")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float)):
+        got = "a runtime value or tensor" if isinstance(eps, TracedValue | torch.Tensor) else repr(eps)
+        raise UnsupportedOpError(f"logit's eps must be a number written in the epilogue or None (got {got})",
+                                 user_location())
+    bounds = None
+    if eps is not None and eps >= 0:
+        lo = torch.tensor(float(eps), dtype=torch.float32)
+        bounds = (float(lo), float(torch.tensor(1.0, dtype=torch.float32) - lo))
+
+    def formula(x):
+        z = x if bounds is None else t.emit("clamp_max", (t.emit("clamp_min", (x, bounds[0])), bounds[1]))
+        return t.emit("log", (t.emit("div", (z, t.emit("sub", (1.0, z)))),))
+
+    return _rounded_once(t, (input,), formula)
+
+
+def _sinc(t: Tracer, input: Any, **kwargs: Any) -> Any:
+    """torch.sinc: sin(pi x) / (pi x), 1 at 0, rounded once. The quotient sees 1 where x is 0, so
+    its 0 / 0 reaches neither the value nor the gradient (torch's is 0 there)."""
+    _reject_out(kwargs, "sinc")
+
+    def formula(x):
+        zero = t.emit("eq", (x, 0.0))
+        product = t.emit("mul", (t.emit("where", (zero, 1.0, x)), math.pi))
+        return t.emit("where", (zero, 1.0, t.emit("div", (t.emit("sin", (product,)), product))))
+
+    return _rounded_once(t, (input,), formula)
+
+
 # --- to integer values ----------------------------------------------------------------------
 def _round(t: Tracer, input: Any, *, decimals: Any = 0, **kwargs: Any) -> Any:
     """torch.round: to the nearest integer, a tie to the even one; with ``decimals`` d, as torch:
@@ -516,6 +549,8 @@ register([torch.log10], ["log10"], _log10)
 register([torch.tan], ["tan"], _tan)
 register([torch.sinh], ["sinh"], _hyperbolic("sinh"))
 register([torch.cosh], ["cosh"], _hyperbolic("cosh"))
+register([torch.logit, torch.special.logit], ["logit"], _logit)
+register([torch.sinc, torch.special.sinc], ["sinc"], _sinc)
 register([torch.round], ["round"], _round)
 register([torch.frac], ["frac"], _frac)
 register([torch.sign, torch.sgn], ["sign", "sgn"], _sign)
