@@ -248,9 +248,9 @@ RULES: dict[str, Rule] = {
     "hardsigmoid": _hardsigmoid,
     "where": lambda o, n, i, g: (None, o.where(i[0], g, o.zero()), o.where(i[0], o.zero(), g)),
 }
-#: Ops whose result is boolean (comparisons, logical ops): no gradient flows through them.
-#: Ops no gradient flows through: masks, detach, and the steps to an integer value (torch's gradient
-#: of floor, ceil, trunc and round is zero everywhere).
+#: Ops no gradient flows through: those whose result is a mask (comparisons, logical ops), detach,
+#: and the steps to an integer value (torch's gradient of floor, ceil, trunc and round is zero
+#: everywhere).
 NO_GRADIENT = frozenset(name for name, op in ELEMENTWISE.items() if op.boolean) | {
     "detach", "floor", "ceil", "trunc", "round"}
 
