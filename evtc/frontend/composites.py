@@ -354,12 +354,17 @@ def _sign(t: Tracer, input: Any, **kwargs: Any) -> Any:
 
 
 # --- activations ----------------------------------------------------------------------------
+def _refuse_a_tensor(name: str, what: str, number: Any) -> None:
+    """A parameter torch takes only as a number (a runtime scalar or a 0-dim tensor passes)."""
+    if isinstance(number, TracedValue) and number.dim() > 0:
+        raise UnsupportedOpError(f"{name}'s {what} must be a number (torch refuses a tensor)",
+                                 user_location())
+
+
 def _threshold(t: Tracer, input: Any, threshold: Any, value: Any, inplace: bool = False) -> Any:
     """F.threshold: value where x <= threshold, else x (NaN stays NaN), in x's dtype."""
-    for what, number in (("threshold", threshold), ("value", value)):
-        if isinstance(number, TracedValue) and number.dim() > 0:
-            raise UnsupportedOpError(f"threshold's {what} must be a number (torch refuses a tensor)",
-                                     user_location())
+    _refuse_a_tensor("threshold", "threshold", threshold)
+    _refuse_a_tensor("threshold", "value", value)
 
     def formula(x):
         return t.emit("where", (t.emit("le", (x, threshold)), value, x))
@@ -369,8 +374,7 @@ def _threshold(t: Tracer, input: Any, threshold: Any, value: Any, inplace: bool 
 
 def _shrink_band(t: Tracer, lambd: Any, name: str, refuse_negative: bool) -> Any:
     """The band's lower edge, -lambd, once lambd is checked as torch checks it."""
-    if isinstance(lambd, TracedValue) and lambd.dim() > 0:
-        raise UnsupportedOpError(f"{name}'s lambd must be a number (torch refuses a tensor)", user_location())
+    _refuse_a_tensor(name, "lambd", lambd)
     if refuse_negative and isinstance(lambd, int | float) and lambd < 0:
         raise UnsupportedOpError(f"{name} with lambd = {lambd}, which torch refuses (lambd >= 0)",
                                  user_location())

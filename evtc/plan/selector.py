@@ -492,6 +492,17 @@ def with_a_rows_for(config: GemmConfig, m: int) -> GemmConfig:
     return config if rows is None or rows == config.a_rows else config.replace(a_rows=rows)
 
 
+def with_launch_shape_for(config: GemmConfig, m: int, n: int, batches: int,
+                          slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
+                          chooses_tile: bool) -> GemmConfig:
+    """``config`` as a launch runs it on an (L, M, N) problem: its cluster shape (where
+    ``choose_cluster``) and, for a kernel that chooses its tile (``chooses_tile``), only the rows of
+    A the problem has, which also changes what a cluster shape costs."""
+    if choose_cluster:
+        config = with_cluster_for(config, m, n, batches, slots_of, trims_a=chooses_tile)
+    return with_a_rows_for(config, m) if chooses_tile else config
+
+
 def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
                   pinned_splits: int | None = None, epilogue_tiles: int = 0) -> tuple[GemmConfig, int]:
@@ -501,10 +512,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     ``epilogue_tiles``: tiles the epilogue moves besides D (:data:`HEAVY_EPILOGUE_TILES`)."""
     config = (choose_tile(m, n, k, batches, family, slots_of((1, 1)), epilogue_tiles) if len(family) > 1
               else family[0])
-    if choose_cluster:
-        config = with_cluster_for(config, m, n, batches, slots_of, trims_a=len(family) > 1)
-    if len(family) > 1:
-        config = with_a_rows_for(config, m)
+    config = with_launch_shape_for(config, m, n, batches, slots_of, choose_cluster=choose_cluster,
+                                   chooses_tile=len(family) > 1)
     if pinned_splits is not None:
         splits = splits_within_k(pinned_splits, k, config.tile_k)
     elif config.block_scales and len(family) > 1:
@@ -532,5 +541,5 @@ __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCA
            "SIXTEEN_BIT", "WIDE_PINGPONG_WIDTHS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
            "family_digest", "is_one_wave_twin", "light_epilogue", "one_wave_twins", "tile_family",
-           "with_a_rows_for",
+           "with_a_rows_for", "with_launch_shape_for",
            "with_cluster_for"]

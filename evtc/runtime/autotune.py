@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from evtc.plan.clusters import ceil_div
 from evtc.plan.config import GemmConfig
-from evtc.plan.selector import is_one_wave_twin, with_a_rows_for, with_cluster_for
+from evtc.plan.selector import is_one_wave_twin, with_launch_shape_for
 from evtc.plan.split_k import MAX_SPLITS, cta_tile_grid, splits_within_k, tail_split_limit
 from evtc.runtime.invoke import invoke
 
@@ -74,10 +74,9 @@ def candidates(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig
     out = [default]
     k_tiles = ceil_div(k, default[0].tile_k)
     for config in family:
-        if choose_cluster:
-            config = with_cluster_for(config, m, n, batches, slots_of, trims_a=len(family) > 1)
-        if len(family) > 1:  # as the rules launch it: only the rows of A a short problem has
-            config = with_a_rows_for(config, m)
+        # As the rules launch it: its cluster, and only the rows of A a short problem has.
+        config = with_launch_shape_for(config, m, n, batches, slots_of, choose_cluster=choose_cluster,
+                                       chooses_tile=len(family) > 1)
         tiles = cta_tile_grid(m, n, batches, config, config.cluster)
         slots = slots_of(config.cluster)
         # A one-wave twin (evtc.plan.selector.one_wave_twins) runs as the rules run it: one wave of
