@@ -116,13 +116,15 @@ def hyperbolic_tan_and_log10(acc, C):
 def logit_and_sinc(acc, C):
     # logit inside and outside (0, 1), with eps clamping to [eps, 1 - eps]; sinc at 0 and its
     # integer zeros; a 16-bit sinc rounds once. (Not a 16-bit logit: CPU torch's rounds each step,
-    # where CUDA torch's and evtc's round once.)
-    p = torch.sigmoid(acc.float() * 0.5)
+    # where CUDA torch's and evtc's round once.) logit's inputs are exact (the integer accumulator
+    # scaled by powers of two): near 1 logit turns one ulp of its input into a relative error of
+    # about 1e-4, so an input computed by the kernel's own sigmoid would compare that, not logit.
+    p = acc.float() * 0.0078125 + 0.5
     y = C.float() * 0.75
     h = (acc * 0.25).half()
     return (torch.logit(p), torch.logit(y), torch.logit(y, eps=0.1), p.logit(1e-6),
             torch.sinc(y.round()), torch.sinc(acc.float() * 0.1), torch.special.sinc(h).float(),
-            torch.logit(h.float().sigmoid()))
+            torch.logit(h.float() * 0.03125 + 0.5))
 
 
 def bfloat16_mean_all(acc):
