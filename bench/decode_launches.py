@@ -7,6 +7,7 @@ whose launch choice returns that configuration: the same compiled family, one la
 
     python3 bench/decode_launches.py 1x4608x3584 16x4096x14336
     python3 bench/decode_launches.py 64x3584x3584 --candidates 64:1x4,32:1x4,32:1x1:10
+    python3 bench/decode_launches.py 1x4096x14336 --candidates 64:1x1,64:1x1::2   # 2 splits of K
     python3 bench/decode_launches.py --compile-only            # build the candidates (no GPU)
 
 Each shape's candidates and cuBLAS run in one ``time_paired`` call (CUDA graphs cycling 256 MB of
@@ -29,9 +30,10 @@ import torch  # noqa: E402
 
 import evtc  # noqa: E402
 from evtc.plan.config import A_ROWS, ConfigError  # noqa: E402
+from evtc.runtime.invoke import built_config  # noqa: E402
 from evtc.timing import time_paired  # noqa: E402
 
-# (tile_n, cluster, ab_stages or None for as many as fit)
+# (tile_n, cluster, ab_stages or None for as many as fit); one split of K unless a candidate says
 CANDIDATES = [
     (64, (1, 4), None), (64, (1, 4), 10), (64, (1, 2), None), (64, (1, 1), None), (64, (1, 1), 10),
     (64, (2, 1), None), (128, (1, 1), None), (128, (1, 4), None),
@@ -43,14 +45,17 @@ def identity(acc):
 
 
 def parse_candidates(text: str) -> list[tuple]:
-    """``[tile_m x]tile_n:cluster[:ab_stages]`` items, comma-separated (``64:1x4,64x32:1x1:10``);
-    a tile without tile_m keeps the default launch's."""
+    """``[tile_m x]tile_n:cluster[:ab_stages[:splits]]`` items, comma-separated
+    (``64:1x4,64x32:1x1:10,64:1x1::2``); a tile without tile_m keeps the default launch's, an empty
+    ab_stages fits as many as shared memory holds, splits (of K) default to one."""
     out = []
     for item in filter(None, text.split(",")):
-        tile, cluster, *ab = item.split(":")
+        tile, cluster, *rest = item.split(":")
+        ab, splits = (rest + ["", ""])[:2]
         cm, cn = (int(c) for c in cluster.split("x"))
         tile_m, _, tile_n = tile.rpartition("x")
-        out.append((int(tile_n), (cm, cn), int(ab[0]) if ab else None, int(tile_m) if tile_m else None))
+        out.append((int(tile_n), (cm, cn), int(ab) if ab else None, int(tile_m) if tile_m else None,
+                    int(splits) if splits else 1))
     return out
 
 
@@ -59,11 +64,13 @@ def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dic
     ``candidates``, :data:`CANDIDATES` by default})."""
     default, _ = kernel.launch_for(m, n, k)
     handles = {}
-    for tile_n, cluster, ab, *tile_m in candidates or CANDIDATES:
-        tile_m = (tile_m[0] if tile_m else None) or default.tile_m
+    for tile_n, cluster, ab, *rest in candidates or CANDIDATES:
+        tile_m, splits = (rest + [None, 1])[:2]
+        tile_m = tile_m or default.tile_m
         rows = next((r for r in A_ROWS if r >= m and r % (8 * cluster[1]) == 0 and r < tile_m), None)
         schedule = "pingpong" if tile_m == 64 else default.schedule
         label = f"{tile_m}x{tile_n} {cluster[0]}x{cluster[1]} a{rows} ab{ab or 'fit'}"
+        label += f" s{splits}" if splits > 1 else ""
         epi_tile_n = default.epi_tile_n if tile_n % default.epi_tile_n == 0 else 16
         try:
             config = default.replace(tile_m=tile_m, tile_n=tile_n, cluster=cluster, a_rows=rows, ab_stages=ab,
@@ -72,7 +79,7 @@ def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dic
             print(f"{m}x{n}x{k} {label}: skipped ({exc})")
             continue
         handle = kernel._copy(_launch_memo={})
-        handle.launch_for = lambda *_, config=config, **__: (config, 1)
+        handle.launch_for = lambda *_, config=config, splits=splits, **__: (config, splits)
         handles[label] = handle
     return default, handles
 
@@ -81,7 +88,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("shapes", nargs="*", default=["1x4608x3584", "1x4096x14336", "16x4608x3584"])
     p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--candidates", default="", help="tile_n:cluster[:ab_stages] items, e.g. 32:1x4,64:1x1:10")
+    p.add_argument("--candidates", default="",
+                   help="[tile_m x]tile_n:cluster[:ab_stages[:splits]] items, e.g. 32:1x4,64:1x1::2")
     p.add_argument("--samples", type=int, default=9)
     args = p.parse_args()
     example = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
@@ -93,7 +101,8 @@ def main() -> None:
             m, n, k = (int(x) for x in shape.split("x"))
             for label, handle in pinned(kernel, m, n, k, candidates)[1].items():
                 try:
-                    stages = kernel._variant(handle.launch_for(m, n, k)[0]).stages
+                    config, splits = handle.launch_for(m, n, k)
+                    stages = kernel._variant(built_config(config, splits)).stages
                 except ConfigError as exc:
                     print(f"{shape} {label}: skipped ({exc})")
                 else:
@@ -117,6 +126,7 @@ def time_shape(kernel, shape: str, samples: int, capture, candidates) -> None:
     ref = x.double() @ weights[0].double().t()
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     default, handles = pinned(kernel, m, n, k, candidates)
+    default_splits = kernel.launch_for(m, n, k)[1]
     calls = {"cublas": lambda w: torch.matmul(x, w.t()), "default": lambda w: kernel(x, w.t(), out=out)}
     for label, handle in handles.items():
         try:
@@ -133,7 +143,8 @@ def time_shape(kernel, shape: str, samples: int, capture, candidates) -> None:
     times = time_paired([graphs[label] for label in labels], 2, samples, 1)
     us = {label: t / reps * 1e3 for label, t in zip(labels, times, strict=True)}
     base = us["cublas"]
-    print(f"{shape}: cuBLAS {base:.1f} us; default [{default.short_name()}] {base / us['default']:.3f}; "
+    print(f"{shape}: cuBLAS {base:.1f} us; default [{default.short_name()} s{default_splits}] "
+          f"{base / us['default']:.3f}; "
           + "; ".join(f"{label} {base / us[label]:.3f}" for label in labels[2:]), flush=True)
 
 if __name__ == "__main__":

@@ -439,8 +439,9 @@ def launch_info(kernel, m: int, n: int, k: int) -> str | None:
         twin = f" d{config.epi_stages}" if config.epi_stages is not None else ""
         if twin and config.load_stages is not None and config.load_stages < config.num_subtiles:
             twin += f" l{config.load_stages}"
+        rows = f" a{config.a_rows}" if config.a_rows is not None else ""  # A's loads trimmed
         parts.append(f"{config.tile_m}x{config.tile_n}{schedule} c{config.cluster[0]}x{config.cluster[1]}"
-                     f" s{splits}{twin}")
+                     f"{rows} s{splits}{twin}")
         return " ".join(str(p) for p in parts)
     except Exception:  # informational only
         return None

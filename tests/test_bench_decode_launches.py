@@ -36,3 +36,17 @@ def test_each_handle_launches_its_candidate(bench, tmp_path):
     _, taller = bench.pinned(kernel, 33, 4608, 3584)
     assert all(h.launch_for(33, 4608, 3584)[0].a_rows is None for h in taller.values())
     assert kernel.launch_for(1, 4608, 3584) == before
+
+
+def test_candidates_parse_tiles_stages_and_splits(bench, tmp_path):
+    parsed = bench.parse_candidates("64:1x4,64x32:1x1:10,64:1x1::2,128x48:1x1:8:3")
+    assert parsed == [(64, (1, 4), None, None, 1), (32, (1, 1), 10, 64, 1), (64, (1, 1), None, None, 2),
+                      (48, (1, 1), 8, 128, 3)]
+    meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+            "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    kernel = evtc.compile(_identity, meta, arch="sm_90a", cache_dir=tmp_path)
+    _, handles = bench.pinned(kernel, 1, 4096, 14336, parsed[2:3])
+    (label, handle), = handles.items()
+    config, splits = handle.launch_for(1, 4096, 14336)
+    assert (config.tile_n, config.cluster, config.a_rows, splits) == (64, (1, 1), 8, 2)
+    assert label.endswith(" s2")
