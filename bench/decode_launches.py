@@ -44,6 +44,14 @@ def identity(acc):
     return acc
 
 
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+EPILOGUES = {"identity": identity, "swiglu": swiglu}  # swiglu: a gated kernel, b holds both halves
+
+
 def parse_candidates(text: str) -> list[tuple]:
     """``[tile_m x]tile_n:cluster[:ab_stages[:splits]]`` items, comma-separated
     (``64:1x4,64x32:1x1:10,64:1x1::2``); a tile without tile_m keeps the default launch's, an empty
@@ -74,7 +82,9 @@ def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dic
         epi_tile_n = default.epi_tile_n if tile_n % default.epi_tile_n == 0 else 16
         try:
             config = default.replace(tile_m=tile_m, tile_n=tile_n, cluster=cluster, a_rows=rows, ab_stages=ab,
-                                     epi_stages=None, schedule=schedule, epi_tile_n=epi_tile_n)
+                                     # pinned stages: D gets the two buffers it needs, no more
+                                     epi_stages=None if ab is None else 2, schedule=schedule,
+                                     epi_tile_n=epi_tile_n)
         except ConfigError as exc:
             print(f"{m}x{n}x{k} {label}: skipped ({exc})")
             continue
@@ -91,10 +101,12 @@ def main() -> None:
     p.add_argument("--candidates", default="",
                    help="[tile_m x]tile_n:cluster[:ab_stages[:splits]] items, e.g. 32:1x4,64:1x1::2")
     p.add_argument("--samples", type=int, default=9)
+    p.add_argument("--epilogue", choices=sorted(EPILOGUES), default="identity",
+                   help="swiglu: a gated kernel; a shape's N is the output's (the weight has 2N rows)")
     args = p.parse_args()
     example = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
-               "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
-    kernel = evtc.compile(identity, example)
+               "b": torch.empty(128, 64, dtype=torch.bfloat16, device="meta").t()}
+    kernel = evtc.compile(EPILOGUES[args.epilogue], example)
     candidates = parse_candidates(args.candidates) or CANDIDATES
     if args.compile_only:
         for shape in args.shapes:
@@ -118,16 +130,22 @@ def main() -> None:
 def time_shape(kernel, shape: str, samples: int, capture, candidates) -> None:
     """Time cuBLAS, the default launch and every candidate on one M x N x K problem; print ratios."""
     m, n, k = (int(x) for x in shape.split("x"))
+    gated = kernel.plan.gated
+    rows = 2 * n if gated else n  # the weight's rows: a gated weight holds both halves
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    copies = min(64, max(2, math.ceil((256 << 20) / (n * k * 2))))
-    weights = [(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    copies = min(64, max(2, math.ceil((256 << 20) / (rows * k * 2))))
+    weights = [(torch.randn(rows, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
                for _ in range(copies)]
     ref = x.double() @ weights[0].double().t()
+    if gated:
+        ref = swiglu(ref)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     default, handles = pinned(kernel, m, n, k, candidates)
     default_splits = kernel.launch_for(m, n, k)[1]
     calls = {"cublas": lambda w: torch.matmul(x, w.t()), "default": lambda w: kernel(x, w.t(), out=out)}
+    if gated:  # cuBLAS, then the activation as separate kernels
+        calls["eager"] = lambda w: swiglu(torch.matmul(x, w.t()))
     for label, handle in handles.items():
         try:
             got = handle(x, weights[0].t(), out=out)

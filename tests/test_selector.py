@@ -13,6 +13,7 @@ import evtc
 from evtc.plan.clusters import (
     FOUR_CTA_CLUSTERS_HELD_BACK,
     TRIMMED_A_CLUSTER_COST,
+    TRIMMED_A_GATED_TILES,
     cluster_costs,
     planned_clusters,
 )
@@ -21,6 +22,7 @@ from evtc.plan.selector import (
     BIG_WEIGHT_ELEMENTS,
     BIG_WEIGHT_K,
     BIG_WEIGHT_MIN_M,
+    DECODE_MAX_TILE_N,
     FILL,
     HEAVY_EPILOGUE_TILES,
     LONG_K,
@@ -518,7 +520,45 @@ def test_only_trimmed_16_bit_decode_tiles_drop_their_cluster():
     assert cluster_costs("pingpong", 64, 64, 1, trimmed_a=True) == trimmed
     assert min(trimmed, key=trimmed.get) == (1, 1)
     # Tiles without a measured trimmed table keep their own.
-    assert cluster_costs("pingpong", 64, 128, 1, trimmed_a=True) == cluster_costs("pingpong", 64, 128, 1)
+    assert cluster_costs("pingpong", 64, 256, 1, trimmed_a=True) == cluster_costs("pingpong", 64, 256, 1)
+    # Gated kernels: only the tiles measured gated take the trimmed costs.
+    whole = cluster_costs("pingpong", 64, 64, 1)
+    assert cluster_costs("pingpong", 64, 64, 1, trimmed_a=True, gated=True) == whole
+    trimmed_128 = TRIMMED_A_CLUSTER_COST[("pingpong", 64, 128)]
+    assert ("pingpong", 64, 128) in TRIMMED_A_GATED_TILES
+    assert cluster_costs("pingpong", 64, 128, 1, trimmed_a=True, gated=True) == trimmed_128
+    assert min(trimmed_128, key=trimmed_128.get) == (1, 2)
+    gated = BASE.replace(tile_m=64, tile_n=128, cluster=(1, 4), gated=True)
+    assert with_cluster_for(gated, 1, 14336, 1, lambda c: slots[c[0] * c[1]], trims_a=True).cluster == (1, 2)
+
+
+def _family_of(base: GemmConfig) -> tuple[GemmConfig, ...]:
+    def fit(knobs):
+        try:
+            return base.replace(**knobs, **({"epi_tile_n": 16} if knobs["tile_n"] % 64 else {}))
+        except ConfigError:
+            return None
+    return tile_family(base, fit)
+
+
+@pytest.mark.parametrize("m", [1, 16, 32, 64])
+def test_decode_streams_wide_weights_in_tiles_128_wide(m):
+    """At M <= 64 a 16-bit launch takes 64 x 128 tiles where they and 64 x 256 ones both fill the
+    GPU (DECODE_MAX_TILE_N, measured on the H200); 64 x 256 stays for a thin last round of 64 x 128
+    tiles, and float8 keeps the largest tile that fills."""
+    for n, k in [(28672, 4096), (37888, 3584), (128256, 4096), (57344, 8192)]:
+        config = choose_tile(m, n, k, 1, FAMILY, SLOTS)
+        assert (config.tile_m, config.tile_n) == (64, DECODE_MAX_TILE_N), (m, n, config.short_name())
+    # 148 tiles of 64 x 128 (a second round of 16): 74 of 64 x 256 fill one round instead.
+    assert choose_tile(m, 18944, 3584, 1, FAMILY, SLOTS).tile_n == 256
+    # Gated: B's columns count (both halves), 28672 of them for a 14336-wide output.
+    gated = _family_of(BASE.replace(gated=True))
+    assert choose_tile(m, 14336, 4096, 1, gated, SLOTS).tile_n == DECODE_MAX_TILE_N
+    fp8 = _family_of(BASE.replace(ab_dtype="float8_e4m3fn", fast_accum=True))
+    assert ("pingpong", 64, 256) in {_shape(c) for c in fp8}
+    assert choose_tile(m, 28672, 4096, 1, fp8, SLOTS).tile_n == 256
+    # Past 64 rows the rule does not apply.
+    assert choose_tile(65, 28672, 4096, 1, FAMILY, SLOTS).tile_m == 128
 
 
 def test_a_kernel_of_one_tile_keeps_a_multicast_at_decode_sizes(tmp_path):

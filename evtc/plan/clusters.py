@@ -79,7 +79,14 @@ TILE_CLUSTER_COST = {
 # 0.91-1.12, 1x4 0.67-1.09, 1x2 0.89-1.09, 2x1 0.65-1.11; no shape ran faster with a cluster.
 TRIMMED_A_CLUSTER_COST = {
     ("pingpong", 64, 64): {(1, 1): 1.0, (1, 2): 1.04, (1, 4): 1.05, (2, 1): 1.15},
+    # 64 x 128 (evtc.plan.selector.DECODE_MAX_TILE_N), same machine and bench, identity and SwiGLU
+    # on weights of 14336-57344 columns at M = 1-32: 1x2 and 1x1 within 2% of each other (1x2 ahead
+    # in geomean by about 0.5%), 1x4 3-6% slower on four of five.
+    ("pingpong", 64, 128): {(1, 2): 1.0, (1, 1): 1.005, (1, 4): 1.05, (2, 1): 1.15},
 }
+# The tiles of TRIMMED_A_CLUSTER_COST measured with gated kernels (SwiGLU) too; a gated launch of
+# another tile keeps the costs of whole A loads.
+TRIMMED_A_GATED_TILES = frozenset({("pingpong", 64, 128)})
 
 
 # Four-CTA clusters the selector leaves unplanned. Each needs four free SMs of one GPC at the same
@@ -132,15 +139,16 @@ PROMOTING_MANY_ROWS_CLUSTER_COST = {
 
 
 def cluster_costs(schedule: str, tile_m: int, tile_n: int, tiles_m: int | None = None,
-                  promotes_in_pairs: bool = False, trimmed_a: bool = False) -> dict[tuple[int, int], float]:
+                  promotes_in_pairs: bool = False, trimmed_a: bool = False,
+                  gated: bool = False) -> dict[tuple[int, int], float]:
     """Relative time per tile of each cluster shape for one tile shape (see CLUSTER_COST), for a
     problem with ``tiles_m`` rows of tiles where that is known (:data:`FEW_TILE_ROWS`);
     ``promotes_in_pairs``: a float8 mainloop promoting in pairs (:data:`PROMOTING_MANY_ROWS_CLUSTER_COST`;
     the selector passes False for block-scaled kernels, which measured faster in 2x1);
     ``trimmed_a``: a launch of 16-bit A and B that loads only the problem's rows of A, at most 32
-    (:data:`TRIMMED_A_CLUSTER_COST`)."""
+    (:data:`TRIMMED_A_CLUSTER_COST`; ``gated``: of a gated kernel, :data:`TRIMMED_A_GATED_TILES`)."""
     key = (schedule, tile_m, tile_n)
-    if trimmed_a and key in TRIMMED_A_CLUSTER_COST:
+    if trimmed_a and key in TRIMMED_A_CLUSTER_COST and (not gated or key in TRIMMED_A_GATED_TILES):
         return TRIMMED_A_CLUSTER_COST[key]
     many_rows = tiles_m is not None and tiles_m > FEW_TILE_ROWS
     if promotes_in_pairs and many_rows and key in PROMOTING_MANY_ROWS_CLUSTER_COST:

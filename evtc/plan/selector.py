@@ -93,6 +93,13 @@ HEAVY_EPILOGUE_TILES = 3
 WIDE_PINGPONG_WIDTHS = (176, 192)
 # a and b dtypes the rules for large 16-bit weights and the wide ping-pong tiles were measured with.
 SIXTEEN_BIT = ("float16", "bfloat16")
+# The widest 64-row tile (B's columns, both halves of a gated one) a 16-bit launch with M <= 64 takes
+# by the few-tiles rule. Measured on the H200 (docs/performance.md, "Decode tiles 128 wide"),
+# bench/decode_launches.py, cuBLAS / evtc: 64 x 128 beat 64 x 256 on every weight wide enough for
+# both to fill the GPU, identity and SwiGLU, M = 1-64 (1 x 28672 x 4096 0.972 against 0.947,
+# 1 x 37888 x 3584 1.046 against 0.957, 1 x 128256 x 4096 1.019 against 0.994; SwiGLU 1 x 14336 x
+# 4096 0.976 against 0.944, 64 x 14336 x 4096 1.062 against 1.024).
+DECODE_MAX_TILE_N = 128
 # A wider ping-pong tile must cost (rounds x (width + WAVE_FIT_ROUND_COST)) below this share of
 # 128 x 128's: the model overstates the gain at many rounds (4096 x 37888 x 3584: 4% modelled, 1%
 # measured), and a tie went to 128 (4096 x 4096 x 4096: 1.03-1.05x cuBLAS in 128 x 128 against
@@ -383,7 +390,11 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         return sorted(configs, key=lambda c: (-useful(c), c.tile_m == 64, c.tile_m * c.tile_n))
 
     ordered = order(shapes)
-    chosen = next((c for c in ordered if _tiles(m, n, batches, c) >= FILL * slots), ordered[-1])
+    # At M <= 64 a 16-bit launch streams its weight in tiles at most DECODE_MAX_TILE_N wide (the
+    # wider ones stay for a thin last round, below).
+    narrow = [c for c in ordered if not (m <= 64 and c.tile_m == 64 and c.tile_n > DECODE_MAX_TILE_N
+                                         and c.ab_dtype in SIXTEEN_BIT)] or ordered
+    chosen = next((c for c in narrow if _tiles(m, n, batches, c) >= FILL * slots), narrow[-1])
     # A thin last round may also give way to the cooperative 128 x 128 tile of a float8 family
     # compiled cooperative, whose ping-pong shapes stop at 128 x 64: at 256 x 4608 x 3584 its 144
     # ping-pong 128 x 64 tiles ran 0.66x torch's blockwise GEMM, 72 cooperative 128 x 128 ones 0.90x.
@@ -471,13 +482,13 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
     # Any cluster shape, 1x1 too (8 rows per CTA), then loads at most 32 rows of A per stage.
     trimmed_a = (trims_a and config.a_major == "k" and m <= max(A_ROWS) and m < config.tile_m
-                 and config.ab_dtype in SIXTEEN_BIT and not config.gated)
+                 and config.ab_dtype in SIXTEEN_BIT)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
                                                 # 128 x 128 blocks of A: 2x1 (PROMOTING_LONG_K_WAVES)
                                                 config.promotes_in_pairs
                                                 and (config.stages_a_scales or not config.block_scales),
-                                                trimmed_a=trimmed_a))
+                                                trimmed_a=trimmed_a, gated=config.gated))
     return config if cluster == config.cluster else config.replace(cluster=cluster)
 
 
@@ -534,7 +545,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     return config, splits
 
 
-__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCALED_WIDE_SPEED", "FAMILY",
+__all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCALED_WIDE_SPEED",
+           "DECODE_MAX_TILE_N", "FAMILY",
            "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
            "PROMOTING_LONG_K_WAVES",
            "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_MIN_K_WITH_TILES",
