@@ -71,10 +71,10 @@ TILE_CLUSTER_COST = {
 }
 
 
-# The same for 64 x 64 ping-pong tiles that load only A's first rows (GemmConfig.a_rows: problems
+# The same for 64-row ping-pong tiles that load only A's first rows (GemmConfig.a_rows: problems
 # of at most 32 rows, 16-bit A and B). Sharing A's few rows saves next to nothing, and a cluster
 # makes its CTAs wait for each other's consumers before any of them refills a stage. Measured on
-# the H200 (docs/performance.md, "Decode tiles without clusters"), 12 LLM layers at M = 1-32,
+# the H200 (docs/performance.md, "Decode tiles without clusters"), 64 x 64, 12 LLM layers at M = 1-32,
 # the launch pinned (bench/decode_launches.py), 13 A/B stages, cuBLAS time over ours: 1x1
 # 0.91-1.12, 1x4 0.67-1.09, 1x2 0.89-1.09, 2x1 0.65-1.11; no shape ran faster with a cluster.
 TRIMMED_A_CLUSTER_COST = {

@@ -20,7 +20,8 @@ docs/performance.md, "A launch per problem size"):
   idle: 256 x 8192 x 8192, 0.96x cuBLAS against 0.89x), or cooperative 128 x 192 where its tiles
   fit one wave that 128 x 128 tiles overflow (512 x 6144 x 4096: 0.95x against 0.75x).
 * **Few tiles** (decode, small MoE batches): the largest tile whose count still fills
-  :data:`FILL` of the SMs, else the smallest; 64-row tiles where M <= 64 (no MMA on padding rows).
+  :data:`FILL` of the SMs, else the smallest; 64-row tiles where M <= 64 (no MMA on padding rows),
+  with 16-bit a and b none wider than :data:`DECODE_MAX_TILE_N` (128) columns of B.
   A 128-row tile that leaves one tile per CTA runs cooperative (256 x 4096 x 4096 in 128 x 64
   tiles: 0.91x cuBLAS against 0.88x ping-pong in the same 2x1 clusters).
   On the H100, 64 x 64 tiles at M = 64, N = K = 4096 ran 1.3x faster than 128 x 128 ones with the
