@@ -8,12 +8,15 @@ whose launch choice returns that configuration: the same compiled family, one la
     python3 bench/decode_launches.py 1x4608x3584 16x4096x14336
     python3 bench/decode_launches.py 64x3584x3584 --candidates 64:1x4,32:1x4,32:1x1:10
     python3 bench/decode_launches.py 1x4096x14336 --candidates 64:1x1,64:1x1::2   # 2 splits of K
+    python3 bench/decode_launches.py 1x14336x4096 --epilogue swiglu --candidates 128:1x2,256:1x2
     python3 bench/decode_launches.py --compile-only            # build the candidates (no GPU)
 
 Each shape's candidates and cuBLAS run in one ``time_paired`` call (CUDA graphs cycling 256 MB of
 weight copies, shuffled order per sample, medians); ratio = cuBLAS time / candidate time. A
 candidate's ``a_rows`` is the fewest of 8, 16 and 32 that holds M with 8 rows per CTA sharing A
-(none past 32 rows: the whole tile); one that does not fit shared memory is skipped.
+(none past 32 rows: the whole tile); one that does not fit shared memory is skipped. With
+``--epilogue swiglu`` the kernel is gated (SwiGLU over both halves of a 2N x K weight; a shape's N
+is the output's), and the eager way (cuBLAS, then the activation) is timed too.
 """
 
 from __future__ import annotations
