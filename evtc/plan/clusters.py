@@ -81,7 +81,7 @@ TRIMMED_A_CLUSTER_COST = {
     ("pingpong", 64, 64): {(1, 1): 1.0, (1, 2): 1.04, (1, 4): 1.05, (2, 1): 1.15},
     # 64 x 128 (evtc.plan.selector.DECODE_MAX_TILE_N), same machine and bench, identity and SwiGLU
     # on weights of 14336-57344 columns at M = 1-32: 1x2 and 1x1 within 2% of each other (1x2 ahead
-    # in geomean by about 0.5%), 1x4 3-6% slower on four of five.
+    # in geomean by about 0.5%), 1x4 1-6% slower on six of eight shapes.
     ("pingpong", 64, 128): {(1, 2): 1.0, (1, 1): 1.005, (1, 4): 1.05, (2, 1): 1.15},
 }
 # The tiles of TRIMMED_A_CLUSTER_COST measured with gated kernels (SwiGLU) too; a gated launch of
