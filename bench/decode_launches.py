@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import evtc  # noqa: E402
-from evtc.plan.config import A_ROWS, ConfigError  # noqa: E402
+from evtc.plan.config import ConfigError  # noqa: E402
+from evtc.plan.selector import with_a_rows_for  # noqa: E402
 from evtc.runtime.invoke import built_config  # noqa: E402
 from evtc.timing import time_paired  # noqa: E402
 
@@ -78,19 +79,20 @@ def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dic
     for tile_n, cluster, ab, *rest in candidates or CANDIDATES:
         tile_m, splits = (rest + [None, 1])[:2]
         tile_m = tile_m or default.tile_m
-        rows = next((r for r in A_ROWS if r >= m and r % (8 * cluster[1]) == 0 and r < tile_m), None)
         schedule = "pingpong" if tile_m == 64 else default.schedule
-        label = f"{tile_m}x{tile_n} {cluster[0]}x{cluster[1]} a{rows} ab{ab or 'fit'}"
-        label += f" s{splits}" if splits > 1 else ""
+        name = f"{tile_m}x{tile_n} {cluster[0]}x{cluster[1]}"
+        tail = f" ab{ab or 'fit'}" + (f" s{splits}" if splits > 1 else "")
         epi_tile_n = default.epi_tile_n if tile_n % default.epi_tile_n == 0 else 16
         try:
-            config = default.replace(tile_m=tile_m, tile_n=tile_n, cluster=cluster, a_rows=rows, ab_stages=ab,
-                                     # pinned stages: D gets the two buffers it needs, no more
-                                     epi_stages=None if ab is None else 2, schedule=schedule,
-                                     epi_tile_n=epi_tile_n)
+            # A's rows trimmed as the selector trims them for this cluster.
+            config = with_a_rows_for(default.replace(
+                tile_m=tile_m, tile_n=tile_n, cluster=cluster, a_rows=None, ab_stages=ab,
+                # pinned stages: D gets the two buffers it needs, no more
+                epi_stages=None if ab is None else 2, schedule=schedule, epi_tile_n=epi_tile_n), m)
         except ConfigError as exc:
-            print(f"{m}x{n}x{k} {label}: skipped ({exc})")
+            print(f"{m}x{n}x{k} {name}{tail}: skipped ({exc})")
             continue
+        label = f"{name} a{config.a_rows}{tail}"
         handle = kernel._copy(_launch_memo={})
         handle.launch_for = lambda *_, config=config, splits=splits, **__: (config, splits)
         handles[label] = handle
