@@ -133,6 +133,19 @@ MID_CANDIDATES = WAVES_CANDIDATES + [
 ]
 
 
+# Two rows of 64-row tiles (M = 65-128) in 2x1 clusters (each weight tile multicast to both rows) at
+# the widths that make one wave, against the cooperative 128-row tiles of the few-tiles rule
+# (evtc.plan.selector, TWO_ROW_WIDTHS).
+TWO_ROWS_CANDIDATES = [
+    {"tile_m": 64, "tile_n": tn, "cluster": (2, 1), "schedule": "pingpong",
+     "epi_tile_n": 16 if tn % 32 else 32}
+    for tn in (64, 80, 96, 112, 128, 160)
+] + [
+    {"tile_m": 128, "tile_n": tn, "cluster": cl, "schedule": "cooperative",
+     "epi_tile_n": 16 if tn % 32 else 32}
+    for tn, cl in ((64, (1, 1)), (64, (1, 4)), (128, (1, 2)))
+]
+
 def family_candidates() -> list[dict]:
     """Every tile shape the selector may launch (evtc.plan.selector.FAMILY) in every cluster shape
     it may choose: the sweep then covers what the rules choose from, whatever they become."""
@@ -157,7 +170,8 @@ CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narro
                   "large": LARGE_CANDIDATES, "raster": RASTER_CANDIDATES,
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
                   "decode4": DECODE4_CANDIDATES, "clusters": CLUSTERS_CANDIDATES,
-                  "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "family": family_candidates()}
+                  "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "two_rows": TWO_ROWS_CANDIDATES,
+                  "family": family_candidates()}
 
 
 def identity(acc):

@@ -28,6 +28,10 @@ from evtc.plan.selector import (
     LONG_K,
     MANY_WAVES,
     ONE_WAVE_LOADS_MIN_K,
+    TWO_ROW_MIN_K,
+    TWO_ROW_MIN_M,
+    TWO_ROW_ONLY,
+    TWO_ROW_WIDTHS,
     WAVE_FIT_ROUND_COST,
     WIDE_PINGPONG_MAX_COST,
     WIDE_PINGPONG_MIN_K_WITH_TILES,
@@ -57,7 +61,7 @@ SLOTS = 132
 
 def _fit_all(knobs: dict) -> GemmConfig:
     # As evtc.plan.smem.fit_config: 16-column subtiles where the default 32 does not divide the tile.
-    return BASE.replace(**knobs, **({"epi_tile_n": 16} if knobs["tile_n"] % 32 else {}))
+    return BASE.replace(**{**({"epi_tile_n": 16} if knobs["tile_n"] % 32 else {}), **knobs})
 
 
 FAMILY = tile_family(BASE, _fit_all)
@@ -95,9 +99,11 @@ def test_decode_gets_64_row_tiles(m):
 
 
 def test_few_tiles_take_the_largest_tile_that_fills_the_gpu():
-    for m, n, k in [(16, 4096, 4096), (128, 8192, 8192), (256, 4096, 4096), (100, 1000, 1000)]:
+    # (M = 112-128 at K >= TWO_ROW_MIN_K: test_two_rows_of_64_row_tiles_at_m_128.)
+    for m, n, k in [(16, 4096, 4096), (128, 8192, 2048), (256, 4096, 4096), (100, 1000, 1000)]:
         chosen = choose_tile(m, n, k, 1, FAMILY, SLOTS)
-        pingpong = [c for c in FAMILY if c.schedule == "pingpong" and (m > 64 or c.tile_m == 64)]
+        pingpong = [c for c in FAMILY if c.schedule == "pingpong" and (m > 64 or c.tile_m == 64)
+                    and _shape(c) not in TWO_ROW_ONLY]
         filling = [c for c in pingpong if _tiles(m, n, c) >= FILL * SLOTS]
         if filling:
             assert chosen.tile_m * chosen.tile_n == max(c.tile_m * c.tile_n for c in filling), (m, n)
@@ -149,7 +155,7 @@ def test_few_128_row_tiles_run_cooperative_and_padding_rows_count():
     # One 128 x 64 tile per CTA: cooperative, B multicast where there are two rows of tiles.
     config, _ = _launch(256, 4096, 4096)
     assert _shape(config) == ("cooperative", 128, 64) and config.cluster == (2, 1)
-    config, _ = _launch(128, 6144, 4096)
+    config, _ = _launch(100, 6144, 4096)
     assert _shape(config) == ("cooperative", 128, 64) and config.cluster != (2, 1)
     # 64-row tiles have no cooperative form.
     assert _launch(64, 4096, 4096)[0].schedule == "pingpong"
@@ -456,6 +462,35 @@ def test_trimmed_a_loads_expect_only_their_bytes(tmp_path):
     assert "8 rows of A" in kernel.explain()  # the trimmed variant is listed among those built
 
 
+@pytest.mark.parametrize("m, n, k, width", [
+    (128, 4608, 3584, 80), (128, 5120, 5120, 80), (128, 6144, 4096, 96), (128, 8192, 8192, 128),
+    (128, 10240, 8192, 160), (128, 4096, 4096, 64), (112, 4608, 3584, 80), (120, 6144, 3072, 96),
+    (128, 8192, LONG_K - 64, 128)])
+def test_two_rows_of_64_row_tiles_at_m_128(m, n, k, width):
+    """M = 112-128, 16-bit, TWO_ROW_MIN_K <= K < LONG_K: ping-pong 64-row tiles of the narrowest width that
+    makes one wave, each weight tile multicast to both rows of tiles (2x1), one split."""
+    config, splits = _launch(m, n, k)
+    assert (_shape(config), splits) == (("pingpong", 64, width), 1), config.short_name()
+    # (64 x 64, in the family before the two-row rule, keeps its own cluster costs.)
+    assert config.cluster == (2, 1) or width == 64, config.short_name()
+    assert 2 * -(-n // width) <= SLOTS < 2 * -(-n // max([w for w in TWO_ROW_WIDTHS if w < width], default=1))
+    assert config.out_tile_n % config.epi_tile_n == 0
+
+
+def test_two_rows_keep_to_their_bounds():
+    """Outside M = 112-128, TWO_ROW_MIN_K <= K < LONG_K, 16-bit ungated a and b, or where no width makes one
+    wave, the two-row widths do not run."""
+    for m, n, k in [(TWO_ROW_MIN_M - 1, 4608, 3584), (129, 4608, 3584), (128, 7168, TWO_ROW_MIN_K - 64),
+                    (128, 8192, LONG_K), (128, 8192, 28672),
+                    (128, 14336, 4096), (64, 8192, 8192), (16, 8192, 8192), (256, 4608, 3584)]:
+        assert _shape(_launch(m, n, k)[0]) not in TWO_ROW_ONLY, (m, n, k)
+    assert _shape(_launch(128, 7168, 2048)[0]) == ("cooperative", 128, 64)
+    float8 = BASE.replace(ab_dtype="float8_e4m3fn", d_dtype="bfloat16", fast_accum=True)
+    for base in (BASE.replace(gated=True), float8):
+        config, _ = _launch(128, 4608, 3584, family=_family_of(base))
+        assert _shape(config) not in TWO_ROW_ONLY, config.short_name()
+
+
 def test_a_thin_second_round_gives_way_to_one_full_round():
     """Few tiles: a tile whose count spills a second round at most half full (Qwen2.5 qkv at
     M = 128: 144 tiles of 64 x 64 on 132 SMs) gives way to a larger tile that fits one round at
@@ -463,10 +498,11 @@ def test_a_thin_second_round_gives_way_to_one_full_round():
     def tiles(config, m, n):
         return -(-m // config.tile_m) * -(-n // config.out_tile_n)
 
-    for m, n, k in [(128, 4608, 3584), (128, 6144, 4096), (128, 10240, 8192)]:
+    # (M = 100: below TWO_ROW_MIN_M, where M = 128 runs two rows of 64 x 80 tiles instead.)
+    for m, n, k in [(100, 4608, 3584), (100, 6144, 4096), (100, 10240, 8192)]:
         config, _ = _launch(m, n, k)
         assert SLOTS // 2 <= tiles(config, m, n) <= SLOTS, (m, n, k, config.short_name())
-    assert (_launch(128, 4608, 3584)[0].tile_m, _launch(128, 4608, 3584)[0].tile_n) == (128, 64)
+    assert (_launch(100, 4608, 3584)[0].tile_m, _launch(100, 4608, 3584)[0].tile_n) == (128, 64)
     # 72 tiles of 64 x 64 fit one round: kept.
     kept, _ = _launch(64, 4608, 3584)
     assert (kept.tile_m, kept.tile_n) == (64, 64)
@@ -535,7 +571,7 @@ def test_only_trimmed_16_bit_decode_tiles_drop_their_cluster():
 def _family_of(base: GemmConfig) -> tuple[GemmConfig, ...]:
     def fit(knobs):
         try:
-            return base.replace(**knobs, **({"epi_tile_n": 16} if knobs["tile_n"] % 64 else {}))
+            return base.replace(**{**({"epi_tile_n": 16} if knobs["tile_n"] % 64 else {}), **knobs})
         except ConfigError:
             return None
     return tile_family(base, fit)

@@ -53,6 +53,12 @@ TILE_CLUSTER_COST = {
     ("pingpong", 64, 256): {(2, 1): 0.965, (1, 2): 1.0, (1, 1): 1.01},
     ("pingpong", 64, 128): {(2, 1): 0.96, (1, 4): 0.965, (1, 2): 1.0, (1, 1): 1.03},
     ("pingpong", 64, 64): {(1, 4): 0.93, (2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
+    # Two rows of tiles at M = 112-128 (evtc.plan.selector, TWO_ROW_WIDTHS): 2x1, each weight tile
+    # multicast to both rows, measured on the H200 (64 x 80 at 128 x 4608 x 3584: 0.96x cuBLAS in
+    # 2x1 against 0.94x in 2x2).
+    ("pingpong", 64, 80): {(2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
+    ("pingpong", 64, 96): {(2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
+    ("pingpong", 64, 160): {(2, 1): 0.96, (1, 2): 1.0, (1, 1): 1.03},
     ("cooperative", 128, 256): {(1, 2): 1.0, (2, 1): 1.03, (1, 1): 1.08},
     # Chosen for problems of one wave (evtc.plan.selector), where B multicast (2x1) did best.
     ("cooperative", 128, 128): {(2, 1): 1.0, (1, 2): 1.01, (1, 1): 1.05},

@@ -137,12 +137,33 @@ WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # the earlier rule: 128 x 128 in pairs in 2x1 clusters up to WAVE_FIT_MAX_WAVES, 128 x 192 past it
 # ("Block scales in pairs").
 PROMOTING_LONG_K_WAVES = 10
+# Two rows of 64-row tiles (:func:`_two_row_tile`): problems of TWO_ROW_MIN_M to 128 rows with
+# 16-bit a and b and K from TWO_ROW_MIN_K to below LONG_K run ping-pong 64-row tiles, multicasting each weight
+# tile to both rows (2x1 clusters), of the narrowest of TWO_ROW_WIDTHS that makes one wave. Measured
+# on the H200 against the cooperative 128-row tiles the few-tiles rule took (docs/performance.md,
+# "Two rows of 64-row tiles at M = 128"), cuBLAS time over ours at M = 128: 4608 x 3584 0.96x in
+# 64 x 80 against 0.86x in 128 x 64; 5120 x 5120 0.98x against 0.88x; 6144 x 4096 0.95x (64 x 96)
+# against 0.92x; 8192 x 8192 0.96x (64 x 128) against 0.91x; 8192 x 28672 1.00x against 0.96x;
+# 10240 x 8192 0.97x (64 x 160) against 0.93x (128 x 128). At K = 2048 the cooperative tile stayed
+# ahead (7168 x 2048: 0.92x against 0.90x), and at K = 28672 a residual ran 0.94-0.98x addmm in
+# 64 x 128 tiles against 1.10x in cooperative 128 x 64 ones (one 64-row tile per CTA leaves a
+# consumer warpgroup idle through a long mainloop). Below M = 112 the second row's tiles load too many rows
+# past M (the TMA unit spends as long on them as on data): at M = 96, 4608 x 3584 ran 0.78x in
+# 64 x 80 against 0.86x in cooperative 128 x 64 tiles in 1x4 clusters.
+TWO_ROW_MIN_M = 112
+TWO_ROW_MIN_K = 3072
+TWO_ROW_WIDTHS = (64, 80, 96, 128, 160)
+# The family's tiles that only _two_row_tile takes (the other rules were fitted without them).
+TWO_ROW_ONLY = frozenset({("pingpong", 64, 80), ("pingpong", 64, 96), ("pingpong", 64, 160)})
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
     ("pingpong", 64, 256),
     ("pingpong", 128, 64),
+    ("pingpong", 64, 160),
     ("pingpong", 64, 128),
+    ("pingpong", 64, 96),
+    ("pingpong", 64, 80),
     ("pingpong", 64, 64),
     ("cooperative", 128, 256),
     ("cooperative", 128, 192),
@@ -208,7 +229,9 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None], *,
     128 x 128 base with 16-bit a and b, and a :func:`light_epilogue`), also the ping-pong tiles of
     :data:`WIDE_PINGPONG_WIDTHS`."""
     family = [base]
-    shapes = [(shape, {}) for shape in FAMILY]
+    # 16-column epilogue subtiles where 32 do not divide the tile (ping-pong 64 x 80).
+    shapes = [(shape, {"epi_tile_n": 16} if shape[0] == "pingpong" and shape[2] % 32 else {})
+              for shape in FAMILY]
     if (wide_pingpong and (base.schedule, base.tile_m, base.tile_n) == ("pingpong", 128, 128)
             and base.ab_dtype in SIXTEEN_BIT):
         shapes += [(("pingpong", 128, width), {"epi_tile_n": 16, "epi_stages": 2})
@@ -323,8 +346,10 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
     """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
     heavy = epilogue_tiles >= HEAVY_EPILOGUE_TILES
     base = family[0]
-    # The wide ping-pong tiles serve problems of many tiles only (_pingpong_width).
-    shapes = [c for c in family if c.schedule == "pingpong" and not _is_wide_pingpong(c)] or [base]
+    # The wide ping-pong tiles serve problems of many tiles only (_pingpong_width), the two-row
+    # widths two rows of 64-row tiles only (_two_row_tile).
+    shapes = [c for c in family if c.schedule == "pingpong" and not _is_wide_pingpong(c)
+              and (c.schedule, c.tile_m, c.tile_n) not in TWO_ROW_ONLY] or [base]
     # The rules count 128 x 128 tiles, as they were fitted. A kernel compiled with a cooperative
     # tile (a promoting float8 kernel compiles 128 x 192) counts its family's cooperative 128 x 128:
     # counted in its own wider tiles, 512 x 3584 x 18944 in float8 fell to the few-tiles rule and
@@ -376,6 +401,9 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         if square.promotes_in_pairs and square is not base and pairs:
             return square
         return base
+    two_rows = _two_row_tile(m, n, k, batches, family, slots)
+    if two_rows is not None:
+        return two_rows
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
     # problem has (a tile wider than N is no larger for it); equal areas: 128 rows, then the
     # smaller tile. Else the smallest.
@@ -404,6 +432,25 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
                           and square not in shapes and m > 64)
     larger = order([*shapes, square]) if float8_cooperative else ordered
     return _without_a_thin_last_round(chosen, larger, m, n, batches, slots)
+
+
+def _two_row_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
+                  slots: int) -> GemmConfig | None:
+    """The ping-pong 64-row tile of ``family`` of the narrowest of :data:`TWO_ROW_WIDTHS` whose
+    tiles make one wave, for a problem of :data:`TWO_ROW_MIN_M` to 128 rows (two rows of tiles) with
+    16-bit a and b, not gated, and K from :data:`TWO_ROW_MIN_K` to below :data:`LONG_K`; None
+    otherwise (or where no width makes one wave). Its cluster (2x1: each weight tile multicast to
+    both rows) comes from the cluster costs."""
+    base = family[0]
+    if not (TWO_ROW_MIN_M <= m <= 128 and TWO_ROW_MIN_K <= k < LONG_K and base.ab_dtype in SIXTEEN_BIT
+            and base.b_dtype in (None, base.ab_dtype) and not base.gated):
+        return None
+    for width in TWO_ROW_WIDTHS:
+        config = next((c for c in family if (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 64, width)),
+                      None)
+        if config is not None and _tiles(m, n, batches, config) <= slots:
+            return config
+    return None
 
 
 def _wave_fitted(m: int, n: int, batches: int, slots: int,
@@ -549,7 +596,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
 __all__ = ["BIG_WEIGHT_ELEMENTS", "BIG_WEIGHT_K", "BIG_WEIGHT_MIN_M", "BLOCK_SCALED_WIDE_SPEED",
            "DECODE_MAX_TILE_N", "FAMILY",
            "FILL", "HEAVY_EPILOGUE_TILES", "LONG_K", "MANY_WAVES", "ONE_WAVE_LOADS_MIN_K", "ONE_WAVE_PLANS",
-           "PROMOTING_LONG_K_WAVES",
+           "PROMOTING_LONG_K_WAVES", "TWO_ROW_MIN_K", "TWO_ROW_MIN_M", "TWO_ROW_ONLY",
+           "TWO_ROW_WIDTHS",
            "WIDE_PINGPONG_MAX_COST", "WIDE_PINGPONG_MAX_EPILOGUE_TILES", "WIDE_PINGPONG_MIN_K_WITH_TILES",
            "SIXTEEN_BIT", "WIDE_PINGPONG_WIDTHS",
            "WAVE_FIT_MAX_WAVES", "WAVE_FIT_ROUND_COST", "WAVE_FIT_WIDTHS", "choose_launch", "choose_tile",
