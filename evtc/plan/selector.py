@@ -229,9 +229,7 @@ def tile_family(base: GemmConfig, fit: Callable[[dict], GemmConfig | None], *,
     128 x 128 base with 16-bit a and b, and a :func:`light_epilogue`), also the ping-pong tiles of
     :data:`WIDE_PINGPONG_WIDTHS`."""
     family = [base]
-    # 16-column epilogue subtiles where 32 do not divide the tile (ping-pong 64 x 80).
-    shapes = [(shape, {"epi_tile_n": 16} if shape[0] == "pingpong" and shape[2] % 32 else {})
-              for shape in FAMILY]
+    shapes = [(shape, {}) for shape in FAMILY]
     if (wide_pingpong and (base.schedule, base.tile_m, base.tile_n) == ("pingpong", 128, 128)
             and base.ab_dtype in SIXTEEN_BIT):
         shapes += [(("pingpong", 128, width), {"epi_tile_n": 16, "epi_stages": 2})
