@@ -145,11 +145,12 @@ PROMOTING_LONG_K_WAVES = 10
 # 64 x 80 against 0.86x in 128 x 64; 5120 x 5120 0.98x against 0.88x; 6144 x 4096 0.95x (64 x 96)
 # against 0.92x; 8192 x 8192 0.96x (64 x 128) against 0.91x; 8192 x 28672 1.00x against 0.96x;
 # 10240 x 8192 0.97x (64 x 160) against 0.93x (128 x 128). At K = 2048 the cooperative tile stayed
-# ahead (7168 x 2048: 0.92x against 0.90x), and at K = 28672 a residual ran 0.94-0.98x addmm in
-# 64 x 128 tiles against 1.10x in cooperative 128 x 64 ones (one 64-row tile per CTA leaves a
-# consumer warpgroup idle through a long mainloop). Below M = 112 the second row's tiles load too many rows
-# past M (the TMA unit spends as long on them as on data): at M = 96, 4608 x 3584 ran 0.78x in
-# 64 x 80 against 0.86x in cooperative 128 x 64 tiles in 1x4 clusters.
+# ahead (7168 x 2048: 0.92x against 0.90x). K from LONG_K keeps the earlier launch, unresolved: at
+# 128 x 8192 x 28672 a residual ran 0.94-0.98x addmm in 64 x 128 tiles, 0.98x and (another day)
+# 1.10x in cooperative 128 x 64 ones, where the identity ran 1.00x against 0.96x. Below M = 112
+# the second row's tiles load too many rows past M (the TMA unit spends as long on them as on
+# data): at M = 96, 4608 x 3584 ran 0.78x in 64 x 80 against 0.86x in cooperative 128 x 64 tiles
+# in 1x4 clusters.
 TWO_ROW_MIN_M = 112
 TWO_ROW_MIN_K = 3072
 TWO_ROW_WIDTHS = (64, 80, 96, 128, 160)
