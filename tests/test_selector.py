@@ -486,7 +486,7 @@ def test_two_rows_keep_to_their_bounds():
         assert _shape(_launch(m, n, k)[0]) not in TWO_ROW_ONLY, (m, n, k)
     assert _shape(_launch(128, 7168, 2048)[0]) == ("cooperative", 128, 64)
     float8 = BASE.replace(ab_dtype="float8_e4m3fn", d_dtype="bfloat16", fast_accum=True)
-    for base in (BASE.replace(gated=True), float8):
+    for base in (BASE.replace(gated=True), float8, BASE.replace(b_major="n"), BASE.replace(a_major="m")):
         config, _ = _launch(128, 4608, 3584, family=_family_of(base))
         assert _shape(config) not in TWO_ROW_ONLY, config.short_name()
 

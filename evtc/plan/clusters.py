@@ -54,8 +54,9 @@ TILE_CLUSTER_COST = {
     ("pingpong", 64, 128): {(2, 1): 0.96, (1, 4): 0.965, (1, 2): 1.0, (1, 1): 1.03},
     ("pingpong", 64, 64): {(1, 4): 0.93, (2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
     # Two rows of tiles at M = 112-128 (evtc.plan.selector, TWO_ROW_WIDTHS): 2x1, each weight tile
-    # multicast to both rows, measured on the H200 (64 x 80 at 128 x 4608 x 3584: 0.96x cuBLAS in
-    # 2x1 against 0.94x in 2x2).
+    # multicast to both rows, as measured on the H200 (docs/performance.md, "Two rows of 64-row
+    # tiles at M = 128"). The other shapes' costs are 64 x 64's and 64 x 128's, not measured for
+    # these widths.
     ("pingpong", 64, 80): {(2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
     ("pingpong", 64, 96): {(2, 1): 0.94, (1, 2): 1.0, (1, 1): 1.09},
     ("pingpong", 64, 160): {(2, 1): 0.96, (1, 2): 1.0, (1, 1): 1.03},

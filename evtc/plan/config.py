@@ -73,6 +73,8 @@ TILE_K = 64
 # (evtc.plan.selector, "wave-fitted widths").
 # 176: ping-pong tiles for problems of many tiles whose width 176 makes whole rounds (28672 columns
 # are 163 of them; evtc.plan.selector, WIDE_PINGPONG_WIDTHS).
+# 80 and 96 (ping-pong 64-row tiles, K-major B): two rows of tiles that make one wave at M = 112-128
+# (evtc.plan.selector, TWO_ROW_WIDTHS; 4608 columns are 58 tiles of 80).
 TILE_NS = (64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
 EPI_TILE_NS = (16, 32, 64)
 # (1, 4): A multicast to four CTAs along N. It pays only where the kernel streams weights (few

@@ -138,8 +138,9 @@ WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # ("Block scales in pairs").
 PROMOTING_LONG_K_WAVES = 10
 # Two rows of 64-row tiles (:func:`_two_row_tile`): problems of TWO_ROW_MIN_M to 128 rows with
-# 16-bit a and b and K from TWO_ROW_MIN_K to below LONG_K run ping-pong 64-row tiles, multicasting each weight
-# tile to both rows (2x1 clusters), of the narrowest of TWO_ROW_WIDTHS that makes one wave. Measured
+# 16-bit K-major a and b (nn.Linear's layouts, the ones measured) and K from TWO_ROW_MIN_K to below
+# LONG_K run ping-pong 64-row tiles, multicasting each weight tile to both rows (2x1 clusters), of
+# the narrowest of TWO_ROW_WIDTHS that makes one wave. Measured
 # on the H200 against the cooperative 128-row tiles the few-tiles rule took (docs/performance.md,
 # "Two rows of 64-row tiles at M = 128"), cuBLAS time over ours at M = 128: 4608 x 3584 0.96x in
 # 64 x 80 against 0.86x in 128 x 64; 5120 x 5120 0.98x against 0.88x; 6144 x 4096 0.95x (64 x 96)
@@ -437,12 +438,13 @@ def _two_row_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
                   slots: int) -> GemmConfig | None:
     """The ping-pong 64-row tile of ``family`` of the narrowest of :data:`TWO_ROW_WIDTHS` whose
     tiles make one wave, for a problem of :data:`TWO_ROW_MIN_M` to 128 rows (two rows of tiles) with
-    16-bit a and b, not gated, and K from :data:`TWO_ROW_MIN_K` to below :data:`LONG_K`; None
+    16-bit K-major a and b, not gated, and K from :data:`TWO_ROW_MIN_K` to below :data:`LONG_K`; None
     otherwise (or where no width makes one wave). Its cluster (2x1: each weight tile multicast to
     both rows) comes from the cluster costs."""
     base = family[0]
     if not (TWO_ROW_MIN_M <= m <= 128 and TWO_ROW_MIN_K <= k < LONG_K and base.ab_dtype in SIXTEEN_BIT
-            and base.b_dtype in (None, base.ab_dtype) and not base.gated):
+            and base.b_dtype in (None, base.ab_dtype) and not base.gated
+            and base.a_major == "k" and base.b_major == "k"):
         return None
     for width in TWO_ROW_WIDTHS:
         config = next((c for c in family if (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 64, width)),
