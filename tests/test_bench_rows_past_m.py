@@ -1,5 +1,5 @@
-"""bench/rows_past_m.py without a GPU: its default sizes reach past M in the tiles the selector
-launches for them, and its weights are the suite's layers."""
+"""bench/rows_past_m.py without a GPU: its default sizes are problems of one or two rows of tiles
+whose last row reaches past M, and every one of them has a launch."""
 
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ def bench():
         yield module
 
 
-def test_default_sizes_leave_rows_past_m(bench):
+def test_default_sizes_reach_past_m(bench):
+    assert all(32 < m <= 128 for m in bench.DEFAULT_MS)
+    assert sum(m % 64 != 0 for m in bench.DEFAULT_MS) > len(bench.DEFAULT_MS) // 2
     meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
             "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
     kernel = evtc.compile(bench.identity, meta, arch="sm_90a")
-    short = 0
     for n, k in bench.DEFAULT_WEIGHTS:
         for m in bench.DEFAULT_MS:
-            config, _ = kernel.launch_for(m, n, k)
-            rows = config.a_rows or config.tile_m
-            short += m % rows != 0  # the last row of tiles (or the trimmed box) reaches past M
-    assert short > len(bench.DEFAULT_WEIGHTS) * len(bench.DEFAULT_MS) // 2
+            config, splits = kernel.launch_for(m, n, k)
+            assert splits >= 1 and config.tile_m in (64, 128), (m, n, k)
     assert bench.int_list("65,96,") == [65, 96]
