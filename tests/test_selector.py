@@ -477,6 +477,16 @@ def test_two_rows_of_64_row_tiles_at_m_128(m, n, k, width):
     assert config.out_tile_n % config.epi_tile_n == 0
 
 
+def test_the_two_row_widths_are_64_row_16_bit_ungated_tiles_only():
+    pp64 = BASE.replace(tile_m=64, cluster=(2, 1), epi_tile_n=16)
+    for width in (80, 96):
+        assert pp64.replace(tile_n=width).tile_n == width
+        for bad in ({"tile_m": 128}, {"schedule": "cooperative", "tile_m": 128},
+                    {"gated": True}, {"ab_dtype": "float8_e4m3fn", "fast_accum": True}):
+            with pytest.raises(ConfigError, match=f"tile_n={width} runs as a 64-row"):
+                pp64.replace(tile_n=width, **bad)
+
+
 def test_two_rows_keep_to_their_bounds():
     """Outside M = 112-128, TWO_ROW_MIN_K <= K < LONG_K, 16-bit ungated a and b, or where no width makes one
     wave, the two-row widths do not run."""

@@ -76,6 +76,7 @@ TILE_K = 64
 # 80 and 96 (ping-pong 64-row tiles, K-major B): two rows of tiles that make one wave at M = 112-128
 # (evtc.plan.selector, TWO_ROW_WIDTHS; 4608 columns are 58 tiles of 80).
 TILE_NS = (64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
+TWO_ROW_ONLY_TILE_NS = (80, 96)
 EPI_TILE_NS = (16, 32, 64)
 # (1, 4): A multicast to four CTAs along N. It pays only where the kernel streams weights (few
 # 64-row tiles, M <= 64): each CTA then loads a quarter of A's stage instead of half
@@ -457,6 +458,11 @@ class GemmConfig:
             bad(f"d_major must be 'n' or 'm', got {self.d_major!r}")
         if self.tile_n not in TILE_NS:
             bad(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if self.tile_n in TWO_ROW_ONLY_TILE_NS and (self.tile_m != 64 or self.gated
+                                                    or self.ab_dtype not in ("float16", "bfloat16")):
+            bad(f"tile_n={self.tile_n} runs as a 64-row ping-pong tile of 16-bit a and b, not gated (the "
+                f"selector's two rows of tiles at M = 112-128, the only way it is tested); got "
+                f"tile_m={self.tile_m}, ab_dtype={self.ab_dtype!r}, gated={self.gated}")
         if self.b_major == "n" and self.tile_n % 64:
             bad(f"tile_n={self.tile_n} needs a K-major B (b_major='k'): an N-major B tile is loaded as "
                 f"whole 128-byte swizzled rows of 64 elements along N; use a multiple of 64")
