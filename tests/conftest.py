@@ -1,4 +1,4 @@
-"""Shared pytest set-up: the `gpu` marker and a CPU-only DSL target."""
+"""Shared pytest set-up: the `gpu` marker, a CPU-only DSL target, and a disk cache per test module."""
 
 from __future__ import annotations
 
@@ -28,3 +28,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """A disk cache of the test module's own (its kernels compiled once for all its tests, apart
+    from the user's cache and from other modules')."""
+    return tmp_path_factory.mktemp("evtc-" + request.module.__name__.rpartition(".")[2].removeprefix("test_"))

@@ -31,11 +31,6 @@ def _poison_shared_memory():
     torch.matmul(x, w.t())
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-a-rows"))
-
-
 ROWS = [1, 3, 8, 15, 16, 17, 31, 32]
 
 

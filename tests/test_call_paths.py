@@ -91,11 +91,6 @@ def _close(got, want, dtype):
         torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol * 8)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("evtc-paths")
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors on a machine without a GPU")
 def test_cpu_tensors_take_the_torch_path(cache, caplog):
     ex = _inputs() | {"alpha": 0.5}

@@ -44,11 +44,6 @@ def randn(*shape, dtype=torch.float16):
     return torch.randn(*shape, device="cuda").to(dtype)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("evtc-paths-gpu")
-
-
 def bias_gelu(acc, bias):
     return F.gelu(acc + bias)
 

@@ -31,11 +31,6 @@ def _fill_free_memory_with_nan():
     del junk
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-cluster4"))
-
-
 # N = 3648: 57 tiles of 64 columns, so the last 1x4 cluster has three CTAs past the edge.
 N_RAGGED = 3648
 

@@ -23,11 +23,6 @@ def _rel(got, want) -> float:
     return (torch.linalg.vector_norm(got.float() - want) / torch.linalg.vector_norm(want)).item()
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("evtc-expanded-gpu")
-
-
 # In a's dtype, whatever the float32 operands (torch would promote to float32): these tests are
 # about the views the kernel reads and writes.
 def residual(acc, C, bias):

@@ -43,11 +43,6 @@ def torch_swiglu_bias(x, w, bias):
     return y, y.amax(-1)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-gated"))
-
-
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
 def test_weight_layout_every_cluster_shape(schedule, cache):
     """B = weight.t() (K-major, no copy) on problems whose cluster shape differs: the 2x1 shape

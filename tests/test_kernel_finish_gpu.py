@@ -56,11 +56,6 @@ def fp8_with_amax(acc, bias, s):
     return (y * s).to(torch.float8_e4m3fn), y.abs().amax()
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-kernel-finish"))
-
-
 @pytest.fixture(autouse=True)
 def kernel_finish_at_every_size(monkeypatch):
     """Large problems leave the finish to the host by default (KERNEL_FINISH_MAX_OUTPUT): these

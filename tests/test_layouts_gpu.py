@@ -112,11 +112,6 @@ def ref_residual(a, b, C, bias, alpha=1.0):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("evtc-layouts-gpu")
-
-
-@pytest.fixture(scope="module")
 def k_res(cache):
     ex = dict(a=randn(64, 64), b=randn(64, 64), C=randn(64, 64), bias=randn(64, dtype=F32), alpha=1.0)
     return evtc.compile(residual, ex, config=PINNED, cache_dir=cache)

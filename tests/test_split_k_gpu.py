@@ -39,11 +39,6 @@ def swiglu(acc):
     return F.silu(gate) * up
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-split-k"))
-
-
 def _inputs(m, n, k, seed, dtype=torch.bfloat16, gated=False, batches=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     lead = () if batches is None else (batches,)

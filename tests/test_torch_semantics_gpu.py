@@ -20,11 +20,6 @@ SIXTEEN_BIT = {"half_mean_and_float_sum": 2e-3, "bfloat16_mean_all": 1e-2, "cast
                "sums_into_16bit_dtypes": 2e-3}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("evtc-semantics-gpu")
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_torch(cache, name):
     fn, spec = CASES[name]

@@ -22,11 +22,6 @@ from evtc.plan.selector import TWO_ROW_ONLY
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-two-rows"))
-
-
 def _two_rows(width):
     return lambda c: (c.schedule, c.tile_m, c.tile_n, c.cluster) == ("pingpong", 64, width, (2, 1))
 

@@ -19,11 +19,6 @@ import evtc
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-wave-widths"))
-
-
 WIDTHS = [112, 144, 160]
 
 

@@ -22,11 +22,6 @@ def _pinned(width: int, cluster=(2, 1)) -> dict:
     return {"schedule": "pingpong", "tile_n": width, "epi_tile_n": 16, "epi_stages": 2, "cluster": cluster}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evtc-wide-pingpong"))
-
-
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("cluster", [(2, 1), (1, 2), (1, 1)], ids=["c2x1", "c1x2", "c1x1"])
 def test_fused_operands_on_ragged_sizes(cache, width, cluster):
