@@ -5,6 +5,7 @@ time each against torch.matmul (cuBLAS), for fitting and checking the launch sel
     python3 bench/sweep_configs.py --shapes 64x4096x4096,16x14336x4096 --json out.json
     python3 bench/sweep_configs.py --family small      # decode-sized LLM layers
     python3 bench/sweep_configs.py --family large      # prefill-sized layers
+    python3 bench/sweep_configs.py --family past_m --auto-only   # last row of tiles past M
 
 Identity epilogue, B K-major (``nn.Linear`` weights). Every call runs in a CUDA graph of R calls
 that cycles through enough copies of the weight to stream it from HBM (not from the 50 MB L2).
@@ -32,6 +33,11 @@ import evtc  # noqa: E402
 from evtc.timing import time_paired  # noqa: E402
 
 FAMILIES = {
+    # M = 40-128, where the last row of tiles (or of a tile) reaches past M: the TMA unit spends on
+    # A's rows past M about what it spends on data (docs/performance.md, "Rows of A past M"). Qwen2.5
+    # qkv, Llama-3 8B qkv, Llama-3 70B o_proj, DeepSeek-V3 expert down.
+    "past_m": [f"{m}x{n}x{k}" for n, k in ((4608, 3584), (6144, 4096), (8192, 8192), (7168, 2048))
+               for m in (40, 48, 65, 72, 80, 96, 104, 112, 120, 128)],
     # (M, N, K): Llama-3 8B / 70B attention and MLP layers, DeepSeek-V3 and Mixtral experts, at
     # decode-sized M.
     "small": [f"{m}x{n}x{k}" for m in (16, 64, 128)

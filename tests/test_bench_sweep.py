@@ -40,3 +40,9 @@ def test_every_candidate_of_every_set_validates(sweep):
         assert candidates, name
         for knobs in candidates:
             GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k", **knobs).validate()
+
+
+def test_the_past_m_family_reaches_past_the_tiles(sweep):
+    shapes = [tuple(int(x) for x in s.split("x")) for s in sweep.FAMILIES["past_m"]]
+    assert all(32 < m <= 128 for m, _, _ in shapes)
+    assert sum(m % 64 != 0 for m, _, _ in shapes) > len(shapes) // 2
