@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
-from evtc.plan.config import A_ROWS, FLOAT8_DTYPES, ConfigError, GemmConfig
+from evtc.plan.config import A_ROWS, FLOAT8_DTYPES, TWO_ROW_ONLY_TILE_NS, ConfigError, GemmConfig
 from evtc.plan.split_k import (
     choose_splits,
     choose_tail_splits,
@@ -155,8 +155,9 @@ PROMOTING_LONG_K_WAVES = 10
 TWO_ROW_MIN_M = 112
 TWO_ROW_MIN_K = 3072
 TWO_ROW_WIDTHS = (64, 80, 96, 128, 160)
-# The family's tiles that only _two_row_tile takes (the other rules were fitted without them).
-TWO_ROW_ONLY = frozenset({("pingpong", 64, 80), ("pingpong", 64, 96), ("pingpong", 64, 160)})
+# The family's tiles that only _two_row_tile takes (the other rules were fitted without them): the
+# widths that exist for it alone (TWO_ROW_ONLY_TILE_NS), and ping-pong 64 x 160.
+TWO_ROW_ONLY = frozenset({("pingpong", 64, width) for width in (*TWO_ROW_ONLY_TILE_NS, 160)})
 # Tile shapes a kernel that chooses its tiles may use: (schedule, tile_m, tile_n), largest first.
 FAMILY = (
     ("pingpong", 128, 128),
@@ -401,7 +402,7 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
         if square.promotes_in_pairs and square is not base and pairs:
             return square
         return base
-    two_rows = _two_row_tile(m, n, k, batches, family, slots)
+    two_rows = _two_row_tile(m, n, k, batches, base, slots, find)
     if two_rows is not None:
         return two_rows
     # Few tiles: the largest tile that still fills the GPU, counting only the rows and columns the
@@ -434,21 +435,19 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
     return _without_a_thin_last_round(chosen, larger, m, n, batches, slots)
 
 
-def _two_row_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
-                  slots: int) -> GemmConfig | None:
-    """The ping-pong 64-row tile of ``family`` of the narrowest of :data:`TWO_ROW_WIDTHS` whose
-    tiles make one wave, for a problem of :data:`TWO_ROW_MIN_M` to 128 rows (two rows of tiles) with
-    16-bit K-major a and b, not gated, and K from :data:`TWO_ROW_MIN_K` to below :data:`LONG_K`; None
-    otherwise (or where no width makes one wave). Its cluster (2x1: each weight tile multicast to
+def _two_row_tile(m: int, n: int, k: int, batches: int, base: GemmConfig, slots: int,
+                  find: Callable[[str, int, int], GemmConfig | None]) -> GemmConfig | None:
+    """The family's ping-pong 64-row tile (``find``; ``base``: the compiled configuration) of the
+    narrowest of :data:`TWO_ROW_WIDTHS` whose tiles make one wave, for a problem of
+    :data:`TWO_ROW_MIN_M` to 128 rows (two rows of tiles) with 16-bit K-major a and b, not gated,
+    and K from :data:`TWO_ROW_MIN_K` to below :data:`LONG_K`; None otherwise (or where no width
+    makes one wave). Its cluster (2x1: each weight tile multicast to
     both rows) comes from the cluster costs."""
-    base = family[0]
     if not (TWO_ROW_MIN_M <= m <= 128 and TWO_ROW_MIN_K <= k < LONG_K and base.ab_dtype in SIXTEEN_BIT
-            and base.b_dtype in (None, base.ab_dtype) and not base.gated
-            and base.a_major == "k" and base.b_major == "k"):
+            and not base.gated and base.a_major == "k" and base.b_major == "k"):
         return None
     for width in TWO_ROW_WIDTHS:
-        config = next((c for c in family if (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 64, width)),
-                      None)
+        config = find("pingpong", 64, width)
         if config is not None and _tiles(m, n, batches, config) <= slots:
             return config
     return None
