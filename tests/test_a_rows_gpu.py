@@ -41,6 +41,26 @@ def test_identity_and_operands_with_trimmed_loads(cache, m):
                           lambda c: c.a_rows is not None and m <= c.a_rows < c.tile_m, _poison_shared_memory)
 
 
+# Taller problems with one row of tiles: 64-row tiles loading 48 rows, cooperative 128-row tiles
+# loading 80, 96 or 112, alone or four CTAs sharing A (24 rows each).
+TALLER = [(40, 384, 48), (72, 8192, 80), (96, 6144, 96), (104, 8192, 112)]
+
+
+@pytest.mark.parametrize("m, n, rows", TALLER)
+def test_taller_problems_with_trimmed_loads(cache, m, n, rows):
+    check_plain_and_fused(cache, m, n, 1000, m, lambda c: c.a_rows == rows, _poison_shared_memory)
+
+
+def test_reductions_of_a_taller_trimmed_launch(cache):
+    m, n, k = 96, 8192, 512
+    x, w, g = linear_inputs(m, n, k, seed=96)
+    bias = torch.randn(n, device="cuda", generator=g)
+    kernel = evtc.compile(with_reductions, {"a": x, "b": w.t(), "bias": bias}, cache_dir=cache)
+    assert kernel.launch_for(m, n, k)[0].a_rows == 96
+    _poison_shared_memory()
+    check_reductions(kernel, x, w, bias)
+
+
 @pytest.mark.parametrize("m", [1, 5, 16, 29])
 def test_reductions_ignore_the_rows_not_loaded(cache, m):
     n, k = 320, 512

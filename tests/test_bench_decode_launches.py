@@ -32,9 +32,9 @@ def test_each_handle_launches_its_candidate(bench, tmp_path):
         config, splits = handle.launch_for(1, 4608, 3584)
         assert (config.tile_n, config.cluster, config.ab_stages, splits) == (tile_n, cluster, ab, 1)
         assert config.a_rows == 8 * cluster[1]  # the fewest rows a CTA of the cluster can load
-    # At 33 rows no trimmed load holds M: whole tiles.
-    _, taller = bench.pinned(kernel, 33, 4608, 3584)
-    assert all(h.launch_for(33, 4608, 3584)[0].a_rows is None for h in taller.values())
+    # Taller than any tile: whole tiles.
+    _, taller = bench.pinned(kernel, 129, 4608, 3584)
+    assert all(h.launch_for(129, 4608, 3584)[0].a_rows is None for h in taller.values())
     assert kernel.launch_for(1, 4608, 3584) == before
 
 

@@ -404,19 +404,21 @@ def test_launch_tags_tell_families_apart(tmp_path):
 
 def test_short_problems_load_only_their_rows_of_a():
     """Up to 32 rows, a launch loads the fewest rows of A (8, 16, 32) that hold the problem's rows,
-    whole 8-row swizzle atoms for each CTA that shares A's loads; from 33 rows, whole tiles."""
+    whole 8-row swizzle atoms for each CTA that shares A's loads; past a tile's rows, whole tiles
+    (33-127 rows: test_one_row_problems_of_33_to_127_rows_trim_a_to_a_multiple_of_16)."""
     for m, n, k in [(1, 6144, 4096), (4, 4096, 14336), (16, 28672, 4096), (32, 4096, 4096)]:
         config, _ = _launch(m, n, k)
         assert config.a_rows is not None and m <= config.a_rows < config.tile_m
         assert config.a_rows % (8 * config.cluster[1]) == 0
-    for m in (33, 64, 512, 4096):
+    for m in (64, 512, 4096):
         assert _launch(m, 4096, 4096)[0].a_rows is None
     pp64 = BASE.replace(tile_m=64, tile_n=64, cluster=(1, 2))
     assert with_a_rows_for(pp64, 1).a_rows == 16  # two CTAs share A: 8 rows each
     assert with_a_rows_for(pp64.replace(cluster=(1, 1)), 1).a_rows == 8
     assert with_a_rows_for(pp64.replace(cluster=(1, 1)), 9).a_rows == 16
     assert with_a_rows_for(pp64, 17).a_rows == 32
-    assert with_a_rows_for(pp64, 33).a_rows is None
+    assert with_a_rows_for(pp64, 33).a_rows == 48
+    assert with_a_rows_for(pp64, 49).a_rows is None
     assert with_a_rows_for(pp64.replace(cluster=(1, 4)), 1).a_rows == 32  # four CTAs share A
     assert with_a_rows_for(pp64.replace(a_major="m"), 1).a_rows is None
     # A kernel compiled with fixed tile knobs keeps its configuration.
@@ -485,6 +487,23 @@ def test_the_two_row_widths_are_64_row_16_bit_ungated_tiles_only():
                     {"gated": True}, {"ab_dtype": "float8_e4m3fn", "fast_accum": True}):
             with pytest.raises(ConfigError, match=f"tile_n={width} runs as a 64-row"):
                 pp64.replace(tile_n=width, **bad)
+
+
+def test_one_row_problems_of_33_to_127_rows_trim_a_to_a_multiple_of_16():
+    """A's loads trimmed to the rows a one-row problem has (GemmConfig.a_rows), in multiples of 16
+    up to 112, whole 8-row atoms per CTA sharing A; the trimmed cluster costs stay with M <= 32."""
+    coop = BASE.replace(schedule="cooperative", tile_m=128, tile_n=64, cluster=(1, 1))
+    assert [with_a_rows_for(coop, m).a_rows for m in (65, 80, 81, 96, 100, 112, 113, 128)] == \
+        [80, 80, 96, 96, 112, 112, None, None]
+    assert with_a_rows_for(coop.replace(cluster=(1, 4)), 80).a_rows == 96  # 24 rows per CTA
+    assert with_a_rows_for(coop.replace(cluster=(1, 4)), 100).a_rows is None  # 128: the whole tile
+    pp64 = BASE.replace(tile_m=64, tile_n=64, cluster=(1, 2))
+    assert [with_a_rows_for(pp64, m).a_rows for m in (33, 48, 49, 64)] == [48, 48, None, None]
+    assert with_a_rows_for(pp64.replace(cluster=(1, 4)), 40).a_rows is None
+    slots = {1: SLOTS, 2: SLOTS, 4: 32 * 4}
+    for m in (33, 40, 48):
+        whole = with_cluster_for(pp64, m, 4096, 1, lambda c: slots[c[0] * c[1]])
+        assert with_cluster_for(pp64, m, 4096, 1, lambda c: slots[c[0] * c[1]], trims_a=True) == whole, m
 
 
 def test_two_rows_keep_to_their_bounds():

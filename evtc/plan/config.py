@@ -63,8 +63,10 @@ SCHEDULES = ("cooperative", "pingpong")
 # "ping-pong becomes the default"); without multicast the 128x128 tiles are L2-bound.
 DEFAULT_SCHEDULE = "pingpong"
 DEFAULT_CLUSTER = {"pingpong": (1, 2), "cooperative": (1, 1)}
-# Rows of A a stage may load when a problem has fewer rows than a tile (GemmConfig.a_rows).
-A_ROWS = (8, 16, 32)
+# Rows of A a stage may load when a problem has fewer rows than a tile (GemmConfig.a_rows). The
+# TMA unit spends on the rows of a box past M about what it spends on data (docs/performance.md,
+# "Rows of A past M"), so a one-row problem of 33-127 rows loads the multiple of 16 that holds it.
+A_ROWS = (8, 16, 32, 48, 64, 80, 96, 112)
 # K of one pipeline stage for 16-bit A and B: four k16 wgmma steps, 128 bytes of K, one full
 # swizzle row. 8-bit A and B take 128 (four k32 steps, the same 128 bytes): GemmConfig.tile_k.
 TILE_K = 64

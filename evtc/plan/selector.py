@@ -153,6 +153,9 @@ PROMOTING_LONG_K_WAVES = 10
 # data): at M = 96, 4608 x 3584 ran 0.78x in 64 x 80 against 0.86x in cooperative 128 x 64 tiles
 # in 1x4 clusters.
 TWO_ROW_MIN_M = 112
+# Rows up to which a launch that trims A's loads takes the trimmed cluster costs
+# (evtc.plan.clusters.TRIMMED_A_CLUSTER_COST, measured at M = 1-32).
+TRIMMED_A_COST_MAX_M = 32
 TWO_ROW_MIN_K = 3072
 TWO_ROW_WIDTHS = (64, 80, 96, 128, 160)
 # The family's tiles that only _two_row_tile takes (the other rules were fitted without them): the
@@ -528,8 +531,10 @@ def with_cluster_for(config: GemmConfig, m: int, n: int, batches: int,
     ``trims_a``: the launch then loads only the problem's rows of A (:func:`with_a_rows_for`, which
     kernels that choose their tile apply), whose cluster costs differ."""
     tiles_m, tiles_n = ceil_div(m, config.tile_m), ceil_div(n, config.out_tile_n)
-    # Any cluster shape, 1x1 too (8 rows per CTA), then loads at most 32 rows of A per stage.
-    trimmed_a = (trims_a and config.a_major == "k" and m <= max(A_ROWS) and m < config.tile_m
+    # Any cluster shape, 1x1 too (8 rows per CTA), then loads at most 32 rows of A per stage: the
+    # trimmed cluster costs were measured there (M <= TRIMMED_A_COST_MAX_M); taller trimmed loads
+    # keep the costs of whole ones.
+    trimmed_a = (trims_a and config.a_major == "k" and m <= TRIMMED_A_COST_MAX_M and m < config.tile_m
                  and config.ab_dtype in SIXTEEN_BIT)
     cluster = cluster_for_problem(tiles_m, tiles_n, batches, config.cluster, slots_of, config.schedule,
                                   cluster_costs(config.schedule, config.tile_m, config.tile_n, tiles_m,
