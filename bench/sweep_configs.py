@@ -152,6 +152,25 @@ TWO_ROWS_CANDIDATES = [
     for tn, cl in ((64, (1, 1)), (64, (1, 4)), (128, (1, 2)))
 ]
 
+# Launches of the default kernel itself rather than compiled pins ("launch": True): its tile in a
+# chosen cluster shape, loading only the problem's rows of A where the tile has more rows than the
+# problem (a pinned compile loads whole tiles). For fitting the cluster choice at M = 33-128, where
+# trimmed loads change what each cluster shape costs.
+PAST_M_CANDIDATES = [
+    {"tile_m": 128, "tile_n": 64, "cluster": cl, "schedule": "cooperative", "launch": True}
+    for cl in ((1, 1), (1, 2), (1, 4))
+] + [
+    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong", "launch": True}
+    for tn, cl in ((64, (1, 1)), (64, (1, 2)), (64, (1, 4)), (64, (2, 1)), (128, (2, 1)))
+]
+# The decode tiles as the default kernel launches them at M <= 32 (A's first rows only), in the
+# cluster shapes the trimmed costs rank, for fitting split counts where few tiles stream a long K.
+DECODE_LAUNCH_CANDIDATES = [
+    {"tile_m": 64, "tile_n": tn, "cluster": cl, "schedule": "pingpong", "launch": True}
+    for tn, cl in ((64, (1, 1)), (64, (1, 2)), (128, (1, 2)))
+]
+
+
 def family_candidates() -> list[dict]:
     """Every tile shape the selector may launch (evtc.plan.selector.FAMILY) in every cluster shape
     it may choose: the sweep then covers what the rules choose from, whatever they become."""
@@ -177,6 +196,7 @@ CANDIDATE_SETS = {"small": SMALL_CANDIDATES, "medium": MEDIUM_CANDIDATES, "narro
                   "depth": DEPTH_CANDIDATES, "wide": WIDE_CANDIDATES,
                   "decode4": DECODE4_CANDIDATES, "clusters": CLUSTERS_CANDIDATES,
                   "waves": WAVES_CANDIDATES, "mid": MID_CANDIDATES, "two_rows": TWO_ROWS_CANDIDATES,
+                  "past_m": PAST_M_CANDIDATES, "decode_launches": DECODE_LAUNCH_CANDIDATES,
                   "family": family_candidates()}
 
 
@@ -202,6 +222,71 @@ def name_of(config: dict, splits: int) -> str:
     return f"{short} {config['tile_m']}x{config['tile_n']} {cl[0]}x{cl[1]}{raster}{rows}{depth} S{splits}"
 
 
+def launch_config(auto, knobs: dict, m: int):
+    """The configuration the default kernel ``auto`` runs a launch candidate with on a problem of
+    ``m`` rows: the tile and schedule of ``knobs`` from its family, in ``knobs``' cluster shape,
+    loading only the problem's rows of A where that is fewer than a tile; None where the family
+    lacks the tile or the cluster shape is invalid for it."""
+    from evtc.plan.config import ConfigError
+    from evtc.plan.selector import with_a_rows_for
+
+    base = next((c for c in auto.family if (c.schedule, c.tile_m, c.tile_n)
+                 == (knobs["schedule"], knobs["tile_m"], knobs["tile_n"])), None)
+    if base is None:
+        return None
+    try:
+        config = with_a_rows_for(base.replace(cluster=tuple(knobs["cluster"])), m)
+        config.validate()
+    except ConfigError:
+        return None
+    return config
+
+
+def launch_twin(auto, config, m: int, n: int, k: int, splits: int):
+    """A twin of the default kernel ``auto`` that runs the (M, N, K) problem with ``config`` (from
+    :func:`launch_config`) in ``splits`` splits of K (capped at K's tiles)."""
+    from evtc.runtime import stream_buffers
+
+    twin = auto._copy(_launch_memo={})
+    device = torch.cuda.current_device()
+    # What the first eager call of a size does before a capture (the memo below skips that call).
+    stream_buffers.ensure_capture_arena(torch.device("cuda", device))
+    twin._launch_memo[(m, n, k, 1, device)] = twin.resolve(config, splits, m, n, k, 1)
+    return twin
+
+
+def prebuild_launches(auto, shapes: list[str], candidates: list[dict], split_list: list[int]) -> None:
+    """Build every variant the launch candidates need on ``shapes`` in parallel worker processes
+    (evtc.runtime.prebuild), into the disk cache the twins then load from."""
+    import os
+
+    from evtc.runtime import prebuild
+    from evtc.runtime.invoke import built_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = []
+    for shape in shapes:
+        m, n, _ = (int(x) for x in shape.split("x"))
+        for knobs in candidates:
+            config = launch_config(auto, knobs, m) if knobs.get("launch") else None
+            tiles = -(-m // knobs["tile_m"]) * -(-n // knobs["tile_n"])
+            for splits in split_list if config is not None else ():
+                if splits > 1 and tiles * splits > sms:
+                    continue  # not timed (sweep_shape), unless --multi-wave-splits builds it there
+                built = built_config(config, splits)
+                if built != auto.config and built not in configs:
+                    configs.append(built)
+    if not configs:
+        return
+    start = time.time()
+    workers = max(1, min(len(configs), (os.cpu_count() or 2) // 2))
+    jobs = [auto._variant_factory.job(c) for c in configs]
+    builds = [prebuild.start(jobs[i::workers], configs[i::workers]) for i in range(workers)]
+    for build in builds:
+        build.wait()
+    print(f"prebuilt {len(configs)} launch variants in {time.time() - start:.0f} s", flush=True)
+
+
 def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twins=None) -> dict:
     """Time every candidate of one shape (and cuBLAS, and the default kernel) in one paired run."""
     m, n, k = (int(x) for x in shape.split("x"))
@@ -216,6 +301,19 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twi
     out = torch.empty(m, n, device="cuda", dtype=dtype)
     calls = {"cublas": lambda w: torch.matmul(x, w.t())}
     for config in ([] if args.auto_only else candidates):
+        if config.get("launch"):
+            launch = launch_config(auto, config, m)
+            tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
+            for s in split_list if launch is not None else ():
+                if s > 1 and tiles * s > sms and not args.multi_wave_splits:
+                    continue
+                twin = launch_twin(auto, launch, m, n, k, s)
+                got = twin(x, weights[0].t(), out=out)
+                err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, (shape, launch, s, err)
+                calls[name_of({**config, "a_rows": launch.a_rows}, s)] = \
+                    lambda w, twin=twin: twin(x, w.t(), out=out)
+            continue
         tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
         for s in split_list:
             if s > 1 and tiles * s > sms and not args.multi_wave_splits:
@@ -316,14 +414,18 @@ def main() -> None:
 
     split_list = [int(s) for s in args.splits.split(",")]
     if not args.auto_only:
-        configs = [c for which in sorted({args.candidates or ("small" if int(sh.split("x")[0]) <= 1024
-                                                               else "large") for sh in shapes})
-                   for c in CANDIDATE_SETS[which]]
+        configs_with_launches = [
+            c for which in sorted({args.candidates or ("small" if int(sh.split("x")[0]) <= 1024
+                                                        else "large") for sh in shapes})
+            for c in CANDIDATE_SETS[which]]
+        configs = [c for c in configs_with_launches if not c.get("launch")]
         # Plain kernels for one split, split-K builds for more.
-        for split_k in sorted({s > 1 for s in split_list}):
+        for split_k in sorted({s > 1 for s in split_list}) if configs else ():
             precompile(configs, args.dtype, split_k)
     shape_suite.load_torch()  # bench/shapes.py imports torch lazily
     auto = evtc.compile(identity, example)
+    if not args.auto_only:
+        prebuild_launches(auto, shapes, configs_with_launches, split_list)
     # The default kernel has PDL off: its twin with PDL on runs the same launches with it.
     twins = {"pdl": evtc.compile(identity, example, config={"pdl": True})} if args.pdl_twin else {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count

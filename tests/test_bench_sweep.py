@@ -39,7 +39,17 @@ def test_every_candidate_of_every_set_validates(sweep):
     for name, candidates in sweep.CANDIDATE_SETS.items():
         assert candidates, name
         for knobs in candidates:
+            knobs = {key: value for key, value in knobs.items() if key != "launch"}
             GemmConfig(ab_dtype="bfloat16", d_dtype="bfloat16", b_major="k", **knobs).validate()
+
+
+def test_launch_candidates_are_tiles_of_the_default_family(sweep):
+    # A launch candidate runs the default kernel's own tile (sweep_configs.launch_twin): one the
+    # family lacks would be skipped, and the sweep would silently time less than it says.
+    launches = [c for cs in sweep.CANDIDATE_SETS.values() for c in cs if c.get("launch")]
+    assert launches
+    for c in launches:
+        assert (c["schedule"], c["tile_m"], c["tile_n"]) in set(FAMILY), c
 
 
 def test_the_past_m_family_reaches_past_the_tiles(sweep):
