@@ -46,6 +46,8 @@ from evtc.plan.selector import (
     with_cluster_for,
 )
 from evtc.plan.split_k import (
+    H200_HBM_BYTES_PER_US,
+    HBM_BYTES_PER_US,
     MAX_SPLITS,
     MIN_K_TILES_PER_SPLIT,
     MIN_SPLIT_GAIN,
@@ -263,6 +265,39 @@ def test_split_model_never_exceeds_the_bounds_and_needs_a_gain():
     assert modelled_time_us(64, 8192, 8192, 1, config, 1) > modelled_time_us(64, 1024, 8192, 1, config, 1)
     assert modelled_time_us(64, 256, 65536, 1, config, 4) < modelled_time_us(64, 256, 65536, 1, config, 1)
     assert modelled_time_us(64, 256, 64, 1, config, 2) > modelled_time_us(64, 256, 64, 1, config, 1)
+
+
+def test_the_h200_memory_rate_splits_where_it_measured_faster():
+    # On the H200 (HBM3e) two splits beat one by 6-7% on a 3584 x 18944 weight at M = 1-64 and tied
+    # on 4096 x 14336 (docs/performance.md, "Split counts on the H200"); the H100's rate keeps one.
+    for m in (1, 16, 64):
+        assert choose_launch(m, 3584, 18944, 1, FAMILY, _slots, choose_cluster=True)[1] == 1
+        h200 = choose_launch(m, 3584, 18944, 1, FAMILY, _slots, choose_cluster=True,
+                             hbm_bytes_per_us=H200_HBM_BYTES_PER_US)
+        assert h200[1] == 2, (m, h200)
+        assert choose_launch(m, 4096, 14336, 1, FAMILY, _slots, choose_cluster=True,
+                             hbm_bytes_per_us=H200_HBM_BYTES_PER_US)[1] == 1
+        # A short K keeps one split at either rate: the split's fixed cost outweighs its gain.
+        assert choose_launch(m, 3584, 3584, 1, FAMILY, _slots, choose_cluster=True,
+                             hbm_bytes_per_us=H200_HBM_BYTES_PER_US)[1] == 1
+    # The rate only moves the split count: the tile and cluster shape stay.
+    h100 = choose_launch(1, 3584, 18944, 1, FAMILY, _slots, choose_cluster=True)[0]
+    h200 = choose_launch(1, 3584, 18944, 1, FAMILY, _slots, choose_cluster=True,
+                         hbm_bytes_per_us=H200_HBM_BYTES_PER_US)[0]
+    assert h100.replace(split_k=False) == h200.replace(split_k=False)
+
+
+def test_the_memory_rate_follows_the_gpu(monkeypatch):
+    from evtc.runtime import device
+
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: False)
+    assert device.hbm_bytes_per_us() == HBM_BYTES_PER_US  # no GPU: the H100's, as every other rule
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device.torch.cuda, "current_device", lambda: 0)
+    for name, rate in (("NVIDIA H200", H200_HBM_BYTES_PER_US), ("NVIDIA H100 80GB HBM3", HBM_BYTES_PER_US),
+                       ("NVIDIA H800", HBM_BYTES_PER_US)):
+        monkeypatch.setattr(device, "_gpu", lambda index, name=name: (name, 132))
+        assert device.hbm_bytes_per_us() == rate, name
 
 
 def test_pdl_is_the_users_choice_for_every_launch():

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from evtc.plan.clusters import ceil_div, cluster_costs, cluster_for_problem
 from evtc.plan.config import A_ROWS, FLOAT8_DTYPES, TWO_ROW_ONLY_TILE_NS, ConfigError, GemmConfig
 from evtc.plan.split_k import (
+    HBM_BYTES_PER_US,
     choose_splits,
     choose_tail_splits,
     cta_tile_grid,
@@ -569,11 +570,14 @@ def with_launch_shape_for(config: GemmConfig, m: int, n: int, batches: int,
 
 def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig],
                   slots_of: Callable[[tuple[int, int]], int], *, choose_cluster: bool,
-                  pinned_splits: int | None = None, epilogue_tiles: int = 0) -> tuple[GemmConfig, int]:
+                  pinned_splits: int | None = None, epilogue_tiles: int = 0,
+                  hbm_bytes_per_us: float = HBM_BYTES_PER_US) -> tuple[GemmConfig, int]:
     """(configuration, splits of K) for an (L, M, N, K) problem: the tile from ``family``, then the
     cluster shape with the fewest waves (where ``choose_cluster``), then the split count (unless
     ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once.
-    ``epilogue_tiles``: tiles the epilogue moves besides D (:data:`HEAVY_EPILOGUE_TILES`)."""
+    ``epilogue_tiles``: tiles the epilogue moves besides D (:data:`HEAVY_EPILOGUE_TILES`).
+    ``hbm_bytes_per_us``: the GPU's memory rate in the split model
+    (:func:`evtc.plan.split_k.modelled_time_us`; the H100's by default)."""
     config = (choose_tile(m, n, k, batches, family, slots_of((1, 1)), epilogue_tiles) if len(family) > 1
               else family[0])
     config = with_launch_shape_for(config, m, n, batches, slots_of, choose_cluster=choose_cluster,
@@ -590,7 +594,8 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
         splits = 1
     else:
         tiles, slots = cta_tile_grid(m, n, batches, config, config.cluster), slots_of(config.cluster)
-        splits = modelled_splits(choose_splits(k, tiles, slots, config.tile_k), m, n, k, batches, config)
+        splits = modelled_splits(choose_splits(k, tiles, slots, config.tile_k), m, n, k, batches, config,
+                                 hbm_bytes_per_us)
         if splits == 1:
             splits = choose_tail_splits(k, tiles, slots, config.cluster[0] * config.cluster[1], config.tile_k)
     if splits == 1 and cta_tile_grid(m, n, batches, config, config.cluster) <= slots_of(config.cluster):

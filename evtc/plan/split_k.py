@@ -119,16 +119,24 @@ def choose_tail_splits(k: int, tiles: int, slots: int, ctas: int, tile_k: int = 
 K_TILE_FLOOR_US = 0.12
 SM_BYTES_PER_US = 160e3
 HBM_BYTES_PER_US = 2.9e6
+# The H200 has the H100's SMs with HBM3e (a device copy: 4.25 TB/s), so the K loop limits a one-wave
+# launch sooner there and splits pay on more shapes. Its rate in the model is fitted to the split
+# counts measured there (bench/sweep_configs.py --candidates decode_launches, docs/performance.md,
+# "Split counts on the H200"): 2 splits beat 1 by 6-7% on a 3584 x 18944 weight at M = 1-64 and
+# tied on 4096 x 14336; the model ranks both so for rates of 3.2-3.8 TB/s, and this is the middle.
+H200_HBM_BYTES_PER_US = 3.5e6
 SPLIT_COST_US = 3.0
 MMA_US_PER_128X128_K_TILE = 0.3
 # A split count must beat one split by this share of the modelled time.
 MIN_SPLIT_GAIN = 0.05
 
 
-def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, splits: int) -> float:
+def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, splits: int,
+                     hbm_bytes_per_us: float = HBM_BYTES_PER_US) -> float:
     """Modelled microseconds of a launch whose units all run at once (one wave), K cut in
     ``splits`` (``n``: the output's width; a gated B streams twice as many columns): HBM streaming A
-    and B once against one unit's K loop (each K tile bound by
+    and B once at ``hbm_bytes_per_us`` (the GPU's, :func:`evtc.runtime.device.hbm_bytes_per_us`)
+    against one unit's K loop (each K tile bound by
     :data:`K_TILE_FLOOR_US`, the SM's intake of its A and B tiles or its MMA), combined as a cubic
     soft maximum, plus, split, :data:`SPLIT_COST_US` and the last split's reads of the others'
     float32 partials. The launch's fixed floor (about 3 us) is left out: it is the same for every
@@ -140,7 +148,7 @@ def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, s
                      MMA_US_PER_128X128_K_TILE * config.tile_m * config.tile_n / (128 * 128))
     unit = ceil_div(k_tiles, splits) * per_k_tile
     b_columns = 2 * n if config.gated else n  # n: the output's width; a gated B holds both halves
-    hbm = batches * (m + b_columns) * k * elem / HBM_BYTES_PER_US
+    hbm = batches * (m + b_columns) * k * elem / hbm_bytes_per_us
     streaming = (hbm ** 3 + unit ** 3) ** (1 / 3)
     if splits == 1:
         return streaming
@@ -148,7 +156,8 @@ def modelled_time_us(m: int, n: int, k: int, batches: int, config: GemmConfig, s
     return streaming + SPLIT_COST_US + partials
 
 
-def modelled_splits(most: int, m: int, n: int, k: int, batches: int, config: GemmConfig) -> int:
+def modelled_splits(most: int, m: int, n: int, k: int, batches: int, config: GemmConfig,
+                    hbm_bytes_per_us: float = HBM_BYTES_PER_US) -> int:
     """The split count, at most ``most`` (the bounds of :func:`choose_splits`), that
     :func:`modelled_time_us` finds fastest, if it beats one split by :data:`MIN_SPLIT_GAIN`; else 1.
 
@@ -158,7 +167,7 @@ def modelled_splits(most: int, m: int, n: int, k: int, batches: int, config: Gem
     adds its cost (64 x 3072 x 7168, 48 tiles: 1.03x whole, 0.98x in 2 splits)."""
     if most <= 1:
         return 1
-    times = {s: modelled_time_us(m, n, k, batches, config, s) for s in range(1, most + 1)}
+    times = {s: modelled_time_us(m, n, k, batches, config, s, hbm_bytes_per_us) for s in range(1, most + 1)}
     best = min(times, key=times.get)
     return best if times[best] <= (1 - MIN_SPLIT_GAIN) * times[1] else 1
 
@@ -180,7 +189,8 @@ def choose_splits(k: int, tiles: int, slots: int, tile_k: int = TILE_K) -> int:
     return max(1, min(MAX_SPLITS, slots // tiles, ceil_div(k, tile_k) // MIN_K_TILES_PER_SPLIT))
 
 
-__all__ = ["HBM_BYTES_PER_US", "K_TILE_FLOOR_US", "MAX_SPLITS", "MAX_TAIL_SPLITS", "MIN_K_TILES_PER_SPLIT",
+__all__ = ["H200_HBM_BYTES_PER_US", "HBM_BYTES_PER_US", "K_TILE_FLOOR_US", "MAX_SPLITS", "MAX_TAIL_SPLITS",
+           "MIN_K_TILES_PER_SPLIT",
            "MIN_K_TILES_PER_TAIL_SPLIT", "MIN_SPLIT_GAIN", "MIN_TAIL_GAIN", "MMA_US_PER_128X128_K_TILE",
            "SM_BYTES_PER_US", "SPLIT_COST_US", "TAIL_FILL", "choose_splits", "modelled_splits",
            "modelled_time_us", "choose_tail_splits", "cta_tile_grid",

@@ -82,4 +82,16 @@ def max_active_clusters(cluster_size: int, cache_root: Path) -> int:
     return value
 
 
-__all__ = ["H100_SM_COUNT", "max_active_clusters"]
+def hbm_bytes_per_us() -> float:
+    """The current GPU's memory rate in the selector's split model (bytes per microsecond,
+    :func:`evtc.plan.split_k.modelled_time_us`): the H200's where the GPU is one, else the H100's,
+    on whose SMs and memory the other rules were fitted (also without a GPU)."""
+    from evtc.plan.split_k import H200_HBM_BYTES_PER_US, HBM_BYTES_PER_US
+
+    if not torch.cuda.is_available():
+        return HBM_BYTES_PER_US
+    name, _ = _gpu(torch.cuda.current_device())
+    return H200_HBM_BYTES_PER_US if "H200" in name else HBM_BYTES_PER_US
+
+
+__all__ = ["H100_SM_COUNT", "hbm_bytes_per_us", "max_active_clusters"]

@@ -27,7 +27,7 @@ from evtc.runtime.broadcasts import to_compiled_shapes
 from evtc.runtime.build import SOURCE, Built
 from evtc.runtime.cache import DiskCache
 from evtc.runtime.call_spec import CallSpec
-from evtc.runtime.device import max_active_clusters
+from evtc.runtime.device import hbm_bytes_per_us, max_active_clusters
 from evtc.runtime.invoke import built_config, invoke
 from evtc.runtime.out_aliasing import unaliased
 from evtc.runtime.reductions import ReductionFinish
@@ -281,7 +281,8 @@ class Kernel:
         config, splits = choose_launch(m, n, k, batches, self._family, self.slots,
                                        choose_cluster=self._variant_factory is not None,
                                        pinned_splits=self._pin.splits,
-                                       epilogue_tiles=self.plan.epilogue_tiles)
+                                       epilogue_tiles=self.plan.epilogue_tiles,
+                                       hbm_bytes_per_us=hbm_bytes_per_us())
         if not self.can_split:
             splits = 1
         return config, splits
