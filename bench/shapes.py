@@ -914,6 +914,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     how.add_argument("--torch-compile-mode", default="default", help="torch.compile's mode")
     how.add_argument("--torch-compile-timeout", type=float, default=180.0,
                      help="seconds a row's first torch.compile call (its compile) may take")
+    how.add_argument("--prebuild", type=int, default=-1, metavar="WORKERS",
+                     help="build the variants the rows launch in this many worker processes before "
+                          "timing (default: half the CPUs; 0: build each on its row's first call)")
     how.add_argument("--time-budget", type=float, default=0.0,
                      help="stop starting rows after this many seconds (0: no limit); the rest are listed")
     how.add_argument("--seed", type=int, default=0)
@@ -985,6 +988,38 @@ def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
              else ""))
 
 
+def prebuild_variants(cases: Sequence[Case], kernels: Kernels, workers: int) -> None:
+    """Build every variant (tile, cluster shape, split-K build) that the rows' evtc calls will
+    launch, in ``workers`` background processes at once (Kernel.prebuild, each on a share of the
+    sizes), so that no row waits for builds one at a time. A kernel that failed to compile is left
+    to its rows, which report it."""
+    by_kernel: dict[tuple[str, str], list[tuple[int, int, int]]] = defaultdict(list)
+    for c in cases:
+        by_kernel[("identity", c.dtype)].append((c.m, c.layer.gemm_n, c.layer.k))
+        if EPILOGUES[c.layer.epilogue].eager_fn is not None:
+            by_kernel[(c.layer.epilogue, c.dtype)].append((c.m, c.layer.n, c.layer.k))
+    from evtc.runtime.invoke import built_config
+
+    start = time.perf_counter()
+    builds = []
+    for (epilogue, dtype), sizes in by_kernel.items():
+        try:
+            kernel = kernels.get(epilogue, dtype)
+        except Exception:  # noqa: BLE001 - each of its rows reports the failure
+            continue
+        # One size per variant, so that no two workers build the same one.
+        one_each = {}
+        for size in sorted(set(sizes)):
+            one_each.setdefault(built_config(*kernel.launch_for(*size)), size)
+        sizes = list(one_each.values())
+        share = max(1, min(len(sizes), workers // len(by_kernel)))
+        builds += [kernel.prebuild(sizes[i::share], wait=False) for i in range(share)]
+    for build in builds:
+        build.wait()
+    print(f"# prebuilt {len({c for b in builds for c in b.configs})} variants in "
+          f"{time.perf_counter() - start:.0f} s ({len(builds)} workers)", flush=True)
+
+
 def write_json(path: str, meta: dict, rows: Sequence[dict], extra: dict | None = None) -> None:
     data = {"meta": meta, "rows": list(rows), "summary": summarize(rows), **(extra or {})}
     tmp = f"{path}.tmp"
@@ -1052,6 +1087,9 @@ def run(cases: Sequence[Case], args: argparse.Namespace) -> int:
     kernels = Kernels(args.config)
     compiled = TorchCompiled(not args.no_torch_compile, args.torch_compile_timeout, args.torch_compile_mode)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    workers = (os.cpu_count() or 2) // 2 if args.prebuild < 0 else args.prebuild
+    if workers > 0:
+        prebuild_variants(cases, kernels, workers)
     rows: list[dict] = []
     skipped: list[str] = []
     print(header(), flush=True)
