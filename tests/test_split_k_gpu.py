@@ -215,6 +215,23 @@ def test_chosen_for_small_m(cache):
            torch.relu(x.double() @ w.double().t() + C.double() + bias.double()))
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_the_gpus_memory_rate_decides_the_split_and_the_result_holds(cache, m):
+    """A 3584 x 18944 weight at decode sizes splits K on the H200 (its memory rate in the split
+    model, evtc.runtime.device.hbm_bytes_per_us) and not on the H100; the fused result matches
+    float64 either way."""
+    from evtc.plan.split_k import H200_HBM_BYTES_PER_US
+
+    x, w, C, bias = _inputs(m, 3584, 18944, seed=11 + m)
+    examples = {"a": x, "b": w.t(), "C": C, "bias": bias}
+    k = evtc.compile(residual_relu, examples, cache_dir=cache, strict=True)
+    h200 = device.hbm_bytes_per_us() == H200_HBM_BYTES_PER_US
+    assert h200 == ("H200" in torch.cuda.get_device_name())
+    assert (k.splits_for(m, 3584, 18944) > 1) == h200
+    _close(k(x, w.t(), C=C, bias=bias),
+           torch.relu(x.double() @ w.double().t() + C.double() + bias.double()))
+
+
 # ---- split tail: problems of more than one wave, where only the tiles past the last whole round
 # are split (evtc.plan.split_k) -----------------------------------------------------------------
 
