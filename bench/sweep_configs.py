@@ -6,6 +6,12 @@ time each against torch.matmul (cuBLAS), for fitting and checking the launch sel
     python3 bench/sweep_configs.py --family small      # decode-sized LLM layers
     python3 bench/sweep_configs.py --family large      # prefill-sized layers
     python3 bench/sweep_configs.py --family past_m --auto-only   # last row of tiles past M
+    python3 bench/sweep_configs.py --shapes 1x3584x18944 --candidates decode_launches --splits 1,2,3
+
+A candidate is a compiled pin (its knobs passed to ``evtc.compile``), or, marked ``"launch": True``,
+a launch of the default kernel itself: its tile in the candidate's cluster shape and split count,
+loading only the problem's rows of A where the tile has more, as the selector's launches do (a
+pinned compile loads whole tiles). Sets ``past_m`` and ``decode_launches`` are of this kind.
 
 Identity epilogue, B K-major (``nn.Linear`` weights). Every call runs in a CUDA graph of R calls
 that cycles through enough copies of the weight to stream it from HBM (not from the 50 MB L2).
