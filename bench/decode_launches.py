@@ -92,11 +92,16 @@ def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dic
         except ConfigError as exc:
             print(f"{m}x{n}x{k} {name}{tail}: skipped ({exc})")
             continue
-        label = f"{name} a{config.a_rows}{tail}"
-        handle = kernel._copy(_launch_memo={})
-        handle.launch_for = lambda *_, config=config, splits=splits, **__: (config, splits)
-        handles[label] = handle
+        handles[f"{name} a{config.a_rows}{tail}"] = launch_handle(kernel, config, splits)
     return default, handles
+
+
+def launch_handle(kernel, config, splits: int = 1):
+    """A handle of ``kernel`` (its compiled family, a launch memo of its own) whose every call
+    launches ``config`` with ``splits`` splits of K, whatever the problem's size."""
+    handle = kernel._copy(_launch_memo={})
+    handle.launch_for = lambda *_, **__: (config, splits)
+    return handle
 
 
 def main() -> None:

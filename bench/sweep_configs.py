@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import decode_launches  # noqa: E402  (bench/decode_launches.py: handles that pin a launch)
 import shapes as shape_suite  # noqa: E402
 import torch  # noqa: E402
 
@@ -248,22 +249,9 @@ def launch_config(auto, knobs: dict, m: int):
     return config
 
 
-def launch_twin(auto, config, m: int, n: int, k: int, splits: int):
-    """A twin of the default kernel ``auto`` that runs the (M, N, K) problem with ``config`` (from
-    :func:`launch_config`) in ``splits`` splits of K (capped at K's tiles)."""
-    from evtc.runtime import stream_buffers
-
-    twin = auto._copy(_launch_memo={})
-    device = torch.cuda.current_device()
-    # What the first eager call of a size does before a capture (the memo below skips that call).
-    stream_buffers.ensure_capture_arena(torch.device("cuda", device))
-    twin._launch_memo[(m, n, k, 1, device)] = twin.resolve(config, splits, m, n, k, 1)
-    return twin
-
-
 def prebuild_launches(auto, shapes: list[str], candidates: list[dict], split_list: list[int]) -> None:
     """Build every variant the launch candidates need on ``shapes`` in parallel worker processes
-    (evtc.runtime.prebuild), into the disk cache the twins then load from."""
+    (evtc.runtime.prebuild), into the disk cache their handles then load from."""
     import os
 
     from evtc.runtime import prebuild
@@ -313,12 +301,12 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twi
             for s in split_list if launch is not None else ():
                 if s > 1 and tiles * s > sms and not args.multi_wave_splits:
                     continue
-                twin = launch_twin(auto, launch, m, n, k, s)
-                got = twin(x, weights[0].t(), out=out)
+                handle = decode_launches.launch_handle(auto, launch, s)
+                got = handle(x, weights[0].t(), out=out)
                 err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, (shape, launch, s, err)
                 calls[name_of({**config, "a_rows": launch.a_rows}, s)] = \
-                    lambda w, twin=twin: twin(x, w.t(), out=out)
+                    lambda w, handle=handle: handle(x, w.t(), out=out)
             continue
         tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
         for s in split_list:

@@ -56,3 +56,24 @@ def test_the_past_m_family_reaches_past_the_tiles(sweep):
     shapes = [tuple(int(x) for x in s.split("x")) for s in sweep.FAMILIES["past_m"]]
     assert all(32 < m <= 128 for m, _, _ in shapes)
     assert sum(m % 64 != 0 for m, _, _ in shapes) > len(shapes) // 2
+
+
+def test_launch_candidates_trim_a_as_the_selector_does(sweep, tmp_path):
+    import torch
+
+    import evtc
+
+    meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+            "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    auto = evtc.compile(lambda acc: acc, meta, arch="sm_90a", cache_dir=tmp_path)
+    co = {"tile_m": 128, "tile_n": 64, "schedule": "cooperative", "launch": True}
+    # 72 rows in 128-row tiles: the multiple of 16 that holds them, whole 8-row atoms per CTA.
+    assert sweep.launch_config(auto, {**co, "cluster": (1, 1)}, 72).a_rows == 80
+    assert sweep.launch_config(auto, {**co, "cluster": (1, 4)}, 72).a_rows == 96
+    assert sweep.launch_config(auto, {**co, "cluster": (1, 2)}, 1).a_rows == 16
+    # A problem as tall as the tile, or taller, loads whole tiles.
+    assert sweep.launch_config(auto, {**co, "cluster": (1, 1)}, 128).a_rows is None
+    pp = {"tile_m": 64, "tile_n": 64, "schedule": "pingpong", "cluster": (2, 1), "launch": True}
+    assert sweep.launch_config(auto, pp, 72).a_rows is None
+    # A tile the default kernel's family lacks is no launch of it.
+    assert sweep.launch_config(auto, {**co, "tile_n": 48, "cluster": (1, 1)}, 72) is None
