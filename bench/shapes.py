@@ -993,34 +993,55 @@ def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
 
 def prebuild_variants(cases: Sequence[Case], kernels: Kernels, workers: int) -> None:
     """Build every variant (tile, cluster shape, split-K build) that the rows' evtc calls will
-    launch, in ``workers`` background processes at once (Kernel.prebuild, each on a share of the
-    sizes), so that no row waits for builds one at a time. A kernel that failed to compile is left
-    to its rows, which report it."""
+    launch before the rows run (:func:`build_variants`), so that no row waits for builds one at a
+    time. A kernel that failed to compile is left to its rows, which report it."""
     by_kernel: dict[tuple[str, str], list[tuple[int, int, int]]] = defaultdict(list)
     for c in cases:
         by_kernel[("identity", c.dtype)].append((c.m, c.layer.gemm_n, c.layer.k))
         if EPILOGUES[c.layer.epilogue].eager_fn is not None:
             by_kernel[(c.layer.epilogue, c.dtype)].append((c.m, c.layer.n, c.layer.k))
-    from evtc.runtime.invoke import built_config
-
-    start = time.perf_counter()
-    builds = []
+    jobs = []
     for (epilogue, dtype), sizes in by_kernel.items():
         try:
-            kernel = kernels.get(epilogue, dtype)
+            jobs.append((kernels.get(epilogue, dtype), sizes))
         except Exception:  # noqa: BLE001 - each of its rows reports the failure
             continue
-        # One size per variant, so that no two workers build the same one.
+    start = time.perf_counter()
+    count, processes = build_variants(jobs, workers)
+    print(f"# prebuilt {count} variants in {time.perf_counter() - start:.0f} s ({processes} workers)",
+          flush=True)
+
+
+def build_variants(jobs: Sequence[tuple[object, Sequence[tuple[int, int, int]]]],
+                   workers: int) -> tuple[int, int]:
+    """Build the variants that each (kernel or launch handle, its (M, N, K) sizes) of ``jobs``
+    launches, in background processes (``Kernel.prebuild(..., wait=False)`` on a share of a job's
+    sizes), at most ``workers`` at a time. Each variant is built once: one size stands for it.
+    Returns (variants covered, processes started)."""
+    from evtc.runtime.invoke import built_config
+
+    seen: set = set()
+    shares = []
+    per_job = max(1, workers // max(1, len(jobs)))
+    for kernel, sizes in jobs:
         one_each = {}
         for size in sorted(set(sizes)):
-            one_each.setdefault(built_config(*kernel.launch_for(*size)), size)
+            config = built_config(*kernel.launch_for(*size))
+            if config not in seen:
+                seen.add(config)
+                one_each[config] = size
         sizes = list(one_each.values())
-        share = max(1, min(len(sizes), workers // len(by_kernel)))
-        builds += [kernel.prebuild(sizes[i::share], wait=False) for i in range(share)]
-    for build in builds:
+        count = min(len(sizes), per_job)
+        shares += [(kernel, sizes[i::count]) for i in range(count)]
+    running, started = [], 0
+    for kernel, sizes in shares:
+        if len(running) >= workers:
+            running.pop(0).wait()
+        running.append(kernel.prebuild(sizes, wait=False))
+        started += 1
+    for build in running:
         build.wait()
-    print(f"# prebuilt {len({c for b in builds for c in b.configs})} variants in "
-          f"{time.perf_counter() - start:.0f} s ({len(builds)} workers)", flush=True)
+    return len(seen), started
 
 
 def write_json(path: str, meta: dict, rows: Sequence[dict], extra: dict | None = None) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -249,36 +250,26 @@ def launch_config(auto, knobs: dict, m: int):
     return config
 
 
-def prebuild_launches(auto, shapes: list[str], candidates: list[dict], split_list: list[int]) -> None:
-    """Build every variant the launch candidates need on ``shapes`` in parallel worker processes
-    (evtc.runtime.prebuild), into the disk cache their handles then load from."""
-    import os
+def timed_splits(config: dict, m: int, n: int, split_list: list[int], sms: int,
+                 multi_wave: bool = False) -> list[int]:
+    """The split counts of ``split_list`` a candidate is timed with: those whose units fit in one
+    wave (or all, with ``multi_wave``)."""
+    tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
+    return [s for s in split_list if s == 1 or multi_wave or tiles * s <= sms]
 
-    from evtc.runtime import prebuild
-    from evtc.runtime.invoke import built_config
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    configs = []
-    for shape in shapes:
-        m, n, _ = (int(x) for x in shape.split("x"))
-        for knobs in candidates:
-            config = launch_config(auto, knobs, m) if knobs.get("launch") else None
-            tiles = -(-m // knobs["tile_m"]) * -(-n // knobs["tile_n"])
-            for splits in split_list if config is not None else ():
-                if splits > 1 and tiles * splits > sms:
-                    continue  # not timed (sweep_shape), unless --multi-wave-splits builds it there
-                built = built_config(config, splits)
-                if built != auto.config and built not in configs:
-                    configs.append(built)
-    if not configs:
-        return
-    start = time.time()
-    workers = max(1, min(len(configs), (os.cpu_count() or 2) // 2))
-    jobs = [auto._variant_factory.job(c) for c in configs]
-    builds = [prebuild.start(jobs[i::workers], configs[i::workers]) for i in range(workers)]
-    for build in builds:
-        build.wait()
-    print(f"prebuilt {len(configs)} launch variants in {time.time() - start:.0f} s", flush=True)
+def launch_handles(auto, shape: str, candidates: list[dict], split_list: list[int], sms: int,
+                   multi_wave: bool = False) -> dict:
+    """{label: a handle of the default kernel ``auto`` that launches that candidate} for the launch
+    candidates of ``candidates`` on one M x N x K shape, in each of their timed split counts."""
+    m, n, _ = (int(x) for x in shape.split("x"))
+    handles = {}
+    for knobs in candidates:
+        config = launch_config(auto, knobs, m) if knobs.get("launch") else None
+        for s in timed_splits(knobs, m, n, split_list, sms, multi_wave) if config is not None else ():
+            handles[name_of({**knobs, "a_rows": config.a_rows}, s)] = \
+                decode_launches.launch_handle(auto, config, s)
+    return handles
 
 
 def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twins=None) -> dict:
@@ -296,22 +287,8 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twi
     calls = {"cublas": lambda w: torch.matmul(x, w.t())}
     for config in ([] if args.auto_only else candidates):
         if config.get("launch"):
-            launch = launch_config(auto, config, m)
-            tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
-            for s in split_list if launch is not None else ():
-                if s > 1 and tiles * s > sms and not args.multi_wave_splits:
-                    continue
-                handle = decode_launches.launch_handle(auto, launch, s)
-                got = handle(x, weights[0].t(), out=out)
-                err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
-                assert err < 2e-2, (shape, launch, s, err)
-                calls[name_of({**config, "a_rows": launch.a_rows}, s)] = \
-                    lambda w, handle=handle: handle(x, w.t(), out=out)
-            continue
-        tiles = -(-m // config["tile_m"]) * -(-n // config["tile_n"])
-        for s in split_list:
-            if s > 1 and tiles * s > sms and not args.multi_wave_splits:
-                continue
+            continue  # below, as handles of the default kernel
+        for s in timed_splits(config, m, n, split_list, sms, args.multi_wave_splits):
             # One split: the plain kernel, as the selector launches it (a split-K build run with
             # one split reads up to 10% slower); more: the split-K build.
             kern = kernel(config, s > 1)
@@ -324,6 +301,13 @@ def sweep_shape(shape: str, args, kernel, auto, dtype, split_list, sms: int, twi
             def call(w, kern=kern, s=s):
                 return kern(x, w.t(), out=out)
             calls[name_of(config, s)] = (kern, s, call)
+    launches = {} if args.auto_only else launch_handles(auto, shape, candidates, split_list, sms,
+                                                        args.multi_wave_splits)
+    for label, handle in launches.items():
+        got = handle(x, weights[0].t(), out=out)
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-2, (shape, label, err)
+        calls[label] = lambda w, handle=handle: handle(x, w.t(), out=out)
     calls["auto"] = lambda w: auto(x, w.t(), out=out)
     for label, twin in (twins or {}).items():
         calls[label] = lambda w, twin=twin: twin(x, w.t(), out=out)
@@ -418,11 +402,17 @@ def main() -> None:
             precompile(configs, args.dtype, split_k)
     shape_suite.load_torch()  # bench/shapes.py imports torch lazily
     auto = evtc.compile(identity, example)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     if not args.auto_only:
-        prebuild_launches(auto, shapes, configs_with_launches, split_list)
+        # The launch candidates' variants, built in parallel before any shape is timed.
+        start = time.time()
+        jobs = [(handle, [tuple(int(x) for x in shape.split("x"))]) for shape in shapes
+                for handle in launch_handles(auto, shape, configs_with_launches, split_list, sms,
+                                             args.multi_wave_splits).values()]
+        count, _ = shape_suite.build_variants(jobs, max(1, (os.cpu_count() or 2) // 2))
+        print(f"prebuilt {count} launch variants in {time.time() - start:.0f} s", flush=True)
     # The default kernel has PDL off: its twin with PDL on runs the same launches with it.
     twins = {"pdl": evtc.compile(identity, example, config={"pdl": True})} if args.pdl_twin else {}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; {sms} SMs", flush=True)
     results = []
     start = time.time()

@@ -77,3 +77,46 @@ def test_launch_candidates_trim_a_as_the_selector_does(sweep, tmp_path):
     assert sweep.launch_config(auto, pp, 72).a_rows is None
     # A tile the default kernel's family lacks is no launch of it.
     assert sweep.launch_config(auto, {**co, "tile_n": 48, "cluster": (1, 1)}, 72) is None
+
+
+def test_launch_handles_and_their_split_counts(sweep, tmp_path):
+    import torch
+
+    import evtc
+
+    meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+            "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+    auto = evtc.compile(lambda acc: acc, meta, arch="sm_90a", cache_dir=tmp_path)
+    pp = {"tile_m": 64, "tile_n": 64, "schedule": "pingpong", "cluster": (1, 1), "launch": True}
+    # 56 tiles: 2 splits fit one wave of 132, 3 do not (unless multi-wave splits are asked for).
+    assert sweep.timed_splits(pp, 1, 3584, [1, 2, 3], 132) == [1, 2]
+    assert sweep.timed_splits(pp, 1, 3584, [1, 2, 3], 132, multi_wave=True) == [1, 2, 3]
+    handles = sweep.launch_handles(auto, "1x3584x18944", [pp, {**pp, "launch": False}], [1, 2, 3], 132)
+    assert list(handles) == ["pp 64x64 1x1 a8 S1", "pp 64x64 1x1 a8 S2"]  # pins are not handles
+    for label, handle in handles.items():
+        config, splits = handle.launch_for(1, 3584, 18944)
+        assert (config.tile_n, config.cluster, config.a_rows, splits) == (64, (1, 1), 8, int(label[-1]))
+    assert auto.launch_for(1, 3584, 18944)[0].a_rows == 8  # the default kernel's own choice stays
+
+
+def test_build_variants_builds_each_variant_once(tmp_path):
+    import torch
+    from bench_modules import bench_module
+
+    import evtc
+    from evtc.runtime.invoke import built_config
+
+    with bench_module("shapes") as shapes:
+        shapes.load_torch()
+        meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
+                "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
+        kernel = evtc.compile(lambda acc: acc, meta, arch="sm_90a", cache_dir=tmp_path)
+        # Two sizes of one launch and a third of another: two variants, each built by one process.
+        sizes = [(1, 4096, 4096), (2, 4096, 4096), (1, 64, 64)]
+        configs = {built_config(*kernel.launch_for(*size)) for size in sizes}
+        assert len(configs) == 2
+        count, processes = shapes.build_variants([(kernel, sizes)], workers=4)
+        assert (count, processes) == (2, 2)
+        # Built in the background into the disk cache: loading them now compiles nothing.
+        for config in configs - {kernel.config}:
+            assert kernel._variant(config).origin == "disk"
