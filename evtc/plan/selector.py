@@ -138,6 +138,9 @@ WIDE_PINGPONG_MIN_K_WITH_TILES = 4096
 # the earlier rule: 128 x 128 in pairs in 2x1 clusters up to WAVE_FIT_MAX_WAVES, 128 x 192 past it
 # ("Block scales in pairs").
 PROMOTING_LONG_K_WAVES = 10
+# Rows up to which a launch that trims A's loads takes the trimmed cluster costs
+# (evtc.plan.clusters.TRIMMED_A_CLUSTER_COST, measured at M = 1-32).
+TRIMMED_A_COST_MAX_M = 32
 # Two rows of 64-row tiles (:func:`_two_row_tile`): problems of TWO_ROW_MIN_M to 128 rows with
 # 16-bit K-major a and b (nn.Linear's layouts, the ones measured) and K from TWO_ROW_MIN_K to below
 # LONG_K run ping-pong 64-row tiles, multicasting each weight tile to both rows (2x1 clusters), of
@@ -154,9 +157,6 @@ PROMOTING_LONG_K_WAVES = 10
 # data): at M = 96, 4608 x 3584 ran 0.78x in 64 x 80 against 0.86x in cooperative 128 x 64 tiles
 # in 1x4 clusters.
 TWO_ROW_MIN_M = 112
-# Rows up to which a launch that trims A's loads takes the trimmed cluster costs
-# (evtc.plan.clusters.TRIMMED_A_CLUSTER_COST, measured at M = 1-32).
-TRIMMED_A_COST_MAX_M = 32
 TWO_ROW_MIN_K = 3072
 TWO_ROW_WIDTHS = (64, 80, 96, 128, 160)
 # The family's tiles that only _two_row_tile takes (the other rules were fitted without them): the

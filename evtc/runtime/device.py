@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from evtc.plan.split_k import H200_HBM_BYTES_PER_US, HBM_BYTES_PER_US
 from evtc.runtime.dsl_lock import DSL_LOCK
 
 #: The H100 SXM's SM count: the answer without a GPU (nothing is launched then).
@@ -86,8 +87,6 @@ def hbm_bytes_per_us() -> float:
     """The current GPU's memory rate in the selector's split model (bytes per microsecond,
     :func:`evtc.plan.split_k.modelled_time_us`): the H200's where the GPU is one, else the H100's,
     on whose SMs and memory the other rules were fitted (also without a GPU)."""
-    from evtc.plan.split_k import H200_HBM_BYTES_PER_US, HBM_BYTES_PER_US
-
     if not torch.cuda.is_available():
         return HBM_BYTES_PER_US
     name, _ = _gpu(torch.cuda.current_device())
