@@ -58,6 +58,63 @@ def test_overlap_is_exact():
         assert overlap(x, y) == want == overlap(y, x), (x.shape, x.stride(), y.shape, y.stride())
 
 
+def test_overlap_of_random_views_matches_their_addresses():
+    """Random strided views of one buffer (offsets, sizes, strides, some 0, some dims of 1, other
+    dtypes over the same bytes), against the brute-force byte sets: both the arithmetic on runs of
+    one stride and the run-by-run comparison must be exact."""
+    from evtc.runtime.out_aliasing import _runs, _runs_meet, overlap
+
+    gen = torch.Generator().manual_seed(7)
+    buf = torch.zeros(256)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    def view():
+        base = buf if rand(0, 3) else buf.view(torch.float16)
+        dims = rand(1, 4)
+        shape = [rand(1, 6) for _ in range(dims)]
+        stride = [rand(0, 12) if rand(0, 4) else 1 for _ in range(dims)]
+        if rand(0, 2):  # rows of a matrix: a contiguous last dim under one row stride
+            stride[-1] = 1
+        last = sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+        offset = rand(0, base.numel() - last - 1)
+        return base.as_strided(shape, stride, offset)
+
+    meeting = by_arithmetic = 0
+    for _ in range(3000):
+        x, y = view(), view()
+        want = bool(_addresses(x) & _addresses(y))
+        assert overlap(x, y) == want == overlap(y, x), (x.shape, x.stride(), y.shape, y.stride())
+        meeting += want
+        runs = _runs(x), _runs(y)
+        by_arithmetic += None not in runs and _runs_meet(*runs) is not None
+    # Both answers, and both ways of finding them, were exercised.
+    assert 100 < meeting < 2900 and 500 < by_arithmetic < 2500, (meeting, by_arithmetic)
+
+
+def test_overlap_of_the_halves_of_a_wide_output_is_arithmetic(monkeypatch):
+    """The halves of one output (a gated backward's two outputs, written side by side) are judged
+    without building a run per row: the check costs the same for 8192 rows as for 8."""
+    from evtc.runtime import out_aliasing
+
+    def refused(t):
+        raise AssertionError("a run per row was built")
+
+    monkeypatch.setattr(out_aliasing, "_pieces", refused)
+    wide = torch.empty(8192, 64, dtype=torch.bfloat16)
+    assert not out_aliasing.overlap(wide[:, :32], wide[:, 32:])
+    assert out_aliasing.overlap(wide[:, :33], wide[:, 32:])
+    assert not out_aliasing.overlap(wide[:4096], wide[4096:])
+    assert out_aliasing.overlap(wide.view(-1)[64:128].view(1, 64), wide[:, 10:11])  # row 1, column 10
+    assert not out_aliasing.overlap(wide[1:, :1], wide[:-1, 63:])  # a row's end beside the next's start
+    # The same for a column-major output's halves and blocks (its columns are the runs).
+    tall = torch.empty(64, 8192, dtype=torch.bfloat16).t()
+    assert not out_aliasing.overlap(tall[:, :32], tall[:, 32:])
+    assert not out_aliasing.overlap(tall[:4096], tall[4096:])
+    assert out_aliasing.overlap(tall[:4097, 5:6], tall[4096:, 5:6])
+
+
 def test_out_beside_grad_inputs_and_host_outputs_on_another_device_are_refused(tmp_path):
     """torch refuses out= when an input requires grad (grad mode on), and an out= on another device
     than the inputs; a reduction's out= is checked for its device too, before anything is written."""

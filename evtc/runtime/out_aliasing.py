@@ -8,6 +8,9 @@ silent race. Such targets get a fresh tensor for the launch, copied into the tar
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -38,42 +41,99 @@ def _memory_span(t: torch.Tensor) -> tuple[int, int]:
 _MAX_PIECES = 1 << 22
 
 
-def _pieces(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _dims_outermost_first(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``t``'s (size, stride) pairs of the dims that reach other addresses (longer than 1, not
+    expanded), by stride from the largest: the same addresses in the order that makes a transposed
+    view's contiguous dim the last (its columns are runs as a row-major matrix's rows are)."""
+    return sorted(((n, stride) for n, stride in zip(t.shape, t.stride(), strict=True) if n != 1 and stride),
+                  key=lambda dim: -dim[1])
+
+
+def _pieces(t: torch.Tensor) -> tuple[np.ndarray, int] | None:
     """``t``'s memory as equally long byte ranges: (their first bytes, their length); a range per
-    row where the last dim is contiguous, else per element."""
+    row where the last dim is contiguous, else per element. None past :data:`_MAX_PIECES` ranges.
+    Host arithmetic in numpy: torch's CPU ops would start its thread pool for each small array
+    (milliseconds a call on a many-core host), and a CUDA default device would copy to the GPU,
+    which a CUDA graph capture refuses."""
     size = t.element_size()
-    dims = [(n, stride) for n, stride in zip(t.shape, t.stride(), strict=True) if n != 1]
+    dims = _dims_outermost_first(t)
     length = size
     if dims and dims[-1][1] == 1:
         length = dims[-1][0] * size
         dims = dims[:-1]
-    # Host arithmetic on addresses: on the CPU whatever torch's default device (a CUDA default
-    # would copy to the GPU, which a CUDA graph capture refuses).
-    starts = torch.tensor([t.data_ptr()], dtype=torch.int64, device="cpu")
+    if math.prod(n for n, _ in dims) > _MAX_PIECES:
+        return None
+    starts = np.array([t.data_ptr()], dtype=np.int64)
     for n, stride in dims:
-        offsets = torch.arange(n, dtype=torch.int64, device="cpu")[None, :] * (stride * size)
-        starts = (starts[:, None] + offsets).reshape(-1)
+        offsets = np.arange(n, dtype=np.int64) * (stride * size)
+        starts = (starts[:, None] + offsets[None, :]).reshape(-1)
     return starts, length
+
+
+def _runs(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``t``'s memory as equally long contiguous byte runs at one stride: (first byte, bytes per
+    run, runs, bytes from one run's start to the next), or None where it is not (a block of a 3-D
+    tensor, say, whose runs need more than one stride)."""
+    size = t.element_size()
+    dims = [(n, stride * size) for n, stride in _dims_outermost_first(t)]
+    length = size
+    while dims and dims[-1][1] == length:  # contiguous dims make the run longer
+        length *= dims.pop()[0]
+    while len(dims) >= 2 and dims[-2][1] == dims[-1][0] * dims[-1][1]:  # nested dims make one
+        (outer, _), (inner, step) = dims[-2], dims[-1]
+        dims[-2:] = [(outer * inner, step)]
+    if len(dims) > 1:
+        return None
+    runs, step = dims[0] if dims else (1, 0)
+    return t.data_ptr(), length, runs, step
+
+
+def _runs_meet(x: tuple[int, int, int, int], y: tuple[int, int, int, int]) -> bool | None:
+    """Whether two sequences of runs (:func:`_runs`) share a byte, by arithmetic on their starts,
+    or None where their strides differ. Run i of x and run k of y meet when
+    ``-y_len < d + (k - i) * step < x_len`` (d: y's first byte less x's), so they share a byte when
+    an integer u = k - i in [1 - x_runs, y_runs - 1] satisfies it."""
+    x0, x_len, x_runs, x_step = x
+    y0, y_len, y_runs, y_step = y
+    if x_runs == 1:
+        x_step = y_step
+    if y_runs == 1:
+        y_step = x_step
+    if x_step != y_step:
+        return None
+    d = y0 - x0
+    if x_step == 0:  # every run of each at one place
+        return -y_len < d < x_len
+    lowest = max((-y_len - d) // x_step + 1, 1 - x_runs)
+    highest = min(-((d - x_len) // x_step) - 1, y_runs - 1)
+    return lowest <= highest
 
 
 def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether two tensors share an element's memory, exactly: side by side views of one buffer
     (its left and right columns) interleave in address but share nothing. Worked out on the host
     from sizes and strides (no device work: it runs under CUDA graph capture too), only where the
-    two tensors' spans meet."""
+    two tensors' spans meet: by arithmetic where each is runs of bytes at one stride (rows of a
+    matrix, the halves of a gated output), else run by run."""
     if x.device != y.device or not x.numel() or not y.numel():
         return False
     if not spans_meet(storage_span(x), storage_span(y)) or not spans_meet(_memory_span(x), _memory_span(y)):
         return False
-    (xs, x_len), (ys, y_len) = _pieces(x), _pieces(y)
-    if xs.numel() > _MAX_PIECES or ys.numel() > _MAX_PIECES:
+    x_runs, y_runs = _runs(x), _runs(y)
+    if x_runs is not None and y_runs is not None:
+        meet = _runs_meet(x_runs, y_runs)
+        if meet is not None:
+            return meet
+    x_pieces, y_pieces = _pieces(x), _pieces(y)
+    if x_pieces is None or y_pieces is None:
         return True
-    ys = ys.sort().values
+    (xs, x_len), (ys, y_len) = x_pieces, y_pieces
+    ys = np.sort(ys)
     # For each piece of x, the piece of y that starts last before x's piece ends: the one that
     # reaches furthest (they are equally long), so it meets x's piece if any does.
-    last = torch.searchsorted(ys, xs + x_len, side="left") - 1
+    last = np.searchsorted(ys, xs + x_len, side="left") - 1
     found = last >= 0
-    return bool((ys[last.clamp_min(0)][found] + y_len > xs[found]).any())
+    return bool((ys[np.maximum(last, 0)][found] + y_len > xs[found]).any())
 
 
 def unaliased(targets: list, gemm_inputs, operands) -> list:
