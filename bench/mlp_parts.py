@@ -120,6 +120,11 @@ CONFIGS = [
     {"schedule": "pingpong", "tile_n": 128, "epi_tile_n": 64},
     {"schedule": "pingpong", "tile_n": 128, "cluster": (2, 1)},
     {"schedule": "pingpong", "tile_n": 64},
+    {"schedule": "cooperative", "tile_n": 256, "cluster": (2, 1)},
+    {"schedule": "cooperative", "tile_n": 256, "cluster": (1, 1)},
+    {"schedule": "cooperative", "tile_n": 192},
+    {"schedule": "cooperative", "tile_n": 256, "epi_stages": 1},
+    {"schedule": "pingpong", "tile_n": 192, "epi_tile_n": 16},
 ]
 
 
