@@ -48,9 +48,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--pingpong", default="",
+                   help="also time ping-pong 128-row tiles of these widths (16-column subtiles, 2 D "
+                        "buffers), e.g. 128,176,192")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     wide = {"schedule": "cooperative", "tile_n": 256}
+    candidates = [(f"pingpong 128x{w}", {"schedule": "pingpong", "tile_n": w, "epi_tile_n": 16,
+                                          "epi_stages": 2})
+                  for w in (int(v) for v in args.pingpong.split(",") if v)]
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; bf16; median of {args.samples}")
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
@@ -59,8 +65,13 @@ def main() -> None:
         for name, (fn, tiles, scalars) in EPILOGUES.items():
             ops = {t: torch.randn(m, n, **kw) for t in tiles}
             example = {"a": a, "b": b, **ops, **scalars}
-            for label, config in (("chosen", None), ("coop 128x256", wide)):
-                kern = evtc.compile(fn, example, config=config)
+            for label, config in (("chosen", None), ("coop 128x256", wide), *candidates):
+                try:
+                    kern = evtc.compile(fn, example, config=config)
+                except evtc.CompileError as exc:
+                    print(f"  {name} {label}: does not compile ({str(exc).splitlines()[0]})")
+                    continue
+                check(kern, fn, a, b, ops, scalars, f"{shape} {name} {label}")
                 fns.append(lambda kern=kern, ops=ops, scalars=scalars, a=a, b=b: kern(a, b, **ops, **scalars))
                 launch = kern.launch_for(m, n, k)[0].short_name() if config is None else "pinned"
                 names.append(f"{name} {label} ({launch})")
@@ -68,6 +79,20 @@ def main() -> None:
         print(f"{shape}: cuBLAS {ms[0]:.3f} ms")
         for name, t in zip(names[1:], ms[1:], strict=True):
             print(f"  {name:75s} {t:7.3f} ms  ratio {ms[0] / t:.3f}")
+
+
+def check(kern, fn, a, b, ops, scalars, label) -> None:
+    """Each output of ``kern`` against ``fn`` on the float32 accumulator (a bench of a wrong kernel
+    is no measurement): relative error by norm, printed; a large one raises."""
+    got = kern(a, b, **ops, **scalars)
+    want = fn(a.float() @ b.float(), **{k: v.float() for k, v in ops.items()}, **scalars)
+    def as_tuple(out):
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+    errs = [((g.float() - w.float()).norm() / w.float().norm()).item()
+            for g, w in zip(as_tuple(got), as_tuple(want), strict=True)]
+    if max(errs) > 2e-2:
+        raise AssertionError(f"{label}: relative errors {errs}")
 
 
 if __name__ == "__main__":

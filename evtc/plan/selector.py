@@ -85,6 +85,15 @@ BIG_WEIGHT_MIN_M = 512
 # 128 x 128 on six shapes from 2048 x 14336 x 4096 to 8192 x 4096 x 14336 (0.84-0.97x the bare
 # cuBLAS GEMM against 0.62-0.73x); with one, the two tied within 2%. Two were not measured.
 HEAVY_EPILOGUE_TILES = 3
+# The fastest memory (bytes per us) the rule above applies on: the H100's, where it was fitted. On
+# the H200 (3.5 TB/s) the kernel of 2026-11-28 ran those epilogues faster on the ping-pong 128 x 128
+# tile than on the cooperative 128 x 256 on 9 of 10 rows (bench/heavy_epilogue.py, two epilogues
+# that move 3 tiles on five shapes: 0.89-1.03x the bare cuBLAS GEMM against 0.97-1.04x;
+# docs/performance.md, "Heavy epilogues on the H200"), so there they take the ordinary rules.
+HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US = HBM_BYTES_PER_US
+# Past that rate, the ping-pong tile only where the cooperative 128 x 256 tiles make at least this
+# many waves (the rows measured made 6.8 to 27; fewer stay on the rule above, unmeasured).
+HEAVY_PINGPONG_MIN_WAVES = 6
 # Ping-pong tiles wider than 128 columns, for problems of many tiles (more than WAVE_FIT_MAX_WAVES
 # waves of 128 x 128) with a light epilogue (:func:`light_epilogue`): chosen by the rounds of tiles
 # each CTA runs, as :func:`_wave_fitted` chooses cooperative widths (:func:`_pingpong_width`). Each
@@ -326,10 +335,10 @@ def _tiles(m: int, n: int, batches: int, config: GemmConfig) -> int:
 
 
 def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int,
-                epilogue_tiles: int = 0) -> GemmConfig:
+                epilogue_tiles: int = 0, *, heavy_rule: bool = True) -> GemmConfig:
     """The configuration of ``family`` (see :func:`tile_family`) for an (L, M, N, K) problem on a
     GPU that runs ``slots`` CTAs at once, for an epilogue that moves ``epilogue_tiles`` tiles
-    besides D (see :data:`HEAVY_EPILOGUE_TILES`)."""
+    besides D (see :data:`HEAVY_EPILOGUE_TILES`, applied where ``heavy_rule``)."""
 
     def find(schedule: str, tile_m: int, tile_n: int) -> GemmConfig | None:
         for config in family:
@@ -337,7 +346,7 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
                 return config
         return None
 
-    chosen = _tile_by_count(m, n, k, batches, family, slots, find, epilogue_tiles)
+    chosen = _tile_by_count(m, n, k, batches, family, slots, find, epilogue_tiles, heavy_rule)
     if (chosen.schedule == "pingpong" and chosen.tile_m == 128
             and _tiles(m, n, batches, chosen) <= slots):
         # One tile per CTA: a ping-pong CTA would keep one of its two consumer warpgroups idle;
@@ -347,7 +356,8 @@ def choose_tile(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfi
 
 
 def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmConfig], slots: int,
-                   find: Callable[[str, int, int], GemmConfig | None], epilogue_tiles: int = 0) -> GemmConfig:
+                   find: Callable[[str, int, int], GemmConfig | None], epilogue_tiles: int = 0,
+                   heavy_rule: bool = True) -> GemmConfig:
     """The tile shape of :func:`choose_tile`, chosen by how many tiles the problem has."""
     heavy = epilogue_tiles >= HEAVY_EPILOGUE_TILES
     base = family[0]
@@ -367,9 +377,14 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
     elif tiles >= FILL * slots:
         wide = find("cooperative", 128, 256)
         if heavy and wide is not None and _tiles(m, n, batches, wide) >= slots:
-            # An epilogue that moves several tiles: two consumer warpgroups share its stores and
-            # loads over a tile twice as wide, where ping-pong serialises them with the mainloop.
-            return wide
+            # An epilogue that moves several tiles: on the H100 two consumer warpgroups sharing its
+            # stores and loads over a tile twice as wide beat ping-pong, which serialises them with
+            # the mainloop; on faster memory, over many waves, the ping-pong tile wins
+            # (HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US).
+            if heavy_rule or _tiles(m, n, batches, wide) < HEAVY_PINGPONG_MIN_WAVES * slots:
+                return wide
+            if (base.schedule, base.tile_m) == ("pingpong", 128):
+                return base
         fitted = _wave_fitted(m, n, batches, slots, find) if tiles <= WAVE_FIT_MAX_WAVES * slots else None
         if fitted is not None:
             return fitted
@@ -576,10 +591,12 @@ def choose_launch(m: int, n: int, k: int, batches: int, family: Sequence[GemmCon
     cluster shape with the fewest waves (where ``choose_cluster``), then the split count (unless
     ``pinned_splits``). ``slots_of(cluster)``: CTAs of that cluster shape that run at once.
     ``epilogue_tiles``: tiles the epilogue moves besides D (:data:`HEAVY_EPILOGUE_TILES`).
-    ``hbm_bytes_per_us``: the GPU's memory rate in the split model
-    (:func:`evtc.plan.split_k.modelled_time_us`; the H100's by default)."""
-    config = (choose_tile(m, n, k, batches, family, slots_of((1, 1)), epilogue_tiles) if len(family) > 1
-              else family[0])
+    ``hbm_bytes_per_us``: the GPU's memory rate, in the split model
+    (:func:`evtc.plan.split_k.modelled_time_us`) and for the heavy epilogues' rule
+    (:data:`HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US`); the H100's by default."""
+    heavy_rule = hbm_bytes_per_us <= HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US
+    config = (choose_tile(m, n, k, batches, family, slots_of((1, 1)), epilogue_tiles, heavy_rule=heavy_rule)
+              if len(family) > 1 else family[0])
     config = with_launch_shape_for(config, m, n, batches, slots_of, choose_cluster=choose_cluster,
                                    chooses_tile=len(family) > 1)
     if pinned_splits is not None:
