@@ -92,8 +92,11 @@ HEAVY_EPILOGUE_TILES = 3
 # docs/performance.md, "Heavy epilogues on the H200"), so there they take the ordinary rules.
 HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US = HBM_BYTES_PER_US
 # Past that rate, the ping-pong tile only where the cooperative 128 x 256 tiles make at least this
-# many waves (the rows measured made 6.8 to 27; fewer stay on the rule above, unmeasured).
+# many waves (the rows measured made 6.8 to 27; fewer stay on the rule above, unmeasured), and K is
+# below HEAVY_PINGPONG_MAX_K: at K = 4096 ping-pong won in two runs, at K = 14336 (8192 x 4096) it
+# won one run and lost the other by 6% (docs/performance.md, "Heavy epilogues on the H200").
 HEAVY_PINGPONG_MIN_WAVES = 6
+HEAVY_PINGPONG_MAX_K = 8192
 # Ping-pong tiles wider than 128 columns, for problems of many tiles (more than WAVE_FIT_MAX_WAVES
 # waves of 128 x 128) with a light epilogue (:func:`light_epilogue`): chosen by the rounds of tiles
 # each CTA runs, as :func:`_wave_fitted` chooses cooperative widths (:func:`_pingpong_width`). Each
@@ -381,7 +384,8 @@ def _tile_by_count(m: int, n: int, k: int, batches: int, family: Sequence[GemmCo
             # stores and loads over a tile twice as wide beat ping-pong, which serialises them with
             # the mainloop; on faster memory, over many waves, the ping-pong tile wins
             # (HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US).
-            if heavy_rule or _tiles(m, n, batches, wide) < HEAVY_PINGPONG_MIN_WAVES * slots:
+            if (heavy_rule or _tiles(m, n, batches, wide) < HEAVY_PINGPONG_MIN_WAVES * slots
+                    or k >= HEAVY_PINGPONG_MAX_K):
                 return wide
             if (base.schedule, base.tile_m) == ("pingpong", 128):
                 return base
