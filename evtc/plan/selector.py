@@ -89,7 +89,7 @@ HEAVY_EPILOGUE_TILES = 3
 # the H200 (3.5 TB/s) the kernel of 2026-11-28 ran those epilogues faster on the ping-pong 128 x 128
 # tile than on the cooperative 128 x 256 on 9 of 10 rows (bench/heavy_epilogue.py, two epilogues
 # that move 3 tiles on five shapes: 0.89-1.03x the bare cuBLAS GEMM against 0.97-1.04x;
-# docs/performance.md, "Heavy epilogues on the H200"), so there they take the ordinary rules.
+# docs/performance.md, "Heavy epilogues on the H200"), so there they keep the ping-pong tile (below).
 HEAVY_EPILOGUE_MAX_HBM_BYTES_PER_US = HBM_BYTES_PER_US
 # Past that rate, the ping-pong tile only where the cooperative 128 x 256 tiles make at least this
 # many waves (the rows measured made 6.8 to 27; fewer stay on the rule above, unmeasured), and K is

@@ -52,9 +52,9 @@ def _dims_outermost_first(t: torch.Tensor) -> list[tuple[int, int]]:
 def _pieces(t: torch.Tensor) -> tuple[np.ndarray, int] | None:
     """``t``'s memory as equally long byte ranges: (their first bytes, their length); a range per
     row where the last dim is contiguous, else per element. None past :data:`_MAX_PIECES` ranges.
-    Host arithmetic in numpy: torch's CPU ops would start its thread pool for each small array
-    (milliseconds a call on a many-core host), and a CUDA default device would copy to the GPU,
-    which a CUDA graph capture refuses."""
+    Host arithmetic in numpy: the same torch CPU ops on 8192 row starts took 26 ms a call on the
+    H200 machine's 32-core host, and a CUDA default device would copy them to the GPU, which a CUDA
+    graph capture refuses."""
     size = t.element_size()
     dims = _dims_outermost_first(t)
     length = size
