@@ -27,12 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-DEFAULT_NAMES = "identity,relu_lincomb_bias,aux_outputs,dict_outputs,swiglu,geglu_bias_residual,swiglu_wide_c"
+DEFAULT_NAMES = ("identity,relu_lincomb_bias,aux_outputs,dict_outputs,dict_outputs@out_halves,swiglu,"
+                 "geglu_bias_residual,swiglu_wide_c")
 
 
-def stubbed(kernel, inputs: dict):
+def stubbed(kernel, inputs: dict, out_halves: bool = False):
     """A call of ``kernel`` on CPU ``inputs`` that runs the whole call path but launches nothing:
-    returns the call as a function of no arguments."""
+    returns the call as a function of no arguments. ``out_halves``: its two outputs (of one shape
+    and dtype) written through ``out=`` into the left and right halves of one buffer, as the fused
+    MLP backward writes dZ1 (the check that out= targets share no element runs on each call)."""
     a, b = inputs["a"], inputs["b"]
     operands = {n: v for n, v in inputs.items() if n not in ("a", "b")}
     m, n, k = a.shape[-2], b.shape[-1], a.shape[-1]
@@ -42,8 +45,17 @@ def stubbed(kernel, inputs: dict):
     kernel._kernel_runs = True  # as on a Hopper GPU
     kernel._launch_memo[(m, n, k, batches, a.get_device())] = (lambda *args: None, 1, None, kernel._finisher)
 
+    out = None
+    if out_halves:
+        import torch
+
+        (dtype,) = {spec.dtype for spec in kernel.plan.outputs}
+        buf = torch.empty(m, 2 * n, dtype=getattr(torch, dtype))
+        names = [spec.name for spec in kernel.plan.outputs]
+        out = kernel.plan.structure.build(dict(zip(names, (buf[:, :n], buf[:, n:]), strict=True)))
+
     def call():
-        return kernel(a, b, **operands)
+        return kernel(a, b, **operands) if out is None else kernel(a, b, **operands, out=out)
 
     call()
     if kernel.last_path != "kernel":
@@ -72,6 +84,8 @@ def measure(names: list[str], cache: str, reps: int = 2000,
     x = torch.zeros(1024)
     rows = []
     for name in names:
+        # "NAME@out_halves": the entry's two outputs written into the halves of one buffer (out=).
+        name, _, variant = name.partition("@")
         entry = next(e for e in CATALOGUE if e.name == name)
         batches = 2 if entry.batched else None
         example = make_inputs(entry, 256, 256, 256, batches, torch.float16, "meta")
@@ -80,7 +94,9 @@ def measure(names: list[str], cache: str, reps: int = 2000,
         if kernel.plan.reductions:
             print(f"# {name}: skipped (its reductions' buffers need a GPU)", flush=True)
             continue
-        call = stubbed(kernel, make_inputs(entry, 256, 256, 256, batches, torch.float16, "cpu"))
+        call = stubbed(kernel, make_inputs(entry, 256, 256, 256, batches, torch.float16, "cpu"),
+                       out_halves=variant == "out_halves")
+        name = f"{name}@{variant}" if variant else name
         rows.append((name, median_us(call, reps, rounds), median_us(lambda: x.add_(1), reps, rounds)))
         print(f"{name:28s} call {rows[-1][1]:6.2f} us   x.add_(1) {rows[-1][2]:5.2f} us   "
               f"over {rows[-1][1] - rows[-1][2]:5.2f} us", flush=True)
