@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from epilogue import rel_err  # noqa: E402  (bench/epilogue.py)
 
 import evtc  # noqa: E402
 from evtc.timing import time_paired  # noqa: E402
@@ -89,8 +90,7 @@ def check(kern, fn, a, b, ops, scalars, label) -> None:
     def as_tuple(out):
         return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
-    errs = [((g.float() - w.float()).norm() / w.float().norm()).item()
-            for g, w in zip(as_tuple(got), as_tuple(want), strict=True)]
+    errs = [rel_err(g, w.float()) for g, w in zip(as_tuple(got), as_tuple(want), strict=True)]
     if max(errs) > 2e-2:
         raise AssertionError(f"{label}: relative errors {errs}")
 

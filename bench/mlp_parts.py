@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from epilogue import rel_err  # noqa: E402  (bench/epilogue.py)
 from train import add_residual, swiglu  # noqa: E402  (bench/train.py: the same block)
 
 import evtc  # noqa: E402
@@ -100,8 +101,7 @@ def time_plain_gemms(x, w1, dz1, dz2, h, samples) -> None:
                 "b": torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="meta")}
         k = evtc.compile(identity, meta)
         ours = k(a, b)
-        ref = (a.float() @ b.float())
-        err = ((ours.float() - ref).norm() / ref.norm()).item()
+        err = rel_err(ours, a.float() @ b.float())
         config, splits = k.launch_for(a.shape[0], b.shape[1], a.shape[1])
         print(f"  {name}: {a.shape[0]} x {b.shape[1]} x {a.shape[1]}, launch {config.short_name()}, "
               f"{splits} split(s), error {err:.1e} by norm")

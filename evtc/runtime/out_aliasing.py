@@ -49,31 +49,11 @@ def _dims_outermost_first(t: torch.Tensor) -> list[tuple[int, int]]:
                   key=lambda dim: -dim[1])
 
 
-def _pieces(t: torch.Tensor) -> tuple[np.ndarray, int] | None:
-    """``t``'s memory as equally long byte ranges: (their first bytes, their length); a range per
-    row where the last dim is contiguous, else per element. None past :data:`_MAX_PIECES` ranges.
-    Host arithmetic in numpy: the same torch CPU ops on 8192 row starts took 26 ms a call on the
-    H200 machine's 32-core host, and a CUDA default device would copy them to the GPU, which a CUDA
-    graph capture refuses."""
-    size = t.element_size()
-    dims = _dims_outermost_first(t)
-    length = size
-    if dims and dims[-1][1] == 1:
-        length = dims[-1][0] * size
-        dims = dims[:-1]
-    if math.prod(n for n, _ in dims) > _MAX_PIECES:
-        return None
-    starts = np.array([t.data_ptr()], dtype=np.int64)
-    for n, stride in dims:
-        offsets = np.arange(n, dtype=np.int64) * (stride * size)
-        starts = (starts[:, None] + offsets[None, :]).reshape(-1)
-    return starts, length
-
-
-def _runs(t: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """``t``'s memory as equally long contiguous byte runs at one stride: (first byte, bytes per
-    run, runs, bytes from one run's start to the next), or None where it is not (a block of a 3-D
-    tensor, say, whose runs need more than one stride)."""
+def _run_dims(t: torch.Tensor) -> tuple[int, list[tuple[int, int]]]:
+    """``t``'s memory as contiguous runs: (bytes per run, [(count, byte stride)] of the dims that
+    place the runs, outermost first). Contiguous inner dims lengthen the run; a dim that steps over
+    exactly the dims inside it merges with them, so a matrix's rows (or a transposed one's columns)
+    are one dim of runs however many leading dims they had."""
     size = t.element_size()
     dims = [(n, stride * size) for n, stride in _dims_outermost_first(t)]
     length = size
@@ -82,6 +62,28 @@ def _runs(t: torch.Tensor) -> tuple[int, int, int, int] | None:
     while len(dims) >= 2 and dims[-2][1] == dims[-1][0] * dims[-1][1]:  # nested dims make one
         (outer, _), (inner, step) = dims[-2], dims[-1]
         dims[-2:] = [(outer * inner, step)]
+    return length, dims
+
+
+def _pieces(t: torch.Tensor) -> tuple[np.ndarray, int] | None:
+    """``t``'s memory as equally long byte ranges (:func:`_run_dims`): (their first bytes, their
+    length), or None past :data:`_MAX_PIECES` ranges. Host arithmetic in numpy: the same torch CPU
+    ops on 8192 row starts took 26 ms a call on the H200 machine's 32-core host, and a CUDA default
+    device would copy them to the GPU, which a CUDA graph capture refuses."""
+    length, dims = _run_dims(t)
+    if math.prod(n for n, _ in dims) > _MAX_PIECES:
+        return None
+    starts = np.array([t.data_ptr()], dtype=np.int64)
+    for n, step in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * step).reshape(-1)
+    return starts, length
+
+
+def _runs(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``t``'s memory as equally long contiguous byte runs at one stride: (first byte, bytes per
+    run, runs, bytes from one run's start to the next), or None where it is not (a block of a 3-D
+    tensor, say, whose runs need more than one stride)."""
+    length, dims = _run_dims(t)
     if len(dims) > 1:
         return None
     runs, step = dims[0] if dims else (1, 0)
