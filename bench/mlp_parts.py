@@ -8,6 +8,9 @@
 * forward down: evtc's residual kernel against ``h @ W2^T`` (cuBLAS);
 * backward dZ1: evtc's kernel ``dZ1 = swiglu'(dZ2 @ W2, saved)`` against ``dZ2 @ W2`` alone.
 
+``--configs`` and ``--forward-configs`` time the dZ1 and the forward gate/up kernel compiled with
+other configurations; ``--plain-gemms`` the GEMMs cuBLAS runs in every variant as evtc kernels.
+
 Timed in alternation, in a shuffled order per sample (``evtc.timing.time_paired``); ratio =
 cuBLAS time / evtc time (> 1: evtc faster, although it does more).
 """
@@ -36,6 +39,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=30)
     p.add_argument("--configs", action="store_true",
                    help="also time the dZ1 kernel compiled with other configurations")
+    p.add_argument("--forward-configs", action="store_true",
+                   help="also time the forward gate/up kernel (SwiGLU, stores the accumulator's halves) "
+                        "compiled with other configurations")
     p.add_argument("--plain-gemms", action="store_true",
                    help="also time the step's GEMMs that cuBLAS runs in both variants (dX, dW1, dW2) "
                         "as evtc identity kernels in their own layouts")
@@ -78,6 +84,8 @@ def main() -> None:
         print(f"  {name} launch: {config.short_name()}, {splits} split(s)")
     if args.configs:
         time_configs(epilogue, dz2, w2, gate, up, dz1, inter, args.samples)
+    if args.forward_configs:
+        time_forward_configs(first, x, w1, h, gate, up, args.samples)
     if args.plain_gemms:
         time_plain_gemms(x, w1, dz1, dz2, h, args.samples)
 
@@ -126,6 +134,46 @@ CONFIGS = [
     {"schedule": "cooperative", "tile_n": 256, "epi_stages": 1},
     {"schedule": "pingpong", "tile_n": 192, "epi_tile_n": 16},
 ]
+
+
+FORWARD_CONFIGS = [
+    {"schedule": "cooperative", "tile_n": 256},
+    {"schedule": "cooperative", "tile_n": 256, "cluster": (2, 1)},
+    {"schedule": "cooperative", "tile_n": 256, "cluster": (1, 1)},
+    {"schedule": "cooperative", "tile_n": 256, "epi_tile_n": 64},
+    {"schedule": "cooperative", "tile_n": 256, "epi_stages": 1},
+    {"schedule": "cooperative", "tile_n": 192},
+    {"schedule": "cooperative", "tile_n": 128},
+    {"schedule": "pingpong", "tile_n": 128},
+    {"schedule": "pingpong", "tile_n": 128, "cluster": (2, 1)},
+    {"schedule": "pingpong", "tile_n": 192},
+]
+
+
+def time_forward_configs(first, x, w1, h, gate, up, samples) -> None:
+    """The forward gate/up kernel (the epilogue's output and the accumulator's halves) compiled with
+    each of FORWARD_CONFIGS, its outputs checked against the default kernel's, timed against the bare
+    cuBLAS GEMM."""
+    from evtc.linear import _with_accumulator
+
+    fn = _with_accumulator(first._fn, True)
+    fns, names = [lambda: x @ w1.t()], ["cuBLAS x @ W1^T alone"]
+    for config in FORWARD_CONFIGS:
+        try:
+            k = evtc.compile(fn, first._example, config=config)
+        except evtc.CompileError as exc:
+            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
+            continue
+        got = k(x, w1.t())
+        err = max(rel_err(g, want.float()) for g, want in zip(got, (h, gate, up), strict=True))
+        launch, splits = k.launch_for(x.shape[0], w1.shape[0], x.shape[1])
+        print(f"  {config}: launch {launch.short_name()}, {splits} split(s), outputs within {err:.1e} "
+              "of the default kernel's by norm")
+        fns.append(lambda k=k: k(x, w1.t()))
+        names.append(str(config))
+    ms = time_paired(fns, 3, samples, 1)
+    for name, t in zip(names, ms, strict=True):
+        print(f"  {name:70s} {t:7.3f} ms  ratio {ms[0] / t:.3f}")
 
 
 def time_configs(epilogue, dz2, w2, gate, up, dz1, inter, samples) -> None:

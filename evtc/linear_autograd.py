@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from evtc.runtime.op_autograd import joined_accumulator
+
 if TYPE_CHECKING:
     from evtc.linear import Linear
 
@@ -122,7 +124,7 @@ class LinearFunction(torch.autograd.Function):
             values[slot] = t
         operands = dict(zip(ctx.names, values, strict=True))
         grads = dict(zip(ctx.lin.output_names, grad_outputs, strict=True))
-        acc = (torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]) if saved_acc else None
+        acc = joined_accumulator(saved_acc) if saved_acc else None
         needs = ctx.needs_input_grad
         dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads, acc=acc,
                                                      need_x=needs[1], need_weight=needs[2])

@@ -162,3 +162,22 @@ def test_backward_under_dynamic_shapes(fn):
         want = torch.autograd.grad(theirs if isinstance(theirs, tuple) else (theirs,), inputs, dys)
         for name, got, ref in zip(["a", "b", *ops], mine, want, strict=True):
             _close(got, ref, f"{name} at M={m}")
+
+
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_saved_halves_join_into_the_float32_accumulator(lead):
+    """A gated kernel saves its accumulator as gate and up halves; the backward reads them side by
+    side, in float32: the same values as torch.cat, for 16-bit halves, batched ones and halves that
+    are views (the columns of one buffer)."""
+    from evtc.runtime.op_autograd import joined_accumulator
+
+    g = torch.Generator().manual_seed(3)
+    whole = torch.randn(*lead, 7, 2 * 10, generator=g).to(torch.bfloat16)
+    gate, up = whole.chunk(2, dim=-1)  # strided views, not contiguous
+    joined = joined_accumulator((gate, up))
+    assert joined.dtype == torch.float32
+    assert joined.shape == whole.shape
+    assert torch.equal(joined, torch.cat([gate, up], dim=-1).float())
+    assert torch.equal(whole, torch.cat([gate, up], dim=-1))  # the saved halves are left unchanged
+    one = torch.randn(5, 4, generator=g)
+    assert joined_accumulator((one,)) is one

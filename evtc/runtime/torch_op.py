@@ -120,7 +120,7 @@ def register(kernel: Kernel):
             ctx.scalars = [None if isinstance(v, torch.Tensor) else v for v in operands]
 
         def backward(ctx, *grads):
-            from evtc.runtime.op_autograd import op_backward
+            from evtc.runtime.op_autograd import joined_accumulator, op_backward
 
             saved = ctx.saved_tensors
             inputs, saved_acc = saved[:len(saved) - ctx.acc_count], saved[len(saved) - ctx.acc_count:]
@@ -134,7 +134,7 @@ def register(kernel: Kernel):
                 raise CallError("a second derivative (create_graph=True) through an evtc kernel that saved "
                                 "its accumulator is not supported: its backward is differentiated once only")
             if saved_acc:  # the gate and up halves side by side, as the accumulator
-                acc = torch.cat(saved_acc, dim=-1) if len(saved_acc) > 1 else saved_acc[0]
+                acc = joined_accumulator(saved_acc)
             needs = ctx.needs_input_grad
             return op_backward(_BOUND[name], a, b, operands, grads, acc=acc, need_a=needs[0], need_b=needs[1])
 
