@@ -42,6 +42,9 @@ def main() -> None:
     p.add_argument("--forward-configs", action="store_true",
                    help="also time the forward gate/up kernel (SwiGLU, stores the accumulator's halves) "
                         "compiled with other configurations")
+    p.add_argument("--layer-dz", action="store_true",
+                   help="also time the first layer's dZ seen alone (evtc.nn.FusedLinear's backward): the "
+                        "elementwise kernel (evtc.dz_pass), the float32 torch operations, eager's bf16 ops")
     p.add_argument("--plain-gemms", action="store_true",
                    help="also time the step's GEMMs that cuBLAS runs in both variants (dX, dW1, dW2) "
                         "as evtc identity kernels in their own layouts")
@@ -86,12 +89,50 @@ def main() -> None:
         time_configs(epilogue, dz2, w2, gate, up, dz1, inter, args.samples)
     if args.forward_configs:
         time_forward_configs(first, x, w1, h, gate, up, args.samples)
+    if args.layer_dz:
+        time_layer_dz(first, x, w1, gate, up, args.samples)
     if args.plain_gemms:
         time_plain_gemms(x, w1, dz1, dz2, h, args.samples)
 
 
 def identity(acc):
     return acc
+
+
+def time_layer_dz(first, x, w1, gate, up, samples) -> None:
+    """The first layer's dZ from an incoming gradient dH in memory, as its backward computes it when
+    the layer is seen alone: the elementwise kernel of evtc.dz_pass, the reference (float32 torch
+    operations over the joined accumulator), and eager autograd's bf16 SwiGLU backward."""
+    from evtc import dz_pass
+    from evtc.runtime.op_autograd import epilogue_gradients, joined_accumulator
+
+    dh = torch.randn_like(gate)
+    (name,) = first.output_names
+    saved = (gate, up)
+    ours = dz_pass.dz(first, x, w1, {}, {name: dh}, saved)
+    if ours is None:
+        print("  layer dZ: the elementwise kernel does not apply")
+        return
+
+    def reference():
+        return epilogue_gradients(first.backward_graph(), x, w1.t(), [], [], {name: dh},
+                                  acc=joined_accumulator(saved))[0]
+
+    g_, u_ = gate.detach().requires_grad_(), up.detach().requires_grad_()
+    eager_out = torch.nn.functional.silu(g_) * u_
+
+    def eager():
+        return torch.cat(torch.autograd.grad(eager_out, [g_, u_], dh, retain_graph=True), dim=-1)
+
+    def kernel():
+        return dz_pass.dz(first, x, w1, {}, {name: dh}, saved)
+
+    want = reference().float()
+    print(f"  layer dZ ({tuple(ours.shape)}): the kernel within {rel_err(ours, want):.1e} of the reference "
+          f"by norm, eager bf16 within {rel_err(eager(), want):.1e}")
+    ms = time_paired([kernel, reference, eager], 3, samples, 1)
+    print(f"  layer dZ: kernel {ms[0]:.3f} ms, float32 torch ops {ms[1]:.3f} ms, eager bf16 autograd "
+          f"{ms[2]:.3f} ms")
 
 
 def time_plain_gemms(x, w1, dz1, dz2, h, samples) -> None:

@@ -54,6 +54,9 @@ class Linear:
         # The kernel a differentiable call runs where the backward reads the accumulator: the same
         # epilogue that also stores the accumulator (see :meth:`_saving_kernel`); False where none.
         self._saving: Kernel | bool | None = None
+        # The backward's dZ as one kernel (evtc.dz_pass: kernel and epilogue), built on first use;
+        # False where there is none.
+        self._dz_pass: tuple | bool | None = None
         self._compile_options = dict(compile_options or {})  # config, arch, cache_dir of the twin
         # x.dim() values whose flattening into M gives fn's own results (see _check_leading_dims).
         self._exact_dims: set[int] = {2}
@@ -139,11 +142,12 @@ class Linear:
     def _output_leaves(self, result: Any) -> dict[str, torch.Tensor]:
         return self.kernel.plan.structure.flatten(result, lambda _: True)
 
-    def _gradients(self, x, weight, operands, grads, acc=None, *, need_x=True, need_weight=True):
+    def _gradients(self, x, weight, operands, grads, saved=(), *, need_x=True, need_weight=True,
+                   need_operands=True):
         from evtc.linear_autograd import backward_of_linear
 
-        return backward_of_linear(self, x, weight, operands, grads, acc=acc, need_x=need_x,
-                                  need_weight=need_weight)
+        return backward_of_linear(self, x, weight, operands, grads, saved, need_x=need_x,
+                                  need_weight=need_weight, need_operands=need_operands)
 
     def backward_reads(self) -> tuple[bool, frozenset[str]]:
         """Whether the backward graph reads the accumulator, and the names it loads (found once:

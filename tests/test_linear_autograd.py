@@ -1416,3 +1416,62 @@ def test_compiling_under_no_grad_changes_no_gradient():
     with torch.inference_mode():
         graph = evtc.trace(bias_gelu, {"a": x, "b": w.t(), "bias": bias})
     assert not [n for n in graph if n.op == "detach"]
+
+
+def _tanh_scaled_times_tile(acc, C, alpha: float):
+    return torch.tanh(acc * alpha) * C
+
+
+def _applies_on_cpu(x, weight, saved, need_operands):
+    """evtc.dz_pass.applies without its GPU and 16-bit conditions."""
+    return bool(saved) and not need_operands
+
+
+def _silu(acc):
+    return F.silu(acc)
+
+
+@pytest.mark.parametrize("fn, lead, n, operands, scalars", [
+    (swiglu, (6,), 2 * 12, {}, {}),
+    (bias_gelu, (2, 3), 24, {"bias": lambda g: torch.randn(24, generator=g)}, {}),
+    (_tanh_scaled_times_tile, (7,), 16, {"C": lambda g: torch.randn(7, 16, generator=g)}, {"alpha": 0.7}),
+    (_silu, (2, 5), 8, {}, {}),
+])
+def test_dz_as_one_kernel_gives_autograds_gradients(monkeypatch, tmp_path, fn, lead, n, operands, scalars):
+    """The backward's dZ as one elementwise kernel over the saved accumulator (evtc.dz_pass; on the
+    GPU for 16-bit inputs, here forced on CPU, where the kernel runs as its torch path): the
+    gradients of x and the weight equal torch autograd's, the operands (which need none) get none,
+    and the pass did run."""
+    from evtc import dz_pass
+
+    monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
+    ran = []
+    real_dz = dz_pass.dz
+    monkeypatch.setattr(dz_pass, "dz", lambda *a: ran.append(real_dz(*a)) or ran[-1])
+    g = torch.Generator().manual_seed(1)
+    k = 16
+    x = torch.randn(*lead, k, generator=g).requires_grad_()
+    w = torch.randn(n, k, generator=g).requires_grad_()
+    ops = {name: make(g) for name, make in operands.items()}
+    lin = evtc.linear(fn, {"x": x, "weight": w, **ops, **scalars}, cache_dir=tmp_path)
+    got = lin(x, w, **ops, **scalars)
+    want = fn(x.double() @ w.double().t(), **{k: v.double() for k, v in ops.items()}, **scalars)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(got, [x, w], upstream.float())
+    ref = torch.autograd.grad(want, [x, w], upstream)
+    for name, a, b in zip(["x", "weight"], mine, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        _close(a.double(), b, name)
+    assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
+    kernel, epilogue = lin._dz_pass
+    assert epilogue.saved and epilogue.fn.__code__.co_varnames[:2] == ("acc", "grad")
+
+
+def test_dz_as_one_kernel_steps_aside_for_an_operand_that_needs_a_gradient(monkeypatch, tmp_path):
+    """A trained bias needs its gradient (a reduction of dZ over the rows), which the elementwise
+    pass does not compute: the reference backward runs and every gradient matches torch's."""
+    from evtc import dz_pass
+
+    monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
+    monkeypatch.setattr(dz_pass, "build", lambda lin: pytest.fail("the dZ pass was built"))
+    _check(bias_gelu, (5,), 16, 24, {"bias": lambda g: torch.randn(24, generator=g)})

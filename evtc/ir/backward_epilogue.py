@@ -73,9 +73,12 @@ class DzEpilogue:
     gated: bool
 
 
-def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz") -> DzEpilogue | None:
+def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz",
+                grad_operand: bool = False) -> DzEpilogue | None:
     """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
-    where there is none (see the module docstring)."""
+    where there is none (see the module docstring). With ``grad_operand``, the incoming gradient is
+    a tile operand ``grad`` after an accumulator ``acc`` that the epilogue never reads: dZ as one
+    elementwise pass over tensors in memory (:mod:`evtc.dz_pass`)."""
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
     if grad_acc is None or len(back.output_grads) != 1:
@@ -167,7 +170,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz") -> D
         names[node.id] = f"v{node.id}"
         lines.append(f"v{node.id} = {text}")
 
-    taken = {"grad", "saved", "saved_gate", "saved_up", "torch", "F"}
+    taken = {"grad", "saved", "saved_gate", "saved_up", "torch", "F", *(["acc"] if grad_operand else [])}
     if any(p in taken or re.fullmatch(r"v\d+", p) for p in params):
         return None  # an operand named like a generated value: rare, and not worth renaming
     outs = []
@@ -175,8 +178,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz") -> D
         if r.id in constants:
             return None  # a constant half of dZ (a half without gradient): not worth a kernel
         outs.append(f"{names[r.id]}.to(torch.{_dtype(dz_dtype)})")
-    fn_name = _identifier(f"{name}_dz")
-    signature = ", ".join(["grad", *saved, *params])
+    fn_name = _identifier(f"{name}_dz_pass" if grad_operand else f"{name}_dz")
+    signature = ", ".join(["acc", "grad", *saved, *params] if grad_operand else ["grad", *saved, *params])
     body = "".join(f"    {line}\n" for line in lines)
     ret = ", ".join(outs)
     source = f"def {fn_name}({signature}):\n{body}    return {ret}\n"

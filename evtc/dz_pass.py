@@ -1,0 +1,125 @@
+"""dZ of one fused linear's backward as one elementwise kernel (issue "Training", item 3).
+
+A layer seen alone (:mod:`evtc.linear_autograd`) receives its incoming gradient dY as a tensor in
+memory. Its ``dZ = df/dacc * dY`` is elementwise over the tile, and the reference backward evaluates
+it as torch operations in float32 (:func:`evtc.runtime.op_autograd.epilogue_gradients`): one kernel
+per operation, each reading and writing a whole float32 tile. At 8192 x 14336 (an MLP's SwiGLU)
+that took about 2 ms of a training step whose GEMMs take 12.
+
+Here dZ is one evtc kernel instead. :func:`evtc.ir.backward_epilogue.dz_epilogue` writes dZ as an
+epilogue (as for :class:`evtc.nn.MLP`'s fused step), with the incoming gradient as a tile operand
+``grad`` rather than the accumulator; the epilogue reads the accumulator the forward saved (its gate
+and up halves for a gated epilogue) and the forward's operands, computes in float32 in registers,
+and stores dZ in the inputs' 16-bit dtype (a gated one's halves into the halves of one tensor).
+The kernel's GEMM is one whose product the epilogue never reads: a and b are zeros with K = 16, one
+MMA per tile, so that the kernel is the epilogue's loads, arithmetic and stores streaming over the
+tiles.
+
+It runs where all of these hold, else the reference backward does (same gradients, within the
+float32 arithmetic's rounding):
+
+* 16-bit x and weight on the GPU (the reference runs float32 GEMMs otherwise);
+* the forward saved its accumulator, and dZ reads it (a dZ that does not, such as a bias's or a
+  residual's, is the incoming gradient or a product with an operand: cheap as it is);
+* no tensor operand needs a gradient (an operand's gradient is a reduction of the tile, which this
+  pass does not compute);
+* dZ is one elementwise pass over the tile (``dz_epilogue`` is not None) and its kernel compiles;
+* not under torch.compile (which fuses the reference's operations itself) and, before the kernel
+  was first built, not inside a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from evtc.ir.backward_epilogue import DzEpilogue
+    from evtc.linear import Linear
+    from evtc.runtime.kernel import Kernel
+
+log = logging.getLogger("evtc")
+
+# K of the zero product under the epilogue: one 16-deep MMA step, rows of 32 bytes (TMA's 16-byte
+# alignment holds for 16-bit inputs).
+PASS_K = 16
+
+
+def build(lin: Linear) -> tuple[Kernel, DzEpilogue] | None:
+    """The dZ pass of ``lin`` (its kernel and generated epilogue), or None where it has none. Compiled
+    from ``lin``'s examples: the forward's operands keep their kinds and layouts."""
+    from evtc.compile import compile as compile_kernel
+    from evtc.ir.backward_epilogue import dz_epilogue
+    from evtc.runtime.dtype_variants import meta_copy
+
+    example = lin._example
+    if example is None or lin._saving_kernel() is None:
+        return None
+    a, b = example["a"], example["b"]
+    epilogue = dz_epilogue(lin.backward_graph(), a.dtype, name=lin.kernel.plan.name, grad_operand=True)
+    if epilogue is None or not epilogue.saved:
+        return None
+    width = b.shape[-1] // 2 if epilogue.gated else b.shape[-1]
+    rows = a.shape[0]
+    meta = {"device": "meta", "dtype": a.dtype}
+    inputs: dict[str, Any] = {"a": torch.empty(rows, PASS_K, **meta),
+                              "b": torch.empty(width, PASS_K, **meta).t(),
+                              "grad": torch.empty(rows, width, **meta)}
+    for name in epilogue.saved:
+        inputs[name] = torch.empty(rows, width, **meta)
+    for name in epilogue.operands:
+        inputs[name] = meta_copy(example[name])
+    options = {k: v for k, v in lin._compile_options.items() if k in ("arch", "cache_dir")}
+    try:
+        kernel = compile_kernel(epilogue.fn, inputs, **options)
+    except Exception as exc:  # noqa: BLE001 - the reference backward gives the same gradients
+        log.warning("%r: the dZ kernel of the backward does not compile (%s); the backward runs dZ as "
+                    "torch operations", lin.kernel.plan.name, str(exc).splitlines()[0])
+        return None
+    return kernel, epilogue
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, saved: tuple[torch.Tensor, ...],
+            need_operands: bool) -> bool:
+    """Whether a backward with these inputs may take the dZ pass (the conditions it can tell
+    without the backward graph; see the module docstring)."""
+    return (bool(saved) and not need_operands and x.is_cuda and weight.dtype == x.dtype
+            and x.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling())
+
+
+def dz(lin: Linear, x2: torch.Tensor, weight: torch.Tensor, operands: dict[str, Any],
+       grads: dict[str, torch.Tensor | None], saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """dZ of ``lin``'s backward, (M, N) in x's dtype, from the pass; None where it does not apply
+    (the caller then runs the reference). ``x2``: x with its rows flattened; ``operands``: the
+    forward's, flattened alike; ``grads``: the incoming gradient by output name; ``saved``: the saved
+    accumulator's pieces, flattened alike."""
+    state = lin._dz_pass
+    if state is None:
+        if x2.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # building a kernel inside a capture: the reference is capture-safe
+        state = lin._dz_pass = build(lin) or False
+    if not state:
+        return None
+    kernel, epilogue = state
+    (grad,) = grads.values()
+    if grad is None:
+        return None
+    m, width = x2.shape[0], saved[0].shape[-1]
+    feeds: dict[str, Any] = {"grad": grad.reshape(m, width)}
+    pieces = dict(zip(("saved_gate", "saved_up") if epilogue.gated else ("saved",), saved, strict=True))
+    for name in epilogue.saved:
+        feeds[name] = pieces[name]
+    for name in epilogue.operands:
+        feeds[name] = operands[name]
+    zeros_a = torch.zeros(m, PASS_K, dtype=x2.dtype, device=x2.device)
+    zeros_b = torch.zeros(width, PASS_K, dtype=x2.dtype, device=x2.device).t()
+    if not epilogue.gated:
+        return kernel(zeros_a, zeros_b, **feeds)
+    joined = torch.empty(m, 2 * width, dtype=x2.dtype, device=x2.device)
+    kernel(zeros_a, zeros_b, **feeds, out=(joined[:, :width], joined[:, width:]))
+    return joined
+
+
+__all__ = ["PASS_K", "applies", "build", "dz"]
