@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--layer-dz", action="store_true",
                    help="also time the first layer's dZ seen alone (evtc.nn.FusedLinear's backward): the "
                         "elementwise kernel (evtc.dz_pass), the float32 torch operations, eager's bf16 ops")
+    p.add_argument("--layer-dz-configs", action="store_true",
+                   help="with --layer-dz: also its kernel compiled with other configurations")
     p.add_argument("--plain-gemms", action="store_true",
                    help="also time the step's GEMMs that cuBLAS runs in both variants (dX, dW1, dW2) "
                         "as evtc identity kernels in their own layouts")
@@ -90,7 +92,7 @@ def main() -> None:
     if args.forward_configs:
         time_forward_configs(first, x, w1, h, gate, up, args.samples)
     if args.layer_dz:
-        time_layer_dz(first, x, w1, gate, up, args.samples)
+        time_layer_dz(first, x, w1, gate, up, args.samples, args.layer_dz_configs)
     if args.plain_gemms:
         time_plain_gemms(x, w1, dz1, dz2, h, args.samples)
 
@@ -99,7 +101,7 @@ def identity(acc):
     return acc
 
 
-def time_layer_dz(first, x, w1, gate, up, samples) -> None:
+def time_layer_dz(first, x, w1, gate, up, samples, configs: bool = False) -> None:
     """The first layer's dZ from an incoming gradient dH in memory, as its backward computes it when
     the layer is seen alone: the elementwise kernel of evtc.dz_pass, the reference (float32 torch
     operations over the joined accumulator), and eager autograd's bf16 SwiGLU backward."""
@@ -133,6 +135,55 @@ def time_layer_dz(first, x, w1, gate, up, samples) -> None:
     ms = time_paired([kernel, reference, eager], 3, samples, 1)
     print(f"  layer dZ: kernel {ms[0]:.3f} ms, float32 torch ops {ms[1]:.3f} ms, eager bf16 autograd "
           f"{ms[2]:.3f} ms")
+    if configs:
+        time_dz_pass_configs(first, dh, gate, up, ours, samples)
+
+
+DZ_PASS_CONFIGS = [
+    {"schedule": "pingpong", "tile_n": 128},
+    {"schedule": "pingpong", "tile_n": 128, "cluster": (1, 1)},
+    {"schedule": "pingpong", "tile_n": 128, "ab_stages": 2, "load_stages": 4},
+    {"schedule": "pingpong", "tile_n": 128, "ab_stages": 2, "load_stages": 4, "cluster": (1, 1)},
+    {"schedule": "pingpong", "tile_n": 128, "epi_tile_n": 32},
+    {"schedule": "cooperative", "tile_n": 256},
+    {"schedule": "cooperative", "tile_n": 128, "cluster": (1, 1)},
+    {"schedule": "cooperative", "tile_n": 256, "ab_stages": 2, "load_stages": 4, "cluster": (1, 1)},
+]
+
+
+def time_dz_pass_configs(first, dh, gate, up, want, samples) -> None:
+    """The layer-dZ kernel (evtc.dz_pass) compiled with each of DZ_PASS_CONFIGS, its output checked
+    against the default kernel's, timed against the default kernel."""
+    from evtc import dz_pass
+
+    kernel, epilogue = first._dz_pass
+    m, width = gate.shape
+    zeros_a = torch.zeros(m, dz_pass.PASS_K, dtype=gate.dtype, device=gate.device)
+    zeros_b = torch.zeros(width, dz_pass.PASS_K, dtype=gate.dtype, device=gate.device).t()
+    out = torch.empty(m, 2 * width, dtype=gate.dtype, device=gate.device)
+    halves = (out[:, :width], out[:, width:])
+    meta = {"device": "meta", "dtype": gate.dtype}
+    example = {"a": torch.empty(8, dz_pass.PASS_K, **meta),
+               "b": torch.empty(width, dz_pass.PASS_K, **meta).t(),
+               **{name: torch.empty(8, width, **meta) for name in ("grad", "saved_gate", "saved_up")}}
+    default = kernel.launch_for(m, width, dz_pass.PASS_K)[0].short_name()
+    fns = [lambda: kernel(zeros_a, zeros_b, grad=dh, saved_gate=gate, saved_up=up, out=halves)]
+    names = [f"default ({default})"]
+    for config in DZ_PASS_CONFIGS:
+        try:
+            k = evtc.compile(epilogue.fn, example, config=config)
+        except evtc.CompileError as exc:
+            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
+            continue
+        k(zeros_a, zeros_b, grad=dh, saved_gate=gate, saved_up=up, out=halves)
+        print(f"  {config}: {k.launch_for(m, width, dz_pass.PASS_K)[0].short_name()}, "
+              f"within {rel_err(out, want.float()):.1e} of the default kernel's dZ")
+        fns.append(lambda k=k: k(zeros_a, zeros_b, grad=dh, saved_gate=gate, saved_up=up, out=halves))
+        names.append(str(config))
+    ms = time_paired(fns, 3, samples, 1)
+    moved = 5 * m * width * gate.element_size()  # three tiles in, two out
+    for name, t in zip(names, ms, strict=True):
+        print(f"  {name:90s} {t:7.3f} ms  {moved / t / 1e9:5.2f} TB/s")
 
 
 def time_plain_gemms(x, w1, dz1, dz2, h, samples) -> None:

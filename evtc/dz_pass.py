@@ -45,12 +45,20 @@ log = logging.getLogger("evtc")
 # K of the zero product under the epilogue: one 16-deep MMA step, rows of 32 bytes (TMA's 16-byte
 # alignment holds for 16-bit inputs).
 PASS_K = 16
+# The kernel's configuration: cooperative 128 x 128 tiles without clusters (a cluster shares A and B
+# loads, of which this kernel has next to none). At 8192 x 14336 (SwiGLU's dZ, three tiles in and two
+# out, H200) it streamed 2.61 TB/s, as the cooperative 128 x 256 tile did, where the selector's
+# choice for such a heavy epilogue (ping-pong 128 x 128 in 1 x 2 clusters) made 2.34 TB/s
+# (bench/mlp_parts.py --layer-dz --layer-dz-configs). Where it does not compile (an epilogue's
+# shared memory), the kernel is compiled with the selector's choices.
+PASS_CONFIG = {"schedule": "cooperative", "tile_n": 128, "cluster": (1, 1)}
 
 
 def build(lin: Linear) -> tuple[Kernel, DzEpilogue] | None:
     """The dZ pass of ``lin`` (its kernel and generated epilogue), or None where it has none. Compiled
     from ``lin``'s examples: the forward's operands keep their kinds and layouts."""
     from evtc.compile import compile as compile_kernel
+    from evtc.errors import CompileError
     from evtc.ir.backward_epilogue import dz_epilogue
     from evtc.runtime.dtype_variants import meta_copy
 
@@ -58,22 +66,29 @@ def build(lin: Linear) -> tuple[Kernel, DzEpilogue] | None:
     if example is None or lin._saving_kernel() is None:
         return None
     a, b = example["a"], example["b"]
-    epilogue = dz_epilogue(lin.backward_graph(), a.dtype, name=lin.kernel.plan.name, grad_operand=True)
+    back = lin.backward_graph()
+    epilogue = dz_epilogue(back, a.dtype, name=lin.kernel.plan.name, grad_operand=True)
     if epilogue is None or not epilogue.saved:
         return None
     width = b.shape[-1] // 2 if epilogue.gated else b.shape[-1]
     rows = a.shape[0]
     meta = {"device": "meta", "dtype": a.dtype}
+    # The incoming gradient has the output's dtype (float32 for an epilogue that returns float32).
+    (grad_name,) = back.output_grads.values()
+    grad_dtype = next(n.dtype for n in back.graph.nodes if n.op == "load" and n.attrs["name"] == grad_name)
     inputs: dict[str, Any] = {"a": torch.empty(rows, PASS_K, **meta),
                               "b": torch.empty(width, PASS_K, **meta).t(),
-                              "grad": torch.empty(rows, width, **meta)}
+                              "grad": torch.empty(rows, width, device="meta", dtype=grad_dtype)}
     for name in epilogue.saved:
         inputs[name] = torch.empty(rows, width, **meta)
     for name in epilogue.operands:
         inputs[name] = meta_copy(example[name])
     options = {k: v for k, v in lin._compile_options.items() if k in ("arch", "cache_dir")}
     try:
-        kernel = compile_kernel(epilogue.fn, inputs, **options)
+        try:
+            kernel = compile_kernel(epilogue.fn, inputs, config=PASS_CONFIG, **options)
+        except CompileError:
+            kernel = compile_kernel(epilogue.fn, inputs, **options)
     except Exception as exc:  # noqa: BLE001 - the reference backward gives the same gradients
         log.warning("%r: the dZ kernel of the backward does not compile (%s); the backward runs dZ as "
                     "torch operations", lin.kernel.plan.name, str(exc).splitlines()[0])
@@ -103,8 +118,9 @@ def dz(lin: Linear, x2: torch.Tensor, weight: torch.Tensor, operands: dict[str, 
     if not state:
         return None
     kernel, epilogue = state
-    (grad,) = grads.values()
-    if grad is None:
+    (output,) = lin.backward_graph().output_grads  # the one output dZ depends on
+    grad = grads.get(output)
+    if grad is None or grad.dtype != kernel.call_spec.operand_dtypes.get("grad", grad.dtype):
         return None
     m, width = x2.shape[0], saved[0].shape[-1]
     feeds: dict[str, Any] = {"grad": grad.reshape(m, width)}
@@ -122,4 +138,4 @@ def dz(lin: Linear, x2: torch.Tensor, weight: torch.Tensor, operands: dict[str, 
     return joined
 
 
-__all__ = ["PASS_K", "applies", "build", "dz"]
+__all__ = ["PASS_CONFIG", "PASS_K", "applies", "build", "dz"]

@@ -1475,3 +1475,53 @@ def test_dz_as_one_kernel_steps_aside_for_an_operand_that_needs_a_gradient(monke
     monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
     monkeypatch.setattr(dz_pass, "build", lambda lin: pytest.fail("the dZ pass was built"))
     _check(bias_gelu, (5,), 16, 24, {"bias": lambda g: torch.randn(24, generator=g)})
+
+
+def test_dz_kernel_takes_its_streaming_tile_or_the_selectors(monkeypatch, tmp_path):
+    """The dZ kernel is pinned to cooperative 128 x 128 tiles without clusters (evtc.dz_pass.PASS_CONFIG);
+    where that configuration does not compile it is compiled with the selector's choices instead."""
+    from evtc import dz_pass
+
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    example = {"x": torch.empty(64, 32, **meta), "weight": torch.empty(2 * 48, 32, **meta)}
+    lin = evtc.linear(swiglu, example, arch="sm_90a", cache_dir=tmp_path)
+    kernel, epilogue = dz_pass.build(lin)
+    config, _ = kernel.launch_for(4096, 48, dz_pass.PASS_K)
+    got = (config.schedule, config.tile_m, config.tile_n, config.cluster)
+    assert got == ("cooperative", 128, 128, (1, 1))
+    assert epilogue.gated and epilogue.saved == ("saved_gate", "saved_up")
+    monkeypatch.setattr(dz_pass, "PASS_CONFIG", {"tile_n": 7})  # refused by the configuration's checks
+    lin = evtc.linear(swiglu, example, arch="sm_90a", cache_dir=tmp_path)
+    kernel, _ = dz_pass.build(lin)
+    assert kernel.launch_for(4096, 48, dz_pass.PASS_K)[0].tile_n != 7
+
+
+def _gelu_in_float32(acc):
+    return F.gelu(acc).float()
+
+
+def test_dz_kernel_of_a_float32_output_takes_a_float32_incoming_gradient(monkeypatch, tmp_path):
+    """An epilogue returning float32 from bfloat16 inputs receives a float32 incoming gradient: the
+    dZ kernel is compiled for it, and the gradients match torch's."""
+    from evtc import dz_pass
+    from evtc.runtime import op_autograd
+
+    monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
+    # 16-bit GEMMs after a 16-bit dZ, as on the GPU (the CPU reference runs float32 ones).
+    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()
+    lin = evtc.linear(_gelu_in_float32, {"x": x, "weight": w}, cache_dir=tmp_path)
+    y = lin(x, w)
+    assert y.dtype == torch.float32
+    dy = torch.randn(y.shape, generator=g)
+    gx, gw = torch.autograd.grad(y, [x, w], dy)
+    kernel, _ = lin._dz_pass
+    assert kernel.call_spec.operand_dtypes["grad"] == torch.float32
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.autograd.grad(_gelu_in_float32(xd @ wd.t()).double(), [xd, wd], dy.double())
+    for name, a, b in zip(["x", "weight"], (gx, gw), want, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.3g} by norm"

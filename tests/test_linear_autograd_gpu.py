@@ -302,7 +302,12 @@ def _silu(acc):
     return F.silu(acc)
 
 
+def _gelu_in_float32(acc):
+    return F.gelu(acc).float()
+
+
 @pytest.mark.parametrize("fn, n, operands, scalars", [
+    (_gelu_in_float32, 72, {}, {}),
     (swiglu, 2 * 200, {}, {}),
     (bias_gelu, 136, {"bias": lambda g: torch.randn(136, device="cuda", generator=g)}, {}),
     (_tanh_scaled_times_tile, 96, {"C": lambda g: torch.randn(3, 37, 96, device="cuda", generator=g)},
