@@ -54,9 +54,10 @@ PASS_K = 16
 PASS_CONFIG = {"schedule": "cooperative", "tile_n": 128, "cluster": (1, 1)}
 
 
-def build(lin: Linear) -> tuple[Kernel, DzEpilogue] | None:
-    """The dZ pass of ``lin`` (its kernel and generated epilogue), or None where it has none. Compiled
-    from ``lin``'s examples: the forward's operands keep their kinds and layouts."""
+def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzEpilogue] | None:
+    """The dZ pass of ``lin`` that also returns the gradients of ``operand_grads`` (its kernel and
+    generated epilogue), or None where it has none. Compiled from ``lin``'s examples: the forward's
+    operands keep their kinds and layouts."""
     from evtc.compile import compile as compile_kernel
     from evtc.errors import CompileError
     from evtc.ir.backward_epilogue import dz_epilogue
@@ -67,7 +68,8 @@ def build(lin: Linear) -> tuple[Kernel, DzEpilogue] | None:
         return None
     a, b = example["a"], example["b"]
     back = lin.backward_graph()
-    epilogue = dz_epilogue(back, a.dtype, name=lin.kernel.plan.name, grad_operand=True)
+    epilogue = dz_epilogue(back, a.dtype, name=lin.kernel.plan.name, grad_operand=True,
+                           operand_grads=operand_grads)
     if epilogue is None or not epilogue.saved:
         return None
     width = b.shape[-1] // 2 if epilogue.gated else b.shape[-1]
@@ -96,25 +98,26 @@ def build(lin: Linear) -> tuple[Kernel, DzEpilogue] | None:
     return kernel, epilogue
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, saved: tuple[torch.Tensor, ...],
-            need_operands: bool) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> bool:
     """Whether a backward with these inputs may take the dZ pass (the conditions it can tell
     without the backward graph; see the module docstring)."""
-    return (bool(saved) and not need_operands and x.is_cuda and weight.dtype == x.dtype
+    return (bool(saved) and x.is_cuda and weight.dtype == x.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling())
 
 
-def dz(lin: Linear, x2: torch.Tensor, weight: torch.Tensor, operands: dict[str, Any],
-       grads: dict[str, torch.Tensor | None], saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """dZ of ``lin``'s backward, (M, N) in x's dtype, from the pass; None where it does not apply
-    (the caller then runs the reference). ``x2``: x with its rows flattened; ``operands``: the
-    forward's, flattened alike; ``grads``: the incoming gradient by output name; ``saved``: the saved
-    accumulator's pieces, flattened alike."""
-    state = lin._dz_pass
+def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: dict[str, torch.Tensor | None],
+              saved: tuple[torch.Tensor, ...], needed: tuple[str, ...] = ()
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """(dZ, {operand: gradient}) of ``lin``'s backward from the pass, or None where it does not
+    apply (the caller then runs the reference). dZ is (M, N) in x's dtype; the gradients of the
+    operands in ``needed``, in their flat shapes and dtypes. ``x2``: x with its rows flattened;
+    ``operands``: the forward's, flattened alike; ``grads``: the incoming gradients by output name;
+    ``saved``: the saved accumulator's pieces, flattened alike."""
+    state = lin._dz_passes.get(needed)
     if state is None:
         if x2.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # building a kernel inside a capture: the reference is capture-safe
-        state = lin._dz_pass = build(lin) or False
+        state = lin._dz_passes[needed] = build(lin, needed) or False
     if not state:
         return None
     kernel, epilogue = state
@@ -131,11 +134,21 @@ def dz(lin: Linear, x2: torch.Tensor, weight: torch.Tensor, operands: dict[str, 
         feeds[name] = operands[name]
     zeros_a = torch.zeros(m, PASS_K, dtype=x2.dtype, device=x2.device)
     zeros_b = torch.zeros(width, PASS_K, dtype=x2.dtype, device=x2.device).t()
-    if not epilogue.gated:
-        return kernel(zeros_a, zeros_b, **feeds)
-    joined = torch.empty(m, 2 * width, dtype=x2.dtype, device=x2.device)
-    kernel(zeros_a, zeros_b, **feeds, out=(joined[:, :width], joined[:, width:]))
-    return joined
+    if epilogue.gated and not needed:
+        # The halves written into one tensor; with operand gradients too, out= would need every
+        # output allocated here, and the halves are joined after (a copy of dZ in 16 bits).
+        dz = torch.empty(m, 2 * width, dtype=x2.dtype, device=x2.device)
+        kernel(zeros_a, zeros_b, **feeds, out=(dz[:, :width], dz[:, width:]))
+        return dz, {}
+    result = kernel(zeros_a, zeros_b, **feeds)
+    outs = result if isinstance(result, tuple) else (result,)
+    count = 2 if epilogue.gated else 1
+    dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
+    by_name = {}
+    for name, value in zip(epilogue.operand_grads, outs[count:], strict=True):
+        flat = operands[name]
+        by_name[name] = value.reshape(flat.shape).to(flat.dtype)
+    return dz, by_name
 
 
-__all__ = ["PASS_CONFIG", "PASS_K", "applies", "build", "dz"]
+__all__ = ["PASS_CONFIG", "PASS_K", "applies", "build", "gradients"]

@@ -54,9 +54,9 @@ class Linear:
         # The kernel a differentiable call runs where the backward reads the accumulator: the same
         # epilogue that also stores the accumulator (see :meth:`_saving_kernel`); False where none.
         self._saving: Kernel | bool | None = None
-        # The backward's dZ as one kernel (evtc.dz_pass: kernel and epilogue), built on first use;
-        # False where there is none.
-        self._dz_pass: tuple | bool | None = None
+        # The backward's dZ as one kernel (evtc.dz_pass: kernel and epilogue) by the operands whose
+        # gradients it also computes, built on first use; False where there is none.
+        self._dz_passes: dict[tuple[str, ...], tuple | bool] = {}
         self._compile_options = dict(compile_options or {})  # config, arch, cache_dir of the twin
         # x.dim() values whose flattening into M gives fn's own results (see _check_leading_dims).
         self._exact_dims: set[int] = {2}
@@ -143,7 +143,7 @@ class Linear:
         return self.kernel.plan.structure.flatten(result, lambda _: True)
 
     def _gradients(self, x, weight, operands, grads, saved=(), *, need_x=True, need_weight=True,
-                   need_operands=True):
+                   need_operands=None):
         from evtc.linear_autograd import backward_of_linear
 
         return backward_of_linear(self, x, weight, operands, grads, saved, need_x=need_x,

@@ -125,24 +125,27 @@ class LinearFunction(torch.autograd.Function):
         operands = dict(zip(ctx.names, values, strict=True))
         grads = dict(zip(ctx.lin.output_names, grad_outputs, strict=True))
         needs = ctx.needs_input_grad
+        wanted = tuple(name for name, need in zip(ctx.names, needs[4:], strict=True) if need)
         dx, dweight, d_operands = ctx.lin._gradients(x, weight, operands, grads, tuple(saved_acc),
                                                      need_x=needs[1], need_weight=needs[2],
-                                                     need_operands=any(needs[4:]))
+                                                     need_operands=wanted)
         operand_grads = [d_operands.get(name) if needs[4 + i] else None for i, name in enumerate(ctx.names)]
         return (None, dx if needs[1] else None, dweight if needs[2] else None, None, *operand_grads)
 
 
 def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, operands: dict[str, Any],
                        grads: dict[str, torch.Tensor | None], saved: tuple[torch.Tensor, ...] = (), *,
-                       need_x: bool = True, need_weight: bool = True, need_operands: bool = True):
+                       need_x: bool = True, need_weight: bool = True,
+                       need_operands: tuple[str, ...] | None = None):
     """(dx, dweight, {operand: gradient}) of ``lin``'s call on ``x``, ``weight``, ``operands``
     given the outputs' gradients ``grads`` by output name (None for outputs that received none):
     the GEMM epilogue's backward with a = x (flattened) and b = weight^T. ``saved``: the accumulator
     the forward saved (its gate and up halves for a gated epilogue; with x's leading dims), else
     recomputed where the backward reads it. dx and dweight are None where not needed (``need_x``,
     ``need_weight``): a frozen weight (LoRA's base layer) or an input without a gradient costs no
-    GEMM. With ``need_operands`` False no operand's gradient is computed, and dZ may be one
-    elementwise kernel (:mod:`evtc.dz_pass`) instead of torch operations."""
+    GEMM. ``need_operands``: the operands whose gradients are wanted (None: all). With it, dZ and
+    those gradients may come from one elementwise kernel (:mod:`evtc.dz_pass`) instead of torch
+    operations; an operand not in it may then get none."""
     from evtc import dz_pass
     from evtc.linear import _flatten_like, _rows, unflatten_gradient
     from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
@@ -152,11 +155,14 @@ def backward_of_linear(lin: Linear, x: torch.Tensor, weight: torch.Tensor, opera
     flat = [_flatten_like(operands[name], lead) for name in names]
     x2 = _rows(x)  # also with no input features (reshape(-1, 0) cannot tell the rows)
     saved_rows = tuple(_rows(piece) for piece in saved)
-    dz = None
-    if dz_pass.applies(x2, weight, saved_rows, need_operands):
-        dz = dz_pass.dz(lin, x2, weight, dict(zip(names, flat, strict=True)), grads, saved_rows)
-    d_operands: dict[str, torch.Tensor] = {}
-    if dz is None:
+    passed = None
+    if need_operands is not None and dz_pass.applies(x2, weight, saved_rows):
+        passed = dz_pass.gradients(lin, x2, dict(zip(names, flat, strict=True)), grads, saved_rows,
+                                   need_operands)
+    if passed is not None:
+        dz, d_flat_by_name = passed
+        d_operands = {name: unflatten_gradient(d, operands[name], lead) for name, d in d_flat_by_name.items()}
+    else:
         acc = joined_accumulator(saved_rows) if saved_rows else None
         dz, d_flat = epilogue_gradients(lin.backward_graph(), x2, weight.t(), names, flat, grads, acc=acc)
         d_operands = {name: unflatten_gradient(d, operands[name], lead)

@@ -20,7 +20,9 @@ The backward, for 16-bit inputs on the GPU:
 Where the fused kernel does not apply (float32 or CPU inputs; a first epilogue whose dZ is not one
 elementwise pass, see :func:`evtc.ir.backward_epilogue.dz_epilogue`; a tensor operand of the first
 layer that needs its own gradient, such as a trained bias; a kernel that does not compile), step 3
-is the unfused one: ``dH = dZ2 @ W2``, then the first layer's backward graph over it.
+is the unfused one: ``dH = dZ2 @ W2``, then the first layer's dZ (and its operands' gradients) as
+one elementwise kernel over dH where :mod:`evtc.dz_pass` applies, else its backward graph as torch
+operations.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from evtc import dz_pass
 from evtc.linear_autograd import first_derivative_only, not_views, save_inputs, saved_inputs
-from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, weight_gradient
+from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, joined_accumulator, weight_gradient
 
 if TYPE_CHECKING:
     from evtc.linear import Linear
@@ -133,8 +136,19 @@ def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2:
     else:
         dh, _ = input_gradients(dz2, h2, w2.t(), need_a=True, need_b=False)
         (out_name,) = first.output_names
-        dz1, d_ops1 = epilogue_gradients(first.backward_graph(), x2, w1.t(), names1, flat1,
-                                         {out_name: dh}, acc=_joined(saved1))
+        passed = None
+        saved_rows = tuple(s.reshape(-1, s.shape[-1]) for s in saved1)
+        if dz_pass.applies(x2, w1, saved_rows):
+            # dH in memory, then dZ1 and the operands' gradients in one elementwise kernel.
+            wanted = tuple(n for n, need in zip(names1, needs1, strict=True) if need)
+            passed = dz_pass.gradients(first, x2, dict(zip(names1, flat1, strict=True)), {out_name: dh},
+                                       saved_rows, wanted)
+        if passed is not None:
+            dz1, by_name = passed
+            d_ops1 = [by_name.get(n) for n in names1]
+        else:
+            dz1, d_ops1 = epilogue_gradients(first.backward_graph(), x2, w1.t(), names1, flat1,
+                                             {out_name: dh}, acc=_joined(saved1))
     # 4. The input's and the first weight's gradients.
     dx, _ = input_gradients(dz1, x2, w1.t(), need_a=need_x, need_b=False)
     dw1 = weight_gradient(dz1, x2, w1) if need_w1 else None
@@ -188,8 +202,7 @@ def _saved_halves(saved1, epilogue, x2, w1) -> dict[str, torch.Tensor]:
 def _joined(saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     if not saved:
         return None
-    whole = torch.cat(saved, dim=-1) if len(saved) > 1 else saved[0]
-    return whole.reshape(-1, whole.shape[-1])
+    return joined_accumulator(tuple(s.reshape(-1, s.shape[-1]) for s in saved))
 
 
 def _flat(value: Any, lead: tuple[int, ...]) -> Any:

@@ -1422,13 +1422,34 @@ def _tanh_scaled_times_tile(acc, C, alpha: float):
     return torch.tanh(acc * alpha) * C
 
 
-def _applies_on_cpu(x, weight, saved, need_operands):
+def _applies_on_cpu(x, weight, saved):
     """evtc.dz_pass.applies without its GPU and 16-bit conditions."""
-    return bool(saved) and not need_operands
+    return bool(saved)
 
 
 def _silu(acc):
     return F.silu(acc)
+
+
+def _every_operand_kind(acc, colscale, C, s, bias):
+    return F.gelu(acc * colscale + bias) * C + s
+
+
+def _swiglu_with_a_bias_as_wide_as_the_gemm(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _spy_on_the_dz_pass(monkeypatch):
+    """The results of evtc.dz_pass.gradients (None where it did not apply), with the pass forced on
+    CPU tensors, where its kernel runs as its torch path."""
+    from evtc import dz_pass
+
+    monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
+    ran = []
+    real = dz_pass.gradients
+    monkeypatch.setattr(dz_pass, "gradients", lambda *a: ran.append(real(*a)) or ran[-1])
+    return ran
 
 
 @pytest.mark.parametrize("fn, lead, n, operands, scalars", [
@@ -1436,45 +1457,63 @@ def _silu(acc):
     (bias_gelu, (2, 3), 24, {"bias": lambda g: torch.randn(24, generator=g)}, {}),
     (_tanh_scaled_times_tile, (7,), 16, {"C": lambda g: torch.randn(7, 16, generator=g)}, {"alpha": 0.7}),
     (_silu, (2, 5), 8, {}, {}),
+    (_every_operand_kind, (2, 3), 16, {"colscale": lambda g: torch.randn(2, 3, 1, generator=g),
+                                       "C": lambda g: torch.randn(2, 3, 16, generator=g),
+                                       "s": lambda g: torch.randn((), generator=g),
+                                       "bias": lambda g: torch.randn(16, generator=g)}, {}),
 ])
-def test_dz_as_one_kernel_gives_autograds_gradients(monkeypatch, tmp_path, fn, lead, n, operands, scalars):
+@pytest.mark.parametrize("trained", [False, True])
+def test_dz_as_one_kernel_gives_autograds_gradients(monkeypatch, tmp_path, fn, lead, n, operands, scalars,
+                                                    trained):
     """The backward's dZ as one elementwise kernel over the saved accumulator (evtc.dz_pass; on the
-    GPU for 16-bit inputs, here forced on CPU, where the kernel runs as its torch path): the
-    gradients of x and the weight equal torch autograd's, the operands (which need none) get none,
-    and the pass did run."""
-    from evtc import dz_pass
-
-    monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
-    ran = []
-    real_dz = dz_pass.dz
-    monkeypatch.setattr(dz_pass, "dz", lambda *a: ran.append(real_dz(*a)) or ran[-1])
+    GPU for 16-bit inputs, here forced on CPU, where the kernel runs as its torch path), with the
+    gradients of the operands that need one (``trained``: a bias's summed over the rows, a per-row
+    scale's over the columns, a scalar's over the tile, a tile's elementwise) from the same kernel:
+    every gradient equals torch autograd's in float64, and the pass ran."""
+    ran = _spy_on_the_dz_pass(monkeypatch)
     g = torch.Generator().manual_seed(1)
     k = 16
     x = torch.randn(*lead, k, generator=g).requires_grad_()
     w = torch.randn(n, k, generator=g).requires_grad_()
-    ops = {name: make(g) for name, make in operands.items()}
+    ops = {name: make(g).requires_grad_(trained) for name, make in operands.items()}
     lin = evtc.linear(fn, {"x": x, "weight": w, **ops, **scalars}, cache_dir=tmp_path)
     got = lin(x, w, **ops, **scalars)
-    want = fn(x.double() @ w.double().t(), **{k: v.double() for k, v in ops.items()}, **scalars)
+    wide = {name: v.detach().double().requires_grad_() for name, v in ops.items()}
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = fn(xd @ wd.t(), **wide, **scalars)
     upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
-    mine = torch.autograd.grad(got, [x, w], upstream.float())
-    ref = torch.autograd.grad(want, [x, w], upstream)
-    for name, a, b in zip(["x", "weight"], mine, ref, strict=True):
+    inputs = [x, w, *(ops.values() if trained else ())]
+    mine = torch.autograd.grad(got, inputs, upstream.float())
+    ref = torch.autograd.grad(want, [xd, wd, *(wide.values() if trained else ())], upstream)
+    for name, a, b in zip(["x", "weight", *(ops if trained else ())], mine, ref, strict=True):
         assert a.shape == b.shape and a.dtype == torch.float32, name
         _close(a.double(), b, name)
     assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
-    kernel, epilogue = lin._dz_pass
+    needed = tuple(ops) if trained else ()
+    kernel, epilogue = lin._dz_passes[needed]
+    assert epilogue.operand_grads == needed
     assert epilogue.saved and epilogue.fn.__code__.co_varnames[:2] == ("acc", "grad")
 
 
-def test_dz_as_one_kernel_steps_aside_for_an_operand_that_needs_a_gradient(monkeypatch, tmp_path):
-    """A trained bias needs its gradient (a reduction of dZ over the rows), which the elementwise
-    pass does not compute: the reference backward runs and every gradient matches torch's."""
-    from evtc import dz_pass
-
-    monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
-    monkeypatch.setattr(dz_pass, "build", lambda lin: pytest.fail("the dZ pass was built"))
-    _check(bias_gelu, (5,), 16, 24, {"bias": lambda g: torch.randn(24, generator=g)})
+def test_dz_as_one_kernel_steps_aside_where_it_cannot_give_an_operands_gradient(monkeypatch, tmp_path):
+    """A gated epilogue's bias as wide as its GEMM (added before the halves split) has no gradient
+    the halved pass can sum: the reference backward runs, and every gradient matches torch's."""
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 16, generator=g).requires_grad_()
+    w = torch.randn(2 * 12, 16, generator=g).requires_grad_()
+    bias = torch.randn(2 * 12, generator=g).requires_grad_()
+    lin = evtc.linear(_swiglu_with_a_bias_as_wide_as_the_gemm, {"x": x, "weight": w, "bias": bias},
+                      cache_dir=tmp_path)
+    got = lin(x, w, bias=bias)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, bias))
+    want = _swiglu_with_a_bias_as_wide_as_the_gemm(xd @ wd.t(), bd)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(got, [x, w, bias], upstream.float())
+    ref = torch.autograd.grad(want, [xd, wd, bd], upstream)
+    for name, a, b in zip(["x", "weight", "bias"], mine, ref, strict=True):
+        _close(a.double(), b, name)
+    assert ran == [None] and lin._dz_passes[("bias",)] is False
 
 
 def test_dz_kernel_takes_its_streaming_tile_or_the_selectors(monkeypatch, tmp_path):
@@ -1517,7 +1556,7 @@ def test_dz_kernel_of_a_float32_output_takes_a_float32_incoming_gradient(monkeyp
     assert y.dtype == torch.float32
     dy = torch.randn(y.shape, generator=g)
     gx, gw = torch.autograd.grad(y, [x, w], dy)
-    kernel, _ = lin._dz_pass
+    kernel, _ = lin._dz_passes[()]
     assert kernel.call_spec.operand_dtypes["grad"] == torch.float32
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     want = torch.autograd.grad(_gelu_in_float32(xd @ wd.t()).double(), [xd, wd], dy.double())

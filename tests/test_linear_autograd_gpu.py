@@ -306,40 +306,62 @@ def _gelu_in_float32(acc):
     return F.gelu(acc).float()
 
 
-@pytest.mark.parametrize("fn, n, operands, scalars", [
+def _every_operand_kind(acc, colscale, C, s, bias):
+    return F.gelu(acc * colscale + bias) * C + s
+
+
+_DZ_CASES = [
     (_gelu_in_float32, 72, {}, {}),
     (swiglu, 2 * 200, {}, {}),
     (bias_gelu, 136, {"bias": lambda g: torch.randn(136, device="cuda", generator=g)}, {}),
     (_tanh_scaled_times_tile, 96, {"C": lambda g: torch.randn(3, 37, 96, device="cuda", generator=g)},
      {"alpha": 0.7}),
     (_silu, 264, {}, {}),
-])
+    (_every_operand_kind, 200, {"colscale": lambda g: torch.rand(3, 37, 1, device="cuda", generator=g) + 0.5,
+                                "C": lambda g: torch.randn(3, 37, 200, device="cuda", generator=g),
+                                "s": lambda g: torch.randn((), device="cuda", generator=g),
+                                "bias": lambda g: torch.randn(200, device="cuda", generator=g)}, {}),
+]
+
+
+# Each case as it is, and those with operands again with every operand trained.
+_DZ_RUNS = [(*case, False) for case in _DZ_CASES] + [(*case, True) for case in _DZ_CASES if case[2]]
+
+
+@pytest.mark.parametrize("fn, n, operands, scalars, trained", _DZ_RUNS)
 @pytest.mark.parametrize("upstream", ["random", "sum"])
-def test_dz_as_one_kernel_against_autograd(fn, n, operands, scalars, upstream):
-    """dZ as one elementwise kernel over the saved accumulator (evtc.dz_pass: 16-bit inputs, no
-    operand needing a gradient), odd sizes and leading dims, a random incoming gradient or the
-    expanded one of ``y.sum()``: x's and the weight's gradients against float32 autograd of the
-    function, no less accurate than eager bfloat16 autograd, and the pass ran."""
+def test_dz_as_one_kernel_against_autograd(fn, n, operands, scalars, upstream, trained):
+    """dZ as one elementwise kernel over the saved accumulator (evtc.dz_pass: 16-bit inputs), with
+    the gradients of the operands that need one (``trained``) from the same kernel; odd sizes and
+    leading dims, a random incoming gradient or the expanded one of ``y.sum()``: every gradient
+    against float32 autograd of the function, no less accurate than eager bfloat16 autograd, and
+    the pass ran."""
     g = torch.Generator(device="cuda").manual_seed(11)
     x = (torch.randn(3, 37, 96, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(n, 96, device="cuda", generator=g) * 96 ** -0.5).bfloat16().requires_grad_()
-    ops = {name: make(g).bfloat16() for name, make in operands.items()}
+    ops = {name: make(g).bfloat16().requires_grad_(trained) for name, make in operands.items()}
     lin = evtc.linear(fn, {"x": x, "weight": w, **ops, **scalars})
     y = lin(x, w, **ops, **scalars)
-    ref = fn(x.float() @ w.float().t(), **{k: v.float() for k, v in ops.items()}, **scalars)
+    inputs = [x, w, *(ops.values() if trained else ())]
+    wide = {k: v.detach().float().requires_grad_(trained) for k, v in ops.items()}
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = fn(xf @ wf.t(), **wide, **scalars)
+    ref_inputs = [xf, wf, *(wide.values() if trained else ())]
     eager = fn(x @ w.t(), **ops, **scalars)
     if upstream == "sum":
-        mine = torch.autograd.grad(y.sum(), [x, w])
-        want = torch.autograd.grad(ref.sum(), [x, w])
-        theirs = torch.autograd.grad(eager.sum(), [x, w])
+        mine = torch.autograd.grad(y.sum(), inputs)
+        want = torch.autograd.grad(ref.sum(), ref_inputs)
+        theirs = torch.autograd.grad(eager.sum(), inputs)
     else:
         dy = torch.randn(ref.shape, device="cuda", generator=g).bfloat16()
-        mine = torch.autograd.grad(y, [x, w], dy)
-        want = torch.autograd.grad(ref, [x, w], dy.float())
-        theirs = torch.autograd.grad(eager, [x, w], dy)
-    assert isinstance(lin._dz_pass, tuple), "the dZ pass did not run"
-    for name, a, b, t in zip(["x", "weight"], mine, want, theirs, strict=True):
-        assert a.dtype == torch.bfloat16 and a.shape == b.shape, name
+        mine = torch.autograd.grad(y, inputs, dy)
+        want = torch.autograd.grad(ref, ref_inputs, dy.float())
+        theirs = torch.autograd.grad(eager, inputs, dy)
+    needed = tuple(ops) if trained else ()
+    assert isinstance(lin._dz_passes.get(needed), tuple), "the dZ pass did not run"
+    for name, a, b, t, given in zip(["x", "weight", *(ops if trained else ())], mine, want, theirs, inputs,
+                                    strict=True):
+        assert a.dtype == given.dtype and a.shape == b.shape, name
         _norm_close(a, b, name)
         err = (a.float() - b.float()).norm() / b.float().norm()
         err_eager = (t.float() - b.float()).norm() / b.float().norm()

@@ -58,6 +58,15 @@ _CALLS: dict[str, Callable[[list[str], dict[str, Any]], str]] = {
 
 _counter = itertools.count()
 
+# A sum over an axis of the tile, as the generated source writes it (the tracer maps each back onto
+# the same reduction): over the rows (M) for a row vector's gradient, the columns (N) for a per-row
+# column's, the whole tile for a scalar's.
+_SUMS: dict[str, Callable[[str, bool], str]] = {
+    "col": lambda v, keep: f"{v}.sum(-2, keepdim=True)" if keep else f"{v}.sum(-2)",
+    "row": lambda v, keep: f"{v}.sum(-1, keepdim=True)" if keep else f"{v}.sum(-1)",
+    "batch": lambda v, keep: f"{v}.sum((-2, -1), keepdim=True)" if keep else f"{v}.sum((-2, -1))",
+}
+
 
 @dataclass(frozen=True)
 class DzEpilogue:
@@ -71,22 +80,31 @@ class DzEpilogue:
     #: The forward's operands (tensors and Python numbers) that ``fn`` takes, by name.
     operands: tuple[str, ...]
     gated: bool
+    #: The operands whose gradients ``fn`` returns after dZ, in this order (``operand_grads``).
+    operand_grads: tuple[str, ...] = ()
 
 
-def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz",
-                grad_operand: bool = False) -> DzEpilogue | None:
+def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad_operand: bool = False,
+                operand_grads: tuple[str, ...] = ()) -> DzEpilogue | None:
     """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
     where there is none (see the module docstring). With ``grad_operand``, the incoming gradient is
     a tile operand ``grad`` after an accumulator ``acc`` that the epilogue never reads: dZ as one
-    elementwise pass over tensors in memory (:mod:`evtc.dz_pass`)."""
+    elementwise pass over tensors in memory (:mod:`evtc.dz_pass`); ``operand_grads`` (only then)
+    names forward operands whose gradients it returns too, after dZ, in float32: a row vector's
+    summed over the rows (a column reduction), a per-row column's over the columns, a scalar's over
+    the tile, a tile operand's elementwise."""
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
-    if grad_acc is None or len(back.output_grads) != 1:
+    if grad_acc is None or len(back.output_grads) != 1 or (operand_grads and not grad_operand):
         return None
+    if any(op not in back.input_grads for op in operand_grads):
+        return None  # an operand without a gradient in the graph (a Python number's)
     (grad_name,) = back.output_grads.values()
     store = graph.store(grad_acc)
     by_id = {n.id: n for n in graph.nodes}
-    cone = _cone(store, by_id)
+    operand_stores = [graph.store(back.input_grads[op]) for op in operand_grads]
+    dz_cone = _cone(store, by_id)
+    cone = dz_cone.union(*(_cone(s, by_id) for s in operand_stores))
     final = by_id[store.inputs[0].id]
     # A gated epilogue (``acc.chunk(2, -1)``): dZ is its halves' gradients joined side by side.
     gated = final.op == "join"
@@ -165,6 +183,12 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz",
                     names[node.id] = names[other.id]
                 continue
             text = _call(op, [_text(a) for a in args], params_of, [i.id in constants for i in node.inputs])
+        elif op == "reduce" and operand_grads and node.id not in dz_cone and isinstance(args[0], str):
+            # An operand's gradient summed over what the operand broadcasts along (the reduction
+            # only feeds an operand's gradient: dZ itself stays one elementwise pass).
+            if node.attrs["reduce"] != "sum" or node.attrs["axis"] not in _SUMS:
+                return None
+            text = _SUMS[node.attrs["axis"]](args[0], node.attrs["keepdim"])
         else:
             return None  # a reduction or a join inside dZ: not one elementwise pass over the tile
         names[node.id] = f"v{node.id}"
@@ -178,6 +202,11 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz",
         if r.id in constants:
             return None  # a constant half of dZ (a half without gradient): not worth a kernel
         outs.append(f"{names[r.id]}.to(torch.{_dtype(dz_dtype)})")
+    for operand_store in operand_stores:
+        value = operand_store.inputs[0]
+        if value.id in constants or names.get(value.id) == "<whole accumulator>":
+            return None  # a constant gradient (an operand the output does not depend on)
+        outs.append(names[value.id])
     fn_name = _identifier(f"{name}_dz_pass" if grad_operand else f"{name}_dz")
     signature = ", ".join(["acc", "grad", *saved, *params] if grad_operand else ["grad", *saved, *params])
     body = "".join(f"    {line}\n" for line in lines)
@@ -187,7 +216,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz",
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
-    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated)
+    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated, tuple(operand_grads))
 
 
 def _cone(store: Node, by_id: dict[int, Node]) -> set[int]:
