@@ -75,9 +75,15 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
     width = b.shape[-1] // 2 if epilogue.gated else b.shape[-1]
     rows = a.shape[0]
     meta = {"device": "meta", "dtype": a.dtype}
-    # The incoming gradient has the output's dtype (float32 for an epilogue that returns float32).
-    (grad_name,) = back.output_grads.values()
-    grad_dtype = next(n.dtype for n in back.graph.nodes if n.op == "load" and n.attrs["name"] == grad_name)
+    # The incoming gradient has its output's dtype (float32 for an epilogue that returns float32;
+    # the backward graph itself takes every incoming gradient as float32).
+    (output,) = back.output_grads
+    kernel_order = lin.kernel.call_spec.kernel_order
+    out_dtypes = dict(zip(kernel_order, (dt for _, dt in lin.kernel.output_meta(rows, b.shape[-1], 1)),
+                          strict=True))
+    grad_dtype = out_dtypes.get(output)
+    if grad_dtype is None:
+        return None
     inputs: dict[str, Any] = {"a": torch.empty(rows, PASS_K, **meta),
                               "b": torch.empty(width, PASS_K, **meta).t(),
                               "grad": torch.empty(rows, width, device="meta", dtype=grad_dtype)}

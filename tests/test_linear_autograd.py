@@ -1495,6 +1495,43 @@ def test_dz_as_one_kernel_gives_autograds_gradients(monkeypatch, tmp_path, fn, l
     assert epilogue.saved and epilogue.fn.__code__.co_varnames[:2] == ("acc", "grad")
 
 
+@pytest.mark.parametrize("fn, operands", [
+    (swiglu, {}),
+    (bias_gelu, {"bias": lambda g: torch.randn(24, generator=g)}),
+    (_every_operand_kind, {"colscale": lambda g: torch.randn(2, 3, 1, generator=g),
+                           "C": lambda g: torch.randn(2, 3, 24, generator=g),
+                           "s": lambda g: torch.randn((), generator=g),
+                           "bias": lambda g: torch.randn(24, generator=g)}),
+])
+def test_dz_as_one_kernel_in_bfloat16_as_on_the_gpu(monkeypatch, tmp_path, fn, operands):
+    """bfloat16 inputs, as the pass runs on the GPU (its 16-bit GEMMs forced on CPU too): the
+    incoming gradient is bfloat16, the kernel is compiled for it and runs (a kernel compiled for
+    another dtype would be skipped, silently slow), and every gradient is within bfloat16's rounding
+    of torch autograd's in float64."""
+    from evtc.runtime import op_autograd
+
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(24, 16, generator=g) * 0.25).bfloat16().requires_grad_()
+    ops = {name: make(g).bfloat16().requires_grad_() for name, make in operands.items()}
+    lin = evtc.linear(fn, {"x": x, "weight": w, **ops}, cache_dir=tmp_path)
+    y = lin(x, w, **ops)
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn(y.shape, generator=g).bfloat16()
+    mine = torch.autograd.grad(y, [x, w, *ops.values()], dy)
+    wide = [t.detach().double().requires_grad_() for t in (x, w, *ops.values())]
+    want = torch.autograd.grad(fn(wide[0] @ wide[1].t(), **dict(zip(ops, wide[2:], strict=True))),
+                               wide, dy.double())
+    assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
+    assert lin._dz_passes[tuple(ops)][0].call_spec.operand_dtypes["grad"] == torch.bfloat16
+    for name, a, b in zip(["x", "weight", *ops], mine, want, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 2e-2, f"{name}: relative error {err:.3g} by norm"
+
+
 def test_dz_as_one_kernel_steps_aside_where_it_cannot_give_an_operands_gradient(monkeypatch, tmp_path):
     """A gated epilogue's bias as wide as its GEMM (added before the halves split) has no gradient
     the halved pass can sum: the reference backward runs, and every gradient matches torch's."""

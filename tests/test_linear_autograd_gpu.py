@@ -330,12 +330,17 @@ _DZ_RUNS = [(*case, False) for case in _DZ_CASES] + [(*case, True) for case in _
 
 @pytest.mark.parametrize("fn, n, operands, scalars, trained", _DZ_RUNS)
 @pytest.mark.parametrize("upstream", ["random", "sum"])
-def test_dz_as_one_kernel_against_autograd(fn, n, operands, scalars, upstream, trained):
+def test_dz_as_one_kernel_against_autograd(fn, n, operands, scalars, upstream, trained, monkeypatch):
     """dZ as one elementwise kernel over the saved accumulator (evtc.dz_pass: 16-bit inputs), with
     the gradients of the operands that need one (``trained``) from the same kernel; odd sizes and
     leading dims, a random incoming gradient or the expanded one of ``y.sum()``: every gradient
     against float32 autograd of the function, no less accurate than eager bfloat16 autograd, and
     the pass ran."""
+    from evtc import dz_pass
+
+    ran = []
+    real = dz_pass.gradients
+    monkeypatch.setattr(dz_pass, "gradients", lambda *a: ran.append(real(*a)) or ran[-1])
     g = torch.Generator(device="cuda").manual_seed(11)
     x = (torch.randn(3, 37, 96, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(n, 96, device="cuda", generator=g) * 96 ** -0.5).bfloat16().requires_grad_()
@@ -357,8 +362,7 @@ def test_dz_as_one_kernel_against_autograd(fn, n, operands, scalars, upstream, t
         mine = torch.autograd.grad(y, inputs, dy)
         want = torch.autograd.grad(ref, ref_inputs, dy.float())
         theirs = torch.autograd.grad(eager, inputs, dy)
-    needed = tuple(ops) if trained else ()
-    assert isinstance(lin._dz_passes.get(needed), tuple), "the dZ pass did not run"
+    assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
     for name, a, b, t, given in zip(["x", "weight", *(ops if trained else ())], mine, want, theirs, inputs,
                                     strict=True):
         assert a.dtype == given.dtype and a.shape == b.shape, name
