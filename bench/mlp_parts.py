@@ -101,6 +101,16 @@ def identity(acc):
     return acc
 
 
+def compiled_configs(fn, example: dict, configs: list[dict]):
+    """(config, kernel) for each of ``configs`` that ``fn`` compiles with on ``example``; the others
+    are printed with the reason."""
+    for config in configs:
+        try:
+            yield config, evtc.compile(fn, example, config=config)
+        except evtc.CompileError as exc:
+            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
+
+
 def time_layer_dz(first, x, w1, gate, up, samples, configs: bool = False) -> None:
     """The first layer's dZ from an incoming gradient dH in memory, as its backward computes it when
     the layer is seen alone: the elementwise kernel of evtc.dz_pass, the reference (float32 torch
@@ -170,12 +180,7 @@ def time_dz_pass_configs(first, dh, gate, up, want, samples) -> None:
     default = kernel.launch_for(m, width, dz_pass.PASS_K)[0].short_name()
     fns = [lambda: kernel(zeros_a, zeros_b, grad=dh, saved_gate=gate, saved_up=up, out=halves)]
     names = [f"default ({default})"]
-    for config in DZ_PASS_CONFIGS:
-        try:
-            k = evtc.compile(epilogue.fn, example, config=config)
-        except evtc.CompileError as exc:
-            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
-            continue
+    for config, k in compiled_configs(epilogue.fn, example, DZ_PASS_CONFIGS):
         k(zeros_a, zeros_b, grad=dh, saved_gate=gate, saved_up=up, out=halves)
         print(f"  {config}: {k.launch_for(m, width, dz_pass.PASS_K)[0].short_name()}, "
               f"within {rel_err(out, want.float()):.1e} of the default kernel's dZ")
@@ -251,12 +256,7 @@ def time_forward_configs(first, x, w1, h, gate, up, samples) -> None:
 
     fn = _with_accumulator(first._fn, True)
     fns, names = [lambda: x @ w1.t()], ["cuBLAS x @ W1^T alone"]
-    for config in FORWARD_CONFIGS:
-        try:
-            k = evtc.compile(fn, first._example, config=config)
-        except evtc.CompileError as exc:
-            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
-            continue
+    for config, k in compiled_configs(fn, first._example, FORWARD_CONFIGS):
         got = k(x, w1.t())
         err = max(rel_err(g, want.float()) for g, want in zip(got, (h, gate, up), strict=True))
         launch, splits = k.launch_for(x.shape[0], w1.shape[0], x.shape[1])
@@ -276,12 +276,7 @@ def time_configs(epilogue, dz2, w2, gate, up, dz1, inter, samples) -> None:
                "saved_gate": torch.empty(8, inter, **meta), "saved_up": torch.empty(8, inter, **meta)}
     fns, names = [lambda: dz2 @ w2], ["cuBLAS dZ2 @ W2 alone"]
     out = (dz1[:, :inter], dz1[:, inter:])
-    for config in CONFIGS:
-        try:
-            k = evtc.compile(epilogue.fn, example, config=config)
-        except evtc.CompileError as exc:
-            print(f"  {config}: does not compile ({str(exc).splitlines()[0]})")
-            continue
+    for config, k in compiled_configs(epilogue.fn, example, CONFIGS):
         fns.append(lambda k=k: k(dz2, w2, saved_gate=gate, saved_up=up, out=out))
         names.append(str(config))
     ms = time_paired(fns, 3, samples, 1)
