@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from evtc.errors import CallError
+
 if TYPE_CHECKING:
     from evtc.ir.backward_epilogue import DzEpilogue
     from evtc.linear import Linear
@@ -139,6 +141,19 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         feeds[name] = pieces[name]
     for name in epilogue.operands:
         feeds[name] = operands[name]
+    try:
+        return _run(kernel, epilogue, feeds, operands, m, width, x2, needed)
+    except CallError as err:
+        # An operand the forward took in another shape than its example (a (1, N) bias beside an
+        # (N,) example, a 1-d x's tile operand): the forward's views do not apply to the pass's
+        # reductions. The reference backward takes it.
+        log.info("%r: the dZ kernel refuses this call (%s); the backward runs dZ as torch operations",
+                 lin.kernel.plan.name, str(err).splitlines()[0])
+        return None
+
+
+def _run(kernel, epilogue, feeds, operands, m, width, x2, needed):
+    """The pass's launch: (dZ, {operand: gradient})."""
     zeros_a = torch.zeros(m, PASS_K, dtype=x2.dtype, device=x2.device)
     zeros_b = torch.zeros(width, PASS_K, dtype=x2.dtype, device=x2.device).t()
     if epilogue.gated and not needed:

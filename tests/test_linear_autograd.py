@@ -1601,3 +1601,46 @@ def test_dz_kernel_of_a_float32_output_takes_a_float32_incoming_gradient(monkeyp
         assert a.dtype == torch.bfloat16, name
         err = ((a.double() - b).norm() / b.norm()).item()
         assert err < 1e-2, f"{name}: relative error {err:.3g} by norm"
+
+
+def test_dz_as_one_kernel_hands_shapes_it_refuses_to_the_reference(monkeypatch, tmp_path):
+    """A (1, N) bias beside an (N,) example, and a 1-d x's tile operand, are views the forward takes
+    but the pass's kernel refuses: the reference backward runs, and every gradient matches torch's
+    (an exception out of backward() would be the defect)."""
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 16, generator=g).requires_grad_()
+    w = torch.randn(24, 16, generator=g).requires_grad_()
+    example = {"x": x, "weight": w, "bias": torch.randn(24, generator=g)}
+    lin = evtc.linear(bias_gelu, example, cache_dir=tmp_path)
+    b = torch.randn(1, 24, generator=g).requires_grad_()
+    mine = torch.autograd.grad(lin(x, w, bias=b).sum(), [x, w, b])
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(bias_gelu(xd @ wd.t(), bd).sum(), [xd, wd, bd])
+    for name, a, r in zip(["x", "weight", "bias"], mine, want, strict=True):
+        _close(a.double(), r, name)
+    assert ran == [None]
+
+
+def _gelu_plus_bias_in_bf16(acc, bias):
+    return (F.gelu(acc) + bias).to(torch.bfloat16)
+
+
+def test_dz_kernel_sums_operand_gradients_in_float32(monkeypatch, tmp_path):
+    """A float32 bias added after the activation of bf16 inputs: its gradient, the incoming bf16
+    gradient summed over the rows, is summed and returned in float32, not rounded to bf16."""
+    from evtc.runtime import op_autograd
+
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()
+    bias = torch.randn(24, generator=g).requires_grad_()
+    lin = evtc.linear(_gelu_plus_bias_in_bf16, {"x": x, "weight": w, "bias": bias}, cache_dir=tmp_path)
+    dy = torch.randn(64, 24, generator=g).bfloat16()
+    (gb,) = torch.autograd.grad(lin(x, w, bias=bias), [bias], dy)
+    assert ran and ran[-1] is not None, "the dZ pass did not run"
+    want = dy.double().sum(0)
+    assert gb.dtype == torch.float32
+    assert ((gb.double() - want).norm() / want.norm()).item() < 1e-6

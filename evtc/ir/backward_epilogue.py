@@ -58,13 +58,14 @@ _CALLS: dict[str, Callable[[list[str], dict[str, Any]], str]] = {
 
 _counter = itertools.count()
 
-# A sum over an axis of the tile, as the generated source writes it (the tracer maps each back onto
-# the same reduction): over the rows (M) for a row vector's gradient, the columns (N) for a per-row
+# A sum over an axis of the tile, as the generated source writes it, in float32 (a sum of a 16-bit
+# incoming gradient would otherwise be rounded back to 16 bits, as torch's sum does): over the rows
+# (M) for a row vector's gradient, the columns (N) for a per-row
 # column's, the whole tile for a scalar's.
 _SUMS: dict[str, Callable[[str, bool], str]] = {
-    "col": lambda v, keep: f"{v}.sum(-2, keepdim=True)" if keep else f"{v}.sum(-2)",
-    "row": lambda v, keep: f"{v}.sum(-1, keepdim=True)" if keep else f"{v}.sum(-1)",
-    "batch": lambda v, keep: f"{v}.sum((-2, -1), keepdim=True)" if keep else f"{v}.sum((-2, -1))",
+    "col": lambda v, keep: f"{v}.sum(-2, keepdim={keep}, dtype=torch.float32)",
+    "row": lambda v, keep: f"{v}.sum(-1, keepdim={keep}, dtype=torch.float32)",
+    "batch": lambda v, keep: f"{v}.sum((-2, -1), keepdim={keep}, dtype=torch.float32)",
 }
 
 
