@@ -6,12 +6,13 @@ stores it (:meth:`evtc.Linear._saving_kernel`). The backward evaluates the epilo
 ``dZ = df/dacc * dY`` and the operands' gradients, then ``dx = dZ @ weight`` and
 ``dweight = dZ^T @ x``.
 
-This is the reference backward: the backward graph runs as torch operations through the IR's
-interpreter in float32; its GEMMs (dx, dweight, and an accumulator recomputed where none was saved)
-run in 16 bits with float32 accumulation for 16-bit inputs on the GPU, with dZ rounded to 16 bits,
-as eager autograd runs them, and in float32 otherwise
-(:func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). Fused backward kernels (dZ in the
-epilogue of the GEMM that makes dY) are the next step of issue "Training".
+For 16-bit inputs on the GPU with a saved accumulator, dZ and the wanted operands' gradients are
+one elementwise evtc kernel (:mod:`evtc.dz_pass`). Elsewhere the reference backward runs: the
+backward graph as torch operations through the IR's interpreter in float32. The GEMMs (dx,
+dweight, and an accumulator recomputed where none was saved) run in 16 bits with float32
+accumulation for 16-bit inputs on the GPU, with dZ rounded to 16 bits, as eager autograd runs them,
+and in float32 otherwise (:func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). dZ in the
+epilogue of the GEMM that makes dY needs both layers: :mod:`evtc.mlp_autograd`.
 """
 
 from __future__ import annotations

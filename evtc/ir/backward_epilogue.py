@@ -19,6 +19,11 @@ outputs (the caller writes them into the halves of one tensor with ``out=``). Ba
 dZ needs more than elementwise work on the tile (a reduction over a row, a size-dependent constant,
 a gradient of several outputs, an operand as wide as the GEMM of a gated epilogue) have no such
 epilogue: :func:`dz_epilogue` returns None and the caller takes the unfused backward.
+
+With ``grad_operand`` (:mod:`evtc.dz_pass`, a layer seen alone) the signature is ``(acc, grad,
+saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read; ``operand_grads``
+then adds those operands' gradients as outputs after dZ, summed in float32 over what each operand
+broadcasts along.
 """
 
 from __future__ import annotations
