@@ -76,7 +76,10 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
     if epilogue is None or not epilogue.saved:
         return None
     width = b.shape[-1] // 2 if epilogue.gated else b.shape[-1]
-    rows = a.shape[0]
+    # At least two rows: an example of one would compile the incoming gradient and the saved
+    # accumulator as row vectors (broadcast over M). The operands keep their examples' shapes, and
+    # with them the kinds the forward compiled them as.
+    rows = max(a.shape[0], 2)
     meta = {"device": "meta", "dtype": a.dtype}
     # The incoming gradient has its output's dtype (float32 for an epilogue that returns float32;
     # the backward graph itself takes every incoming gradient as float32).

@@ -1644,3 +1644,32 @@ def test_dz_kernel_sums_operand_gradients_in_float32(monkeypatch, tmp_path):
     want = dy.double().sum(0)
     assert gb.dtype == torch.float32
     assert ((gb.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def _gelu_bias_times_row(acc, C, bias):
+    return F.gelu(acc + bias) * C
+
+
+@pytest.mark.parametrize("lead", [(), (1,)])
+def test_dz_kernel_of_a_one_row_example(monkeypatch, tmp_path, lead):
+    """A layer built from a one-row example (x of shape (K,) or (1, K): a decode step) compiles its
+    dZ kernel for tiles of incoming gradient and saved accumulator (an example of one row would
+    make them row vectors, and the build fail), keeps the kinds the forward gave the operands (C,
+    of shape (N,) or (1, N), a row vector), and gives autograd's gradients on one-row calls."""
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(*lead, 16, generator=g).requires_grad_()
+    w = torch.randn(24, 16, generator=g).requires_grad_()
+    C = torch.randn(*lead, 24, generator=g)
+    bias = torch.randn(24, generator=g).requires_grad_()
+    lin = evtc.linear(_gelu_bias_times_row, {"x": x, "weight": w, "C": C, "bias": bias}, cache_dir=tmp_path)
+    got = lin(x, w, C=C, bias=bias)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, bias))
+    want = _gelu_bias_times_row(xd @ wd.t(), C.double(), bd)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(got, [x, w, bias], upstream.float())
+    ref = torch.autograd.grad(want, [xd, wd, bd], upstream)
+    for name, a, b in zip(["x", "weight", "bias"], mine, ref, strict=True):
+        assert a.shape == b.shape, name
+        _close(a.double(), b, name)
+    assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
