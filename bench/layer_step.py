@@ -5,9 +5,15 @@ evtc/dz_pass.py).
 
     python3 bench/layer_step.py                       # M = 8192 tokens, 4096 -> 14336
     python3 bench/layer_step.py --tokens 2048 --no-compile
+    python3 bench/layer_step.py --operator            # a compiled kernel's own operator
+    python3 bench/layer_step.py --operator --swiglu --n 28672
 
 Variants: evtc (FusedLinear, the dZ kernel); evtc reference (the same layer with the dZ kernel
 turned off: the backward graph as float32 torch operations); eager; torch.compile (default mode).
+With ``--operator`` evtc is ``k(x, W.t(), bias=b)`` for ``k = evtc.compile(...)``, whose backward
+saved no accumulator and runs the forward's GEMM again with dZ and the bias's gradient as its
+epilogue (``evtc.dz_pass.recomputed_gradients``; its reference recomputes ``x @ W^T`` into memory).
+``--swiglu``: ``silu(gate) * up`` over the halves of an N-wide GEMM, without a bias.
 Gradients are compared with eager's by relative norm before timing. Steps are timed in alternation,
 in a shuffled order per sample (``evtc.timing.time_paired``); ratio = other's time / evtc's.
 """
@@ -33,13 +39,35 @@ def bias_gelu(acc, bias):
     return F.gelu(acc + bias)
 
 
+def swiglu(acc):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Eager(nn.Module):
-    def __init__(self, k: int, n: int, **kw) -> None:
+    def __init__(self, k: int, n: int, gated: bool = False, **kw) -> None:
         super().__init__()
-        self.lin = nn.Linear(k, n, **kw)
+        self.gated = gated
+        self.lin = nn.Linear(k, n, bias=not gated, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.lin(x))
+        return swiglu(self.lin(x)) if self.gated else F.gelu(self.lin(x))
+
+
+class Operator(nn.Module):
+    """The layer as a compiled kernel's own operator: ``k(x, W.t(), bias=b)``."""
+
+    def __init__(self, k: int, n: int, gated: bool, x: torch.Tensor, **kw) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, k, **kw))
+        self.bias = None if gated else nn.Parameter(torch.empty(n, **kw))
+        fn = swiglu if gated else bias_gelu
+        operands = {} if gated else {"bias": self.bias}
+        self.kernel = evtc.compile(fn, {"a": x, "b": self.weight.t(), **operands})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        operands = {} if self.bias is None else {"bias": self.bias}
+        return self.kernel(x, self.weight.t(), **operands)
 
 
 def main() -> None:
@@ -49,16 +77,26 @@ def main() -> None:
     p.add_argument("--n", type=int, default=14336)
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--operator", action="store_true", help="a compiled kernel's own operator")
+    p.add_argument("--swiglu", action="store_true", help="SwiGLU over the GEMM's halves, no bias")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
-    eager = Eager(args.k, args.n, **kw)
-    ours = evtc.nn.FusedLinear(args.k, args.n, bias_gelu, **kw)
+    eager = Eager(args.k, args.n, args.swiglu, **kw)
+    x = torch.randn(args.tokens, args.k, **kw).requires_grad_()
+    if args.operator:
+        ours = Operator(args.k, args.n, args.swiglu, x, **kw)
+    else:
+        ours = evtc.nn.FusedLinear(args.k, args.n, swiglu if args.swiglu else bias_gelu, bias=not args.swiglu,
+                                   **kw)
     with torch.no_grad():
         ours.weight.copy_(eager.lin.weight)
-        ours.bias.copy_(eager.lin.bias)
-    x = torch.randn(args.tokens, args.k, **kw).requires_grad_()
-    dy = torch.randn(args.tokens, args.n, **kw)
+        if not args.swiglu:
+            ours.bias.copy_(eager.lin.bias)
+    dy = torch.randn(args.tokens, args.n // 2 if args.swiglu else args.n, **kw)
+    # The entry the evtc variant must take, and the condition the reference turns off.
+    entry, condition = (("recomputed_gradients", "recompute_applies") if args.operator
+                        else ("gradients", "applies"))
 
     def step(model):
         def run():
@@ -67,37 +105,40 @@ def main() -> None:
             model(x).backward(dy)
         return run
 
-    real_applies = dz_pass.applies
+    real_applies = getattr(dz_pass, condition)
 
     def reference():
-        dz_pass.applies = lambda *a: False
+        setattr(dz_pass, condition, lambda *a: False)
         try:
             step(ours)()
         finally:
-            dz_pass.applies = real_applies
+            setattr(dz_pass, condition, real_applies)
 
     variants = {"evtc": step(ours), "evtc reference": reference, "eager": step(eager)}
     if not args.no_compile:
         variants["torch.compile"] = step(torch.compile(eager))
     step(eager)()
-    want = [x.grad.clone(), eager.lin.weight.grad.clone(), eager.lin.bias.grad.clone()]
+    params = ["weight"] if args.swiglu else ["weight", "bias"]
+    want = [x.grad.clone(), *(getattr(eager.lin, p).grad.clone() for p in params)]
     took = []
-    real_gradients = dz_pass.gradients
-    dz_pass.gradients = lambda *a: took.append(real_gradients(*a)) or took[-1]
+    real_gradients = getattr(dz_pass, entry)
+    setattr(dz_pass, entry, lambda *a: took.append(real_gradients(*a)) or took[-1])
     for name, fn in variants.items():
         took.clear()
         fn()
         if name == "evtc":
             assert took and took[-1] is not None, "evtc's backward did not take the dZ kernel"
         model = ours if name.startswith("evtc") else eager.lin
-        got = [x.grad, model.weight.grad, model.bias.grad]
+        got = [x.grad, *(getattr(model, p).grad for p in params)]
         err = max(((g.float() - w.float()).norm() / w.float().norm()).item()
                   for g, w in zip(got, want, strict=True))
-        print(f"gradients of {name} against eager: relative error {err:.2e} by norm (largest of x, W, b)")
-    dz_pass.gradients = real_gradients
+        print(f"gradients of {name} against eager: relative error {err:.2e} by norm (largest of x, {params})")
+    setattr(dz_pass, entry, real_gradients)
     ms = time_paired(list(variants.values()), 3, args.samples, 1)
+    what = "SwiGLU" if args.swiglu else "bias + GELU"
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens}, "
-          f"{args.k} -> {args.n}, bias + GELU, bf16; median of {args.samples}")
+          f"{args.k} -> {args.n}, {what}, {'operator' if args.operator else 'FusedLinear'}, bf16; "
+          f"median of {args.samples}")
     for name, t in zip(variants, ms, strict=True):
         print(f"  {name:15s} {t:7.3f} ms  {name}/evtc = {t / ms[0]:.3f}")
 

@@ -370,3 +370,76 @@ def test_dz_as_one_kernel_against_autograd(fn, n, operands, scalars, upstream, t
         err = (a.float() - b.float()).norm() / b.float().norm()
         err_eager = (t.float() - b.float()).norm() / b.float().norm()
         assert err <= 2 * err_eager + 1e-3, f"{name}: {err:.3g} against eager's {err_eager:.3g}"
+
+
+def _cuda_randn(*shape):
+    return lambda g: torch.randn(shape, device="cuda", generator=g)
+
+
+_RECOMPUTE_CASES = [
+    # fn, lead (a batch), n, operands, scalars, b K-major (an nn.Linear weight's .t())
+    (_gelu_in_float32, (), 72, {}, {}, False),
+    (swiglu, (), 2 * 200, {}, {}, True),
+    (swiglu, (3,), 2 * 136, {}, {}, False),
+    (bias_gelu, (), 136, {"bias": _cuda_randn(136)}, {}, True),
+    (bias_gelu, (2,), 136, {"bias": _cuda_randn(136)}, {}, False),
+    (_tanh_scaled_times_tile, (), 96, {"C": _cuda_randn(111, 96)}, {"alpha": 0.7}, False),
+    (_every_operand_kind, (), 200,
+     {"colscale": lambda g: torch.rand(111, 1, device="cuda", generator=g) + 0.5,
+      "C": _cuda_randn(111, 200), "s": _cuda_randn(), "bias": _cuda_randn(200)}, {}, True),
+]
+# Each case as it is, and those with operands again with every operand trained.
+_RECOMPUTE_RUNS = ([(*case, False) for case in _RECOMPUTE_CASES]
+                   + [(*case, True) for case in _RECOMPUTE_CASES if case[3]])
+
+
+@pytest.mark.parametrize("fn, lead, n, operands, scalars, k_major, trained", _RECOMPUTE_RUNS)
+@pytest.mark.parametrize("upstream", ["random", "sum"])
+def test_operator_backward_recomputes_dz_against_autograd(fn, lead, n, operands, scalars, k_major, trained,
+                                                          upstream, monkeypatch):
+    """A kernel's own operator (``k(a, b, ...)`` with inputs that require grad) saved no
+    accumulator: its backward runs the forward's GEMM again with dZ (and the trained operands'
+    gradients) as its epilogue (evtc.dz_pass.recomputed_gradients). Odd sizes, a batch, a K-major
+    b, a random incoming gradient or the expanded one of ``y.sum()``: every gradient against
+    float32 autograd of the function, no less accurate than eager bfloat16 autograd, and the kernel
+    ran where it applies (not for a batch with trained operands, which the reference sums)."""
+    from evtc import dz_pass
+
+    ran = []
+    real = dz_pass.recomputed_gradients
+    monkeypatch.setattr(dz_pass, "recomputed_gradients", lambda *a: ran.append(real(*a)) or ran[-1])
+    g = torch.Generator(device="cuda").manual_seed(12)
+    a = (torch.randn(*lead, 111, 96, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(*lead, n, 96, device="cuda", generator=g) * 96 ** -0.5).bfloat16()
+    b = (w if k_major else w.contiguous()).transpose(-1, -2)
+    b = (b if k_major else b.contiguous()).detach().requires_grad_()
+    ops = {name: make(g).bfloat16().requires_grad_(trained) for name, make in operands.items()}
+    k = evtc.compile(fn, {"a": a, "b": b, **ops, **scalars})
+    y = k(a, b, **ops, **scalars)
+    inputs = [a, b, *(ops.values() if trained else ())]
+    wide = {name: v.detach().float().requires_grad_(trained) for name, v in ops.items()}
+    af, bf = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    ref = fn(af @ bf, **wide, **scalars)
+    ref_inputs = [af, bf, *(wide.values() if trained else ())]
+    eager = fn(a @ b, **ops, **scalars)
+    if upstream == "sum":
+        mine = torch.autograd.grad(y.sum(), inputs)
+        want = torch.autograd.grad(ref.sum(), ref_inputs)
+        theirs = torch.autograd.grad(eager.sum(), inputs)
+    else:
+        dy = torch.randn(ref.shape, device="cuda", generator=g).to(y.dtype)
+        mine = torch.autograd.grad(y, inputs, dy)
+        want = torch.autograd.grad(ref, ref_inputs, dy.float())
+        theirs = torch.autograd.grad(eager, inputs, dy)
+    assert len(ran) == 1
+    if lead and trained:
+        assert ran == [None]
+    else:
+        assert ran[0] is not None, "the recomputing dZ kernel did not run"
+    for name, got, exp, t, given in zip(["a", "b", *(ops if trained else ())], mine, want, theirs, inputs,
+                                        strict=True):
+        assert got.dtype == given.dtype and got.shape == exp.shape, name
+        _norm_close(got, exp, name)
+        err = (got.float() - exp.float()).norm() / exp.float().norm()
+        err_eager = (t.float() - exp.float()).norm() / exp.float().norm()
+        assert err <= 2 * err_eager + 1e-3, f"{name}: {err:.3g} against eager's {err_eager:.3g}"

@@ -181,3 +181,129 @@ def test_saved_halves_join_into_the_float32_accumulator(lead):
     assert torch.equal(whole, torch.cat([gate, up], dim=-1))  # the saved halves are left unchanged
     one = torch.randn(5, 4, generator=g)
     assert joined_accumulator((one,)) is one
+
+
+# ---- the backward's dZ in the epilogue of the forward's GEMM run again (evtc.dz_pass) -----------
+
+def _every_operand_kind(acc, colscale, C, s, bias, alpha: float):
+    return F.gelu(acc * colscale + bias) * C * alpha + s
+
+
+def _linear_in_acc(acc, bias, C):
+    return acc + bias + C
+
+
+def _spy_on_the_recomputing_kernel(monkeypatch):
+    """The results of evtc.dz_pass.recomputed_gradients (None where it did not apply), with the
+    kernel forced on CPU tensors, where it runs as its torch path."""
+    from evtc import dz_pass
+
+    monkeypatch.setattr(dz_pass, "recompute_applies", lambda a, b: True)
+    ran = []
+    real = dz_pass.recomputed_gradients
+    monkeypatch.setattr(dz_pass, "recomputed_gradients", lambda *a: ran.append(real(*a)) or ran[-1])
+    return ran
+
+
+_OPERAND_CASES = [
+    (bias_gelu, (), 24, {"bias": lambda g, lead: torch.randn(24, generator=g)}, {}),
+    (bias_gelu, (3,), 24, {"bias": lambda g, lead: torch.randn(24, generator=g)}, {}),
+    (swiglu, (), 32, {}, {}),
+    (swiglu, (3,), 32, {}, {}),
+    (_every_operand_kind, (), 16, {"colscale": lambda g, lead: torch.rand(10, 1, generator=g) + 0.5,
+                                   "C": lambda g, lead: torch.randn(10, 16, generator=g),
+                                   "s": lambda g, lead: torch.randn((), generator=g),
+                                   "bias": lambda g, lead: torch.randn(16, generator=g)}, {"alpha": 0.7}),
+]
+
+
+@pytest.mark.parametrize("fn, lead, n, operands, scalars", _OPERAND_CASES)
+@pytest.mark.parametrize("trained", [False, True])
+def test_operator_backward_recomputes_with_dz_as_its_epilogue(monkeypatch, fn, lead, n, operands, scalars,
+                                                              trained):
+    """A kernel's operator saved no accumulator: its backward runs the forward's GEMM again with dZ
+    as the epilogue (on the GPU for 16-bit inputs; here forced on CPU), the trained operands'
+    gradients (a bias's summed over the rows, a per-row scale's over the columns, a scalar's over
+    the tile, a tile's elementwise) from the same kernel. Every gradient equals torch autograd's in
+    float64, and the kernel ran, except for a batched call with trained operands, whose gradients
+    also sum over the batch: the reference runs that."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(*lead, 10, 16, generator=g).requires_grad_()
+    b = torch.randn(*lead, 16, n, generator=g).requires_grad_()
+    ops = {name: make(g, lead).requires_grad_(trained) for name, make in operands.items()}
+    k = evtc.compile(fn, {"a": a, "b": b, **ops, **scalars})
+    y = k(a, b, **ops, **scalars)
+    wide = {name: v.detach().double().requires_grad_() for name, v in ops.items()}
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    want_y = fn(ad @ bd, **wide, **scalars)
+    dy = torch.randn(want_y.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(y, [a, b, *(ops.values() if trained else ())], dy.float())
+    want = torch.autograd.grad(want_y, [ad, bd, *(wide.values() if trained else ())], dy)
+    for name, got, ref in zip(["a", "b", *(ops if trained else ())], mine, want, strict=True):
+        assert got.shape == ref.shape and got.dtype == torch.float32, name
+        _close(got.double(), ref, name)
+    assert len(ran) == 1
+    if lead and trained and ops:
+        assert ran == [None], "a batched operand's gradient is the reference's"
+        return
+    assert ran[0] is not None, "the recomputing dZ kernel did not run"
+    needed = tuple(ops) if trained else ()
+    # Kernels of one function and examples are one object within a process: the other tests' entries
+    # may be there too, keyed by the gradients each gives.
+    dz_kernel, epilogue = next(state for key, state in k.recomputed_dz.items() if key[0] == needed)
+    assert epilogue.reads_acc and epilogue.operand_grads == needed
+    assert epilogue.fn.__code__.co_varnames[:2] == ("acc", "grad") and not epilogue.saved
+    assert ("acc_gate, acc_up = acc.chunk(2, dim=-1)" in epilogue.source) == k.plan.gated
+
+
+def test_operator_backward_reads_no_gemm_where_dz_needs_no_accumulator(monkeypatch):
+    """An epilogue linear in acc (a bias and a residual): dZ is the incoming gradient, read by no
+    GEMM, so no kernel is built and the reference gives the gradients."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(10, 16, generator=g, requires_grad=True)
+    b = torch.randn(16, 24, generator=g, requires_grad=True)
+    ops = {"bias": torch.randn(24, generator=g, requires_grad=True),
+           "C": torch.randn(10, 24, generator=g, requires_grad=True)}
+    k = evtc.compile(_linear_in_acc, {"a": a, "b": b, **ops})
+    y = k(a, b, **ops)
+    dy = torch.randn(y.shape, generator=g)
+    inputs = [a, b, *ops.values()]
+    mine = torch.autograd.grad(y, inputs, dy)
+    want = torch.autograd.grad(_linear_in_acc(a @ b, **ops), inputs, dy)
+    for name, got, ref in zip(["a", "b", *ops], mine, want, strict=True):
+        _close(got, ref, name)
+    assert ran == [None] and set(k.recomputed_dz.values()) == {False}
+
+
+def test_operator_backward_recomputing_in_bfloat16(monkeypatch):
+    """bfloat16 inputs, as the kernel runs on the GPU (its 16-bit GEMMs forced on CPU too): the
+    incoming gradient is bfloat16, the kernel is compiled for it and runs, and every gradient is
+    within bfloat16's rounding of torch autograd's in float64."""
+    from evtc.runtime import op_autograd
+
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(10, 16, generator=g).bfloat16().requires_grad_()
+    b = (torch.randn(16, 32, generator=g) * 0.25).bfloat16().requires_grad_()
+    scale = (torch.rand(10, 1, generator=g) + 0.5).bfloat16().requires_grad_()
+
+    def swiglu_scaled(acc, scale):
+        gate, up = acc.chunk(2, dim=-1)
+        return F.silu(gate) * up * scale
+
+    k = evtc.compile(swiglu_scaled, {"a": a, "b": b, "scale": scale})
+    y = k(a, b, scale=scale)
+    dy = torch.randn(y.shape, generator=g).bfloat16()
+    mine = torch.autograd.grad(y, [a, b, scale], dy)
+    wide = [t.detach().double().requires_grad_() for t in (a, b, scale)]
+    want = torch.autograd.grad(swiglu_scaled(wide[0] @ wide[1], wide[2]), wide, dy.double())
+    assert ran[0] is not None, "the recomputing dZ kernel did not run"
+    dz_kernel, _ = next(state for key, state in k.recomputed_dz.items() if key[0] == ("scale",))
+    assert dz_kernel.call_spec.operand_dtypes["grad"] == torch.bfloat16
+    for name, got, ref in zip(["a", "b", "scale"], mine, want, strict=True):
+        assert got.dtype == torch.bfloat16, name
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, f"{name}: relative error {err:.3g} by norm"

@@ -23,7 +23,10 @@ epilogue: :func:`dz_epilogue` returns None and the caller takes the unfused back
 With ``grad_operand`` (:mod:`evtc.dz_pass`, a layer seen alone) the signature is ``(acc, grad,
 saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read; ``operand_grads``
 then adds those operands' gradients as outputs after dZ, summed in float32 over what each operand
-broadcasts along.
+broadcasts along. With ``recompute`` too (a kernel's own operator, which saved no accumulator), the
+signature is ``(acc, grad, operands...)`` and ``acc`` *is* the forward's accumulator, recomputed by
+the GEMM under the epilogue (for a gated epilogue, split as the forward splits it): dZ is then the
+epilogue of the forward's own GEMM run again.
 """
 
 from __future__ import annotations
@@ -88,20 +91,24 @@ class DzEpilogue:
     gated: bool
     #: The operands whose gradients ``fn`` returns after dZ, in this order (``operand_grads``).
     operand_grads: tuple[str, ...] = ()
+    #: Whether dZ reads the forward's accumulator as ``acc`` (``recompute``): the GEMM under the
+    #: epilogue must then be the forward's, ``a @ b``.
+    reads_acc: bool = False
 
 
 def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad_operand: bool = False,
-                operand_grads: tuple[str, ...] = ()) -> DzEpilogue | None:
+                operand_grads: tuple[str, ...] = (), recompute: bool = False) -> DzEpilogue | None:
     """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
     where there is none (see the module docstring). With ``grad_operand``, the incoming gradient is
     a tile operand ``grad`` after an accumulator ``acc`` that the epilogue never reads: dZ as one
     elementwise pass over tensors in memory (:mod:`evtc.dz_pass`); ``operand_grads`` (only then)
     names forward operands whose gradients it returns too, after dZ, in float32: a row vector's
     summed over the rows (a column reduction), a per-row column's over the columns, a scalar's over
-    the tile, a tile operand's elementwise."""
+    the tile, a tile operand's elementwise. With ``recompute`` (only with ``grad_operand``) ``acc``
+    is the forward's accumulator, read where the others read ``saved`` (see the module docstring)."""
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
-    if grad_acc is None or len(back.output_grads) != 1 or (operand_grads and not grad_operand):
+    if grad_acc is None or len(back.output_grads) != 1 or ((operand_grads or recompute) and not grad_operand):
         return None
     if any(op not in back.input_grads for op in operand_grads):
         return None  # an operand without a gradient in the graph (a Python number's)
@@ -129,14 +136,14 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             if gated:
                 names[node.id] = "<whole accumulator>"  # read only through its halves
                 continue
-            names[node.id] = "saved"
-            saved.append("saved")
+            names[node.id] = "acc" if recompute else "saved"
+            saved.append(names[node.id])
             continue
         if op == "half":
             source = node.inputs[0]
             if source.op != "acc":
                 return None
-            param = ("saved_gate", "saved_up")[node.attrs["index"]]
+            param = (("acc_gate", "acc_up") if recompute else ("saved_gate", "saved_up"))[node.attrs["index"]]
             names[node.id] = param
             if param not in saved:
                 saved.append(param)
@@ -200,7 +207,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         names[node.id] = f"v{node.id}"
         lines.append(f"v{node.id} = {text}")
 
-    taken = {"grad", "saved", "saved_gate", "saved_up", "torch", "F", *(["acc"] if grad_operand else [])}
+    taken = {"grad", "saved", "saved_gate", "saved_up", "acc_gate", "acc_up", "torch", "F",
+             *(["acc"] if grad_operand else [])}
     if any(p in taken or re.fullmatch(r"v\d+", p) for p in params):
         return None  # an operand named like a generated value: rare, and not worth renaming
     outs = []
@@ -213,8 +221,17 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         if value.id in constants or names.get(value.id) == "<whole accumulator>":
             return None  # a constant gradient (an operand the output does not depend on)
         outs.append(names[value.id])
-    fn_name = _identifier(f"{name}_dz_pass" if grad_operand else f"{name}_dz")
-    signature = ", ".join(["acc", "grad", *saved, *params] if grad_operand else ["grad", *saved, *params])
+    fn_name = _identifier(f"{name}_dz_recomputed" if recompute else
+                          f"{name}_dz_pass" if grad_operand else f"{name}_dz")
+    if recompute:
+        if gated and saved:
+            # The forward's split, as it wrote it; both halves named, whichever dZ reads.
+            lines.insert(0, "acc_gate, acc_up = acc.chunk(2, dim=-1)")
+        reads_acc, saved = bool(saved), []
+        signature = ", ".join(["acc", "grad", *params])
+    else:
+        reads_acc = False
+        signature = ", ".join(["acc", "grad", *saved, *params] if grad_operand else ["grad", *saved, *params])
     body = "".join(f"    {line}\n" for line in lines)
     ret = ", ".join(outs)
     source = f"def {fn_name}({signature}):\n{body}    return {ret}\n"
@@ -222,7 +239,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
-    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated, tuple(operand_grads))
+    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated, tuple(operand_grads),
+                      reads_acc)
 
 
 def _cone(store: Node, by_id: dict[int, Node]) -> set[int]:

@@ -93,6 +93,10 @@ class Kernel:
         self._variant_lock = threading.Lock()
         self._op = None
         self._backward = None  # the epilogue's backward graph, derived on first use
+        #: The operator's backward as one kernel that recomputes the accumulator with dZ as its
+        #: epilogue (evtc.dz_pass.recomputed_gradients), by the gradients it gives and the call's
+        #: layouts; False where there is none.
+        self.recomputed_dz: dict[tuple, tuple | bool] = {}
         self._call_setup()
 
     @classmethod

@@ -1,11 +1,16 @@
 """Autograd for a kernel's custom operator (``torch.ops.evtc.*``), so that ``k(a, b, ...)`` and the
 operator are differentiable, eagerly and under ``torch.compile``.
 
-The backward is the reference one (as for ``evtc.linear``, see :mod:`evtc.linear_autograd`): the
-epilogue's backward graph (:mod:`evtc.ir.autodiff`) evaluated in float32 on the recomputed
-accumulator, then ``da = dZ @ b^T`` and ``db = a^T @ dZ`` (16-bit GEMMs for 16-bit inputs on the GPU,
-as eager autograd runs them; float32 otherwise). It is written in torch operations only, so
-``torch.compile`` traces it like any backward formula.
+The reference backward (as for ``evtc.linear``, see :mod:`evtc.linear_autograd`): the epilogue's
+backward graph (:mod:`evtc.ir.autodiff`) evaluated in float32 on the recomputed accumulator, then
+``da = dZ @ b^T`` and ``db = a^T @ dZ`` (16-bit GEMMs for 16-bit inputs on the GPU, as eager autograd
+runs them; float32 otherwise). It is written in torch operations only, so ``torch.compile`` traces
+it like any backward formula.
+
+Eagerly, for 16-bit inputs on the GPU, dZ (and the trained operands' gradients) come instead from
+one evtc kernel that runs the forward's GEMM again with dZ as its epilogue
+(:func:`evtc.dz_pass.recomputed_gradients`, the training layer's; imported on first use), where it
+applies; the two GEMMs of da and db follow as above.
 """
 
 from __future__ import annotations
@@ -27,12 +32,31 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def op_backward(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: Sequence[Any],
                 grads: Sequence[torch.Tensor | None], acc: torch.Tensor | None = None, *,
-                need_a: bool = True, need_b: bool = True) -> tuple:
+                need_a: bool = True, need_b: bool = True,
+                need_operands: Sequence[bool] | None = None) -> tuple:
     """Gradients of (a, b, *operands) (None for Python-number operands) from the gradients of the
     kernel's outputs in its output order; ``acc``: the accumulator the forward stored, if it did;
-    ``need_a``, ``need_b``: whether a's and b's are wanted (a GEMM each, skipped where not)."""
-    return gemm_epilogue_backward(kernel.backward_graph(), a, b, kernel.operand_names, operands,
-                                  dict(zip(kernel.plan.output_order, grads, strict=True)), acc,
+    ``need_a``, ``need_b``: whether a's and b's are wanted (a GEMM each, skipped where not);
+    ``need_operands``: whether each operand's is (None: all; those not wanted may come back None).
+
+    Where the forward stored no accumulator and the inputs are 16-bit on the GPU, dZ and the wanted
+    operands' gradients come from one kernel that runs the forward's GEMM again with dZ as its
+    epilogue (:func:`evtc.dz_pass.recomputed_gradients`), where it applies."""
+    names = kernel.operand_names
+    by_output = dict(zip(kernel.plan.output_order, grads, strict=True))
+    if acc is None and need_operands is not None:
+        # The training layer's module, imported here on first use (evtc.dz_pass compiles kernels).
+        from evtc import dz_pass
+
+        needed = tuple(name for name, value, need in zip(names, operands, need_operands, strict=True)
+                       if need and isinstance(value, torch.Tensor))
+        fused = dz_pass.recomputed_gradients(kernel, a, b, dict(zip(names, operands, strict=True)),
+                                             by_output, needed)
+        if fused is not None:
+            d_acc, by_name = fused
+            da, db = input_gradients(d_acc, a, b, need_a=need_a, need_b=need_b)
+            return (da, db, *(by_name.get(name) for name in names))
+    return gemm_epilogue_backward(kernel.backward_graph(), a, b, names, operands, by_output, acc,
                                   need_a=need_a, need_b=need_b)
 
 

@@ -136,7 +136,8 @@ def register(kernel: Kernel):
             if saved_acc:  # the gate and up halves side by side, as the accumulator
                 acc = joined_accumulator(saved_acc)
             needs = ctx.needs_input_grad
-            return op_backward(_BOUND[name], a, b, operands, grads, acc=acc, need_a=needs[0], need_b=needs[1])
+            return op_backward(_BOUND[name], a, b, operands, grads, acc=acc, need_a=needs[0], need_b=needs[1],
+                               need_operands=needs[2:])
 
         torch.library.register_autograd(f"evtc::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
         op = getattr(torch.ops.evtc, name).default
