@@ -193,3 +193,87 @@ def test_mlp_refuses_an_activation_with_two_outputs():
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(evtc.CallError, match="activation must return one tensor"):
         block(x)
+
+
+def _random_programs(count: int):
+    """Fuzzer programs of seed 11 (as tests/test_autodiff.py takes them) with float64 inputs on
+    the CPU: (name, traced graph, inputs), those evtc traces."""
+    from epilogue_cases import make_inputs as case_inputs
+    from epilogue_cases import random_case
+
+    for index in range(count):
+        case = random_case(11, index)
+        m, n, k = 20, 24 * (2 if case.gated else 1), 16
+        inputs = case_inputs(case, m, n, k, device="cpu", seed=index)
+        if not all(isinstance(inputs[x], torch.Tensor) for x in ("a", "b")):
+            continue  # block-scaled float8 pairs: no derivative through them
+        traced = {name: (v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+                  for name, v in inputs.items()}
+        try:
+            graph = evtc.trace(case.function(), traced, out_dtypes=case.output_dtypes())
+        except evtc.EpilogueError:
+            continue
+        wide = {name: (v.to(F64) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+                for name, v in inputs.items()}
+        yield case.name, graph, wide
+
+
+def test_generated_dz_of_random_programs_equals_the_backward_graph():
+    """Over random programs, each of the three forms of the generated dZ epilogue (the incoming
+    gradient as the accumulator, as evtc.nn.MLP compiles it; as a tile operand beside the saved
+    accumulator, with every float operand's gradient, as evtc.dz_pass compiles it for a layer;
+    and beside the recomputed accumulator, as for a kernel's operator), run on float64 tensors,
+    equals the backward graph evaluated by the interpreter: dZ and the operands' gradients. The
+    generator writes every op of the graph it accepts as torch code, so a wrong spelling (an
+    argument order, a constant, a sum's axis) shows here."""
+    from evtc.ir.interpreter import accumulator, evaluate
+    from evtc.ir.shapes import L, M, N, evaluate_shape
+
+    forms = {"mlp": 0, "layer": 0, "operator": 0}
+    for name, graph, inputs in _random_programs(300):
+        back = backward(graph)
+        if graph.acc_name not in back.input_grads or len(back.output_grads) != 1:
+            continue
+        g = torch.Generator().manual_seed(len(name))
+        acc = accumulator(inputs["a"], inputs["b"], F64)
+        operands = {k: v for k, v in inputs.items() if k not in ("a", "b")}
+        sizes = {M: acc.shape[-2], N: acc.shape[-1] // (2 if graph.gated else 1),
+                 L: acc.shape[0] if acc.dim() == 3 else 1}
+        ((grad_name),) = back.output_grads.values()
+        dy = torch.randn(evaluate_shape(back.grad_shapes[grad_name], sizes), generator=g, dtype=F64)
+        want = evaluate(back.graph, {graph.acc_name: acc, grad_name: dy, **operands}, compute_dtype=F64,
+                        cast_outputs=False)
+        want_dz = want[graph.acc_name].expand(acc.shape)
+        trained = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor)
+                        and v.dtype.is_floating_point and k in back.input_grads)
+        halves = {"saved": acc, **dict(zip(("saved_gate", "saved_up"), acc.chunk(2, dim=-1), strict=True))}
+        for form in forms:
+            epilogue = dz_epilogue(back, F64, name=graph.name, grad_operand=form != "mlp",
+                                   operand_grads=() if form == "mlp" else trained,
+                                   recompute=form == "operator")
+            if epilogue is None or (form == "operator" and not epilogue.reads_acc):
+                continue
+            feeds = {k: halves[k] for k in epilogue.saved}
+            feeds.update({k: operands[k] for k in epilogue.operands})
+            if form == "mlp":
+                result = epilogue.fn(dy, **feeds)
+            else:
+                # The layer's form never reads its acc: a value that would show if it did.
+                result = epilogue.fn(acc if form == "operator" else torch.full_like(acc, float("nan")), dy,
+                                     **feeds)
+            outs = result if isinstance(result, tuple) else (result,)
+            count = 2 if epilogue.gated else 1
+            dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
+            torch.testing.assert_close(dz.expand(acc.shape), want_dz, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m, n=name, f=form: f"{n} ({f}): dZ: {m}")
+            for operand, got in zip(epilogue.operand_grads, outs[count:], strict=True):
+                ref = want[operand]
+                shape = operands[operand].shape
+                ref = ref.expand(shape) if ref.numel() == 1 else ref.reshape(shape)
+                # The sums run in float32 by design (as the kernel's reductions do): their rounding.
+                torch.testing.assert_close(got.to(F64).reshape(shape), ref, rtol=1e-5,
+                                           atol=1e-5 * ref.abs().max().item() + 1e-12,
+                                           msg=lambda m, n=name, o=operand: f"{n}: gradient of {o}: {m}")
+            forms[form] += 1
+    # Not vacuous: each form was generated and compared for a good share of the programs.
+    assert min(forms.values()) >= 15, forms
