@@ -80,7 +80,8 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
     a, b = example["a"], example["b"]
     back = lin.backward_graph()
     epilogue = dz_epilogue(back, a.dtype, name=lin.kernel.plan.name, grad_operand=True,
-                           operand_grads=operand_grads)
+                           operand_grads=operand_grads,
+                           tile_grad_dtypes={name: example[name].dtype for name in operand_grads})
     if epilogue is None or not epilogue.saved:
         return None
     width = b.shape[-1] // 2 if epilogue.gated else b.shape[-1]
@@ -260,7 +261,8 @@ def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor], op
     from evtc.runtime.dtype_variants import meta_copy
 
     epilogue = dz_epilogue(back, tensors["a"].dtype, name=kernel.plan.name, grad_operand=True,
-                           operand_grads=needed, recompute=True)
+                           operand_grads=needed, recompute=True,
+                           tile_grad_dtypes={name: operands[name].dtype for name in needed})
     if epilogue is None or not epilogue.reads_acc:
         # dZ without the accumulator (a bias's, a residual's): the reference reads no GEMM either.
         return None

@@ -1525,7 +1525,15 @@ def test_dz_as_one_kernel_in_bfloat16_as_on_the_gpu(monkeypatch, tmp_path, fn, o
     want = torch.autograd.grad(fn(wide[0] @ wide[1].t(), **dict(zip(ops, wide[2:], strict=True))),
                                wide, dy.double())
     assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
-    assert lin._dz_passes[tuple(ops)][0].call_spec.operand_dtypes["grad"] == torch.bfloat16
+    kernel, epilogue = lin._dz_passes[tuple(ops)]
+    assert kernel.call_spec.operand_dtypes["grad"] == torch.bfloat16
+    # dZ and a tile operand's gradient leave the kernel in bfloat16; the sums in float32.
+    # (The kernel writes its outputs in its output order, the epilogue returns them in its own.)
+    written = dict(zip(kernel.plan.output_order, (dt for _, dt in kernel.output_meta(6, 24, 1)), strict=True))
+    returned = [written[name] for name in kernel.plan.structure.names]
+    tiles = {name for name, v in ops.items() if v.dim() >= 2 and v.shape[-1] == 24 and v.shape[-2] > 1}
+    assert returned == [torch.bfloat16] * (2 if epilogue.gated else 1) + [
+        torch.bfloat16 if name in tiles else torch.float32 for name in epilogue.operand_grads]
     for name, a, b in zip(["x", "weight", *ops], mine, want, strict=True):
         assert a.dtype == torch.bfloat16, name
         err = ((a.double() - b).norm() / b.norm()).item()

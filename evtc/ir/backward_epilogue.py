@@ -23,10 +23,11 @@ epilogue: :func:`dz_epilogue` returns None and the caller takes the unfused back
 With ``grad_operand`` (:mod:`evtc.dz_pass`, a layer seen alone) the signature is ``(acc, grad,
 saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read; ``operand_grads``
 then adds those operands' gradients as outputs after dZ, summed in float32 over what each operand
-broadcasts along. With ``recompute`` too (a kernel's own operator, which saved no accumulator), the
-signature is ``(acc, grad, operands...)`` and ``acc`` *is* the forward's accumulator, recomputed by
-the GEMM under the epilogue (for a gated epilogue, split as the forward splits it): dZ is then the
-epilogue of the forward's own GEMM run again.
+broadcasts along (a tile operand's, summed over nothing, in its ``tile_grad_dtypes`` dtype where
+given). With ``recompute`` too (a kernel's own operator, which saved no accumulator), the signature
+is ``(acc, grad, operands...)`` and ``acc`` *is* the forward's accumulator, recomputed by the GEMM
+under the epilogue (for a gated epilogue, split as the forward splits it): dZ is then the epilogue
+of the forward's own GEMM run again.
 """
 
 from __future__ import annotations
@@ -97,15 +98,18 @@ class DzEpilogue:
 
 
 def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad_operand: bool = False,
-                operand_grads: tuple[str, ...] = (), recompute: bool = False) -> DzEpilogue | None:
+                operand_grads: tuple[str, ...] = (), recompute: bool = False,
+                tile_grad_dtypes: dict[str, torch.dtype] | None = None) -> DzEpilogue | None:
     """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
     where there is none (see the module docstring). With ``grad_operand``, the incoming gradient is
     a tile operand ``grad`` after an accumulator ``acc`` that the epilogue never reads: dZ as one
     elementwise pass over tensors in memory (:mod:`evtc.dz_pass`); ``operand_grads`` (only then)
     names forward operands whose gradients it returns too, after dZ, in float32: a row vector's
     summed over the rows (a column reduction), a per-row column's over the columns, a scalar's over
-    the tile, a tile operand's elementwise. With ``recompute`` (only with ``grad_operand``) ``acc``
-    is the forward's accumulator, read where the others read ``saved`` (see the module docstring)."""
+    the tile, a tile operand's elementwise (in ``tile_grad_dtypes[name]`` where given: the tile's own
+    dtype, as the caller returns it). With ``recompute`` (only with ``grad_operand``) ``acc`` is the
+    forward's accumulator, read where the others read ``saved`` (see the module docstring)."""
+    tile_grad_dtypes = tile_grad_dtypes or {}
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
     if grad_acc is None or len(back.output_grads) != 1 or ((operand_grads or recompute) and not grad_operand):
@@ -216,11 +220,15 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         if r.id in constants:
             return None  # a constant half of dZ (a half without gradient): not worth a kernel
         outs.append(f"{names[r.id]}.to(torch.{_dtype(dz_dtype)})")
-    for operand_store in operand_stores:
+    for operand, operand_store in zip(operand_grads, operand_stores, strict=True):
         value = operand_store.inputs[0]
         if value.id in constants or names.get(value.id) == "<whole accumulator>":
             return None  # a constant gradient (an operand the output does not depend on)
-        outs.append(names[value.id])
+        if value.op != "reduce" and operand in tile_grad_dtypes:
+            # A tile's gradient, in the tile's own dtype: no float32 tile to write and convert after.
+            outs.append(f"{names[value.id]}.to(torch.{_dtype(tile_grad_dtypes[operand])})")
+        else:
+            outs.append(names[value.id])
     fn_name = _identifier(f"{name}_dz_recomputed" if recompute else
                           f"{name}_dz_pass" if grad_operand else f"{name}_dz")
     if recompute:
