@@ -139,18 +139,18 @@ def applies(x: torch.Tensor, weight: torch.Tensor, saved: tuple[torch.Tensor, ..
 
 
 def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: dict[str, torch.Tensor | None],
-              saved: tuple[torch.Tensor, ...], needed: tuple[str, ...] = ()
+              saved: tuple[torch.Tensor, ...], operand_grads: tuple[str, ...] = ()
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
     """(dZ, {operand: gradient}) of ``lin``'s backward from the pass, or None where it does not
     apply (the caller then runs the reference). dZ is (M, N) in x's dtype; the gradients of the
-    operands in ``needed``, in their flat shapes and dtypes. ``x2``: x with its rows flattened;
+    operands in ``operand_grads``, in their flat shapes and dtypes. ``x2``: x with its rows flattened;
     ``operands``: the forward's, flattened alike; ``grads``: the incoming gradients by output name;
     ``saved``: the saved accumulator's pieces, flattened alike."""
-    state = lin._dz_passes.get(needed)
+    state = lin._dz_passes.get(operand_grads)
     if state is None:
         if x2.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # building a kernel inside a capture: the reference is capture-safe
-        state = lin._dz_passes[needed] = build(lin, needed) or False
+        state = lin._dz_passes[operand_grads] = build(lin, operand_grads) or False
     if not state:
         return None
     kernel, epilogue = state
@@ -165,8 +165,9 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         feeds[name] = pieces[name]
     for name in epilogue.operands:
         feeds[name] = operands[name]
-    zeros_a = torch.zeros(m, PASS_K, dtype=x2.dtype, device=x2.device)
-    zeros_b = torch.zeros(width, PASS_K, dtype=x2.dtype, device=x2.device).t()
+    zeros = _zeros(max(m, width) * PASS_K, x2.dtype, x2.device)
+    zeros_a = zeros[:m * PASS_K].view(m, PASS_K)
+    zeros_b = zeros[:width * PASS_K].view(width, PASS_K).t()
     try:
         return _launch(kernel, epilogue, zeros_a, zeros_b, feeds, operands)
     except CallError as err:
@@ -176,6 +177,24 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         log.info("%r: the dZ kernel refuses this call (%s); the backward runs dZ as torch operations",
                  lin.kernel.plan.name, str(err).splitlines()[0])
         return None
+
+
+#: Zeros the pass's GEMM multiplies (its a and b are views of them), by device and dtype, grown as
+#: needed: two allocations and two fills less on every call. Only read, so every stream shares them.
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _zeros(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """At least ``count`` zeros of ``dtype`` on ``device``, kept for later calls where made outside
+    a CUDA graph capture (zeros made inside one are filled only when the graph replays)."""
+    key = (device, dtype)
+    kept = _ZEROS.get(key)
+    if kept is not None and kept.numel() >= count:
+        return kept
+    zeros = torch.zeros(count, dtype=dtype, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _ZEROS[key] = zeros
+    return zeros
 
 
 def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tensor, feeds: dict[str, Any],
@@ -204,20 +223,20 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
 # ---- a kernel's own operator: dZ in the epilogue of the forward's GEMM run again -----------------
 
 def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any],
-                         grads: dict[str, torch.Tensor | None], needed: tuple[str, ...] = ()
+                         grads: dict[str, torch.Tensor | None], operand_grads: tuple[str, ...] = ()
                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
     """(dZ, {operand: gradient}) of the backward of ``kernel``'s custom operator called on ``a``,
     ``b`` and ``operands`` (by name), from one evtc kernel: the forward's GEMM run again with dZ as
     its epilogue, which reads the incoming gradient ``grad`` as a tile operand and the recomputed
     accumulator in registers (the reference recomputes ``a @ b`` into memory in 16 bits and
-    evaluates the backward graph over it as float32 torch operations). The operands in ``needed``
+    evaluates the backward graph over it as float32 torch operations). The operands in ``operand_grads``
     get their gradients from the same kernel. None where it does not apply (the caller then runs
     the reference): where ``applies`` does not hold, dZ does not read the accumulator or is not one
     elementwise pass, a batched call needs operand gradients, or the kernel does not compile or
     refuses the call. Kernels are compiled on first use per layout of the call's tensors."""
     if not recompute_applies(a, b):
         return None
-    if needed and (a.dim() > 2 or b.dim() > 2):
+    if operand_grads and (a.dim() > 2 or b.dim() > 2):
         return None  # a batched operand's gradient also sums over batches: the reference's sum_to_size
     back = kernel.backward_graph()
     (output,) = back.output_grads if len(back.output_grads) == 1 else (None,)
@@ -229,13 +248,13 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
     grad = grad.contiguous()
     tensors = {"a": a, "b": b, "grad": grad,
                **{k: v for k, v in operands.items() if isinstance(v, torch.Tensor)}}
-    key = (needed, *((name, *_layout(t)) for name, t in tensors.items()))
+    key = (operand_grads, *((name, *_layout(t)) for name, t in tensors.items()))
     cache = kernel.recomputed_dz
     state = cache.get(key)
     if state is None:
         if a.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # building a kernel inside a capture: the reference is capture-safe
-        state = cache[key] = _build_recomputed(kernel, back, tensors, operands, needed) or False
+        state = cache[key] = _build_recomputed(kernel, back, tensors, operands, operand_grads) or False
     if not state:
         return None
     dz_kernel, epilogue = state
@@ -256,13 +275,13 @@ def recompute_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor], operands: dict[str, Any],
-                      needed: tuple[str, ...]) -> tuple[Kernel, DzEpilogue] | None:
+                      operand_grads: tuple[str, ...]) -> tuple[Kernel, DzEpilogue] | None:
     from evtc.ir.backward_epilogue import dz_epilogue
     from evtc.runtime.dtype_variants import meta_copy
 
     epilogue = dz_epilogue(back, tensors["a"].dtype, name=kernel.plan.name, grad_operand=True,
-                           operand_grads=needed, recompute=True,
-                           tile_grad_dtypes={name: operands[name].dtype for name in needed})
+                           operand_grads=operand_grads, recompute=True,
+                           tile_grad_dtypes={name: operands[name].dtype for name in operand_grads})
     if epilogue is None or not epilogue.reads_acc:
         # dZ without the accumulator (a bias's, a residual's): the reference reads no GEMM either.
         return None

@@ -1681,3 +1681,32 @@ def test_dz_kernel_of_a_one_row_example(monkeypatch, tmp_path, lead):
         assert a.shape == b.shape, name
         _close(a.double(), b, name)
     assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
+
+
+def test_dz_kernel_multiplies_zeros_kept_between_calls(monkeypatch, tmp_path):
+    """The pass's GEMM multiplies zeros kept per device and dtype (grown for a larger call, never
+    written): two backwards of different row counts give autograd's gradients, and the zeros they
+    shared are still zeros and large enough for both."""
+    from evtc import dz_pass
+
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    monkeypatch.setattr(dz_pass, "_ZEROS", {})
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(24, 16, generator=g).requires_grad_()
+    bias = torch.randn(24, generator=g)
+    lin = None
+    for rows in (5, 40):
+        x = torch.randn(rows, 16, generator=g).requires_grad_()
+        lin = lin or evtc.linear(bias_gelu, {"x": x, "weight": w, "bias": bias}, cache_dir=tmp_path)
+        got = lin(x, w, bias=bias)
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        want = bias_gelu(xd @ wd.t(), bias.double())
+        upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        mine = torch.autograd.grad(got, [x, w], upstream.float())
+        ref = torch.autograd.grad(want, [xd, wd], upstream)
+        for name, a, b in zip(["x", "weight"], mine, ref, strict=True):
+            _close(a.double(), b, name)
+    assert len(ran) == 2 and None not in ran, "the dZ pass did not run"
+    ((key, zeros),) = dz_pass._ZEROS.items()
+    assert key == (torch.device("cpu"), torch.float32)
+    assert zeros.numel() >= 40 * dz_pass.PASS_K and not zeros.any()
