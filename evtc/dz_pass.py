@@ -262,8 +262,11 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
     try:
         return _launch(dz_kernel, epilogue, a, b, feeds, operands)
     except CallError as err:
-        log.info("%r: the recomputing dZ kernel refuses this call (%s); the backward runs dZ as torch "
-                 "operations", kernel.plan.name, str(err).splitlines()[0])
+        # Not expected (the key holds what the kernel's checks judge): said once, and the reference
+        # taken from then on for this key rather than a refused launch on every call.
+        cache[key] = False
+        log.warning("%r: the recomputing dZ kernel refuses this call (%s); the backward runs dZ as "
+                    "torch operations for such calls", kernel.plan.name, str(err).splitlines()[0])
         return None
 
 
@@ -296,9 +299,10 @@ def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor], op
 
 def _layout(t: torch.Tensor) -> tuple:
     """What a compiled kernel's argument checks see of a tensor, besides its sizes: its dtype, rank,
-    broadcast dims and which dim runs contiguously."""
+    dims of size 1 (an example's M or N of 1 compiles a tile as a vector: a one-row call, a decode
+    step, gets a kernel of its own), broadcast dims and which dim runs contiguously."""
     strides = t.stride()
-    return (t.dtype, t.dim(), tuple(s == 0 for s in strides),
+    return (t.dtype, t.dim(), tuple(n == 1 for n in t.shape), tuple(s == 0 for s in strides),
             min(range(t.dim()), key=lambda i: (strides[i] != 1, i)) if t.dim() else -1)
 
 

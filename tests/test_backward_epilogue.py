@@ -277,3 +277,29 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
             forms[form] += 1
     # Not vacuous: each form was generated and compared for a good share of the programs.
     assert min(forms.values()) >= 15, forms
+
+
+def test_operand_gradients_leave_as_sums_in_float32_and_tiles_in_their_dtype():
+    """A bias used twice (its gradient a sum of two column sums) and a tile operand, both trained,
+    bfloat16: the bias's gradient stays float32 (as every sum), the tile's is written in bfloat16
+    (``tile_grad_dtypes``), and both equal torch.autograd's."""
+    def fn(acc, bias, C):
+        return F.gelu(acc + bias) * bias * C
+
+    g = torch.Generator().manual_seed(3)
+    m, k, n = 6, 8, 12
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    bias, C = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    graph = evtc.trace(fn, {"a": a.bfloat16(), "b": b.bfloat16(), "bias": bias.bfloat16(), "C": C.bfloat16()})
+    epilogue = dz_epilogue(backward(graph), torch.bfloat16, name="f", grad_operand=True,
+                           operand_grads=("bias", "C"),
+                           tile_grad_dtypes={"bias": torch.bfloat16, "C": torch.bfloat16})
+    acc = (a @ b).double().requires_grad_()
+    bias64, C64 = bias.double().requires_grad_(), C.double().requires_grad_()
+    dy = torch.randn(m, n, generator=g, dtype=F64)
+    want = torch.autograd.grad(fn(acc, bias64, C64), [acc, bias64, C64], dy)
+    dz, d_bias, d_C = epilogue.fn(None, dy.float(), acc.detach().float(), bias.bfloat16(), C.bfloat16())
+    assert (dz.dtype, d_bias.dtype, d_C.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    for name, got, ref in zip(["dZ", "bias", "C"], (dz, d_bias, d_C), want, strict=True):
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-2, f"{name}: relative error {err:.3g}"

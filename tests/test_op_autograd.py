@@ -307,3 +307,34 @@ def test_operator_backward_recomputing_in_bfloat16(monkeypatch):
         assert got.dtype == torch.bfloat16, name
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, f"{name}: relative error {err:.3g} by norm"
+
+
+def test_operator_backward_of_one_row_then_many(monkeypatch):
+    """A decode step's call (M = 1) and then a prefill's (M = 10) of one kernel: each gets a
+    recomputing kernel of its own (an example of one row compiles the incoming gradient as a row
+    vector, which a call of ten rows would be refused), both run, and both give autograd's
+    gradients."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(10)
+    b = torch.randn(16, 24, generator=g, requires_grad=True)
+    bias = torch.randn(24, generator=g, requires_grad=True)
+    # The forward compiled from an example of many rows (its operands' kinds are the example's).
+    k = evtc.compile(_scaled_bias_gelu, {"a": torch.randn(10, 16), "b": b, "bias": bias,
+                                         "scale": torch.rand(10, 1)})
+    for rows in (1, 10, 1):
+        a = torch.randn(rows, 16, generator=g, requires_grad=True)
+        scale = (torch.rand(rows, 1, generator=g) + 0.5).requires_grad_()
+        y = k(a, b, bias=bias, scale=scale)
+        dy = torch.randn(y.shape, generator=g)
+        inputs = [a, b, bias, scale]
+        mine = torch.autograd.grad(y, inputs, dy)
+        want = torch.autograd.grad(_scaled_bias_gelu(a @ b, bias, scale), inputs, dy)
+        for name, got, ref in zip(["a", "b", "bias", "scale"], mine, want, strict=True):
+            _close(got, ref, f"{name} at M = {rows}")
+    assert len(ran) == 3 and None not in ran, "the recomputing dZ kernel did not run"
+    built = [state for key, state in k.recomputed_dz.items() if key[0] == ("bias", "scale")]
+    assert len(built) == 2 and all(built), "one kernel for one row, one for many"
+
+
+def _scaled_bias_gelu(acc, bias, scale):
+    return F.gelu(acc + bias) * scale

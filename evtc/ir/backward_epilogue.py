@@ -47,7 +47,7 @@ import torch
 from .autodiff import Backward
 from .graph import Node
 from .ops import ELEMENTWISE
-from .shapes import N
+from .shapes import M, N
 
 # How each elementwise op is written in the generated source (the tracer maps these calls back
 # onto the same ops). Ops absent here are written ``torch.<name>(...)``.
@@ -224,7 +224,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         value = operand_store.inputs[0]
         if value.id in constants or names.get(value.id) == "<whole accumulator>":
             return None  # a constant gradient (an operand the output does not depend on)
-        if value.op != "reduce" and operand in tile_grad_dtypes:
+        if operand in tile_grad_dtypes and _spans_the_tile(value):
             # A tile's gradient, in the tile's own dtype: no float32 tile to write and convert after.
             outs.append(f"{names[value.id]}.to(torch.{_dtype(tile_grad_dtypes[operand])})")
         else:
@@ -249,6 +249,14 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
     return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated, tuple(operand_grads),
                       reads_acc)
+
+
+def _spans_the_tile(node: Node) -> bool:
+    """Whether ``node``'s value varies over both M and N (a tile operand's gradient, summed over
+    nothing), not a vector's or a scalar's, however its sums were taken (an operand used twice has a
+    gradient that is a sum of two reductions)."""
+    dims = {sympy.sympify(d) for d in node.shape}
+    return M in dims and N in dims
 
 
 def _cone(store: Node, by_id: dict[int, Node]) -> set[int]:
