@@ -310,6 +310,11 @@ def _every_operand_kind(acc, colscale, C, s, bias):
     return F.gelu(acc * colscale + bias) * C + s
 
 
+def _swiglu_scaled(acc, colscale):
+    gate, up = acc.chunk(2, dim=-1)
+    return F.silu(gate) * up * colscale
+
+
 _DZ_CASES = [
     (_gelu_in_float32, 72, {}, {}),
     (swiglu, 2 * 200, {}, {}),
@@ -317,6 +322,8 @@ _DZ_CASES = [
     (_tanh_scaled_times_tile, 96, {"C": lambda g: torch.randn(3, 37, 96, device="cuda", generator=g)},
      {"alpha": 0.7}),
     (_silu, 264, {}, {}),
+    (_swiglu_scaled, 2 * 136,
+     {"colscale": lambda g: torch.rand(3, 37, 1, device="cuda", generator=g) + 0.5}, {}),
     (_every_operand_kind, 200, {"colscale": lambda g: torch.rand(3, 37, 1, device="cuda", generator=g) + 0.5,
                                 "C": lambda g: torch.randn(3, 37, 200, device="cuda", generator=g),
                                 "s": lambda g: torch.randn((), device="cuda", generator=g),
@@ -388,6 +395,8 @@ _RECOMPUTE_CASES = [
     (swiglu, (3,), 2 * 136, {}, {}, False),
     (bias_gelu, (), 136, {"bias": _cuda_randn(136)}, {}, True),
     (bias_gelu, (2,), 136, {"bias": _cuda_randn(136)}, {}, False),
+    (_swiglu_scaled, (), 2 * 136,
+     {"colscale": lambda g: torch.rand(111, 1, device="cuda", generator=g) + 0.5}, {}, True),
     (_tanh_scaled_times_tile, (), 96, {"C": _cuda_randn(111, 96)}, {"alpha": 0.7}, False),
     (_every_operand_kind, (), 200,
      {"colscale": lambda g: torch.rand(111, 1, device="cuda", generator=g) + 0.5,
