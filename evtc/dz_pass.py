@@ -42,6 +42,8 @@ to a batched call whose operands need gradients (those also sum over the batch).
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,7 +152,7 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     if state is None:
         if x2.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # building a kernel inside a capture: the reference is capture-safe
-        state = lin._dz_passes[operand_grads] = build(lin, operand_grads) or False
+        state = _built_once(lin._dz_passes, operand_grads, lambda: build(lin, operand_grads))
     if not state:
         return None
     kernel, epilogue = state
@@ -177,6 +179,21 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         log.info("%r: the dZ kernel refuses this call (%s); the backward runs dZ as torch operations",
                  lin.kernel.plan.name, str(err).splitlines()[0])
         return None
+
+
+#: Held while a dZ kernel is built, so that threads whose backwards want the same one wait for it
+#: rather than compile it again (a build takes seconds; builds of different kernels wait too).
+_BUILD_LOCK = threading.Lock()
+
+
+def _built_once(cache: dict, key: Any, build_it: Callable[[], tuple | None]) -> tuple | bool:
+    """``cache[key]``, built by ``build_it`` (False where it gives None) by the first thread that
+    asks for it."""
+    with _BUILD_LOCK:
+        state = cache.get(key)
+        if state is None:
+            state = cache[key] = build_it() or False
+        return state
 
 
 #: Zeros the pass's GEMM multiplies (its a and b are views of them), by device and dtype, grown as
@@ -254,7 +271,8 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
     if state is None:
         if a.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # building a kernel inside a capture: the reference is capture-safe
-        state = cache[key] = _build_recomputed(kernel, back, tensors, operands, operand_grads) or False
+        state = _built_once(cache, key,
+                            lambda: _build_recomputed(kernel, back, tensors, operands, operand_grads))
     if not state:
         return None
     dz_kernel, epilogue = state

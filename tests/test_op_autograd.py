@@ -338,3 +338,48 @@ def test_operator_backward_of_one_row_then_many(monkeypatch):
 
 def _scaled_bias_gelu(acc, bias, scale):
     return F.gelu(acc + bias) * scale
+
+
+def test_operator_backwards_in_threads_build_one_kernel(monkeypatch):
+    """Backwards in several threads that want the same recomputing kernel: one thread builds it,
+    the others wait for it (not compile it again), and every thread's gradients are autograd's."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from evtc import dz_pass
+
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    builds = []
+    real_build = dz_pass._build_recomputed
+
+    def slow_build(*args):
+        builds.append(threading.get_ident())
+        time.sleep(0.2)  # long enough for the other threads to ask meanwhile
+        return real_build(*args)
+
+    monkeypatch.setattr(dz_pass, "_build_recomputed", slow_build)
+    g = torch.Generator().manual_seed(12)
+    b = torch.randn(16, 24, generator=g)
+    k = evtc.compile(_scaled_bias_gelu, {"a": torch.randn(9, 16), "b": b, "bias": torch.randn(24),
+                                         "scale": torch.rand(9, 1)})
+    cases = []
+    for _ in range(4):
+        a = torch.randn(9, 16, generator=g, requires_grad=True)
+        bias = torch.randn(24, generator=g, requires_grad=True)
+        scale = (torch.rand(9, 1, generator=g) + 0.5).requires_grad_()
+        cases.append((a, bias, scale, torch.randn(9, 24, generator=g)))
+    bw = b.clone().requires_grad_()
+
+    def step(case):
+        a, bias, scale, dy = case
+        return torch.autograd.grad(k(a, bw, bias=bias, scale=scale), [a, bw, bias, scale], dy)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(step, cases))
+    assert len(builds) == 1, "the kernel was built more than once"
+    assert len(ran) == 4 and None not in ran
+    for (a, bias, scale, dy), mine in zip(cases, results, strict=True):
+        want = torch.autograd.grad(_scaled_bias_gelu(a @ bw, bias, scale), [a, bw, bias, scale], dy)
+        for name, got, ref in zip(["a", "b", "bias", "scale"], mine, want, strict=True):
+            _close(got, ref, name)
