@@ -136,8 +136,7 @@ def _compile(epilogue: DzEpilogue, inputs: dict[str, Any], name: str, config: di
 def applies(x: torch.Tensor, weight: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> bool:
     """Whether a backward with these inputs may take the dZ pass (the conditions it can tell
     without the backward graph; see the module docstring)."""
-    return (bool(saved) and x.is_cuda and weight.dtype == x.dtype
-            and x.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling())
+    return bool(saved) and recompute_applies(x, weight)
 
 
 def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: dict[str, torch.Tensor | None],
@@ -148,11 +147,7 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     operands in ``operand_grads``, in their flat shapes and dtypes. ``x2``: x with its rows flattened;
     ``operands``: the forward's, flattened alike; ``grads``: the incoming gradients by output name;
     ``saved``: the saved accumulator's pieces, flattened alike."""
-    state = lin._dz_passes.get(operand_grads)
-    if state is None:
-        if x2.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # building a kernel inside a capture: the reference is capture-safe
-        state = _built_once(lin._dz_passes, operand_grads, lambda: build(lin, operand_grads))
+    state = _built_once(lin._dz_passes, operand_grads, x2.device, lambda: build(lin, operand_grads))
     if not state:
         return None
     kernel, epilogue = state
@@ -186,9 +181,16 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
 _BUILD_LOCK = threading.Lock()
 
 
-def _built_once(cache: dict, key: Any, build_it: Callable[[], tuple | None]) -> tuple | bool:
+def _built_once(cache: dict, key: Any, device: torch.device,
+                build_it: Callable[[], tuple | None]) -> tuple | bool | None:
     """``cache[key]``, built by ``build_it`` (False where it gives None) by the first thread that
-    asks for it."""
+    asks for it; None where it is not built yet and ``device``'s stream is being captured into a
+    CUDA graph (a build launches work a capture refuses; the reference backward is capture-safe)."""
+    state = cache.get(key)
+    if state is not None:
+        return state
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     with _BUILD_LOCK:
         state = cache.get(key)
         if state is None:
@@ -221,9 +223,9 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
     if epilogue.gated and not epilogue.operand_grads:
         # The halves written into one tensor; with operand gradients too, out= would need every
         # output allocated here, and the halves are joined after (a copy of dZ in 16 bits).
-        shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+        rows = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2])
         width = feeds["grad"].shape[-1]
-        dz = torch.empty(*shape[:-1], 2 * width, dtype=a.dtype, device=a.device)
+        dz = torch.empty(*rows, 2 * width, dtype=a.dtype, device=a.device)
         kernel(a, b, **feeds, out=(dz[..., :width], dz[..., width:]))
         return dz, {}
     result = kernel(a, b, **feeds)
@@ -256,8 +258,10 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
     if operand_grads and (a.dim() > 2 or b.dim() > 2):
         return None  # a batched operand's gradient also sums over batches: the reference's sum_to_size
     back = kernel.backward_graph()
-    (output,) = back.output_grads if len(back.output_grads) == 1 else (None,)
-    grad = grads.get(output) if output is not None else None
+    if len(back.output_grads) != 1:
+        return None  # dZ of several outputs' gradients: not one elementwise pass of this form
+    (output,) = back.output_grads
+    grad = grads.get(output)
     if grad is None:
         return None
     # The kernel reads the incoming gradient as a row-major tile: the expanded one of ``y.sum()``, a
@@ -267,12 +271,8 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
                **{k: v for k, v in operands.items() if isinstance(v, torch.Tensor)}}
     key = (operand_grads, *((name, *_layout(t)) for name, t in tensors.items()))
     cache = kernel.recomputed_dz
-    state = cache.get(key)
-    if state is None:
-        if a.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # building a kernel inside a capture: the reference is capture-safe
-        state = _built_once(cache, key,
-                            lambda: _build_recomputed(kernel, back, tensors, operands, operand_grads))
+    state = _built_once(cache, key, a.device,
+                        lambda: _build_recomputed(kernel, back, tensors, operands, operand_grads))
     if not state:
         return None
     dz_kernel, epilogue = state
@@ -289,10 +289,11 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
 
 
 def recompute_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether an operator's backward on these inputs may take the recomputing dZ kernel (as
-    :func:`applies`: 16-bit inputs on the GPU, not under torch.compile)."""
-    return (a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16)
-            and not torch.compiler.is_compiling())
+    """Whether an operator's backward on these inputs may take the recomputing dZ kernel: 16-bit
+    inputs on the GPU (where the backward's GEMMs run in 16 bits too), not under torch.compile."""
+    from evtc.runtime import op_autograd  # the module's attribute: tests force it on CPU tensors
+
+    return op_autograd.low_precision(a, b) and not torch.compiler.is_compiling()
 
 
 def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor], operands: dict[str, Any],

@@ -1511,7 +1511,7 @@ def test_dz_as_one_kernel_in_bfloat16_as_on_the_gpu(monkeypatch, tmp_path, fn, o
     from evtc.runtime import op_autograd
 
     ran = _spy_on_the_dz_pass(monkeypatch)
-    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 16, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(24, 16, generator=g) * 0.25).bfloat16().requires_grad_()
@@ -1592,7 +1592,7 @@ def test_dz_kernel_of_a_float32_output_takes_a_float32_incoming_gradient(monkeyp
 
     monkeypatch.setattr(dz_pass, "applies", _applies_on_cpu)
     # 16-bit GEMMs after a 16-bit dZ, as on the GPU (the CPU reference runs float32 ones).
-    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(9, 16, generator=g).bfloat16().requires_grad_()
     w = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()
@@ -1640,7 +1640,7 @@ def test_dz_kernel_sums_operand_gradients_in_float32(monkeypatch, tmp_path):
     from evtc.runtime import op_autograd
 
     ran = _spy_on_the_dz_pass(monkeypatch)
-    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(64, 16, generator=g).bfloat16().requires_grad_()
     w = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()

@@ -284,7 +284,7 @@ def test_operator_backward_recomputing_in_bfloat16(monkeypatch):
     from evtc.runtime import op_autograd
 
     ran = _spy_on_the_recomputing_kernel(monkeypatch)
-    monkeypatch.setattr(op_autograd, "_low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(7)
     a = torch.randn(10, 16, generator=g).bfloat16().requires_grad_()
     b = (torch.randn(16, 32, generator=g) * 0.25).bfloat16().requires_grad_()

@@ -84,7 +84,7 @@ def input_gradients(d_acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, ne
     gradient, where ``a^T @ d_acc`` would reach it strided and cost a copy (or a strided add into
     ``.grad``) on every step, as :func:`weight_gradient` explains."""
     da = db = None
-    low = _low_precision(a, b)
+    low = low_precision(a, b)
     if need_a:
         da = d_acc @ b.transpose(-1, -2) if low else \
             (d_acc @ b.to(torch.float32).transpose(-1, -2)).to(a.dtype)
@@ -115,7 +115,7 @@ def epilogue_gradients(back: Backward, a: torch.Tensor, b: torch.Tensor, names: 
     # float32 accumulation and 16-bit results (the accumulator rounded as the 16-bit output that
     # eager autograd saves, dZ rounded before dX and dW). In float32 they would run several times
     # slower than the forward (docs/training.md). Otherwise (float32 inputs, the CPU): float32.
-    low = _low_precision(a, b)
+    low = low_precision(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     acc_shape = (*batch, a.shape[-2], b.shape[-1])
     feeds: dict[str, Any] = dict(zip(names, operands, strict=True))
@@ -188,12 +188,14 @@ def weight_gradient(d_acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) 
     ``d_acc`` 2-d), made in the weight's own (out, in) layout. (``(x^T @ d_acc).t()`` is the same
     values transposed: a strided gradient that makes every accumulation into ``.grad`` a slow
     strided add.) Precision as :func:`input_gradients`."""
-    if _low_precision(x, weight):
+    if low_precision(x, weight):
         return d_acc.t() @ x
     return (d_acc.to(torch.float32).t() @ x.to(torch.float32)).to(weight.dtype)
 
 
-def _low_precision(a: torch.Tensor, b: torch.Tensor) -> bool:
+def low_precision(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a GEMM of ``a`` and ``b`` runs in 16 bits here: both of one 16-bit dtype, on the GPU
+    (the backward's GEMMs then run as eager autograd's, and the dZ kernels may run)."""
     return a.dtype == b.dtype and a.dtype in _LOW_PRECISION and a.is_cuda
 
 
@@ -220,6 +222,6 @@ def _evaluate(back: Backward, feeds: dict[str, Any], dz_dtype: torch.dtype) -> d
 
 
 __all__ = [
-    "epilogue_gradients", "gemm_epilogue_backward", "input_gradients", "joined_accumulator", "op_backward",
-    "weight_gradient",
+    "epilogue_gradients", "gemm_epilogue_backward", "input_gradients", "joined_accumulator", "low_precision",
+    "op_backward", "weight_gradient",
 ]
