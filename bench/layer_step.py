@@ -7,13 +7,15 @@ evtc/dz_pass.py).
     python3 bench/layer_step.py --tokens 2048 --no-compile
     python3 bench/layer_step.py --operator            # a compiled kernel's own operator
     python3 bench/layer_step.py --operator --swiglu --n 28672
+    python3 bench/layer_step.py --operator --row-sums # two outputs: y and its per-row sums
 
 Variants: evtc (FusedLinear, the dZ kernel); evtc reference (the same layer with the dZ kernel
 turned off: the backward graph as float32 torch operations); eager; torch.compile (default mode).
 With ``--operator`` evtc is ``k(x, W.t(), bias=b)`` for ``k = evtc.compile(...)``, whose backward
 saved no accumulator and runs the forward's GEMM again with dZ and the bias's gradient as its
 epilogue (``evtc.dz_pass.recomputed_gradients``; its reference recomputes ``x @ W^T`` into memory).
-``--swiglu``: ``silu(gate) * up`` over the halves of an N-wide GEMM, without a bias.
+``--swiglu``: ``silu(gate) * up`` over the halves of an N-wide GEMM, without a bias. ``--row-sums``:
+bias + GELU returning ``y`` and ``y.sum(-1)`` (two outputs, each with its incoming gradient).
 Gradients are compared with eager's by relative norm before timing. Steps are timed in alternation,
 in a shuffled order per sample (``evtc.timing.time_paired``); ratio = other's time / evtc's.
 """
@@ -44,24 +46,32 @@ def swiglu(acc):
     return F.silu(gate) * up
 
 
+def bias_gelu_row_sums(acc, bias):
+    y = F.gelu(acc + bias)
+    return y, y.sum(-1)
+
+
 class Eager(nn.Module):
-    def __init__(self, k: int, n: int, gated: bool = False, **kw) -> None:
+    def __init__(self, k: int, n: int, gated: bool = False, row_sums: bool = False, **kw) -> None:
         super().__init__()
-        self.gated = gated
+        self.gated, self.row_sums = gated, row_sums
         self.lin = nn.Linear(k, n, bias=not gated, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(self.lin(x)) if self.gated else F.gelu(self.lin(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.gated:
+            return swiglu(self.lin(x))
+        y = F.gelu(self.lin(x))
+        return (y, y.sum(-1)) if self.row_sums else y
 
 
 class Operator(nn.Module):
     """The layer as a compiled kernel's own operator: ``k(x, W.t(), bias=b)``."""
 
-    def __init__(self, k: int, n: int, gated: bool, x: torch.Tensor, **kw) -> None:
+    def __init__(self, k: int, n: int, fn, x: torch.Tensor, **kw) -> None:
         super().__init__()
+        gated = fn is swiglu
         self.weight = nn.Parameter(torch.empty(n, k, **kw))
         self.bias = None if gated else nn.Parameter(torch.empty(n, **kw))
-        fn = swiglu if gated else bias_gelu
         operands = {} if gated else {"bias": self.bias}
         self.kernel = evtc.compile(fn, {"a": x, "b": self.weight.t(), **operands})
 
@@ -79,21 +89,23 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--operator", action="store_true", help="a compiled kernel's own operator")
     p.add_argument("--swiglu", action="store_true", help="SwiGLU over the GEMM's halves, no bias")
+    p.add_argument("--row-sums", action="store_true", help="bias + GELU, returning y and y.sum(-1)")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
-    eager = Eager(args.k, args.n, args.swiglu, **kw)
+    eager = Eager(args.k, args.n, args.swiglu, args.row_sums, **kw)
     x = torch.randn(args.tokens, args.k, **kw).requires_grad_()
+    fn = swiglu if args.swiglu else bias_gelu_row_sums if args.row_sums else bias_gelu
     if args.operator:
-        ours = Operator(args.k, args.n, args.swiglu, x, **kw)
+        ours = Operator(args.k, args.n, fn, x, **kw)
     else:
-        ours = evtc.nn.FusedLinear(args.k, args.n, swiglu if args.swiglu else bias_gelu, bias=not args.swiglu,
-                                   **kw)
+        ours = evtc.nn.FusedLinear(args.k, args.n, fn, bias=not args.swiglu, **kw)
     with torch.no_grad():
         ours.weight.copy_(eager.lin.weight)
         if not args.swiglu:
             ours.bias.copy_(eager.lin.bias)
     dy = torch.randn(args.tokens, args.n // 2 if args.swiglu else args.n, **kw)
+    grads = [dy, torch.randn(args.tokens, **kw)] if args.row_sums else [dy]
     # The entry the evtc variant must take, and the condition the reference turns off.
     entry, condition = (("recomputed_gradients", "recompute_applies") if args.operator
                         else ("gradients", "applies"))
@@ -102,7 +114,8 @@ def main() -> None:
         def run():
             model.zero_grad(set_to_none=True)
             x.grad = None
-            model(x).backward(dy)
+            out = model(x)
+            torch.autograd.backward(list(out) if isinstance(out, tuple) else [out], grads)
         return run
 
     real_applies = getattr(dz_pass, condition)
@@ -135,7 +148,7 @@ def main() -> None:
         print(f"gradients of {name} against eager: relative error {err:.2e} by norm (largest of x, {params})")
     setattr(dz_pass, entry, real_gradients)
     ms = time_paired(list(variants.values()), 3, args.samples, 1)
-    what = "SwiGLU" if args.swiglu else "bias + GELU"
+    what = "SwiGLU" if args.swiglu else "bias + GELU, y and y.sum(-1)" if args.row_sums else "bias + GELU"
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens}, "
           f"{args.k} -> {args.n}, {what}, {'operator' if args.operator else 'FusedLinear'}, bf16; "
           f"median of {args.samples}")

@@ -24,7 +24,8 @@ float32 arithmetic's rounding):
 * the forward saved its accumulator, and dZ reads it (a dZ that does not, such as a bias's or a
   residual's, is the incoming gradient or a product with an operand: cheap as it is);
 * dZ and the wanted operands' gradients are one elementwise pass with those reductions
-  (``dz_epilogue`` is not None) and the kernel compiles;
+  (``dz_epilogue`` is not None; each output's incoming gradient, for an epilogue of several, is an
+  operand of its own in the output's shape) and the kernel compiles;
 * not under torch.compile (which fuses the reference's operations itself) and, before the kernel
   was first built, not inside a CUDA graph capture.
 
@@ -41,6 +42,7 @@ to a batched call whose operands need gradients (those also sum over the batch).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -92,18 +94,18 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
     # with them the kinds the forward compiled them as.
     rows = max(a.shape[0], 2)
     meta = {"device": "meta", "dtype": a.dtype}
-    # The incoming gradient has its output's dtype (float32 for an epilogue that returns float32;
-    # the backward graph itself takes every incoming gradient as float32).
-    (output,) = back.output_grads
+    # Each incoming gradient has its output's dtype (float32 for an output in float32; the backward
+    # graph itself takes every incoming gradient as float32) and the shape the graph gives it.
     kernel_order = lin.kernel.call_spec.kernel_order
     out_dtypes = dict(zip(kernel_order, (dt for _, dt in lin.kernel.output_meta(rows, b.shape[-1], 1)),
                           strict=True))
-    grad_dtype = out_dtypes.get(output)
-    if grad_dtype is None:
-        return None
     inputs: dict[str, Any] = {"a": torch.empty(rows, PASS_K, **meta),
-                              "b": torch.empty(width, PASS_K, **meta).t(),
-                              "grad": torch.empty(rows, width, device="meta", dtype=grad_dtype)}
+                              "b": torch.empty(width, PASS_K, **meta).t()}
+    for param, output in epilogue.grads:
+        if out_dtypes.get(output) is None:
+            return None
+        shape = _grad_shape(back.grad_shapes[back.output_grads[output]], rows, b.shape[-1], 1)
+        inputs[param] = torch.empty(shape, device="meta", dtype=out_dtypes[output])
     for name in epilogue.saved:
         inputs[name] = torch.empty(rows, width, **meta)
     for name in epilogue.operands:
@@ -151,12 +153,14 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     if not state:
         return None
     kernel, epilogue = state
-    (output,) = lin.backward_graph().output_grads  # the one output dZ depends on
-    grad = grads.get(output)
-    if grad is None or grad.dtype != kernel.call_spec.operand_dtypes.get("grad", grad.dtype):
-        return None
     m, width = x2.shape[0], saved[0].shape[-1]
-    feeds: dict[str, Any] = {"grad": grad.reshape(m, width)}
+    incoming = _incoming(lin.backward_graph(), grads, m, 2 * width if epilogue.gated else width, 1)
+    feeds: dict[str, Any] = {}
+    for param, output in epilogue.grads:
+        grad = incoming[output]
+        if grad is None or grad.dtype != kernel.call_spec.operand_dtypes.get(param, grad.dtype):
+            return None
+        feeds[param] = grad
     pieces = dict(zip(("saved_gate", "saved_up") if epilogue.gated else ("saved",), saved, strict=True))
     for name in epilogue.saved:
         feeds[name] = pieces[name]
@@ -166,7 +170,7 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     zeros_a = zeros[:m * PASS_K].view(m, PASS_K)
     zeros_b = zeros[:width * PASS_K].view(width, PASS_K).t()
     try:
-        return _launch(kernel, epilogue, zeros_a, zeros_b, feeds, operands)
+        return _launch(kernel, epilogue, zeros_a, zeros_b, feeds, operands, width)
     except CallError as err:
         # An operand the forward took in another shape than its example (a (1, N) bias beside an
         # (N,) example, a 1-d x's tile operand): the forward's views do not apply to the pass's
@@ -217,14 +221,14 @@ def _zeros(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tensor, feeds: dict[str, Any],
-            operands: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            operands: dict[str, Any], half: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One launch of a dZ kernel on ``a @ b``: (dZ in a's dtype, {operand: gradient in the
-    operand's shape and dtype})."""
+    operand's shape and dtype}). ``half``: the width of each half of a gated epilogue's dZ."""
     if epilogue.gated and not epilogue.operand_grads:
         # The halves written into one tensor; with operand gradients too, out= would need every
         # output allocated here, and the halves are joined after (a copy of dZ in 16 bits).
         rows = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2])
-        width = feeds["grad"].shape[-1]
+        width = half
         dz = torch.empty(*rows, 2 * width, dtype=a.dtype, device=a.device)
         kernel(a, b, **feeds, out=(dz[..., :width], dz[..., width:]))
         return dz, {}
@@ -258,27 +262,21 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
     if operand_grads and (a.dim() > 2 or b.dim() > 2):
         return None  # a batched operand's gradient also sums over batches: the reference's sum_to_size
     back = kernel.backward_graph()
-    if len(back.output_grads) != 1:
-        return None  # dZ of several outputs' gradients: not one elementwise pass of this form
-    (output,) = back.output_grads
-    grad = grads.get(output)
-    if grad is None:
-        return None
-    # The kernel reads the incoming gradient as a row-major tile: the expanded one of ``y.sum()``, a
-    # transposed one, made so (one pass over it, far less than the reference's float32 passes).
-    grad = grad.contiguous()
-    tensors = {"a": a, "b": b, "grad": grad,
-               **{k: v for k, v in operands.items() if isinstance(v, torch.Tensor)}}
-    key = (operand_grads, *((name, *_layout(t)) for name, t in tensors.items()))
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    incoming = _incoming(back, grads, a.shape[-2], b.shape[-1], batch[0] if batch else 1)
+    tensors = {"a": a, "b": b, **{k: v for k, v in operands.items() if isinstance(v, torch.Tensor)}}
+    key = (operand_grads, *((name, *_layout(t)) for name, t in tensors.items()),
+           *((output, None if g is None else _layout(g)) for output, g in incoming.items()))
     cache = kernel.recomputed_dz
     state = _built_once(cache, key, a.device,
-                        lambda: _build_recomputed(kernel, back, tensors, operands, operand_grads))
+                        lambda: _build_recomputed(kernel, back, tensors, incoming, operands, operand_grads))
     if not state:
         return None
     dz_kernel, epilogue = state
-    feeds = {"grad": grad, **{name: operands[name] for name in epilogue.operands}}
+    feeds = {**{param: incoming[output] for param, output in epilogue.grads},
+             **{name: operands[name] for name in epilogue.operands}}
     try:
-        return _launch(dz_kernel, epilogue, a, b, feeds, operands)
+        return _launch(dz_kernel, epilogue, a, b, feeds, operands, b.shape[-1] // 2)
     except CallError as err:
         # Not expected (the key holds what the kernel's checks judge): said once, and the reference
         # taken from then on for this key rather than a refused launch on every call.
@@ -296,7 +294,32 @@ def recompute_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     return op_autograd.low_precision(a, b) and not torch.compiler.is_compiling()
 
 
-def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor], operands: dict[str, Any],
+def _incoming(back, grads: dict[str, torch.Tensor | None], m: int, n: int, batches: int
+              ) -> dict[str, torch.Tensor | None]:
+    """The outputs' incoming gradients by output name, each in the shape the backward graph gives it
+    (a per-row reduction's as (M, 1), a per-column one's as (1, N): the dZ kernel then takes each as
+    the kind it is, where a bare (M,) would be taken for a row vector when M equals N) and made
+    row-major (the expanded gradient of ``y.sum()``, a transposed one: one pass over it, far less
+    than the reference's float32 passes). None for an output that received none."""
+    out: dict[str, torch.Tensor | None] = {}
+    for output, grad_name in back.output_grads.items():
+        g = grads.get(output)
+        if g is not None:
+            g = g.reshape(_grad_shape(back.grad_shapes[grad_name], m, n, batches)).contiguous()
+        out[output] = g
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _grad_shape(shape: tuple, m: int, n: int, batches: int) -> tuple[int, ...]:
+    """A backward graph's symbolic gradient shape at these sizes (sympy, once per shape and sizes)."""
+    from evtc.ir.shapes import L, M, N, evaluate_shape
+
+    return evaluate_shape(shape, {M: m, N: n, L: batches})
+
+
+def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor],
+                      incoming: dict[str, torch.Tensor | None], operands: dict[str, Any],
                       operand_grads: tuple[str, ...]) -> tuple[Kernel, DzEpilogue] | None:
     from evtc.ir.backward_epilogue import dz_epilogue
     from evtc.runtime.dtype_variants import meta_copy
@@ -307,7 +330,11 @@ def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor], op
     if epilogue is None or not epilogue.reads_acc:
         # dZ without the accumulator (a bias's, a residual's): the reference reads no GEMM either.
         return None
-    inputs: dict[str, Any] = {name: meta_copy(tensors[name]) for name in ("a", "b", "grad")}
+    if any(incoming[output] is None for _, output in epilogue.grads):
+        return None  # an incoming gradient dZ reads was not given (the reference takes it as zeros)
+    inputs: dict[str, Any] = {name: meta_copy(tensors[name]) for name in ("a", "b")}
+    for param, output in epilogue.grads:
+        inputs[param] = meta_copy(incoming[output])
     for name in epilogue.operands:
         inputs[name] = meta_copy(operands[name])
     # The selector's configuration: a real GEMM now, its epilogue reading one tile more than the

@@ -133,7 +133,7 @@ def sized_literal(acc):
 
 
 @pytest.mark.parametrize("fn, ops", [
-    (two_outputs, {}),                                 # dZ sums two incoming gradients
+    (two_outputs, {}),                                 # dZ sums two incoming gradients: two accumulators
     (wide_operand_gated, {"scale": (7, 24)}),          # an operand as wide as the forward's GEMM
     (sized_literal, {}),                               # a constant of the forward's problem size
 ], ids=["two_outputs", "wide_operand_gated", "sized_literal"])
@@ -222,26 +222,29 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
     """Over random programs, each of the three forms of the generated dZ epilogue (the incoming
     gradient as the accumulator, as evtc.nn.MLP compiles it; as a tile operand beside the saved
     accumulator, with every float operand's gradient, as evtc.dz_pass compiles it for a layer;
-    and beside the recomputed accumulator, as for a kernel's operator), run on float64 tensors,
-    equals the backward graph evaluated by the interpreter: dZ and the operands' gradients. The
+    and beside the recomputed accumulator, as for a kernel's operator; the last two with each
+    output's incoming gradient an operand of its own where the program has several outputs), run
+    on float64 tensors, equals the backward graph evaluated by the interpreter: dZ and the
+    operands' gradients. The
     generator writes every op of the graph it accepts as torch code, so a wrong spelling (an
     argument order, a constant, a sum's axis) shows here."""
     from evtc.ir.interpreter import accumulator, evaluate
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
     forms = {"mlp": 0, "layer": 0, "operator": 0}
+    several = {"layer": 0, "operator": 0}  # of those, programs of several outputs
     for name, graph, inputs in _random_programs(300):
         back = backward(graph)
-        if graph.acc_name not in back.input_grads or len(back.output_grads) != 1:
+        if graph.acc_name not in back.input_grads:
             continue
         g = torch.Generator().manual_seed(len(name))
         acc = accumulator(inputs["a"], inputs["b"], F64)
         operands = {k: v for k, v in inputs.items() if k not in ("a", "b")}
         sizes = {M: acc.shape[-2], N: acc.shape[-1] // (2 if graph.gated else 1),
                  L: acc.shape[0] if acc.dim() == 3 else 1}
-        ((grad_name),) = back.output_grads.values()
-        dy = torch.randn(evaluate_shape(back.grad_shapes[grad_name], sizes), generator=g, dtype=F64)
-        want = evaluate(back.graph, {graph.acc_name: acc, grad_name: dy, **operands}, compute_dtype=F64,
+        dys = {grad: torch.randn(evaluate_shape(back.grad_shapes[grad], sizes), generator=g, dtype=F64)
+               for grad in back.output_grads.values()}
+        want = evaluate(back.graph, {graph.acc_name: acc, **dys, **operands}, compute_dtype=F64,
                         cast_outputs=False)
         want_dz = want[graph.acc_name].expand(acc.shape)
         trained = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor)
@@ -255,12 +258,14 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
                 continue
             feeds = {k: halves[k] for k in epilogue.saved}
             feeds.update({k: operands[k] for k in epilogue.operands})
+            grads = {param: dys[back.output_grads[output]] for param, output in epilogue.grads}
             if form == "mlp":
+                (dy,) = grads.values()
                 result = epilogue.fn(dy, **feeds)
             else:
                 # The layer's form never reads its acc: a value that would show if it did.
-                result = epilogue.fn(acc if form == "operator" else torch.full_like(acc, float("nan")), dy,
-                                     **feeds)
+                result = epilogue.fn(acc if form == "operator" else torch.full_like(acc, float("nan")),
+                                     **grads, **feeds)
             outs = result if isinstance(result, tuple) else (result,)
             count = 2 if epilogue.gated else 1
             dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
@@ -275,8 +280,10 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
                                            atol=1e-5 * ref.abs().max().item() + 1e-12,
                                            msg=lambda m, n=name, o=operand: f"{n}: gradient of {o}: {m}")
             forms[form] += 1
+            if len(back.output_grads) > 1:
+                several[form] += 1
     # Not vacuous: each form was generated and compared for a good share of the programs.
-    assert min(forms.values()) >= 15, forms
+    assert min(forms.values()) >= 15 and min(several.values()) >= 15, (forms, several)
 
 
 def test_operand_gradients_leave_as_sums_in_float32_and_tiles_in_their_dtype():

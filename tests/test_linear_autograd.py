@@ -1710,3 +1710,62 @@ def test_dz_kernel_multiplies_zeros_kept_between_calls(monkeypatch, tmp_path):
     ((key, zeros),) = dz_pass._ZEROS.items()
     assert key == (torch.device("cpu"), torch.float32)
     assert zeros.numel() >= 40 * dz_pass.PASS_K and not zeros.any()
+
+
+def _four_outputs(acc, scale, C):
+    y = torch.tanh(acc) * scale
+    return y + C, y.sum(-1), y.sum(0, keepdim=True), y.sum()
+
+
+def _tile_and_pre_residual(acc, bias, C, alpha: float):
+    y = F.gelu(alpha * acc + bias)
+    return y + C, y
+
+
+def _gated_with_stats(acc, scale):
+    gate, up = acc.chunk(2, dim=-1)
+    y = F.silu(gate) * up * scale
+    return {"y": y, "rows": y.sum(-1), "twice": 2 * y}
+
+
+def _rows_of_tanh(acc):
+    return torch.tanh(acc).sum(-1)
+
+
+@pytest.mark.parametrize("fn, n, operands, scalars", [
+    (_four_outputs, 16, {"scale": lambda g: torch.rand(16, generator=g),
+                         "C": lambda g: torch.randn(16, 16, generator=g)}, {}),
+    (_tile_and_pre_residual, 16, {"bias": lambda g: torch.randn(16, generator=g),
+                                  "C": lambda g: torch.randn(16, 16, generator=g)}, {"alpha": 0.7}),
+    (_gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
+    (_rows_of_tanh, 16, {}, {}),
+])
+@pytest.mark.parametrize("trained", [False, True])
+def test_dz_as_one_kernel_of_several_outputs(monkeypatch, tmp_path, fn, n, operands, scalars, trained):
+    """Epilogues of several outputs, and one whose output is a per-row sum: each output's incoming
+    gradient is an operand of the dZ kernel of its own, in the shape the output has (a per-row sum's
+    as (M, 1), with M = N = 16 here; the kernel took one incoming gradient as a tile, and a per-row
+    sum's (M,) failed to reshape to it), and every gradient equals torch autograd's in float64."""
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(16, 8, generator=g).requires_grad_()
+    w = torch.randn(n, 8, generator=g).requires_grad_()
+    ops = {name: make(g).requires_grad_(trained) for name, make in operands.items()}
+    lin = evtc.linear(fn, {"x": x, "weight": w, **ops, **scalars}, cache_dir=tmp_path)
+    got = lin(x, w, **ops, **scalars)
+    wide = {name: v.detach().double().requires_grad_() for name, v in ops.items()}
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = fn(xd @ wd.t(), **wide, **scalars)
+    if isinstance(want, dict):
+        got, want = list(got.values()), list(want.values())
+    elif not isinstance(want, tuple):
+        got, want = (got,), (want,)
+    dys = [torch.randn(v.shape, generator=g, dtype=torch.float64) for v in want]
+    mine = torch.autograd.grad(got, [x, w, *(ops.values() if trained else ())], [d.float() for d in dys])
+    ref = torch.autograd.grad(want, [xd, wd, *(wide.values() if trained else ())], dys)
+    for name, a, b in zip(["x", "weight", *(ops if trained else ())], mine, ref, strict=True):
+        assert a.shape == b.shape, name
+        _close(a.double(), b, name)
+    assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
+    _, epilogue = lin._dz_passes[tuple(ops) if trained else ()]
+    assert len(epilogue.grads) == len(want)

@@ -384,3 +384,127 @@ def test_operator_backwards_in_threads_build_one_kernel(monkeypatch):
         want = torch.autograd.grad(_scaled_bias_gelu(a @ bw, bias, scale), [a, bw, bias, scale], dy)
         for name, got, ref in zip(["a", "b", "bias", "scale"], mine, want, strict=True):
             _close(got, ref, name)
+
+
+def _four_outputs(acc, scale, C):
+    y = torch.tanh(acc) * scale
+    return y + C, y.sum(-1), y.sum(0, keepdim=True), y.sum()
+
+
+def _readme_example(acc, bias, C, alpha: float):
+    y = F.gelu(alpha * acc + bias)
+    return y + C, y
+
+
+def _gated_with_stats(acc, scale):
+    gate, up = acc.chunk(2, dim=-1)
+    y = F.silu(gate) * up * scale
+    return {"y": y, "rows": y.sum(-1), "twice": 2 * y}
+
+
+_SEVERAL_OUTPUT_CASES = [
+    (_four_outputs, 16, {"scale": lambda g: torch.rand(16, generator=g),
+                         "C": lambda g: torch.randn(16, 16, generator=g)}, {}),
+    (_readme_example, 16, {"bias": lambda g: torch.randn(16, generator=g),
+                           "C": lambda g: torch.randn(16, 16, generator=g)}, {"alpha": 0.7}),
+    (_gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
+]
+
+
+@pytest.mark.parametrize("fn, n, operands, scalars", _SEVERAL_OUTPUT_CASES)
+@pytest.mark.parametrize("trained", [False, True])
+def test_operator_backward_of_several_outputs_recomputes_dz_as_its_epilogue(monkeypatch, fn, n, operands,
+                                                                            scalars, trained):
+    """An epilogue of several outputs (a tile, a per-row sum, a per-column sum and a total; a
+    function that returns a tile and its pre-residual value; a gated one's dict): each output's
+    incoming gradient is an operand of its own of the recomputing kernel, in the shape the output
+    has ((M, 1) for the per-row sum: with M = N = 16 here, a bare (M,) would read as a row
+    vector), and every gradient equals torch autograd's in float64."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(13)
+    a = torch.randn(16, 8, generator=g).requires_grad_()
+    b = torch.randn(8, n, generator=g).requires_grad_()
+    ops = {name: make(g).requires_grad_(trained) for name, make in operands.items()}
+    k = evtc.compile(fn, {"a": a, "b": b, **ops, **scalars})
+    got = k(a, b, **ops, **scalars)
+    wide = {name: v.detach().double().requires_grad_() for name, v in ops.items()}
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    want = fn(ad @ bd, **wide, **scalars)
+    got, want = (list(got.values()), list(want.values())) if isinstance(want, dict) else (got, want)
+    dys = [torch.randn(w.shape, generator=g, dtype=torch.float64) for w in want]
+    mine = torch.autograd.grad(got, [a, b, *(ops.values() if trained else ())], [d.float() for d in dys])
+    ref = torch.autograd.grad(want, [ad, bd, *(wide.values() if trained else ())], dys)
+    for name, x, r in zip(["a", "b", *(ops if trained else ())], mine, ref, strict=True):
+        assert x.shape == r.shape, name
+        _close(x.double(), r, name)
+    assert len(ran) == 1 and ran[0] is not None, "the recomputing dZ kernel did not run"
+    _, epilogue = next(state for key, state in k.recomputed_dz.items()
+                       if key[0] == (tuple(ops) if trained else ()) and state)
+    assert len(epilogue.grads) == len(want) and epilogue.fn.__code__.co_varnames[0] == "acc"
+
+
+def _rows_of_tanh(acc, scale):
+    return (torch.tanh(acc) * scale).sum(-1)
+
+
+@pytest.mark.parametrize("m", [16, 12])
+def test_operator_backward_of_a_per_row_sum_when_m_equals_n(monkeypatch, m):
+    """A per-row sum's incoming gradient is (M,): the recomputing kernel takes it as the (M, 1)
+    column it is. (It took a bare (M,) for a row vector where M equals N, and gave wrong gradients
+    of a and b; at M != N its compile failed and the reference ran.)"""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(14)
+    a = torch.randn(m, 8, generator=g, requires_grad=True)
+    b = torch.randn(8, 16, generator=g, requires_grad=True)
+    scale = torch.rand(16, generator=g)
+    k = evtc.compile(_rows_of_tanh, {"a": a, "b": b, "scale": scale})
+    y = k(a, b, scale=scale)
+    dy = torch.randn(y.shape, generator=g)
+    mine = torch.autograd.grad(y, [a, b], dy)
+    want = torch.autograd.grad(_rows_of_tanh(a @ b, scale), [a, b], dy)
+    for name, x, r in zip("ab", mine, want, strict=True):
+        _close(x, r, name)
+    assert ran[0] is not None, "the recomputing dZ kernel did not run"
+
+
+def test_operator_backward_with_an_output_unused(monkeypatch):
+    """A loss that reads one output of two: the other's gradient is zeros (or none), and the
+    gradients equal autograd's."""
+    _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(15)
+    a = torch.randn(12, 8, generator=g, requires_grad=True)
+    b = torch.randn(8, 16, generator=g, requires_grad=True)
+    bias, C = torch.randn(16, generator=g), torch.randn(12, 16, generator=g)
+    k = evtc.compile(_readme_example, {"a": a, "b": b, "bias": bias, "C": C, "alpha": 0.5})
+    for index in (0, 1):
+        mine = torch.autograd.grad(k(a, b, bias=bias, C=C, alpha=0.5)[index].square().sum(), [a, b])
+        want = torch.autograd.grad(_readme_example(a @ b, bias, C, 0.5)[index].square().sum(), [a, b])
+        for name, x, r in zip("ab", mine, want, strict=True):
+            _close(x, r, f"{name}, loss on output {index}")
+
+
+def _tile_and_row_sums(acc, bias):
+    y = F.gelu(acc + bias)
+    return y, y.sum(-1)
+
+
+def test_batched_operator_backward_of_several_outputs(monkeypatch):
+    """A batch of 3 (a and b batched): the per-row sums' incoming gradient is (3, M) and reaches the
+    recomputing kernel as (3, M, 1) per-batch columns; gradients equal autograd's in float64."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(16)
+    a = torch.randn(3, 16, 8, generator=g, requires_grad=True)
+    b = torch.randn(3, 8, 16, generator=g, requires_grad=True)
+    bias = torch.randn(16, generator=g)
+    k = evtc.compile(_tile_and_row_sums, {"a": a, "b": b, "bias": bias})
+    y, s = k(a, b, bias=bias)
+    assert s.shape == (3, 16)
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    wy, ws = _tile_and_row_sums(ad @ bd, bias.double())
+    dy, ds = torch.randn(wy.shape, generator=g, dtype=torch.float64), torch.randn(ws.shape, generator=g,
+                                                                                  dtype=torch.float64)
+    mine = torch.autograd.grad([y, s], [a, b], [dy.float(), ds.float()])
+    want = torch.autograd.grad([wy, ws], [ad, bd], [dy, ds])
+    for name, x, r in zip("ab", mine, want, strict=True):
+        _close(x.double(), r, name)
+    assert ran[0] is not None, "the recomputing dZ kernel did not run"

@@ -17,11 +17,16 @@ generation) and runs as its own reference on torch tensors. Its parameters:
 It returns dZ rounded to ``dz_dtype``; for a gated epilogue the gate and up halves of dZ as two
 outputs (the caller writes them into the halves of one tensor with ``out=``). Backward graphs whose
 dZ needs more than elementwise work on the tile (a reduction over a row, a size-dependent constant,
-a gradient of several outputs, an operand as wide as the GEMM of a gated epilogue) have no such
-epilogue: :func:`dz_epilogue` returns None and the caller takes the unfused backward.
+an operand as wide as the GEMM of a gated epilogue), or that take the gradients of several outputs
+(one GEMM's accumulator is one incoming gradient), have no such epilogue: :func:`dz_epilogue`
+returns None and the caller takes the unfused backward.
 
 With ``grad_operand`` (:mod:`evtc.dz_pass`, a layer seen alone) the signature is ``(acc, grad,
-saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read; ``operand_grads``
+saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read. An epilogue of
+several outputs takes each output's incoming gradient that dZ reads as an operand of its own,
+named as the backward graph names it (``grad_D0, grad_D1, ...``), in the shape the output has (a
+per-row sum's as an (M, 1) column, a total's as a scalar); ``DzEpilogue.grads`` pairs them with
+the outputs. ``operand_grads``
 then adds those operands' gradients as outputs after dZ, summed in float32 over what each operand
 broadcasts along (a tile operand's, summed over nothing, in its ``tile_grad_dtypes`` dtype where
 given). With ``recompute`` too (a kernel's own operator, which saved no accumulator), the signature
@@ -95,6 +100,9 @@ class DzEpilogue:
     #: Whether dZ reads the forward's accumulator as ``acc`` (``recompute``): the GEMM under the
     #: epilogue must then be the forward's, ``a @ b``.
     reads_acc: bool = False
+    #: The incoming gradients ``fn`` reads, in its parameters' order: (parameter, the forward's
+    #: output whose gradient it is). ``(("grad", output),)`` for an epilogue of one output.
+    grads: tuple[tuple[str, str], ...] = ()
 
 
 def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad_operand: bool = False,
@@ -112,11 +120,19 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     tile_grad_dtypes = tile_grad_dtypes or {}
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
-    if grad_acc is None or len(back.output_grads) != 1 or ((operand_grads or recompute) and not grad_operand):
+    if grad_acc is None or ((operand_grads or recompute) and not grad_operand):
         return None
+    if len(back.output_grads) != 1 and not grad_operand:
+        return None  # the accumulator of one GEMM is one incoming gradient
     if any(op not in back.input_grads for op in operand_grads):
         return None  # an operand without a gradient in the graph (a Python number's)
-    (grad_name,) = back.output_grads.values()
+    # Each output's incoming gradient, as a parameter: ``grad`` for one output, else the backward
+    # graph's own names (``grad_D0``, ...), each a tile operand (or a vector's or scalar's, as the
+    # output is) of its own.
+    grad_params = ({name: "grad" for name in back.output_grads.values()} if len(back.output_grads) == 1
+                   else {name: _identifier(name) for name in back.output_grads.values()})
+    output_of = {grad: output for output, grad in back.output_grads.items()}
+    grads_read: list[str] = []
     store = graph.store(grad_acc)
     by_id = {n.id: n for n in graph.nodes}
     operand_stores = [graph.store(back.input_grads[op]) for op in operand_grads]
@@ -154,8 +170,10 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             continue
         if op == "load":
             operand = node.attrs["name"]
-            if operand == grad_name:
-                names[node.id] = "grad"
+            if operand in grad_params:
+                names[node.id] = grad_params[operand]
+                if operand not in grads_read:
+                    grads_read.append(operand)
                 continue
             if gated and any(sympy.sympify(d) == N for d in node.shape):
                 # As wide as the forward GEMM: the new GEMM is half as wide; it would need halves.
@@ -173,6 +191,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             continue
         if any(i.id in names and names[i.id] == "<whole accumulator>" for i in node.inputs):
             return None
+        if any(i.id not in names and i.id not in constants for i in node.inputs):
+            return None  # a gated dZ's joined halves read again (by a wide operand's gradient)
         args = [names[i.id] if i.id in names else constants[i.id] for i in node.inputs]
         if op == "cast":
             text = f"{_text(args[0])}.to(torch.{_dtype(node.dtype)})"
@@ -183,11 +203,20 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                 continue
             if op == "where" and node.inputs[0].id in constants:
                 # A constant condition (the autodiff's broadcasting ``where(True, g, like)``): one side.
-                picked = node.inputs[1] if constants[node.inputs[0].id] else node.inputs[2]
+                picked, other = node.inputs[1:] if constants[node.inputs[0].id] else node.inputs[:0:-1]
                 if picked.id in constants:
                     constants[node.id] = constants[picked.id]
-                else:
+                    continue
+                if _same_shape(picked, node):
                     names[node.id] = names[picked.id]
+                    continue
+                # The side broadcast to the other's shape (a scalar's gradient spread over the tile,
+                # which a sum over M or N then counts M or N times): a select of that side on both
+                # branches, under a condition of the other's shape.
+                text = f"torch.where({names[other.id]} == {names[other.id]}, {names[picked.id]}, " \
+                       f"{names[picked.id]})"
+                names[node.id] = f"v{node.id}"
+                lines.append(f"v{node.id} = {text}")
                 continue
             if op in ("logical_and", "logical_or") and any(i.id in constants for i in node.inputs):
                 # A constant side (a comparison of constants, folded to a Python bool): the op is
@@ -212,9 +241,12 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         lines.append(f"v{node.id} = {text}")
 
     taken = {"grad", "saved", "saved_gate", "saved_up", "acc_gate", "acc_up", "torch", "F",
-             *(["acc"] if grad_operand else [])}
-    if any(p in taken or re.fullmatch(r"v\d+", p) for p in params):
+             *grad_params.values(), *(["acc"] if grad_operand else [])}
+    if any(p in taken or re.fullmatch(r"v\d+", p) for p in params) or \
+            len(set(grad_params.values())) != len(grad_params):
         return None  # an operand named like a generated value: rare, and not worth renaming
+    # The gradients read, in the order of the outputs (the parameters' order).
+    grads_read.sort(key=list(back.output_grads.values()).index)
     outs = []
     for r in results:
         if r.id in constants:
@@ -224,11 +256,18 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         value = operand_store.inputs[0]
         if value.id in constants or names.get(value.id) == "<whole accumulator>":
             return None  # a constant gradient (an operand the output does not depend on)
+        if value.id not in names:
+            # A gated epilogue's operand as wide as its GEMM, whose gradient is dZ's joined halves:
+            # the new GEMM is half as wide (as for such an operand's load above).
+            return None
         if operand in tile_grad_dtypes and _spans_the_tile(value):
             # A tile's gradient, in the tile's own dtype: no float32 tile to write and convert after.
             outs.append(f"{names[value.id]}.to(torch.{_dtype(tile_grad_dtypes[operand])})")
         else:
             outs.append(names[value.id])
+    if not grads_read:
+        return None  # dZ and the operands' gradients without an incoming gradient: all zeros
+    grad_args = [grad_params[name] for name in grads_read]
     fn_name = _identifier(f"{name}_dz_recomputed" if recompute else
                           f"{name}_dz_pass" if grad_operand else f"{name}_dz")
     if recompute:
@@ -236,10 +275,11 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             # The forward's split, as it wrote it; both halves named, whichever dZ reads.
             lines.insert(0, "acc_gate, acc_up = acc.chunk(2, dim=-1)")
         reads_acc, saved = bool(saved), []
-        signature = ", ".join(["acc", "grad", *params])
+        signature = ", ".join(["acc", *grad_args, *params])
     else:
         reads_acc = False
-        signature = ", ".join(["acc", "grad", *saved, *params] if grad_operand else ["grad", *saved, *params])
+        signature = ", ".join(["acc", *grad_args, *saved, *params] if grad_operand
+                              else ["grad", *saved, *params])
     body = "".join(f"    {line}\n" for line in lines)
     ret = ", ".join(outs)
     source = f"def {fn_name}({signature}):\n{body}    return {ret}\n"
@@ -247,8 +287,9 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
+    grads = tuple((grad_params[name], output_of[name]) for name in grads_read)
     return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated, tuple(operand_grads),
-                      reads_acc)
+                      reads_acc, grads)
 
 
 def _spans_the_tile(node: Node) -> bool:
@@ -257,6 +298,10 @@ def _spans_the_tile(node: Node) -> bool:
     gradient that is a sum of two reductions)."""
     dims = {sympy.sympify(d) for d in node.shape}
     return M in dims and N in dims
+
+
+def _same_shape(a: Node, b: Node) -> bool:
+    return [sympy.sympify(d) for d in a.shape] == [sympy.sympify(d) for d in b.shape]
 
 
 def _cone(store: Node, by_id: dict[int, Node]) -> set[int]:
