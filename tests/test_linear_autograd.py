@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
+from several_outputs import four_outputs, gated_with_stats, tile_and_pre_residual
 
 import evtc
 
@@ -1712,32 +1713,16 @@ def test_dz_kernel_multiplies_zeros_kept_between_calls(monkeypatch, tmp_path):
     assert zeros.numel() >= 40 * dz_pass.PASS_K and not zeros.any()
 
 
-def _four_outputs(acc, scale, C):
-    y = torch.tanh(acc) * scale
-    return y + C, y.sum(-1), y.sum(0, keepdim=True), y.sum()
-
-
-def _tile_and_pre_residual(acc, bias, C, alpha: float):
-    y = F.gelu(alpha * acc + bias)
-    return y + C, y
-
-
-def _gated_with_stats(acc, scale):
-    gate, up = acc.chunk(2, dim=-1)
-    y = F.silu(gate) * up * scale
-    return {"y": y, "rows": y.sum(-1), "twice": 2 * y}
-
-
 def _rows_of_tanh(acc):
     return torch.tanh(acc).sum(-1)
 
 
 @pytest.mark.parametrize("fn, n, operands, scalars", [
-    (_four_outputs, 16, {"scale": lambda g: torch.rand(16, generator=g),
+    (four_outputs, 16, {"scale": lambda g: torch.rand(16, generator=g),
                          "C": lambda g: torch.randn(16, 16, generator=g)}, {}),
-    (_tile_and_pre_residual, 16, {"bias": lambda g: torch.randn(16, generator=g),
+    (tile_and_pre_residual, 16, {"bias": lambda g: torch.randn(16, generator=g),
                                   "C": lambda g: torch.randn(16, 16, generator=g)}, {"alpha": 0.7}),
-    (_gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
+    (gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
     (_rows_of_tanh, 16, {}, {}),
 ])
 @pytest.mark.parametrize("trained", [False, True])

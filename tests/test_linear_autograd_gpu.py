@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mlp_cases import compiled_step
+from several_outputs import four_outputs, gated_with_stats, tile_and_pre_residual, tile_and_row_sums
 
 import evtc
 
@@ -453,36 +454,20 @@ def test_operator_backward_recomputes_dz_against_autograd(fn, lead, n, operands,
     _no_less_accurate_than_eager(["a", "b", *(ops if trained else ())], mine, want, theirs, inputs)
 
 
-def _four_outputs(acc, scale, C):
-    y = torch.tanh(acc) * scale
-    return y + C, y.sum(-1), y.sum(0, keepdim=True), y.sum()
-
-
-def _tile_and_pre_residual(acc, bias, C, alpha: float):
-    y = F.gelu(alpha * acc + bias)
-    return y + C, y
-
-
-def _gated_with_stats(acc, scale):
-    gate, up = acc.chunk(2, dim=-1)
-    y = F.silu(gate) * up * scale
-    return {"y": y, "rows": y.sum(-1), "twice": 2 * y}
-
-
 def _rows_of_tanh(acc, scale):
     return (torch.tanh(acc) * scale).sum(-1)
 
 
 _SEVERAL_OUTPUT_CASES = [
     # fn, M, n, operands (made for M rows), scalars
-    (_four_outputs, 128, 128, {"scale": lambda g, m: torch.rand(128, device="cuda", generator=g),
+    (four_outputs, 128, 128, {"scale": lambda g, m: torch.rand(128, device="cuda", generator=g),
                                "C": lambda g, m: torch.randn(m, 128, device="cuda", generator=g)}, {}),
-    (_four_outputs, 111, 200, {"scale": lambda g, m: torch.rand(200, device="cuda", generator=g),
+    (four_outputs, 111, 200, {"scale": lambda g, m: torch.rand(200, device="cuda", generator=g),
                                "C": lambda g, m: torch.randn(m, 200, device="cuda", generator=g)}, {}),
-    (_tile_and_pre_residual, 111, 136, {"bias": lambda g, m: torch.randn(136, device="cuda", generator=g),
+    (tile_and_pre_residual, 111, 136, {"bias": lambda g, m: torch.randn(136, device="cuda", generator=g),
                                         "C": lambda g, m: torch.randn(m, 136, device="cuda", generator=g)},
      {"alpha": 0.7}),
-    (_gated_with_stats, 111, 2 * 136,
+    (gated_with_stats, 111, 2 * 136,
      {"scale": lambda g, m: torch.rand(m, 1, device="cuda", generator=g) + 0.5}, {}),
     (_rows_of_tanh, 128, 128, {"scale": lambda g, m: torch.rand(128, device="cuda", generator=g)}, {}),
 ]
@@ -534,11 +519,6 @@ def test_several_outputs_take_the_dz_kernels_against_autograd(fn, m, n, operands
     _no_less_accurate_than_eager(["a", "weight", *(ops if trained else ())], mine, want, theirs, inputs)
 
 
-def _tile_and_row_sums(acc, bias):
-    y = F.gelu(acc + bias)
-    return y, y.sum(-1)
-
-
 def test_batched_operator_of_several_outputs_against_autograd(monkeypatch):
     """A batch of 3 with odd sizes: the per-row sums' incoming gradient reaches the recomputing
     kernel as per-batch columns; gradients against float32 autograd, no less accurate than eager's,
@@ -552,11 +532,11 @@ def test_batched_operator_of_several_outputs_against_autograd(monkeypatch):
     a = (torch.randn(3, 111, 96, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     b = (torch.randn(3, 96, 200, device="cuda", generator=g) * 96 ** -0.5).bfloat16().requires_grad_()
     bias = torch.randn(200, device="cuda", generator=g).bfloat16()
-    k = evtc.compile(_tile_and_row_sums, {"a": a, "b": b, "bias": bias})
+    k = evtc.compile(tile_and_row_sums, {"a": a, "b": b, "bias": bias})
     got = k(a, b, bias=bias)
     af, bf = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    ref = _tile_and_row_sums(af @ bf, bias.float())
-    eager = _tile_and_row_sums(a @ b, bias)
+    ref = tile_and_row_sums(af @ bf, bias.float())
+    eager = tile_and_row_sums(a @ b, bias)
     dys = [torch.randn(r.shape, device="cuda", generator=g) for r in ref]
     mine = torch.autograd.grad(got, [a, b], [d.to(y.dtype) for d, y in zip(dys, got, strict=True)])
     want = torch.autograd.grad(ref, [af, bf], dys)

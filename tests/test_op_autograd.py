@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from several_outputs import four_outputs, gated_with_stats, tile_and_pre_residual, tile_and_row_sums
 
 import evtc
 
@@ -386,28 +387,12 @@ def test_operator_backwards_in_threads_build_one_kernel(monkeypatch):
             _close(got, ref, name)
 
 
-def _four_outputs(acc, scale, C):
-    y = torch.tanh(acc) * scale
-    return y + C, y.sum(-1), y.sum(0, keepdim=True), y.sum()
-
-
-def _readme_example(acc, bias, C, alpha: float):
-    y = F.gelu(alpha * acc + bias)
-    return y + C, y
-
-
-def _gated_with_stats(acc, scale):
-    gate, up = acc.chunk(2, dim=-1)
-    y = F.silu(gate) * up * scale
-    return {"y": y, "rows": y.sum(-1), "twice": 2 * y}
-
-
 _SEVERAL_OUTPUT_CASES = [
-    (_four_outputs, 16, {"scale": lambda g: torch.rand(16, generator=g),
+    (four_outputs, 16, {"scale": lambda g: torch.rand(16, generator=g),
                          "C": lambda g: torch.randn(16, 16, generator=g)}, {}),
-    (_readme_example, 16, {"bias": lambda g: torch.randn(16, generator=g),
+    (tile_and_pre_residual, 16, {"bias": lambda g: torch.randn(16, generator=g),
                            "C": lambda g: torch.randn(16, 16, generator=g)}, {"alpha": 0.7}),
-    (_gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
+    (gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
 ]
 
 
@@ -475,17 +460,12 @@ def test_operator_backward_with_an_output_unused(monkeypatch):
     a = torch.randn(12, 8, generator=g, requires_grad=True)
     b = torch.randn(8, 16, generator=g, requires_grad=True)
     bias, C = torch.randn(16, generator=g), torch.randn(12, 16, generator=g)
-    k = evtc.compile(_readme_example, {"a": a, "b": b, "bias": bias, "C": C, "alpha": 0.5})
+    k = evtc.compile(tile_and_pre_residual, {"a": a, "b": b, "bias": bias, "C": C, "alpha": 0.5})
     for index in (0, 1):
         mine = torch.autograd.grad(k(a, b, bias=bias, C=C, alpha=0.5)[index].square().sum(), [a, b])
-        want = torch.autograd.grad(_readme_example(a @ b, bias, C, 0.5)[index].square().sum(), [a, b])
+        want = torch.autograd.grad(tile_and_pre_residual(a @ b, bias, C, 0.5)[index].square().sum(), [a, b])
         for name, x, r in zip("ab", mine, want, strict=True):
             _close(x, r, f"{name}, loss on output {index}")
-
-
-def _tile_and_row_sums(acc, bias):
-    y = F.gelu(acc + bias)
-    return y, y.sum(-1)
 
 
 def test_batched_operator_backward_of_several_outputs(monkeypatch):
@@ -496,11 +476,11 @@ def test_batched_operator_backward_of_several_outputs(monkeypatch):
     a = torch.randn(3, 16, 8, generator=g, requires_grad=True)
     b = torch.randn(3, 8, 16, generator=g, requires_grad=True)
     bias = torch.randn(16, generator=g)
-    k = evtc.compile(_tile_and_row_sums, {"a": a, "b": b, "bias": bias})
+    k = evtc.compile(tile_and_row_sums, {"a": a, "b": b, "bias": bias})
     y, s = k(a, b, bias=bias)
     assert s.shape == (3, 16)
     ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    wy, ws = _tile_and_row_sums(ad @ bd, bias.double())
+    wy, ws = tile_and_row_sums(ad @ bd, bias.double())
     dy, ds = torch.randn(wy.shape, generator=g, dtype=torch.float64), torch.randn(ws.shape, generator=g,
                                                                                   dtype=torch.float64)
     mine = torch.autograd.grad([y, s], [a, b], [dy.float(), ds.float()])
