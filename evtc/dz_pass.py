@@ -149,6 +149,8 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     operands in ``operand_grads``, in their flat shapes and dtypes. ``x2``: x with its rows flattened;
     ``operands``: the forward's, flattened alike; ``grads``: the incoming gradients by output name;
     ``saved``: the saved accumulator's pieces, flattened alike."""
+    if not all(_concrete(t) for t in (x2, *saved, *(g for g in grads.values() if g is not None))):
+        return None  # torch's symbolic sizes (a trace with dynamic shapes): the reference traces
     state = _built_once(lin._dz_passes, operand_grads, x2.device, lambda: build(lin, operand_grads))
     if not state:
         return None
@@ -160,7 +162,7 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         grad = incoming[output]
         if grad is None or grad.dtype != kernel.call_spec.operand_dtypes.get(param, grad.dtype):
             return None
-        feeds[param] = grad
+        feeds[param] = grad.contiguous()
     pieces = dict(zip(("saved_gate", "saved_up") if epilogue.gated else ("saved",), saved, strict=True))
     for name in epilogue.saved:
         feeds[name] = pieces[name]
@@ -261,19 +263,26 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
         return None
     if operand_grads and (a.dim() > 2 or b.dim() > 2):
         return None  # a batched operand's gradient also sums over batches: the reference's sum_to_size
+    given = [a, b, *(v for v in operands.values() if isinstance(v, torch.Tensor)),
+             *(g for g in grads.values() if g is not None)]
+    if not all(_concrete(t) for t in given):
+        return None  # torch's symbolic sizes (a trace with dynamic shapes): the reference traces
     back = kernel.backward_graph()
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     incoming = _incoming(back, grads, a.shape[-2], b.shape[-1], batch[0] if batch else 1)
     tensors = {"a": a, "b": b, **{k: v for k, v in operands.items() if isinstance(v, torch.Tensor)}}
+    # The incoming gradients the kernel reads reach it row-major (made so below): their dtypes,
+    # ranks and dims of size 1 are what it is compiled for.
     key = (operand_grads, *((name, *_layout(t)) for name, t in tensors.items()),
-           *((output, None if g is None else _layout(g)) for output, g in incoming.items()))
+           *((output, None if g is None else (g.dtype, g.dim(), tuple(n == 1 for n in g.shape)))
+             for output, g in incoming.items()))
     cache = kernel.recomputed_dz
     state = _built_once(cache, key, a.device,
                         lambda: _build_recomputed(kernel, back, tensors, incoming, operands, operand_grads))
     if not state:
         return None
     dz_kernel, epilogue = state
-    feeds = {**{param: incoming[output] for param, output in epilogue.grads},
+    feeds = {**{param: incoming[output].contiguous() for param, output in epilogue.grads},
              **{name: operands[name] for name in epilogue.operands}}
     try:
         return _launch(dz_kernel, epilogue, a, b, feeds, operands, b.shape[-1] // 2)
@@ -296,23 +305,33 @@ def recompute_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _incoming(back, grads: dict[str, torch.Tensor | None], m: int, n: int, batches: int
               ) -> dict[str, torch.Tensor | None]:
-    """The outputs' incoming gradients by output name, each in the shape the backward graph gives it
-    (a per-row reduction's as (M, 1), a per-column one's as (1, N): the dZ kernel then takes each as
-    the kind it is, where a bare (M,) would be taken for a row vector when M equals N) and made
-    row-major (the expanded gradient of ``y.sum()``, a transposed one: one pass over it, far less
-    than the reference's float32 passes). None for an output that received none."""
+    """The outputs' incoming gradients by output name, each viewed in the shape the backward graph
+    gives it (a per-row reduction's as (M, 1), a per-column one's as (1, N): the dZ kernel then
+    takes each as the kind it is, where a bare (M,) would be taken for a row vector when M equals
+    N). The caller makes those the kernel reads row-major (the expanded gradient of ``y.sum()``, a
+    transposed one: one pass over it, far less than the reference's float32 passes), and no
+    other. None for an output that received none."""
     out: dict[str, torch.Tensor | None] = {}
     for output, grad_name in back.output_grads.items():
         g = grads.get(output)
         if g is not None:
-            g = g.reshape(_grad_shape(back.grad_shapes[grad_name], m, n, batches)).contiguous()
+            g = g.reshape(_grad_shape(back.grad_shapes[grad_name], m, n, batches))
         out[output] = g
     return out
 
 
+def _grad_shape(shape: tuple, m: Any, n: Any, batches: Any) -> tuple[Any, ...]:
+    """A backward graph's symbolic gradient shape at these sizes: sympy once per shape and sizes
+    where they are ints; torch's symbolic sizes (a trace with dynamic shapes) are not kept."""
+    from evtc.ir.shapes import L, M, N, evaluate_shape
+
+    if type(m) is int and type(n) is int and type(batches) is int:
+        return _grad_shape_of_ints(shape, m, n, batches)
+    return evaluate_shape(shape, {M: m, N: n, L: batches})
+
+
 @functools.lru_cache(maxsize=1024)
-def _grad_shape(shape: tuple, m: int, n: int, batches: int) -> tuple[int, ...]:
-    """A backward graph's symbolic gradient shape at these sizes (sympy, once per shape and sizes)."""
+def _grad_shape_of_ints(shape: tuple, m: int, n: int, batches: int) -> tuple[int, ...]:
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
     return evaluate_shape(shape, {M: m, N: n, L: batches})
@@ -334,13 +353,18 @@ def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor],
         return None  # an incoming gradient dZ reads was not given (the reference takes it as zeros)
     inputs: dict[str, Any] = {name: meta_copy(tensors[name]) for name in ("a", "b")}
     for param, output in epilogue.grads:
-        inputs[param] = meta_copy(incoming[output])
+        grad = incoming[output]
+        inputs[param] = torch.empty(grad.shape, dtype=grad.dtype, device="meta")  # row-major, as fed
     for name in epilogue.operands:
         inputs[name] = meta_copy(operands[name])
     # The selector's configuration: a real GEMM now, its epilogue reading one tile more than the
     # forward's and writing dZ (and the operands' gradients) instead of the forward's outputs.
     built = _compile(epilogue, inputs, kernel.plan.name, None, {"cache_dir": kernel.cache_root})
     return None if built is None else (built, epilogue)
+
+
+def _concrete(t: torch.Tensor) -> bool:
+    return all(type(d) is int for d in (*t.shape, *t.stride()))
 
 
 def _layout(t: torch.Tensor) -> tuple:

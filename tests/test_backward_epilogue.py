@@ -128,21 +128,26 @@ def wide_operand_gated(acc, scale):
     return F.silu(gate) * up
 
 
-def sized_literal(acc):
-    return acc * acc.shape[-1]
+def row_max_output(acc):
+    y = torch.tanh(acc)
+    return y, y.amax(-1)
 
 
 @pytest.mark.parametrize("fn, ops", [
     (two_outputs, {}),                                 # dZ sums two incoming gradients: two accumulators
     (wide_operand_gated, {"scale": (7, 24)}),          # an operand as wide as the forward's GEMM
-    (sized_literal, {}),                               # a constant of the forward's problem size
-], ids=["two_outputs", "wide_operand_gated", "sized_literal"])
+    (row_max_output, {}),                              # the forward's row maxima inside dZ
+], ids=["two_outputs", "wide_operand_gated", "row_max_output"])
 def test_no_dz_epilogue_where_it_is_not_one_elementwise_pass(fn, ops):
     meta = {"device": "meta", "dtype": torch.float32}
     example = {"a": torch.empty(7, 9, **meta), "b": torch.empty(9, 24, **meta),
                **{name: torch.empty(*shape, **meta) for name, shape in ops.items()}}
     graph = evtc.trace(fn, example)
-    assert dz_epilogue(backward(graph), torch.bfloat16) is None
+    back = backward(graph)
+    assert dz_epilogue(back, torch.bfloat16) is None
+    # With the incoming gradients as operands (the layer's pass, the operator's recomputing GEMM),
+    # two outputs' gradients are two operands; the others stay out.
+    assert (dz_epilogue(back, torch.bfloat16, grad_operand=True) is None) == (fn is not two_outputs)
 
 
 @pytest.mark.parametrize("activation, output, bias", [
@@ -263,9 +268,11 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
                 (dy,) = grads.values()
                 result = epilogue.fn(dy, **feeds)
             else:
-                # The layer's form never reads its acc: a value that would show if it did.
-                result = epilogue.fn(acc if form == "operator" else torch.full_like(acc, float("nan")),
-                                     **grads, **feeds)
+                # The layer's form never reads its acc (its pass's GEMM, as wide as the saved halves
+                # of a gated epilogue), only its sizes: a value that would show if it did.
+                width = acc.shape[-1] // (2 if epilogue.gated else 1)
+                pass_tile = acc[..., :width].clone().fill_(float("nan"))
+                result = epilogue.fn(acc if form == "operator" else pass_tile, **grads, **feeds)
             outs = result if isinstance(result, tuple) else (result,)
             count = 2 if epilogue.gated else 1
             dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
@@ -310,3 +317,59 @@ def test_operand_gradients_leave_as_sums_in_float32_and_tiles_in_their_dtype():
     for name, got, ref in zip(["dZ", "bias", "C"], (dz, d_bias, d_C), want, strict=True):
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+def scaled_by_sizes(acc, bias):
+    y = torch.tanh(acc + bias) * (acc.shape[-2] / acc.shape[-1])
+    return y, y.mean(-1)
+
+
+def gated_mean_of_rows(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    return h, h.mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fn, gated", [(scaled_by_sizes, False), (gated_mean_of_rows, True)])
+def test_sizes_of_the_forward_in_dz(fn, gated):
+    """Literals of the forward's sizes (a mean's 1/N, a function's own ``acc.shape``): each form of
+    the generated dZ reads them from its GEMM's accumulator (``size_n`` twice its width where that
+    GEMM is as wide as a gated epilogue's halves), and equals torch autograd in float64; the
+    recomputing form of a gated epilogue splits ``acc + bias`` as the forward does, with the bias
+    as wide as the GEMM."""
+    g = torch.Generator().manual_seed(2)
+    m, k, n = 7, 9, 24
+    a, b = torch.randn(m, k, generator=g, dtype=F64), torch.randn(k, n, generator=g, dtype=F64)
+    bias = torch.randn(n, generator=g, dtype=F64)
+    graph = evtc.trace(fn, {"a": a.float(), "b": b.float(), "bias": bias.float()})
+    back = backward(graph)
+    acc = (a @ b).requires_grad_()
+    outs = fn(acc, bias)
+    dys = [torch.randn(o.shape, generator=g, dtype=F64) for o in outs]
+    (want,) = torch.autograd.grad(outs, acc, dys)
+    by_output = dict(zip(back.output_grads, dys, strict=True))
+    halves = {"saved": acc.detach(),
+              **dict(zip(("saved_gate", "saved_up"), acc.detach().chunk(2, dim=-1), strict=True))}
+    for form in ("layer", "operator"):
+        epilogue = dz_epilogue(back, F64, name=graph.name, grad_operand=True, recompute=form == "operator")
+        if gated and form == "layer":
+            assert epilogue is None  # the halves of acc + bias: the saved halves are acc's
+            continue
+        assert epilogue is not None, form
+        assert "size_n = " in epilogue.source and "size_m" in epilogue.source
+        grads = {param: by_output[output].reshape(_shape(back, output, m, n))
+                 for param, output in epilogue.grads}
+        feeds = {name: halves[name] for name in epilogue.saved}
+        feeds.update({name: bias for name in epilogue.operands})
+        # The layer's pass multiplies zeros of the tile's shape (never read); the operator's GEMM
+        # is the forward's.
+        tile = acc.detach() if form == "operator" else torch.full_like(acc.detach(), float("nan"))
+        got = epilogue.fn(tile, **grads, **feeds)
+        dz = torch.cat(got[:2], dim=-1) if epilogue.gated else (got[0] if isinstance(got, tuple) else got)
+        torch.testing.assert_close(dz, want, rtol=1e-9, atol=1e-12, msg=lambda msg, f=form: f"{f}: {msg}")
+
+
+def _shape(back, output, m, n):
+    from evtc.ir.shapes import L, M, N, evaluate_shape
+
+    return evaluate_shape(back.grad_shapes[back.output_grads[output]], {M: m, N: n, L: 1})

@@ -1713,6 +1713,11 @@ def test_dz_kernel_multiplies_zeros_kept_between_calls(monkeypatch, tmp_path):
     assert zeros.numel() >= 40 * dz_pass.PASS_K and not zeros.any()
 
 
+def _gelu_and_row_means(acc, bias):
+    y = F.gelu(acc + bias)
+    return y, y.mean(-1)  # a size of the forward in dZ: its 1/N
+
+
 def _rows_of_tanh(acc):
     return torch.tanh(acc).sum(-1)
 
@@ -1724,6 +1729,7 @@ def _rows_of_tanh(acc):
                                   "C": lambda g: torch.randn(16, 16, generator=g)}, {"alpha": 0.7}),
     (gated_with_stats, 32, {"scale": lambda g: torch.rand(16, 1, generator=g) + 0.5}, {}),
     (_rows_of_tanh, 16, {}, {}),
+    (_gelu_and_row_means, 16, {"bias": lambda g: torch.randn(16, generator=g)}, {}),
 ])
 @pytest.mark.parametrize("trained", [False, True])
 def test_dz_as_one_kernel_of_several_outputs(monkeypatch, tmp_path, fn, n, operands, scalars, trained):

@@ -488,3 +488,98 @@ def test_batched_operator_backward_of_several_outputs(monkeypatch):
     for name, x, r in zip("ab", mine, want, strict=True):
         _close(x.double(), r, name)
     assert ran[0] is not None, "the recomputing dZ kernel did not run"
+
+
+def _swiglu_with_a_wide_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gelu_and_row_means(acc, bias):
+    y = F.gelu(acc + bias)
+    return y, y.mean(-1)
+
+
+@pytest.mark.parametrize("fn, n", [(_swiglu_with_a_wide_bias, 32), (_gelu_and_row_means, 24)])
+@pytest.mark.parametrize("trained", [False, True])
+def test_operator_backward_recomputes_wide_operands_and_sizes(monkeypatch, fn, n, trained):
+    """The recomputing kernel runs the forward's GEMM whole, so it takes what the elementwise pass
+    over saved halves cannot: a gated epilogue's operand as wide as its GEMM (``(acc + bias)``
+    split as the forward splits it) and the forward's sizes (a row mean's 1/N, read from ``acc``).
+    A trained wide bias's gradient is dZ's joined halves, which one gated kernel does not write:
+    the reference gives that one. Every gradient equals torch autograd's in float64."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(17)
+    a = torch.randn(10, 16, generator=g, requires_grad=True)
+    b = torch.randn(16, n, generator=g, requires_grad=True)
+    bias = torch.randn(n, generator=g).requires_grad_(trained)
+    k = evtc.compile(fn, {"a": a, "b": b, "bias": bias})
+    got = k(a, b, bias=bias)
+    got = got if isinstance(got, tuple) else (got,)
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    biasd = bias.detach().double().requires_grad_(trained)
+    want = fn(ad @ bd, biasd)
+    want = want if isinstance(want, tuple) else (want,)
+    dys = [torch.randn(w.shape, generator=g, dtype=torch.float64) for w in want]
+    inputs, ref_inputs = [a, b, *([bias] if trained else [])], [ad, bd, *([biasd] if trained else [])]
+    mine = torch.autograd.grad(got, inputs, [d.float() for d in dys])
+    ref = torch.autograd.grad(want, ref_inputs, dys)
+    for name, x, r in zip(["a", "b", "bias"], mine, ref, strict=False):
+        _close(x.double(), r, name)
+    if trained and fn is _swiglu_with_a_wide_bias:
+        assert ran == [None]
+    else:
+        assert ran[0] is not None, "the recomputing dZ kernel did not run"
+
+
+def _outputs_named_alike(acc, bias):
+    y = F.gelu(acc + bias)
+    return {"\ufb01": y, "fi": y.sum(-1)}  # two keys that Python reads as one identifier
+
+
+def test_operator_backward_of_outputs_whose_names_python_reads_as_one(monkeypatch):
+    """Output names that are one identifier to Python (NFKC: the ligature "\ufb01" is "fi") would be
+    one parameter of the generated dZ twice: the reference takes that backward, with autograd's
+    gradients (it raised a SyntaxError)."""
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(18)
+    a = torch.randn(12, 8, generator=g, requires_grad=True)
+    b = torch.randn(8, 16, generator=g, requires_grad=True)
+    bias = torch.randn(16, generator=g)
+    k = evtc.compile(_outputs_named_alike, {"a": a, "b": b, "bias": bias})
+    got = k(a, b, bias=bias)
+    want = _outputs_named_alike(a @ b, bias)
+    dys = {name: torch.randn(v.shape, generator=g) for name, v in want.items()}
+    mine = torch.autograd.grad([got[n] for n in dys], [a, b], list(dys.values()))
+    ref = torch.autograd.grad([want[n] for n in dys], [a, b], list(dys.values()))
+    for name, x, r in zip("ab", mine, ref, strict=True):
+        _close(x, r, name)
+    assert ran == [None]
+
+
+def test_operator_backward_traced_with_symbolic_sizes(monkeypatch):
+    """make_fx with symbolic sizes traces the operator's backward: the recomputing kernel steps
+    aside for sizes it cannot key a kernel by (it raised a TypeError), and the reference's trace
+    gives autograd's gradients."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ran = _spy_on_the_recomputing_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(19)
+    a, b = torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g)
+    bias = torch.randn(16, generator=g)
+    k = evtc.compile(tile_and_row_sums, {"a": a, "b": b, "bias": bias})
+
+    def step(a, b, bias):
+        a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+        y, s = k(a, b, bias=bias)
+        return torch.autograd.grad([y, s], [a, b], [torch.ones_like(y), torch.ones_like(s)])
+
+    traced = make_fx(step, tracing_mode="symbolic")(a, b, bias)
+    assert ran == [None]
+    a2, b2 = torch.randn(12, 8, generator=g), torch.randn(8, 24, generator=g)
+    bias2 = torch.randn(24, generator=g)
+    ad, bd = a2.clone().requires_grad_(), b2.clone().requires_grad_()
+    y, s = tile_and_row_sums(ad @ bd, bias2)
+    want = torch.autograd.grad([y, s], [ad, bd], [torch.ones_like(y), torch.ones_like(s)])
+    for name, x, r in zip("ab", traced(a2, b2, bias2), want, strict=True):
+        _close(x, r, name)

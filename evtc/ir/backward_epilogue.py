@@ -16,8 +16,9 @@ generation) and runs as its own reference on torch tensors. Its parameters:
 
 It returns dZ rounded to ``dz_dtype``; for a gated epilogue the gate and up halves of dZ as two
 outputs (the caller writes them into the halves of one tensor with ``out=``). Backward graphs whose
-dZ needs more than elementwise work on the tile (a reduction over a row, a size-dependent constant,
-an operand as wide as the GEMM of a gated epilogue), or that take the gradients of several outputs
+dZ needs more than elementwise work on the tile (a reduction of the forward inside it, an operand
+as wide as the GEMM of a gated epilogue but where the GEMM is the forward's, recomputed), or that
+take the gradients of several outputs
 (one GEMM's accumulator is one incoming gradient), have no such epilogue: :func:`dz_epilogue`
 returns None and the caller takes the unfused backward.
 
@@ -32,7 +33,12 @@ broadcasts along (a tile operand's, summed over nothing, in its ``tile_grad_dtyp
 given). With ``recompute`` too (a kernel's own operator, which saved no accumulator), the signature
 is ``(acc, grad, operands...)`` and ``acc`` *is* the forward's accumulator, recomputed by the GEMM
 under the epilogue (for a gated epilogue, split as the forward splits it): dZ is then the epilogue
-of the forward's own GEMM run again.
+of the forward's own GEMM run again, whole: a gated epilogue's values of the whole accumulator
+(``(acc + bias).chunk(2, -1)``, a bias as wide as the GEMM) are split as the forward splits them.
+
+Literals of the forward's sizes (a mean's 1/N) are written as ``size_m`` and ``size_n``, read from
+the GEMM's accumulator (``acc``, or ``grad`` where that is the accumulator): its rows, and its
+columns (twice them where the GEMM is as wide as a gated epilogue's halves).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import keyword
 import linecache
 import math
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +153,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     lines: list[str] = []
     names: dict[int, str] = {}
     constants: dict[int, Any] = {}
+    sized: set[int] = set()  # literals of the forward's sizes (a mean's 1/N), as Python expressions
     saved: list[str] = []
     params: list[str] = []
     for node in graph.nodes:
@@ -153,20 +161,30 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             continue
         op = node.op
         if op == "acc":
-            if gated:
-                names[node.id] = "<whole accumulator>"  # read only through its halves
+            if gated and not recompute:
+                names[node.id] = "<whole accumulator>"  # saved as its halves, read only through them
                 continue
+            # (Recomputed, a gated epilogue's whole accumulator is there, as in the forward.)
             names[node.id] = "acc" if recompute else "saved"
             saved.append(names[node.id])
             continue
         if op == "half":
-            source = node.inputs[0]
-            if source.op != "acc":
+            source, index = node.inputs[0], node.attrs["index"]
+            if source.op == "acc":
+                param = (("acc_gate", "acc_up") if recompute else ("saved_gate", "saved_up"))[index]
+                names[node.id] = param
+                if param not in saved:
+                    saved.append(param)
+                continue
+            if not recompute or source.id not in names:
+                # The halves of a value of the whole accumulator (``(acc + bias).chunk(2, -1)``):
+                # the saved halves are the accumulator's, and the dZ pass's GEMM is half as wide.
                 return None
-            param = (("acc_gate", "acc_up") if recompute else ("saved_gate", "saved_up"))[node.attrs["index"]]
-            names[node.id] = param
-            if param not in saved:
-                saved.append(param)
+            # Recomputed: split as the forward splits it, where the value is computed.
+            pair = (f"h{source.id}_gate", f"h{source.id}_up")
+            if f"{pair[0]}, {pair[1]} = {names[source.id]}.chunk(2, dim=-1)" not in lines:
+                lines.append(f"{pair[0]}, {pair[1]} = {names[source.id]}.chunk(2, dim=-1)")
+            names[node.id] = pair[index]
             continue
         if op == "load":
             operand = node.attrs["name"]
@@ -175,7 +193,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                 if operand not in grads_read:
                     grads_read.append(operand)
                 continue
-            if gated and any(sympy.sympify(d) == N for d in node.shape):
+            if gated and not recompute and any(sympy.sympify(d) == N for d in node.shape):
                 # As wide as the forward GEMM: the new GEMM is half as wide; it would need halves.
                 return None
             names[node.id] = _param(operand, params)
@@ -186,13 +204,24 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         if op == "literal":
             value = sympy.sympify(node.attrs["value"])
             if value.free_symbols:
-                return None  # a size of the forward problem (a mean's 1/N): not the new GEMM's
+                # A size of the forward problem (a mean's 1/N): the new GEMM's M, and its N (twice
+                # it for the halves of a gated epilogue's saved accumulator or incoming gradient).
+                text = _sized_literal(value)
+                if text is None:
+                    return None
+                names[node.id] = text
+                sized.add(node.id)
+                continue
             constants[node.id] = float(value)
             continue
         if any(i.id in names and names[i.id] == "<whole accumulator>" for i in node.inputs):
             return None
         if any(i.id not in names and i.id not in constants for i in node.inputs):
             return None  # a gated dZ's joined halves read again (by a wide operand's gradient)
+        if any(i.id in sized for i in node.inputs) and not (
+                op in ELEMENTWISE and ELEMENTWISE[op].infix is not None and len(node.inputs) == 2
+                and not all(i.id in sized or i.id in constants for i in node.inputs)):
+            return None  # a size in anything but arithmetic with a tensor: not worth writing
         args = [names[i.id] if i.id in names else constants[i.id] for i in node.inputs]
         if op == "cast":
             text = f"{_text(args[0])}.to(torch.{_dtype(node.dtype)})"
@@ -207,6 +236,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                 if picked.id in constants:
                     constants[node.id] = constants[picked.id]
                     continue
+                if picked.id in sized:
+                    return None
                 if _same_shape(picked, node):
                     names[node.id] = names[picked.id]
                     continue
@@ -240,10 +271,11 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
         names[node.id] = f"v{node.id}"
         lines.append(f"v{node.id} = {text}")
 
-    taken = {"grad", "saved", "saved_gate", "saved_up", "acc_gate", "acc_up", "torch", "F",
-             *grad_params.values(), *(["acc"] if grad_operand else [])}
-    if any(p in taken or re.fullmatch(r"v\d+", p) for p in params) or \
-            len(set(grad_params.values())) != len(grad_params):
+    taken = {"grad", "saved", "saved_gate", "saved_up", "acc_gate", "acc_up", "torch", "F", "size_m",
+             "size_n", *grad_params.values(), *(["acc"] if grad_operand else [])}
+    taken = {_as_python_reads(t) for t in taken}
+    if any(_as_python_reads(p) in taken or re.fullmatch(r"v\d+|h\d+_(gate|up)", p) for p in params) \
+            or len({_as_python_reads(g) for g in grad_params.values()}) != len(grad_params):
         return None  # an operand named like a generated value: rare, and not worth renaming
     # The gradients read, in the order of the outputs (the parameters' order).
     grads_read.sort(key=list(back.output_grads.values()).index)
@@ -270,10 +302,16 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     grad_args = [grad_params[name] for name in grads_read]
     fn_name = _identifier(f"{name}_dz_recomputed" if recompute else
                           f"{name}_dz_pass" if grad_operand else f"{name}_dz")
+    if sized:
+        # The sizes, from the GEMM's own accumulator: its rows are the forward's M; its columns
+        # the forward's N, or half of it where the GEMM is as wide as a gated epilogue's halves.
+        tile = "acc" if grad_operand else "grad"
+        lines[:0] = [f"size_m = {tile}.shape[-2]",
+                     f"size_n = {'2 * ' if gated and not recompute else ''}{tile}.shape[-1]"]
     if recompute:
-        if gated and saved:
+        if gated and {"acc_gate", "acc_up"} & set(saved):
             # The forward's split, as it wrote it; both halves named, whichever dZ reads.
-            lines.insert(0, "acc_gate, acc_up = acc.chunk(2, dim=-1)")
+            lines.insert(2 if sized else 0, "acc_gate, acc_up = acc.chunk(2, dim=-1)")
         reads_acc, saved = bool(saved), []
         signature = ", ".join(["acc", *grad_args, *params])
     else:
@@ -298,6 +336,22 @@ def _spans_the_tile(node: Node) -> bool:
     gradient that is a sum of two reductions)."""
     dims = {sympy.sympify(d) for d in node.shape}
     return M in dims and N in dims
+
+
+def _as_python_reads(identifier: str) -> str:
+    """An identifier as Python compares them, NFKC-normalised (to Python the ligature "\ufb01" is
+    "fi": two output names that differ so would be one parameter)."""
+    return unicodedata.normalize("NFKC", identifier)
+
+
+def _sized_literal(value: sympy.Expr) -> str | None:
+    """A literal of the forward's sizes M and N (a mean's 1/N) as a Python expression of
+    ``size_m`` and ``size_n``, or None where it is not a plain product, quotient or sum of them and
+    numbers (a batch count L, a root)."""
+    if not value.free_symbols <= {M, N} or value.atoms(sympy.Function) or any(
+            not p.exp.is_Integer for p in value.atoms(sympy.Pow)):
+        return None
+    return f"({sympy.sstr(value.subs({M: sympy.Symbol('size_m'), N: sympy.Symbol('size_n')}))})"
 
 
 def _same_shape(a: Node, b: Node) -> bool:
