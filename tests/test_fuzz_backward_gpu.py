@@ -7,6 +7,8 @@ eager 16-bit autograd is (or a floor)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from epilogue_cases import DTYPES, compile_case, make_inputs, random_case
@@ -15,7 +17,8 @@ import evtc
 
 pytestmark = pytest.mark.gpu
 
-SEED = 4321
+# A wider run: EVTC_FUZZ_BACKWARD_SEED=... EVTC_FUZZ_BACKWARD_CASES=100 python3 -m pytest -m gpu ...
+SEED = int(os.environ.get("EVTC_FUZZ_BACKWARD_SEED", "4321"))
 #: How far a gradient may be from float32 autograd's by norm: twice eager 16-bit autograd's
 #: distance, or this floor (bf16's own rounding of a 16-bit gradient is about 4e-3 by norm).
 FLOOR = 3e-2
@@ -25,7 +28,7 @@ def _differentiable_cases(count: int) -> list[str]:
     """The first ``count`` programs of SEED with 16-bit a and b (the backward's GEMMs and the
     recomputing kernel are 16-bit ones) and no float8 output (no float8 incoming gradient)."""
     names = []
-    for index in range(400):
+    for index in range(20 * count):
         case = random_case(SEED, index)
         if case.ab_dtype not in ("float16", "bfloat16") or case.block_scales:
             continue
@@ -37,7 +40,7 @@ def _differentiable_cases(count: int) -> list[str]:
     return names
 
 
-CASES = _differentiable_cases(24)
+CASES = _differentiable_cases(int(os.environ.get("EVTC_FUZZ_BACKWARD_CASES", "24")))
 
 
 def _leaves(value) -> list[torch.Tensor]:
