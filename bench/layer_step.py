@@ -8,13 +8,15 @@ evtc/dz_pass.py).
     python3 bench/layer_step.py --operator            # a compiled kernel's own operator
     python3 bench/layer_step.py --operator --swiglu --n 28672
     python3 bench/layer_step.py --operator --row-sums # two outputs: y and its per-row sums
+    python3 bench/layer_step.py --swiglu --bias --n 28672   # SwiGLU over acc + bias (a wide bias)
 
 Variants: evtc (FusedLinear, the dZ kernel); evtc reference (the same layer with the dZ kernel
 turned off: the backward graph as float32 torch operations); eager; torch.compile (default mode).
 With ``--operator`` evtc is ``k(x, W.t(), bias=b)`` for ``k = evtc.compile(...)``, whose backward
 saved no accumulator and runs the forward's GEMM again with dZ and the bias's gradient as its
 epilogue (``evtc.dz_pass.recomputed_gradients``; its reference recomputes ``x @ W^T`` into memory).
-``--swiglu``: ``silu(gate) * up`` over the halves of an N-wide GEMM, without a bias. ``--row-sums``:
+``--swiglu``: ``silu(gate) * up`` over the halves of an N-wide GEMM, without a bias (with ``--bias``,
+over the halves of ``acc + bias``, the trained bias as wide as the GEMM). ``--row-sums``:
 bias + GELU returning ``y`` and ``y.sum(-1)`` (two outputs, each with its incoming gradient).
 Gradients are compared with eager's by relative norm before timing. Steps are timed in alternation,
 in a shuffled order per sample (``evtc.timing.time_paired``); ratio = other's time / evtc's.
@@ -46,16 +48,22 @@ def swiglu(acc):
     return F.silu(gate) * up
 
 
+def swiglu_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def bias_gelu_row_sums(acc, bias):
     y = F.gelu(acc + bias)
     return y, y.sum(-1)
 
 
 class Eager(nn.Module):
-    def __init__(self, k: int, n: int, gated: bool = False, row_sums: bool = False, **kw) -> None:
+    def __init__(self, k: int, n: int, gated: bool = False, row_sums: bool = False, bias: bool = False,
+                 **kw) -> None:
         super().__init__()
         self.gated, self.row_sums = gated, row_sums
-        self.lin = nn.Linear(k, n, bias=not gated, **kw)
+        self.lin = nn.Linear(k, n, bias=bias or not gated, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.gated:
@@ -90,19 +98,22 @@ def main() -> None:
     p.add_argument("--operator", action="store_true", help="a compiled kernel's own operator")
     p.add_argument("--swiglu", action="store_true", help="SwiGLU over the GEMM's halves, no bias")
     p.add_argument("--row-sums", action="store_true", help="bias + GELU, returning y and y.sum(-1)")
+    p.add_argument("--bias", action="store_true", help="with --swiglu: over acc + bias, the bias trained")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
-    eager = Eager(args.k, args.n, args.swiglu, args.row_sums, **kw)
+    biased = args.bias or not args.swiglu
+    eager = Eager(args.k, args.n, args.swiglu, args.row_sums, args.bias, **kw)
     x = torch.randn(args.tokens, args.k, **kw).requires_grad_()
-    fn = swiglu if args.swiglu else bias_gelu_row_sums if args.row_sums else bias_gelu
+    fn = (swiglu_bias if args.swiglu and args.bias else swiglu if args.swiglu
+          else bias_gelu_row_sums if args.row_sums else bias_gelu)
     if args.operator:
         ours = Operator(args.k, args.n, fn, x, **kw)
     else:
-        ours = evtc.nn.FusedLinear(args.k, args.n, fn, bias=not args.swiglu, **kw)
+        ours = evtc.nn.FusedLinear(args.k, args.n, fn, bias=biased, **kw)
     with torch.no_grad():
         ours.weight.copy_(eager.lin.weight)
-        if not args.swiglu:
+        if biased:
             ours.bias.copy_(eager.lin.bias)
     dy = torch.randn(args.tokens, args.n // 2 if args.swiglu else args.n, **kw)
     grads = [dy, torch.randn(args.tokens, **kw)] if args.row_sums else [dy]
@@ -131,7 +142,7 @@ def main() -> None:
     if not args.no_compile:
         variants["torch.compile"] = step(torch.compile(eager))
     step(eager)()
-    params = ["weight"] if args.swiglu else ["weight", "bias"]
+    params = ["weight", "bias"] if biased else ["weight"]
     want = [x.grad.clone(), *(getattr(eager.lin, p).grad.clone() for p in params)]
     took = []
     real_gradients = getattr(dz_pass, entry)
@@ -148,7 +159,8 @@ def main() -> None:
         print(f"gradients of {name} against eager: relative error {err:.2e} by norm (largest of x, {params})")
     setattr(dz_pass, entry, real_gradients)
     ms = time_paired(list(variants.values()), 3, args.samples, 1)
-    what = "SwiGLU" if args.swiglu else "bias + GELU, y and y.sum(-1)" if args.row_sums else "bias + GELU"
+    what = ("SwiGLU over acc + bias" if args.swiglu and args.bias else "SwiGLU" if args.swiglu
+            else "bias + GELU, y and y.sum(-1)" if args.row_sums else "bias + GELU")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens}, "
           f"{args.k} -> {args.n}, {what}, {'operator' if args.operator else 'FusedLinear'}, bf16; "
           f"median of {args.samples}")

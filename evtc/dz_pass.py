@@ -110,6 +110,8 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
         inputs[name] = torch.empty(rows, width, **meta)
     for name in epilogue.operands:
         inputs[name] = meta_copy(example[name])
+    for param, operand, index in epilogue.halves:
+        inputs[param] = meta_copy(_half(example[operand], index))
     options = {k: v for k, v in lin._compile_options.items() if k in ("arch", "cache_dir")}
     kernel = _compile(epilogue, inputs, lin.kernel.plan.name, PASS_CONFIG, options)
     return None if kernel is None else (kernel, epilogue)
@@ -168,6 +170,8 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         feeds[name] = pieces[name]
     for name in epilogue.operands:
         feeds[name] = operands[name]
+    for param, operand, index in epilogue.halves:
+        feeds[param] = _half(operands[operand], index)
     zeros = _zeros(max(m, width) * PASS_K, x2.dtype, x2.device)
     zeros_a = zeros[:m * PASS_K].view(m, PASS_K)
     zeros_b = zeros[:width * PASS_K].view(width, PASS_K).t()
@@ -180,6 +184,12 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
         log.info("%r: the dZ kernel refuses this call (%s); the backward runs dZ as torch operations",
                  lin.kernel.plan.name, str(err).splitlines()[0])
         return None
+
+
+def _half(t: torch.Tensor, index: int) -> torch.Tensor:
+    """The gate (0) or up (1) half of an operand as wide as a gated epilogue's GEMM: a view."""
+    half = t.shape[-1] // 2
+    return t[..., index * half:(index + 1) * half]
 
 
 #: Held while a dZ kernel is built, so that threads whose backwards want the same one wait for it
@@ -239,8 +249,13 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
     count = 2 if epilogue.gated else 1
     dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
     by_name = {}
-    for name, value in zip(epilogue.operand_grads, outs[count:], strict=True):
+    rest = list(outs[count:])
+    for name in epilogue.operand_grads:
         operand = operands[name]
+        if name in epilogue.split_grads:  # a wide operand's, as its gate and up halves
+            value, rest = torch.cat(rest[:2], dim=-1), rest[2:]
+        else:
+            value, rest = rest[0], rest[1:]
         by_name[name] = value.reshape(operand.shape).to(operand.dtype)
     return dz, by_name
 

@@ -146,8 +146,9 @@ def test_no_dz_epilogue_where_it_is_not_one_elementwise_pass(fn, ops):
     back = backward(graph)
     assert dz_epilogue(back, torch.bfloat16) is None
     # With the incoming gradients as operands (the layer's pass, the operator's recomputing GEMM),
-    # two outputs' gradients are two operands; the others stay out.
-    assert (dz_epilogue(back, torch.bfloat16, grad_operand=True) is None) == (fn is not two_outputs)
+    # two outputs' gradients are two operands and a wide operand is passed as its halves; a
+    # reduction of the forward stays out.
+    assert (dz_epilogue(back, torch.bfloat16, grad_operand=True) is None) == (fn is row_max_output)
 
 
 @pytest.mark.parametrize("activation, output, bias", [
@@ -236,8 +237,9 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
     from evtc.ir.interpreter import accumulator, evaluate
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
-    forms = {"mlp": 0, "layer": 0, "operator": 0}
+    forms = {"mlp": 0, "layer": 0, "operator": 0, "layer, operands frozen": 0}
     several = {"layer": 0, "operator": 0}  # of those, programs of several outputs
+    wide_halves = wide_grads = 0  # layer forms given a wide operand's halves, and giving its gradient
     for name, graph, inputs in _random_programs(300):
         back = backward(graph)
         if graph.acc_name not in back.input_grads:
@@ -257,12 +259,17 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
         halves = {"saved": acc, **dict(zip(("saved_gate", "saved_up"), acc.chunk(2, dim=-1), strict=True))}
         for form in forms:
             epilogue = dz_epilogue(back, F64, name=graph.name, grad_operand=form != "mlp",
-                                   operand_grads=() if form == "mlp" else trained,
+                                   operand_grads=trained if form in ("layer", "operator") else (),
                                    recompute=form == "operator")
             if epilogue is None or (form == "operator" and not epilogue.reads_acc):
                 continue
             feeds = {k: halves[k] for k in epilogue.saved}
             feeds.update({k: operands[k] for k in epilogue.operands})
+            for param, operand, index in epilogue.halves:
+                half = operands[operand].shape[-1] // 2
+                feeds[param] = operands[operand][..., index * half:(index + 1) * half]
+            wide_halves += bool(epilogue.halves)
+            wide_grads += bool(epilogue.split_grads)
             grads = {param: dys[back.output_grads[output]] for param, output in epilogue.grads}
             if form == "mlp":
                 (dy,) = grads.values()
@@ -278,7 +285,11 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
             dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
             torch.testing.assert_close(dz.expand(acc.shape), want_dz, rtol=1e-9, atol=1e-12,
                                        msg=lambda m, n=name, f=form: f"{n} ({f}): dZ: {m}")
-            for operand, got in zip(epilogue.operand_grads, outs[count:], strict=True):
+            rest = list(outs[count:])
+            for operand in epilogue.operand_grads:
+                # A wide operand's gradient comes as its two halves.
+                parts = 2 if operand in epilogue.split_grads else 1
+                got, rest = (rest[0] if parts == 1 else torch.cat(rest[:2], dim=-1)), rest[parts:]
                 ref = want[operand]
                 shape = operands[operand].shape
                 ref = ref.expand(shape) if ref.numel() == 1 else ref.reshape(shape)
@@ -287,10 +298,12 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
                                            atol=1e-5 * ref.abs().max().item() + 1e-12,
                                            msg=lambda m, n=name, o=operand: f"{n}: gradient of {o}: {m}")
             forms[form] += 1
-            if len(back.output_grads) > 1:
+            if len(back.output_grads) > 1 and form in several:
                 several[form] += 1
     # Not vacuous: each form was generated and compared for a good share of the programs.
     assert min(forms.values()) >= 15 and min(several.values()) >= 15, (forms, several)
+    # Gated programs with a wide operand (5 and 1 of the 300; tests/test_linear_autograd.py has more).
+    assert wide_halves >= 3 and wide_grads >= 1, (wide_halves, wide_grads)
 
 
 def test_operand_gradients_leave_as_sums_in_float32_and_tiles_in_their_dtype():
@@ -336,7 +349,8 @@ def test_sizes_of_the_forward_in_dz(fn, gated):
     the generated dZ reads them from its GEMM's accumulator (``size_n`` twice its width where that
     GEMM is as wide as a gated epilogue's halves), and equals torch autograd in float64; the
     recomputing form of a gated epilogue splits ``acc + bias`` as the forward does, with the bias
-    as wide as the GEMM."""
+    as wide as the GEMM, and a layer's pass computes each half from the saved halves and the
+    bias's halves."""
     g = torch.Generator().manual_seed(2)
     m, k, n = 7, 9, 24
     a, b = torch.randn(m, k, generator=g, dtype=F64), torch.randn(k, n, generator=g, dtype=F64)
@@ -352,18 +366,20 @@ def test_sizes_of_the_forward_in_dz(fn, gated):
               **dict(zip(("saved_gate", "saved_up"), acc.detach().chunk(2, dim=-1), strict=True))}
     for form in ("layer", "operator"):
         epilogue = dz_epilogue(back, F64, name=graph.name, grad_operand=True, recompute=form == "operator")
-        if gated and form == "layer":
-            assert epilogue is None  # the halves of acc + bias: the saved halves are acc's
-            continue
         assert epilogue is not None, form
+        # A layer's gated pass takes the wide bias as two halves, beside the saved halves.
+        assert [(operand, index) for _, operand, index in epilogue.halves] == (
+            [("bias", 0), ("bias", 1)] if gated and form == "layer" else [])
         assert "size_n = " in epilogue.source and "size_m" in epilogue.source
         grads = {param: by_output[output].reshape(_shape(back, output, m, n))
                  for param, output in epilogue.grads}
         feeds = {name: halves[name] for name in epilogue.saved}
         feeds.update({name: bias for name in epilogue.operands})
+        feeds.update({param: bias.chunk(2)[index] for param, _, index in epilogue.halves})
         # The layer's pass multiplies zeros of the tile's shape (never read); the operator's GEMM
         # is the forward's.
-        tile = acc.detach() if form == "operator" else torch.full_like(acc.detach(), float("nan"))
+        width = n // 2 if epilogue.gated and form == "layer" else n
+        tile = acc.detach() if form == "operator" else torch.full_like(acc.detach()[:, :width], float("nan"))
         got = epilogue.fn(tile, **grads, **feeds)
         dz = torch.cat(got[:2], dim=-1) if epilogue.gated else (got[0] if isinstance(got, tuple) else got)
         torch.testing.assert_close(dz, want, rtol=1e-9, atol=1e-12, msg=lambda msg, f=form: f"{f}: {msg}")

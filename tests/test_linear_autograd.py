@@ -1541,25 +1541,29 @@ def test_dz_as_one_kernel_in_bfloat16_as_on_the_gpu(monkeypatch, tmp_path, fn, o
         assert err < 2e-2, f"{name}: relative error {err:.3g} by norm"
 
 
+def _gelu_masked_by(acc, C):
+    return torch.where(C > 0, F.gelu(acc), acc * 0.5)
+
+
 def test_dz_as_one_kernel_steps_aside_where_it_cannot_give_an_operands_gradient(monkeypatch, tmp_path):
-    """A gated epilogue's bias as wide as its GEMM (added before the halves split) has no gradient
-    the halved pass can sum: the reference backward runs, and every gradient matches torch's."""
+    """An operand that requires grad but gets none from the graph (a mask: ``C > 0``): the pass
+    cannot give it one, so the reference backward runs, and every gradient matches torch's."""
     ran = _spy_on_the_dz_pass(monkeypatch)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 16, generator=g).requires_grad_()
-    w = torch.randn(2 * 12, 16, generator=g).requires_grad_()
-    bias = torch.randn(2 * 12, generator=g).requires_grad_()
-    lin = evtc.linear(_swiglu_with_a_bias_as_wide_as_the_gemm, {"x": x, "weight": w, "bias": bias},
-                      cache_dir=tmp_path)
-    got = lin(x, w, bias=bias)
-    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, bias))
-    want = _swiglu_with_a_bias_as_wide_as_the_gemm(xd @ wd.t(), bd)
+    w = torch.randn(12, 16, generator=g).requires_grad_()
+    C = torch.randn(5, 12, generator=g).requires_grad_()
+    lin = evtc.linear(_gelu_masked_by, {"x": x, "weight": w, "C": C}, cache_dir=tmp_path)
+    got = lin(x, w, C=C)
+    xd, wd, cd = (t.detach().double().requires_grad_() for t in (x, w, C))
+    want = _gelu_masked_by(xd @ wd.t(), cd)
     upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
-    mine = torch.autograd.grad(got, [x, w, bias], upstream.float())
-    ref = torch.autograd.grad(want, [xd, wd, bd], upstream)
-    for name, a, b in zip(["x", "weight", "bias"], mine, ref, strict=True):
+    mine = torch.autograd.grad(got, [x, w, C], upstream.float(), allow_unused=True, materialize_grads=True)
+    ref = torch.autograd.grad(want, [xd, wd, cd], upstream, allow_unused=True, materialize_grads=True)
+    for name, a, b in zip(["x", "weight"], mine, ref, strict=False):
         _close(a.double(), b, name)
-    assert ran == [None] and lin._dz_passes[("bias",)] is False
+    assert not mine[2].any() and not ref[2].any()
+    assert ran == [None] and lin._dz_passes[("C",)] is False
 
 
 def test_dz_kernel_takes_its_streaming_tile_or_the_selectors(monkeypatch, tmp_path):
@@ -1760,3 +1764,39 @@ def test_dz_as_one_kernel_of_several_outputs(monkeypatch, tmp_path, fn, n, opera
     assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
     _, epilogue = lin._dz_passes[tuple(ops) if trained else ()]
     assert len(epilogue.grads) == len(want)
+
+
+def _swiglu_times_a_wide_scale(acc, scale):
+    gate, up = (acc * scale).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("fn", [_swiglu_with_a_bias_as_wide_as_the_gemm, _swiglu_times_a_wide_scale])
+@pytest.mark.parametrize("trained", [False, True])
+def test_dz_pass_of_a_gated_epilogue_with_a_wide_operand(monkeypatch, tmp_path, fn, trained):
+    """A gated epilogue over ``acc + bias`` or ``acc * scale``, the operand as wide as the GEMM: the
+    pass computes each half from the saved halves and the operand's halves (views passed as
+    ``bias_gate``, ``bias_up``), dZ after the join too (``acc * scale``: the joined halves'
+    gradients times the scale, half by half), and a trained operand's gradient as its two halves'
+    column sums, joined. Gradients equal torch autograd's in float64, and the pass ran."""
+    ran = _spy_on_the_dz_pass(monkeypatch)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    w = torch.randn(48, 16, generator=g, requires_grad=True)
+    operand = (torch.rand(48, generator=g) + 0.5).requires_grad_(trained)
+    name = "bias" if fn is _swiglu_with_a_bias_as_wide_as_the_gemm else "scale"
+    lin = evtc.linear(fn, {"x": x, "weight": w, name: operand}, cache_dir=tmp_path)
+    got = lin(x, w, **{name: operand})
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    od = operand.detach().double().requires_grad_(trained)
+    want = fn(xd @ wd.t(), od)
+    dy = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(got, [x, w, *([operand] if trained else [])], dy.float())
+    ref = torch.autograd.grad(want, [xd, wd, *([od] if trained else [])], dy)
+    for what, a, b in zip(["x", "weight", name], mine, ref, strict=False):
+        _close(a.double(), b, what)
+    assert ran[0] is not None, "the dZ pass did not run"
+    _, epilogue = lin._dz_passes[(name,) if trained else ()]
+    assert [(operand, index) for _, operand, index in epilogue.halves] == [(name, 0), (name, 1)]
+    assert epilogue.split_grads == ((name,) if trained else ())
+    assert f"{name}_gate" in epilogue.source and ".chunk(" not in epilogue.source

@@ -583,3 +583,40 @@ def test_operator_backward_of_swiglu_with_a_wide_bias(k_major, monkeypatch):
     theirs = torch.autograd.grad(eager, [a, b], dy.bfloat16())
     assert len(ran) == 1 and ran[0] is not None, "the recomputing dZ kernel did not run"
     _no_less_accurate_than_eager(["a", "b"], mine, want, theirs, [a, b])
+
+
+def _swiglu_times_a_wide_scale(acc, scale):
+    gate, up = (acc * scale).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("fn, name", [(_swiglu_with_a_wide_bias, "bias"),
+                                      (_swiglu_times_a_wide_scale, "scale")])
+@pytest.mark.parametrize("trained", [False, True])
+def test_dz_pass_of_a_gated_epilogue_with_a_wide_operand(fn, name, trained, monkeypatch):
+    """A layer's gated epilogue with an operand as wide as its GEMM: the dZ pass takes the
+    operand's halves as two operands beside the saved halves, and gives a trained one's gradient as
+    its halves' column sums. Gradients against float32 autograd, no less accurate than eager's, and
+    the pass ran."""
+    from evtc import dz_pass
+
+    ran = []
+    real = dz_pass.gradients
+    monkeypatch.setattr(dz_pass, "gradients", lambda *a: ran.append(real(*a)) or ran[-1])
+    g = torch.Generator(device="cuda").manual_seed(26)
+    x = (torch.randn(3, 37, 96, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(2 * 136, 96, device="cuda", generator=g) * 96 ** -0.5).bfloat16().requires_grad_()
+    operand = (torch.rand(2 * 136, device="cuda", generator=g) + 0.5).bfloat16().requires_grad_(trained)
+    lin = evtc.linear(fn, {"x": x, "weight": w, name: operand})
+    y = lin(x, w, **{name: operand})
+    inputs = [x, w, *([operand] if trained else [])]
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    of = operand.detach().float().requires_grad_(trained)
+    ref = fn(xf @ wf.t(), of)
+    eager = fn(x @ w.t(), operand)
+    dy = torch.randn(ref.shape, device="cuda", generator=g)
+    mine = torch.autograd.grad(y, inputs, dy.bfloat16())
+    want = torch.autograd.grad(ref, [xf, wf, *([of] if trained else [])], dy)
+    theirs = torch.autograd.grad(eager, inputs, dy.bfloat16())
+    assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
+    _no_less_accurate_than_eager(["x", "weight", name][:len(inputs)], mine, want, theirs, inputs)

@@ -16,18 +16,21 @@ generation) and runs as its own reference on torch tensors. Its parameters:
 
 It returns dZ rounded to ``dz_dtype``; for a gated epilogue the gate and up halves of dZ as two
 outputs (the caller writes them into the halves of one tensor with ``out=``). Backward graphs whose
-dZ needs more than elementwise work on the tile (a reduction of the forward inside it, an operand
-as wide as the GEMM of a gated epilogue but where the GEMM is the forward's, recomputed), or that
-take the gradients of several outputs
-(one GEMM's accumulator is one incoming gradient), have no such epilogue: :func:`dz_epilogue`
-returns None and the caller takes the unfused backward.
+dZ needs more than elementwise work on the tile (a reduction of the forward inside it), or that
+take the gradients of several outputs (one GEMM's accumulator is one incoming gradient), or (in
+this form) an operand as wide as the GEMM of a gated epilogue, have no such epilogue:
+:func:`dz_epilogue` returns None and the caller takes the unfused backward.
 
 With ``grad_operand`` (:mod:`evtc.dz_pass`, a layer seen alone) the signature is ``(acc, grad,
 saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read. An epilogue of
 several outputs takes each output's incoming gradient that dZ reads as an operand of its own,
 named as the backward graph names it (``grad_D0, grad_D1, ...``), in the shape the output has (a
 per-row sum's as an (M, 1) column, a total's as a scalar); ``DzEpilogue.grads`` pairs them with
-the outputs. ``operand_grads``
+the outputs. Over a gated epilogue's saved halves, a value of the whole accumulator
+(``(acc + bias).chunk(2, -1)``, ``acc * scale`` before the split, the operand as wide as the
+forward's GEMM) is computed as its two halves, from the saved halves and the operand's halves,
+which the caller passes as views (``DzEpilogue.halves``: ``bias_gate``, ``bias_up``); such an
+operand's gradient comes back as its two halves (``DzEpilogue.split_grads``). ``operand_grads``
 then adds those operands' gradients as outputs after dZ, summed in float32 over what each operand
 broadcasts along (a tile operand's, summed over nothing, in its ``tile_grad_dtypes`` dtype where
 given). With ``recompute`` too (a kernel's own operator, which saved no accumulator), the signature
@@ -110,6 +113,12 @@ class DzEpilogue:
     #: The incoming gradients ``fn`` reads, in its parameters' order: (parameter, the forward's
     #: output whose gradient it is). ``(("grad", output),)`` for an epilogue of one output.
     grads: tuple[tuple[str, str], ...] = ()
+    #: Halves of operands as wide as a gated epilogue's GEMM that ``fn`` takes (a layer's pass):
+    #: (parameter, operand, 0 for the gate half or 1 for the up half). ``operands`` leaves them out.
+    halves: tuple[tuple[str, str, int], ...] = ()
+    #: Of ``operand_grads``, those returned as two halves (gate, then up) to join along the last
+    #: dim: the gradients of operands as wide as a gated layer's GEMM.
+    split_grads: tuple[str, ...] = ()
 
 
 def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad_operand: bool = False,
@@ -147,8 +156,12 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     cone = dz_cone.union(*(_cone(s, by_id) for s in operand_stores))
     final = by_id[store.inputs[0].id]
     # A gated epilogue (``acc.chunk(2, -1)``): dZ is its halves' gradients joined side by side.
-    gated = final.op == "join"
-    results = list(final.inputs) if gated else [final]
+    # A layer's pass may also compute dZ after the join in halves (``(acc * scale).chunk(2, -1)``
+    # with a wide scale: dZ is the joined halves' gradients times the scale, each half on its own).
+    after_join = final.op != "join" and grad_operand and not recompute and any(
+        by_id[i].op == "join" for i in dz_cone)
+    gated = final.op == "join" or after_join
+    results = list(final.inputs) if final.op == "join" else [final]
 
     lines: list[str] = []
     names: dict[int, str] = {}
@@ -156,11 +169,20 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     sized: set[int] = set()  # literals of the forward's sizes (a mean's 1/N), as Python expressions
     saved: list[str] = []
     params: list[str] = []
+    # A layer's gated epilogue over saved halves: a value of the whole accumulator (``acc + bias``,
+    # the bias as wide as the forward's GEMM) is computed as its two halves, from the saved halves
+    # and the operand's halves (parameters ``bias_gate``, ``bias_up``: views the caller passes).
+    split = gated and grad_operand and not recompute
+    halves_of: dict[int, tuple[str, str]] = {}
+    half_params: list[tuple[str, str, int]] = []
     for node in graph.nodes:
-        if node.id not in cone or node.op == "store" or node is final and gated:
+        if node.id not in cone or node.op == "store" or node is final and final.op == "join" and not split:
             continue
         op = node.op
         if op == "acc":
+            if split:
+                halves_of[node.id] = ("saved_gate", "saved_up")
+                continue
             if gated and not recompute:
                 names[node.id] = "<whole accumulator>"  # saved as its halves, read only through them
                 continue
@@ -168,8 +190,17 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             names[node.id] = "acc" if recompute else "saved"
             saved.append(names[node.id])
             continue
+        if op == "join" and split:
+            # dZ's halves, joined: the halves themselves, for the values computed after the join.
+            if any(i.id not in names for i in node.inputs):
+                return None  # a half without gradient (a constant)
+            halves_of[node.id] = (names[node.inputs[0].id], names[node.inputs[1].id])
+            continue
         if op == "half":
             source, index = node.inputs[0], node.attrs["index"]
+            if source.id in halves_of:
+                names[node.id] = halves_of[source.id][index]
+                continue
             if source.op == "acc":
                 param = (("acc_gate", "acc_up") if recompute else ("saved_gate", "saved_up"))[index]
                 names[node.id] = param
@@ -194,8 +225,17 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                     grads_read.append(operand)
                 continue
             if gated and not recompute and any(sympy.sympify(d) == N for d in node.shape):
-                # As wide as the forward GEMM: the new GEMM is half as wide; it would need halves.
-                return None
+                # As wide as the forward GEMM, where the new GEMM is half as wide: its halves, for a
+                # layer's pass; its gradient would be dZ's joined halves, which no output is.
+                if not split:
+                    return None
+                halves_of[node.id] = (f"{operand}_gate", f"{operand}_up")
+                for index, param in enumerate(halves_of[node.id]):
+                    if param in params:
+                        return None
+                    params.append(param)
+                    half_params.append((param, operand, index))
+                continue
             names[node.id] = _param(operand, params)
             continue
         if op == "arg":
@@ -213,6 +253,29 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                 sized.add(node.id)
                 continue
             constants[node.id] = float(value)
+            continue
+        if op == "reduce" and node.inputs[0].id in halves_of:
+            # A wide operand's gradient (only: a reduction inside dZ is not one pass), summed from
+            # its halves: over the rows, still as wide as the GEMM, in halves; over the columns
+            # too, the two halves' sums added.
+            axis, keep = node.attrs["axis"], node.attrs["keepdim"]
+            if node.id in dz_cone or node.attrs["reduce"] != "sum" or axis not in _SUMS:
+                return None
+            pair = tuple(_SUMS[axis](half, keep) for half in halves_of[node.inputs[0].id])
+            if axis == "col":
+                halves_of[node.id] = (f"v{node.id}_gate", f"v{node.id}_up")
+                lines.extend(f"{name} = {text}" for name, text in zip(halves_of[node.id], pair, strict=True))
+            else:
+                names[node.id] = f"v{node.id}"
+                lines.append(f"v{node.id} = ({pair[0]} + {pair[1]})")
+            continue
+        if any(i.id in halves_of for i in node.inputs):
+            # A value of the whole accumulator in a layer's pass: computed as its two halves.
+            pair = _split_op(node, halves_of, names, constants, sized)
+            if pair is None:
+                return None
+            halves_of[node.id] = (f"v{node.id}_gate", f"v{node.id}_up")
+            lines.extend(f"{name} = {text}" for name, text in zip(halves_of[node.id], pair, strict=True))
             continue
         if any(i.id in names and names[i.id] == "<whole accumulator>" for i in node.inputs):
             return None
@@ -274,29 +337,46 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     taken = {"grad", "saved", "saved_gate", "saved_up", "acc_gate", "acc_up", "torch", "F", "size_m",
              "size_n", *grad_params.values(), *(["acc"] if grad_operand else [])}
     taken = {_as_python_reads(t) for t in taken}
-    if any(_as_python_reads(p) in taken or re.fullmatch(r"v\d+|h\d+_(gate|up)", p) for p in params) \
-            or len({_as_python_reads(g) for g in grad_params.values()}) != len(grad_params):
+    generated = r"v\d+(_gate|_up)?|h\d+_(gate|up)"
+    if any(_as_python_reads(p) in taken or re.fullmatch(generated, p) for p in params) \
+            or len({_as_python_reads(g) for g in grad_params.values()}) != len(grad_params) \
+            or len({_as_python_reads(p) for p in params}) != len(params):
         return None  # an operand named like a generated value: rare, and not worth renaming
+    if split:
+        # The saved halves read by the halves of values of the whole accumulator too, in order.
+        body_text = "\n".join(lines)
+        saved = [p for p in ("saved_gate", "saved_up") if p in saved or re.search(rf"\b{p}\b", body_text)]
     # The gradients read, in the order of the outputs (the parameters' order).
     grads_read.sort(key=list(back.output_grads.values()).index)
     outs = []
-    for r in results:
+    if after_join:
+        if final.id not in halves_of:
+            return None
+        outs.extend(f"{half}.to(torch.{_dtype(dz_dtype)})" for half in halves_of[final.id])
+    for r in ([] if after_join else results):
         if r.id in constants:
             return None  # a constant half of dZ (a half without gradient): not worth a kernel
         outs.append(f"{names[r.id]}.to(torch.{_dtype(dz_dtype)})")
+    split_grads = []
     for operand, operand_store in zip(operand_grads, operand_stores, strict=True):
         value = operand_store.inputs[0]
         if value.id in constants or names.get(value.id) == "<whole accumulator>":
             return None  # a constant gradient (an operand the output does not depend on)
-        if value.id not in names:
+        if value.id in halves_of:
+            # As wide as a gated layer's GEMM (a wide bias's, summed over the rows): its two halves,
+            # which the caller joins.
+            texts, split_grads = list(halves_of[value.id]), [*split_grads, operand]
+        elif value.id in names:
+            texts = [names[value.id]]
+        else:
             # A gated epilogue's operand as wide as its GEMM, whose gradient is dZ's joined halves:
             # the new GEMM is half as wide (as for such an operand's load above).
             return None
         if operand in tile_grad_dtypes and _spans_the_tile(value):
             # A tile's gradient, in the tile's own dtype: no float32 tile to write and convert after.
-            outs.append(f"{names[value.id]}.to(torch.{_dtype(tile_grad_dtypes[operand])})")
+            outs.extend(f"{text}.to(torch.{_dtype(tile_grad_dtypes[operand])})" for text in texts)
         else:
-            outs.append(names[value.id])
+            outs.extend(texts)
     if not grads_read:
         return None  # dZ and the operands' gradients without an incoming gradient: all zeros
     grad_args = [grad_params[name] for name in grads_read]
@@ -326,8 +406,9 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
     grads = tuple((grad_params[name], output_of[name]) for name in grads_read)
-    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(params), gated, tuple(operand_grads),
-                      reads_acc, grads)
+    halves = {param for param, _, _ in half_params}
+    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(p for p in params if p not in halves),
+                      gated, tuple(operand_grads), reads_acc, grads, tuple(half_params), tuple(split_grads))
 
 
 def _spans_the_tile(node: Node) -> bool:
@@ -336,6 +417,31 @@ def _spans_the_tile(node: Node) -> bool:
     gradient that is a sum of two reductions)."""
     dims = {sympy.sympify(d) for d in node.shape}
     return M in dims and N in dims
+
+
+def _split_op(node: Node, halves_of: dict[int, tuple[str, str]], names: dict[int, str],
+              constants: dict[int, Any], sized: set[int]) -> tuple[str, str] | None:
+    """An elementwise op or a cast of values of the whole accumulator, as the source of its two
+    halves (each input's half, or the input itself where it broadcasts along the columns: a per-row
+    column, a scalar); None where it is neither, or reads a size."""
+    if any(i.id in sized or (i.id not in halves_of and i.id not in names and i.id not in constants)
+           for i in node.inputs):
+        return None
+    constant = [i.id in constants for i in node.inputs]
+    if node.op in ("where", "logical_and", "logical_or") and any(constant):
+        return None  # folded in the main loop where its operands are one tensor each
+    if node.op != "cast" and node.op not in ELEMENTWISE:
+        return None
+    pair = []
+    for side in (0, 1):
+        args = [halves_of[i.id][side] if i.id in halves_of else names[i.id] if i.id in names
+                else constants[i.id] for i in node.inputs]
+        if node.op == "cast":
+            pair.append(f"{_text(args[0])}.to(torch.{_dtype(node.dtype)})")
+        else:
+            params_of = {p: node.attrs[p] for p in ELEMENTWISE[node.op].params}
+            pair.append(_call(node.op, [_text(a) for a in args], params_of, constant))
+    return pair[0], pair[1]
 
 
 def _as_python_reads(identifier: str) -> str:
