@@ -556,12 +556,12 @@ def test_batched_operator_of_several_outputs_against_autograd(monkeypatch):
     _no_less_accurate_than_eager(["a", "b"], mine, want, theirs, [a, b])
 
 
-@pytest.mark.parametrize("k_major", [False, True])
-def test_operator_backward_of_swiglu_with_a_wide_bias(k_major, monkeypatch):
+@pytest.mark.parametrize("k_major, trained", [(False, False), (True, False), (True, True)])
+def test_operator_backward_of_swiglu_with_a_wide_bias(k_major, trained, monkeypatch):
     """SwiGLU over ``acc + bias`` with the bias as wide as the GEMM: the recomputing kernel splits
-    ``acc + bias`` as the forward does (the bias not trained: a trained one's gradient is dZ's
-    joined halves, which the reference gives). Gradients against float32 autograd, no less accurate
-    than eager's, and the kernel ran."""
+    ``acc + bias`` as the forward does, and gives a trained bias's gradient as the column sums of
+    dZ's two halves. Gradients against float32 autograd, no less accurate than eager's, and the
+    kernel ran."""
     from evtc import dz_pass
 
     ran = []
@@ -571,18 +571,20 @@ def test_operator_backward_of_swiglu_with_a_wide_bias(k_major, monkeypatch):
     a = (torch.randn(111, 96, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(2 * 136, 96, device="cuda", generator=g) * 96 ** -0.5).bfloat16()
     b = (w.t() if k_major else w.t().contiguous()).detach().requires_grad_()
-    bias = torch.randn(2 * 136, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(2 * 136, device="cuda", generator=g).bfloat16().requires_grad_(trained)
     k = evtc.compile(_swiglu_with_a_wide_bias, {"a": a, "b": b, "bias": bias})
     y = k(a, b, bias=bias)
+    inputs = [a, b, *([bias] if trained else [])]
     af, bf = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    ref = _swiglu_with_a_wide_bias(af @ bf, bias.float())
+    biasf = bias.detach().float().requires_grad_(trained)
+    ref = _swiglu_with_a_wide_bias(af @ bf, biasf)
     eager = _swiglu_with_a_wide_bias(a @ b, bias)
     dy = torch.randn(ref.shape, device="cuda", generator=g)
-    mine = torch.autograd.grad(y, [a, b], dy.bfloat16())
-    want = torch.autograd.grad(ref, [af, bf], dy)
-    theirs = torch.autograd.grad(eager, [a, b], dy.bfloat16())
+    mine = torch.autograd.grad(y, inputs, dy.bfloat16())
+    want = torch.autograd.grad(ref, [af, bf, *([biasf] if trained else [])], dy)
+    theirs = torch.autograd.grad(eager, inputs, dy.bfloat16())
     assert len(ran) == 1 and ran[0] is not None, "the recomputing dZ kernel did not run"
-    _no_less_accurate_than_eager(["a", "b"], mine, want, theirs, [a, b])
+    _no_less_accurate_than_eager(["a", "b", "bias"][:len(inputs)], mine, want, theirs, inputs)
 
 
 def _swiglu_times_a_wide_scale(acc, scale):

@@ -176,7 +176,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     halves_of: dict[int, tuple[str, str]] = {}
     half_params: list[tuple[str, str, int]] = []
     for node in graph.nodes:
-        if node.id not in cone or node.op == "store" or node is final and final.op == "join" and not split:
+        if node.id not in cone or node.op == "store" or (
+                node is final and final.op == "join" and not (split or recompute)):
             continue
         op = node.op
         if op == "acc":
@@ -190,8 +191,9 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             names[node.id] = "acc" if recompute else "saved"
             saved.append(names[node.id])
             continue
-        if op == "join" and split:
-            # dZ's halves, joined: the halves themselves, for the values computed after the join.
+        if op == "join" and (split or recompute):
+            # dZ's halves, joined: the halves themselves, for the values computed after the join (a
+            # wide bias's gradient, their column sums).
             if any(i.id not in names for i in node.inputs):
                 return None  # a half without gradient (a constant)
             halves_of[node.id] = (names[node.inputs[0].id], names[node.inputs[1].id])
@@ -427,6 +429,8 @@ def _split_op(node: Node, halves_of: dict[int, tuple[str, str]], names: dict[int
     if any(i.id in sized or (i.id not in halves_of and i.id not in names and i.id not in constants)
            for i in node.inputs):
         return None
+    if any(i.id not in halves_of and any(sympy.sympify(d) == N for d in i.shape) for i in node.inputs):
+        return None  # a whole value as wide as the GEMM beside halves (recomputed: ``acc``)
     constant = [i.id in constants for i in node.inputs]
     if node.op in ("where", "logical_and", "logical_or") and any(constant):
         return None  # folded in the main loop where its operands are one tensor each
