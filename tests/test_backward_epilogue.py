@@ -389,3 +389,55 @@ def _shape(back, output, m, n):
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
     return evaluate_shape(back.grad_shapes[back.output_grads[output]], {M: m, N: n, L: 1})
+
+
+def wide_bias_then_its_half_name(acc, bias, bias_gate):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up * bias_gate
+
+
+def half_name_then_wide_bias(acc, bias_gate, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up * bias_gate
+
+
+def scaled_before_the_split(acc, alpha: float):
+    gate, up = (acc * alpha).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def mean_of_all(acc):
+    return torch.tanh(acc).mean()
+
+
+def _traced(fn, ops, n=24):
+    meta = {"device": "meta", "dtype": torch.float32}
+    example = {"a": torch.empty(7, 9, **meta), "b": torch.empty(9, n, **meta), **ops}
+    return backward(evtc.trace(fn, example))
+
+
+@pytest.mark.parametrize("fn", [wide_bias_then_its_half_name, half_name_then_wide_bias])
+def test_an_operand_named_as_a_wide_operands_half_is_no_parameter_of_it(fn):
+    """A user's operand named ``bias_gate`` beside a wide ``bias`` (a layer's gated pass passes the
+    bias's halves as ``bias_gate`` and ``bias_up``): no epilogue, in either order of the operands.
+    (The wide bias loaded first made the user's ``bias_gate`` the bias's half, silently.)"""
+    meta = {"device": "meta", "dtype": torch.float32}
+    back = _traced(fn, {"bias": torch.empty(24, **meta), "bias_gate": torch.empty(7, 12, **meta)})
+    for trained in ((), ("bias",), ("bias", "bias_gate")):
+        assert dz_epilogue(back, F64, grad_operand=True, operand_grads=trained) is None, trained
+
+
+def test_dz_after_the_join_in_the_recomputing_form_is_none():
+    """``(acc * alpha).chunk(2, -1)``: dZ is an op of the joined halves, which the recomputing form
+    does not write as half outputs: no epilogue (it raised a KeyError)."""
+    back = _traced(scaled_before_the_split, {"alpha": 0.5})
+    assert dz_epilogue(back, F64, grad_operand=True, recompute=True) is None
+
+
+def test_sizes_from_an_accumulator_that_is_no_tile_are_not_read():
+    """The MLP form reads the forward's sizes from its accumulator ``grad``, the output's incoming
+    gradient: for a reduction's output (a mean of the tile) that is no tile, so no epilogue (its
+    ``size_n`` was 1). The forms that read ``acc`` take it."""
+    back = _traced(mean_of_all, {})
+    assert dz_epilogue(back, F64) is None
+    assert dz_epilogue(back, F64, grad_operand=True, recompute=True) is not None

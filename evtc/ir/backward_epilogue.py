@@ -238,9 +238,13 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                     params.append(param)
                     half_params.append((param, operand, index))
                 continue
+            if operand in {param for param, _, _ in half_params}:
+                return None  # an operand named as a wide operand's half (``bias_gate``)
             names[node.id] = _param(operand, params)
             continue
         if op == "arg":
+            if node.attrs["name"] in {param for param, _, _ in half_params}:
+                return None
             names[node.id] = _param(node.attrs["name"], params)
             continue
         if op == "literal":
@@ -358,6 +362,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     for r in ([] if after_join else results):
         if r.id in constants:
             return None  # a constant half of dZ (a half without gradient): not worth a kernel
+        if r.id not in names:
+            return None  # dZ after the join where the GEMM is the forward's: no half outputs of it
         outs.append(f"{names[r.id]}.to(torch.{_dtype(dz_dtype)})")
     split_grads = []
     for operand, operand_store in zip(operand_grads, operand_stores, strict=True):
@@ -384,6 +390,13 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     grad_args = [grad_params[name] for name in grads_read]
     fn_name = _identifier(f"{name}_dz_recomputed" if recompute else
                           f"{name}_dz_pass" if grad_operand else f"{name}_dz")
+    if sized and not grad_operand:
+        # The sizes are read from the accumulator ``grad``, the output's incoming gradient: it must
+        # be a tile (an activation's output), not a reduction's.
+        (grad_name,) = back.output_grads.values()
+        dims = {sympy.sympify(d) for d in back.grad_shapes[grad_name]}
+        if M not in dims or not any(N in d.free_symbols for d in dims):
+            return None
     if sized:
         # The sizes, from the GEMM's own accumulator: its rows are the forward's M; its columns
         # the forward's N, or half of it where the GEMM is as wide as a gated epilogue's halves.
