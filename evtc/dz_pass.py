@@ -42,7 +42,6 @@ to a batched call whose operands need gradients (those also sum over the batch).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -240,9 +239,8 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
         # The halves written into one tensor; with operand gradients too, out= would need every
         # output allocated here, and the halves are joined after (a copy of dZ in 16 bits).
         rows = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2])
-        width = half
-        dz = torch.empty(*rows, 2 * width, dtype=a.dtype, device=a.device)
-        kernel(a, b, **feeds, out=(dz[..., :width], dz[..., width:]))
+        dz = torch.empty(*rows, 2 * half, dtype=a.dtype, device=a.device)
+        kernel(a, b, **feeds, out=(dz[..., :half], dz[..., half:]))
         return dz, {}
     result = kernel(a, b, **feeds)
     outs = result if isinstance(result, tuple) else (result,)
@@ -336,17 +334,7 @@ def _incoming(back, grads: dict[str, torch.Tensor | None], m: int, n: int, batch
 
 
 def _grad_shape(shape: tuple, m: Any, n: Any, batches: Any) -> tuple[Any, ...]:
-    """A backward graph's symbolic gradient shape at these sizes: sympy once per shape and sizes
-    where they are ints; torch's symbolic sizes (a trace with dynamic shapes) are not kept."""
-    from evtc.ir.shapes import L, M, N, evaluate_shape
-
-    if type(m) is int and type(n) is int and type(batches) is int:
-        return _grad_shape_of_ints(shape, m, n, batches)
-    return evaluate_shape(shape, {M: m, N: n, L: batches})
-
-
-@functools.lru_cache(maxsize=1024)
-def _grad_shape_of_ints(shape: tuple, m: int, n: int, batches: int) -> tuple[int, ...]:
+    """A backward graph's symbolic gradient shape at these sizes."""
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
     return evaluate_shape(shape, {M: m, N: n, L: batches})

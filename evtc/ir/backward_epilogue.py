@@ -175,6 +175,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     split = gated and grad_operand and not recompute
     halves_of: dict[int, tuple[str, str]] = {}
     half_params: list[tuple[str, str, int]] = []
+    half_names: set[str] = set()  # their parameters' names
+    saved_read: set[str] = set()  # the saved halves those halves read
     for node in graph.nodes:
         if node.id not in cone or node.op == "store" or (
                 node is final and final.op == "join" and not (split or recompute)):
@@ -202,6 +204,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             source, index = node.inputs[0], node.attrs["index"]
             if source.id in halves_of:
                 names[node.id] = halves_of[source.id][index]
+                if source.op == "acc":
+                    saved_read.add(names[node.id])
                 continue
             if source.op == "acc":
                 param = (("acc_gate", "acc_up") if recompute else ("saved_gate", "saved_up"))[index]
@@ -237,13 +241,14 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                         return None
                     params.append(param)
                     half_params.append((param, operand, index))
+                    half_names.add(param)
                 continue
-            if operand in {param for param, _, _ in half_params}:
+            if operand in half_names:
                 return None  # an operand named as a wide operand's half (``bias_gate``)
             names[node.id] = _param(operand, params)
             continue
         if op == "arg":
-            if node.attrs["name"] in {param for param, _, _ in half_params}:
+            if node.attrs["name"] in half_names:
                 return None
             names[node.id] = _param(node.attrs["name"], params)
             continue
@@ -267,6 +272,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             axis, keep = node.attrs["axis"], node.attrs["keepdim"]
             if node.id in dz_cone or node.attrs["reduce"] != "sum" or axis not in _SUMS:
                 return None
+            if node.inputs[0].op == "acc":
+                saved_read.update(halves_of[node.inputs[0].id])
             pair = tuple(_SUMS[axis](half, keep) for half in halves_of[node.inputs[0].id])
             if axis == "col":
                 halves_of[node.id] = (f"v{node.id}_gate", f"v{node.id}_up")
@@ -277,6 +284,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             continue
         if any(i.id in halves_of for i in node.inputs):
             # A value of the whole accumulator in a layer's pass: computed as its two halves.
+            if any(i.op == "acc" for i in node.inputs):
+                saved_read.update(halves_of[next(i.id for i in node.inputs if i.op == "acc")])
             pair = _split_op(node, halves_of, names, constants, sized)
             if pair is None:
                 return None
@@ -349,9 +358,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             or len({_as_python_reads(p) for p in params}) != len(params):
         return None  # an operand named like a generated value: rare, and not worth renaming
     if split:
-        # The saved halves read by the halves of values of the whole accumulator too, in order.
-        body_text = "\n".join(lines)
-        saved = [p for p in ("saved_gate", "saved_up") if p in saved or re.search(rf"\b{p}\b", body_text)]
+        # The saved halves that the halves of values of the whole accumulator read, in order.
+        saved = [p for p in ("saved_gate", "saved_up") if p in saved_read]
     # The gradients read, in the order of the outputs (the parameters' order).
     grads_read.sort(key=list(back.output_grads.values()).index)
     outs = []
@@ -421,8 +429,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated source
     grads = tuple((grad_params[name], output_of[name]) for name in grads_read)
-    halves = {param for param, _, _ in half_params}
-    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(p for p in params if p not in halves),
+    return DzEpilogue(scope[fn_name], source, tuple(saved), tuple(p for p in params if p not in half_names),
                       gated, tuple(operand_grads), reads_acc, grads, tuple(half_params), tuple(split_grads))
 
 

@@ -7,6 +7,7 @@ rejected even when the example happens to have M == N (torch would silently broa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -55,12 +56,19 @@ def format_shape(shape: Shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+@functools.lru_cache(maxsize=4096)
+def _evaluate_at_ints(shape: tuple, sizes: tuple[tuple[sympy.Symbol, int], ...]) -> tuple[int, ...]:
+    """``shape`` at integer sizes, remembered: sympy's substitution costs tens of microseconds a
+    dim, and a backward evaluates the same few shapes at the same sizes on every step."""
+    return tuple(int(sympy.sympify(d).subs(dict(sizes))) for d in shape)
+
+
 def evaluate_shape(shape: Shape, sizes: dict[sympy.Symbol, Any]) -> tuple[Any, ...]:
     """``shape`` at ``sizes``: ints, or torch SymInts where the sizes are symbolic (a backward
     traced by torch.compile with dynamic shapes), which sympy cannot substitute: their dims are
     then computed with Python arithmetic (exact: a dim such as N/2 by floor division)."""
     if all(type(v) is int for v in sizes.values()):
-        return tuple(int(sympy.sympify(d).subs(sizes)) for d in shape)
+        return _evaluate_at_ints(tuple(shape), tuple(sizes.items()))
     dims = []
     for d in shape:
         numerator, denominator = sympy.fraction(sympy.together(sympy.sympify(d)))
