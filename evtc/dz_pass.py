@@ -235,19 +235,45 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
             operands: dict[str, Any], half: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One launch of a dZ kernel on ``a @ b``: (dZ in a's dtype, {operand: gradient in the
     operand's shape and dtype}). ``half``: the width of each half of a gated epilogue's dZ."""
-    if epilogue.gated and not epilogue.operand_grads:
-        # The halves written into one tensor; with operand gradients too, out= would need every
-        # output allocated here, and the halves are joined after (a copy of dZ in 16 bits).
-        rows = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2])
-        dz = torch.empty(*rows, 2 * half, dtype=a.dtype, device=a.device)
-        kernel(a, b, **feeds, out=(dz[..., :half], dz[..., half:]))
+    rows = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2])
+    return launch_into_halves(kernel, epilogue, a, b, feeds, operands, rows, half)
+
+
+def launch_into_halves(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tensor,
+                       feeds: dict[str, Any], operands: dict[str, Any], rows: tuple[int, ...],
+                       half: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``kernel(a, b, **feeds)`` for a generated dZ epilogue: (dZ of ``rows`` rows in a's dtype, a
+    gated epilogue's halves written through ``out=`` into the halves of one tensor, {operand:
+    gradient in the operand's shape and dtype}). ``half``: each half's width (gated only)."""
+    if not epilogue.gated:
+        outs = _as_tuple(kernel(a, b, **feeds))
+        return outs[0], _operand_gradients(epilogue, outs[1:], operands)
+    dz = torch.empty(*rows, 2 * half, dtype=a.dtype, device=a.device)
+    gate, up = dz[..., :half], dz[..., half:]
+    if not epilogue.operand_grads:
+        kernel(a, b, **feeds, out=(gate, up))
         return dz, {}
-    result = kernel(a, b, **feeds)
-    outs = result if isinstance(result, tuple) else (result,)
-    count = 2 if epilogue.gated else 1
-    dz = torch.cat(outs[:count], dim=-1) if epilogue.gated else outs[0]
+    # out= takes every output or none: the operands' gradients are allocated here too, as the
+    # kernel would (so that dZ's halves need no join after).
+    spec = kernel.call_spec
+    batches = rows[0] if len(rows) == 2 else 1
+    meta = dict(zip(spec.kernel_order, kernel.output_meta(rows[-1], b.shape[-1], batches), strict=True))
+    names = kernel.plan.structure.names
+    rest = tuple(torch.empty(meta[name][0], dtype=meta[name][1], device=a.device) for name in names[2:])
+    kernel(a, b, **feeds, out=(gate, up, *rest))
+    return dz, _operand_gradients(epilogue, rest, operands)
+
+
+def _as_tuple(result: Any) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _operand_gradients(epilogue: DzEpilogue, outs: tuple[torch.Tensor, ...],
+                       operands: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The operands' gradients from the dZ kernel's outputs after dZ, in each operand's shape and
+    dtype (a wide operand's from its two halves, joined: vectors, not tiles)."""
     by_name = {}
-    rest = list(outs[count:])
+    rest = list(outs)
     for name in epilogue.operand_grads:
         operand = operands[name]
         if name in epilogue.split_grads:  # a wide operand's, as its gate and up halves
@@ -255,7 +281,7 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
         else:
             value, rest = rest[0], rest[1:]
         by_name[name] = value.reshape(operand.shape).to(operand.dtype)
-    return dz, by_name
+    return by_name
 
 
 # ---- a kernel's own operator: dZ in the epilogue of the forward's GEMM run again -----------------

@@ -14,12 +14,15 @@ The backward, for 16-bit inputs on the GPU:
 2. ``dW2 = dZ2^T @ H`` (torch.matmul, in the weight's layout), with ``H`` the first layer's
    output, saved;
 3. ``dZ1``: the fused kernel ``dZ1 = dz(dZ2 @ W2, saved accumulator, operands)``; for a gated
-   epilogue its two outputs are written into the halves of one tensor;
+   epilogue its two outputs are written into the halves of one tensor. The first layer's trained
+   operands get their gradients from the same kernel: a bias's as a column sum of dZ1 (a bias as
+   wide as a gated layer's GEMM, ``(acc + bias).chunk(2, -1)``, from dZ1's two halves), a per-row
+   scale's as a row sum, a tile operand's as one more tile;
 4. ``dX = dZ1 @ W1`` and ``dW1 = dZ1^T @ X`` (torch.matmul).
 
 Where the fused kernel does not apply (float32 or CPU inputs; a first epilogue whose dZ is not one
-elementwise pass, see :func:`evtc.ir.backward_epilogue.dz_epilogue`; a tensor operand of the first
-layer that needs its own gradient, such as a trained bias; a kernel that does not compile), step 3
+elementwise pass, or an operand's gradient that is not one of those, see
+:func:`evtc.ir.backward_epilogue.dz_epilogue`; a kernel that does not compile), step 3
 is the unfused one: ``dH = dZ2 @ W2``, then the first layer's dZ (and its operands' gradients) as
 one elementwise kernel over dH where :mod:`evtc.dz_pass` applies, else its backward graph as torch
 operations.
@@ -125,14 +128,16 @@ def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2:
     dw2 = weight_gradient(dz2, h2, w2) if need_w2 else None
     # 3. The first layer's dZ.
     flat1 = [_flat(ops1[n], lead) for n in names1]
-    low = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w1.dtype == w2.dtype
     fused = None
-    if low and not any(needs1):
-        fused = pair.dz_kernel(first, dz2, w2, x2, w1, dict(zip(names1, flat1, strict=True)))
+    by_name1 = dict(zip(names1, flat1, strict=True))
+    wanted = tuple(n for n, need in zip(names1, needs1, strict=True) if need)
+    if fused_applies(x, w1, w2):
+        fused = pair.dz_kernel(first, dz2, w2, by_name1, wanted)
     d_ops1: list[torch.Tensor | None] = [None] * len(names1)
     if fused is not None:
         kernel, epilogue = fused
-        dz1 = _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, dict(zip(names1, flat1, strict=True)))
+        dz1, by_name = _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, by_name1)
+        d_ops1 = [by_name.get(n) for n in names1]
     else:
         dh, _ = input_gradients(dz2, h2, w2.t(), need_a=True, need_b=False)
         (out_name,) = first.output_names
@@ -140,9 +145,7 @@ def mlp_backward(pair, x, w1, w2, h, saved1, saved2, ops1: dict[str, Any], ops2:
         saved_rows = tuple(s.reshape(-1, s.shape[-1]) for s in saved1)
         if dz_pass.applies(x2, w1, saved_rows):
             # dH in memory, then dZ1 and the operands' gradients in one elementwise kernel.
-            wanted = tuple(n for n, need in zip(names1, needs1, strict=True) if need)
-            passed = dz_pass.gradients(first, x2, dict(zip(names1, flat1, strict=True)), {out_name: dh},
-                                       saved_rows, wanted)
+            passed = dz_pass.gradients(first, x2, by_name1, {out_name: dh}, saved_rows, wanted)
         if passed is not None:
             dz1, by_name = passed
             d_ops1 = [by_name.get(n) for n in names1]
@@ -171,18 +174,25 @@ def _run_saving(lin: Linear, x, weight, operands):
     return tuple(result[:count]), tuple(result[count:])
 
 
-def _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1, ops1) -> torch.Tensor:
-    """Step 3: ``dZ1`` from the kernel whose accumulator is ``dZ2 @ W2``."""
+def fused_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether step 3 may be the fused kernel, as far as the inputs tell: 16-bit, on the GPU."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w1.dtype == w2.dtype
+
+
+def _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1,
+              ops1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Step 3: (``dZ1``, {operand: gradient}) from the kernel whose accumulator is ``dZ2 @ W2``."""
     m, width = x2.shape[0], w1.shape[0]
-    halves = _saved_halves(saved1, epilogue, x2, w1)
-    feeds = {name: ops1[name] for name in epilogue.operands}
-    dz1 = torch.empty(m, width, dtype=x2.dtype, device=x2.device)
+    feeds = {**_saved_halves(saved1, epilogue, x2, w1), **{name: ops1[name] for name in epilogue.operands}}
+    for param, operand, index in epilogue.halves:
+        feeds[param] = dz_pass._half(ops1[operand], index)
     if epilogue.gated:
-        half = width // 2
-        kernel(dz2, w2, **halves, **feeds, out=(dz1[:, :half], dz1[:, half:]))
-    else:
-        kernel(dz2, w2, **halves, **feeds, out=dz1)
-    return dz1
+        return dz_pass.launch_into_halves(kernel, epilogue, dz2, w2, feeds, ops1, (m,), width // 2)
+    if not epilogue.operand_grads:
+        dz1 = torch.empty(m, width, dtype=x2.dtype, device=x2.device)
+        kernel(dz2, w2, **feeds, out=dz1)
+        return dz1, {}
+    return dz_pass.launch_into_halves(kernel, epilogue, dz2, w2, feeds, ops1, (m,), 0)
 
 
 def _saved_halves(saved1, epilogue, x2, w1) -> dict[str, torch.Tensor]:

@@ -265,9 +265,10 @@ class MLP(nn.Module):
 
     The backward of the pair computes the first layer's dZ in the epilogue of the GEMM
     ``dZ2 @ W2`` (so that GEMM's output, the first layer's incoming gradient, is never stored) for
-    16-bit inputs on the GPU, when that dZ is elementwise over the tile and no tensor operand of the
-    first layer needs a gradient; otherwise the two layers' backwards run one after the other
-    (:mod:`evtc.mlp_autograd`). The results are the same either way, up to rounding.
+    16-bit inputs on the GPU, when that dZ is elementwise over the tile (a trained first bias's
+    gradient then comes from the same kernel, as a column sum); otherwise the two layers' backwards
+    run one after the other (:mod:`evtc.mlp_autograd`). The results are the same either way, up to
+    rounding.
     """
 
     def __init__(self, in_features: int, hidden_features: int, activation: Callable[..., Any],
@@ -358,17 +359,18 @@ class MLP(nn.Module):
         lin = self._second = self.down._linear_for(h, operands, weight)
         return lin
 
-    def dz_kernel(self, first, dz2: torch.Tensor, w2: torch.Tensor, x2: torch.Tensor, w1: torch.Tensor,
-                  ops1: dict[str, Any]):
-        """The kernel of the fused backward step (``dZ1`` in the epilogue of ``dZ2 @ W2``) and its
+    def dz_kernel(self, first, dz2: torch.Tensor, w2: torch.Tensor, ops1: dict[str, Any],
+                  operand_grads: tuple[str, ...] = ()):
+        """The kernel of the fused backward step (``dZ1`` in the epilogue of ``dZ2 @ W2``, and the
+        gradients of the first layer's operands ``operand_grads`` as its reductions) and its
         generated epilogue, or None where there is none (compiled on first use, then kept)."""
         # The first layer's Linear is part of the key: its epilogue (the activation) may be
         # replaced between calls, and the fused step differentiates that epilogue.
-        key = (first, dz2.dtype, dz2.device, w2.dtype,
+        key = (first, dz2.dtype, dz2.device, w2.dtype, operand_grads,
                tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, type(v))
                      for n, v in ops1.items()))
         if key not in self._dz:
-            self._dz[key] = _compile_dz(first, dz2, w2, x2, ops1, self._options)
+            self._dz[key] = _compile_dz(first, dz2, w2, ops1, operand_grads, self._options)
         return self._dz[key]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -381,26 +383,36 @@ class MLP(nn.Module):
         return f"gated={self.gated}"
 
 
-def _compile_dz(first, dz2, w2, x2, ops1, options):
+def _compile_dz(first, dz2, w2, ops1, operand_grads, options):
     """(kernel, epilogue) of the fused dZ step for the first layer ``first``, or None."""
     from evtc.compile import compile as compile_kernel
+    from evtc.dz_pass import _half
     from evtc.ir.backward_epilogue import dz_epilogue
+    from evtc.runtime.dtype_variants import meta_copy
 
-    epilogue = dz_epilogue(first.backward_graph(), dz2.dtype, name=first.kernel.plan.name)
+    epilogue = dz_epilogue(first.backward_graph(), dz2.dtype, name=first.kernel.plan.name,
+                           operand_grads=operand_grads,
+                           tile_grad_dtypes={name: ops1[name].dtype for name in operand_grads})
     if epilogue is None:
         return None
+    # The first layer's operands as its forward was compiled for them (their kinds and layouts),
+    # beside as many rows (at least two: one would compile the tiles as row vectors).
+    example = first._example
+    if example is None:
+        return None
+    rows = max(example["a"].shape[0], 2)
     width = w2.shape[1]
     meta = {"device": "meta", "dtype": dz2.dtype}
-    example: dict[str, Any] = {"a": torch.empty(8, dz2.shape[1], **meta),
-                               "b": torch.empty(w2.shape[0], width, **meta)}
+    inputs: dict[str, Any] = {"a": torch.empty(rows, dz2.shape[1], **meta),
+                              "b": torch.empty(w2.shape[0], width, **meta)}
     for name in epilogue.saved:
-        example[name] = torch.empty(8, width, **meta)
+        inputs[name] = torch.empty(rows, width, **meta)
     for name in epilogue.operands:
-        value = ops1[name]
-        example[name] = (torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-                         if isinstance(value, torch.Tensor) else value)
+        inputs[name] = meta_copy(example[name])
+    for param, operand, index in epilogue.halves:
+        inputs[param] = meta_copy(_half(example[operand], index))
     try:
-        kernel = compile_kernel(epilogue.fn, example, **options)
+        kernel = compile_kernel(epilogue.fn, inputs, **options)
     except Exception as exc:  # noqa: BLE001 - the unfused backward gives the same gradients
         log.warning("the fused backward kernel of %r does not compile (%s); the backward runs unfused",
                     first.kernel.plan.name, str(exc).splitlines()[0])

@@ -17,6 +17,11 @@ def geglu_tanh(acc):
     return F.gelu(gate, approximate="tanh") * up
 
 
+def swiglu_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def bias_gelu(acc, bias):
     return F.gelu(acc + bias)
 

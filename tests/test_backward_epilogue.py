@@ -135,9 +135,8 @@ def row_max_output(acc):
 
 @pytest.mark.parametrize("fn, ops", [
     (two_outputs, {}),                                 # dZ sums two incoming gradients: two accumulators
-    (wide_operand_gated, {"scale": (7, 24)}),          # an operand as wide as the forward's GEMM
     (row_max_output, {}),                              # the forward's row maxima inside dZ
-], ids=["two_outputs", "wide_operand_gated", "row_max_output"])
+], ids=["two_outputs", "row_max_output"])
 def test_no_dz_epilogue_where_it_is_not_one_elementwise_pass(fn, ops):
     meta = {"device": "meta", "dtype": torch.float32}
     example = {"a": torch.empty(7, 9, **meta), "b": torch.empty(9, 24, **meta),
@@ -146,9 +145,38 @@ def test_no_dz_epilogue_where_it_is_not_one_elementwise_pass(fn, ops):
     back = backward(graph)
     assert dz_epilogue(back, torch.bfloat16) is None
     # With the incoming gradients as operands (the layer's pass, the operator's recomputing GEMM),
-    # two outputs' gradients are two operands and a wide operand is passed as its halves; a
-    # reduction of the forward stays out.
+    # two outputs' gradients are two operands; a reduction of the forward stays out.
     assert (dz_epilogue(back, torch.bfloat16, grad_operand=True) is None) == (fn is row_max_output)
+
+
+def test_mlp_dz_epilogue_reads_an_operand_as_wide_as_the_gemm_as_its_halves():
+    """A gated activation over ``acc * scale`` with ``scale`` as wide as the forward's GEMM (before
+    the split): in the MLP's form (the incoming gradient as the accumulator, as wide as one half),
+    the scale is taken as its gate and up halves, and dZ (and, trained, the scale's gradient from
+    dZ's two halves) equals torch autograd's in float64."""
+    g = torch.Generator().manual_seed(4)
+    meta = {"device": "meta", "dtype": torch.float32}
+    graph = evtc.trace(wide_operand_gated, {"a": torch.empty(7, 9, **meta), "b": torch.empty(9, 24, **meta),
+                                            "scale": torch.empty(7, 24, **meta)})
+    back = backward(graph)
+    acc = torch.randn(7, 24, generator=g, dtype=F64).requires_grad_()
+    scale = torch.randn(7, 24, generator=g, dtype=F64).requires_grad_()
+    dy = torch.randn(7, 12, generator=g, dtype=F64)
+    want_dz, want_scale = torch.autograd.grad(wide_operand_gated(acc, scale), [acc, scale], dy)
+    for trained in ((), ("scale",)):
+        epilogue = dz_epilogue(back, F64, operand_grads=trained)
+        assert epilogue is not None and epilogue.gated
+        assert [(operand, index) for _, operand, index in epilogue.halves] == [("scale", 0), ("scale", 1)]
+        feeds = dict(zip(epilogue.saved, [h.detach() for h in acc.chunk(2, -1)], strict=True))
+        feeds.update({param: scale.detach()[:, 12 * index:12 * (index + 1)]
+                      for param, _, index in epilogue.halves})
+        gate, up, *rest = epilogue.fn(dy, **feeds)
+        torch.testing.assert_close(torch.cat([gate, up], -1), want_dz, rtol=1e-12, atol=1e-12)
+        if trained:
+            assert epilogue.split_grads == ("scale",)
+            torch.testing.assert_close(torch.cat(rest, -1), want_scale, rtol=1e-12, atol=1e-12)
+        else:
+            assert rest == []
 
 
 @pytest.mark.parametrize("activation, output, bias", [
@@ -237,9 +265,10 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
     from evtc.ir.interpreter import accumulator, evaluate
     from evtc.ir.shapes import L, M, N, evaluate_shape
 
-    forms = {"mlp": 0, "layer": 0, "operator": 0, "layer, operands frozen": 0}
+    forms = {"mlp": 0, "mlp, operands trained": 0, "layer": 0, "operator": 0, "layer, operands frozen": 0}
+    mlp_forms = ("mlp", "mlp, operands trained")
     several = {"layer": 0, "operator": 0}  # of those, programs of several outputs
-    wide_halves = wide_grads = 0  # layer forms given a wide operand's halves, and giving its gradient
+    wide_halves = wide_grads = 0  # forms given a wide operand's halves, and giving its gradient
     for name, graph, inputs in _random_programs(300):
         back = backward(graph)
         if graph.acc_name not in back.input_grads:
@@ -258,9 +287,9 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
                         and v.dtype.is_floating_point and k in back.input_grads)
         halves = {"saved": acc, **dict(zip(("saved_gate", "saved_up"), acc.chunk(2, dim=-1), strict=True))}
         for form in forms:
-            epilogue = dz_epilogue(back, F64, name=graph.name, grad_operand=form != "mlp",
-                                   operand_grads=trained if form in ("layer", "operator") else (),
-                                   recompute=form == "operator")
+            with_grads = form in ("layer", "operator", "mlp, operands trained")
+            epilogue = dz_epilogue(back, F64, name=graph.name, grad_operand=form not in mlp_forms,
+                                   operand_grads=trained if with_grads else (), recompute=form == "operator")
             if epilogue is None or (form == "operator" and not epilogue.reads_acc):
                 continue
             feeds = {k: halves[k] for k in epilogue.saved}
@@ -271,7 +300,7 @@ def test_generated_dz_of_random_programs_equals_the_backward_graph():
             wide_halves += bool(epilogue.halves)
             wide_grads += bool(epilogue.split_grads)
             grads = {param: dys[back.output_grads[output]] for param, output in epilogue.grads}
-            if form == "mlp":
+            if form in mlp_forms:
                 (dy,) = grads.values()
                 result = epilogue.fn(dy, **feeds)
             else:

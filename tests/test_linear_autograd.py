@@ -1341,10 +1341,10 @@ def test_mlp_fused_backward_step_follows_a_replaced_activation():
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
     w1, w2 = block.up.weight.detach(), block.down.weight.detach()
     x2, dz2 = x.reshape(-1, 16), torch.randn(10, 16, dtype=torch.bfloat16)
-    old, _ = block.dz_kernel(block.first_linear(x, {}, w1), dz2, w2, x2, w1, {})
+    old, _ = block.dz_kernel(block.first_linear(x, {}, w1), dz2, w2, {})
     block.up.epilogue = _geglu
     first = block.first_linear(x, {}, w1)
-    new, _ = block.dz_kernel(first, dz2, w2, x2, w1, {})
+    new, _ = block.dz_kernel(first, dz2, w2, {})
     assert new is not old
     acc = x2.float() @ w1.float().t()
     gate, up = (h.clone().requires_grad_() for h in acc.chunk(2, -1))
@@ -1800,3 +1800,56 @@ def test_dz_pass_of_a_gated_epilogue_with_a_wide_operand(monkeypatch, tmp_path, 
     assert [(operand, index) for _, operand, index in epilogue.halves] == [(name, 0), (name, 1)]
     assert epilogue.split_grads == ((name,) if trained else ())
     assert f"{name}_gate" in epilogue.source and ".chunk(" not in epilogue.source
+
+
+def _bias_gelu(acc, bias):
+    return F.gelu(acc + bias)
+
+
+def _bias_residual(acc, bias, residual):
+    return acc + bias + residual
+
+
+@pytest.mark.parametrize("activation, output, hidden", [
+    (_bias_gelu, _bias_residual, 24),
+    (_swiglu_with_a_bias_as_wide_as_the_gemm, _bias_residual, 12),
+])
+@pytest.mark.parametrize("trained", [False, True])
+def test_mlp_fused_step_gives_the_first_bias_gradient(monkeypatch, tmp_path, activation, output, hidden,
+                                                        trained):
+    """evtc.nn.MLP with biases, the first layer's dZ in the epilogue of dZ2 @ W2 (on the GPU for
+    16-bit inputs; here forced on CPU, where the kernel runs as its torch path): a trained first
+    bias's gradient comes from that kernel (a column sum of dZ1; a gated layer's bias, as wide as
+    its GEMM, from dZ1's two halves), and every gradient equals torch autograd's in float64."""
+    from evtc import mlp_autograd
+
+    monkeypatch.setattr(mlp_autograd, "fused_applies", lambda x, w1, w2: True)
+    g = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    block = evtc.nn.MLP(16, hidden, activation, output, bias=True, cache_dir=tmp_path)
+    block.up.bias.requires_grad_(trained)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = torch.randn(2, 5, 16, generator=g).requires_grad_()
+    y = block(x, residual=x)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    params = [p for p in block.parameters() if p.requires_grad]
+    mine = torch.autograd.grad(y, [x, *params], dy.float())
+    wide = {n: p.detach().double().requires_grad_(p.requires_grad) for n, p in block.named_parameters()}
+    xd = x.detach().double().requires_grad_()
+    h = activation(xd @ wide["up.weight"].t(), wide["up.bias"])
+    want_y = output(h @ wide["down.weight"].t(), wide["down.bias"], xd)
+    want = torch.autograd.grad(want_y, [xd, *(v for v in wide.values() if v.requires_grad)], dy)
+    names = ["x", *(n for n, p in block.named_parameters() if p.requires_grad)]
+    assert ("up.bias" in names) == trained
+    for name, a, b in zip(names, mine, want, strict=True):
+        assert a.shape == b.shape, name
+        _close(a.double(), b, name)
+    (fused,) = [v for v in block._dz.values() if v is not None]
+    kernel, epilogue = fused
+    assert epilogue.operand_grads == (("bias",) if trained else ())
+    assert epilogue.fn.__code__.co_varnames[0] == "grad"
+    if block.gated:
+        assert {operand for _, operand, _ in epilogue.halves} == {"bias"}
+        assert epilogue.split_grads == (("bias",) if trained else ())

@@ -14,6 +14,7 @@ from mlp_cases import (
     relu_squared,
     residual_bias,
     swiglu,
+    swiglu_bias,
 )
 
 import evtc
@@ -83,6 +84,7 @@ def test_fused_backward_against_autograd_and_the_unfused_one(activation, output,
 
 
 def test_frozen_bias_is_an_operand_of_the_fused_kernel():
+    """A frozen first bias: an operand of the fused kernel, which gives no gradient for it."""
     torch.manual_seed(0)
     block = evtc.nn.MLP(128, 96, bias_gelu, residual_bias, bias=True, device="cuda", dtype=torch.bfloat16)
     _run(block, bias_gelu, residual_bias, (150,), 128, freeze_bias=True)
@@ -90,11 +92,27 @@ def test_frozen_bias_is_an_operand_of_the_fused_kernel():
     assert "bias" in fused[1].operands
 
 
-def test_trained_bias_takes_the_unfused_backward():
+@pytest.mark.parametrize("activation, hidden", [(bias_gelu, 96), (swiglu_bias, 96), (swiglu_bias, 100)])
+@pytest.mark.parametrize("freeze", [False, True])
+def test_first_bias_in_the_fused_kernel(activation, hidden, freeze):
+    """A first layer with a bias (GELU's, or SwiGLU's as wide as the GEMM: read as its halves): the
+    fused kernel takes it, trained (its gradient a column sum in the same kernel) or frozen, and
+    the gradients match float32 autograd and the unfused backward of the same block."""
     torch.manual_seed(0)
-    block = evtc.nn.MLP(128, 96, bias_gelu, residual_bias, bias=True, device="cuda", dtype=torch.bfloat16)
-    _run(block, bias_gelu, residual_bias, (150,), 128)
-    assert not block._dz  # never asked for: the first layer's bias needs its own gradient
+    block = evtc.nn.MLP(128, hidden, activation, residual_bias, bias=True, device="cuda",
+                        dtype=torch.bfloat16)
+    x, dy, fused = _run(block, activation, residual_bias, (150,), 128, freeze_bias=freeze)
+    ((kernel, epilogue),) = _fused_kernels(block)
+    assert epilogue.operand_grads == (() if freeze else ("bias",))
+    if block.gated:
+        assert {operand for _, operand, _ in epilogue.halves} == {"bias"}
+    else:
+        assert "bias" in epilogue.operands
+    block.dz_kernel = lambda *args: None
+    trained = [p for p in block.parameters() if p.requires_grad]
+    unfused = torch.autograd.grad(block(x, residual=x), [x, *trained], dy)
+    for a, b in zip(fused, unfused, strict=True):
+        assert _norm_error(a, b) < 1e-2
 
 
 def _llama_block(hidden: int = 128, inter: int = 96):

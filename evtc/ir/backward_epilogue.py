@@ -136,7 +136,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     tile_grad_dtypes = tile_grad_dtypes or {}
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
-    if grad_acc is None or ((operand_grads or recompute) and not grad_operand):
+    if grad_acc is None or (recompute and not grad_operand):
         return None
     if len(back.output_grads) != 1 and not grad_operand:
         return None  # the accumulator of one GEMM is one incoming gradient
@@ -156,9 +156,10 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     cone = dz_cone.union(*(_cone(s, by_id) for s in operand_stores))
     final = by_id[store.inputs[0].id]
     # A gated epilogue (``acc.chunk(2, -1)``): dZ is its halves' gradients joined side by side.
-    # A layer's pass may also compute dZ after the join in halves (``(acc * scale).chunk(2, -1)``
-    # with a wide scale: dZ is the joined halves' gradients times the scale, each half on its own).
-    after_join = final.op != "join" and grad_operand and not recompute and any(
+    # Over saved halves (a layer's pass, or the MLP's GEMM as wide as one half) dZ may also be
+    # computed after the join, in halves (``(acc * scale).chunk(2, -1)`` with a wide scale: dZ is
+    # the joined halves' gradients times the scale, each half on its own).
+    after_join = final.op != "join" and not recompute and any(
         by_id[i].op == "join" for i in dz_cone)
     gated = final.op == "join" or after_join
     results = list(final.inputs) if final.op == "join" else [final]
@@ -169,25 +170,22 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     sized: set[int] = set()  # literals of the forward's sizes (a mean's 1/N), as Python expressions
     saved: list[str] = []
     params: list[str] = []
-    # A layer's gated epilogue over saved halves: a value of the whole accumulator (``acc + bias``,
-    # the bias as wide as the forward's GEMM) is computed as its two halves, from the saved halves
-    # and the operand's halves (parameters ``bias_gate``, ``bias_up``: views the caller passes).
-    split = gated and grad_operand and not recompute
+    # A gated epilogue over saved halves (a layer's pass; the MLP's GEMM, as wide as one half): a
+    # value of the whole accumulator (``acc + bias``, the bias as wide as the forward's GEMM) is
+    # computed as its two halves, from the saved halves and the operand's halves (parameters
+    # ``bias_gate``, ``bias_up``: views the caller passes).
+    split = gated and not recompute
     halves_of: dict[int, tuple[str, str]] = {}
     half_params: list[tuple[str, str, int]] = []
     half_names: set[str] = set()  # their parameters' names
     saved_read: set[str] = set()  # the saved halves those halves read
     for node in graph.nodes:
-        if node.id not in cone or node.op == "store" or (
-                node is final and final.op == "join" and not (split or recompute)):
+        if node.id not in cone or node.op == "store":
             continue
         op = node.op
         if op == "acc":
             if split:
                 halves_of[node.id] = ("saved_gate", "saved_up")
-                continue
-            if gated and not recompute:
-                names[node.id] = "<whole accumulator>"  # saved as its halves, read only through them
                 continue
             # (Recomputed, a gated epilogue's whole accumulator is there, as in the forward.)
             names[node.id] = "acc" if recompute else "saved"
@@ -230,11 +228,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
                 if operand not in grads_read:
                     grads_read.append(operand)
                 continue
-            if gated and not recompute and any(sympy.sympify(d) == N for d in node.shape):
-                # As wide as the forward GEMM, where the new GEMM is half as wide: its halves, for a
-                # layer's pass; its gradient would be dZ's joined halves, which no output is.
-                if not split:
-                    return None
+            if split and any(sympy.sympify(d) == N for d in node.shape):
+                # As wide as the forward GEMM, where the new GEMM is half as wide: its halves.
                 halves_of[node.id] = (f"{operand}_gate", f"{operand}_up")
                 for index, param in enumerate(halves_of[node.id]):
                     if param in params:
@@ -292,8 +287,6 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             halves_of[node.id] = (f"v{node.id}_gate", f"v{node.id}_up")
             lines.extend(f"{name} = {text}" for name, text in zip(halves_of[node.id], pair, strict=True))
             continue
-        if any(i.id in names and names[i.id] == "<whole accumulator>" for i in node.inputs):
-            return None
         if any(i.id not in names and i.id not in constants for i in node.inputs):
             return None  # a gated dZ's joined halves read again (by a wide operand's gradient)
         if any(i.id in sized for i in node.inputs) and not (
@@ -376,7 +369,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     split_grads = []
     for operand, operand_store in zip(operand_grads, operand_stores, strict=True):
         value = operand_store.inputs[0]
-        if value.id in constants or names.get(value.id) == "<whole accumulator>":
+        if value.id in constants:
             return None  # a constant gradient (an operand the output does not depend on)
         if value.id in halves_of:
             # As wide as a gated layer's GEMM (a wide bias's, summed over the rows): its two halves,
