@@ -17,9 +17,10 @@ generation) and runs as its own reference on torch tensors. Its parameters:
 It returns dZ rounded to ``dz_dtype``; for a gated epilogue the gate and up halves of dZ as two
 outputs (the caller writes them into the halves of one tensor with ``out=``). Backward graphs whose
 dZ needs more than elementwise work on the tile (a reduction of the forward inside it), or that
-take the gradients of several outputs (one GEMM's accumulator is one incoming gradient), or (in
-this form) an operand as wide as the GEMM of a gated epilogue, have no such epilogue:
-:func:`dz_epilogue` returns None and the caller takes the unfused backward.
+take the gradients of several outputs (one GEMM's accumulator is one incoming gradient), have no
+such epilogue: :func:`dz_epilogue` returns None and the caller takes the unfused backward. An
+operand as wide as a gated epilogue's GEMM is taken as its halves, and ``operand_grads`` adds
+operands' gradients after dZ, as in the layer's form below.
 
 With ``grad_operand`` (:mod:`evtc.dz_pass`, a layer seen alone) the signature is ``(acc, grad,
 saved..., operands...)``: ``grad`` is a tile operand and ``acc`` is never read. An epilogue of
@@ -127,8 +128,8 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
     where there is none (see the module docstring). With ``grad_operand``, the incoming gradient is
     a tile operand ``grad`` after an accumulator ``acc`` that the epilogue never reads: dZ as one
-    elementwise pass over tensors in memory (:mod:`evtc.dz_pass`); ``operand_grads`` (only then)
-    names forward operands whose gradients it returns too, after dZ, in float32: a row vector's
+    elementwise pass over tensors in memory (:mod:`evtc.dz_pass`). ``operand_grads`` names forward
+    operands whose gradients it returns too, after dZ, in float32: a row vector's
     summed over the rows (a column reduction), a per-row column's over the columns, a scalar's over
     the tile, a tile operand's elementwise (in ``tile_grad_dtypes[name]`` where given: the tile's own
     dtype, as the caller returns it). With ``recompute`` (only with ``grad_operand``) ``acc`` is the
