@@ -76,6 +76,7 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
     operands keep their kinds and layouts."""
     from evtc.ir.backward_epilogue import dz_epilogue
     from evtc.runtime.dtype_variants import meta_copy
+    from evtc.runtime.op_autograd import saved_accumulator_dtype
 
     example = lin._example
     if example is None or lin._saving_kernel() is None:
@@ -106,7 +107,7 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
         shape = _grad_shape(back.grad_shapes[back.output_grads[output]], rows, b.shape[-1], 1)
         inputs[param] = torch.empty(shape, device="meta", dtype=out_dtypes[output])
     for name in epilogue.saved:
-        inputs[name] = torch.empty(rows, width, **meta)
+        inputs[name] = torch.empty(rows, width, device="meta", dtype=saved_accumulator_dtype(a.dtype))
     for name in epilogue.operands:
         inputs[name] = meta_copy(example[name])
     for param, operand, index in epilogue.halves:

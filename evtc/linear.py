@@ -24,6 +24,7 @@ from evtc.runtime import call_checks
 from evtc.runtime.call_checks import refuse_overlapping, refuse_shared_targets
 from evtc.runtime.dtype_variants import meta_copy
 from evtc.runtime.kernel import Kernel
+from evtc.runtime.op_autograd import saved_accumulator_dtype
 
 if TYPE_CHECKING:
     from evtc.api import OutDtypes
@@ -115,7 +116,8 @@ class Linear:
 
     def _saving_kernel(self) -> Kernel | None:
         """The kernel of a differentiable call whose backward reads the accumulator: the epilogue
-        with the accumulator as extra outputs in the output dtype (its two halves for a gated
+        with the accumulator as extra outputs in the inputs' dtype (float32 for float16 inputs:
+        :func:`~evtc.runtime.op_autograd.saved_accumulator_dtype`; its two halves for a gated
         epilogue), compiled on first use. The backward then reads them instead of recomputing
         ``x @ weight.t()``, a whole GEMM, as eager autograd reads the 16-bit output it saved. None
         where the backward never reads the accumulator, or the epilogue's outputs have their own
@@ -127,7 +129,8 @@ class Linear:
                 self._saving = False
             else:
                 try:
-                    self._saving = _compile_kernel(_with_accumulator(self._fn, self.kernel.plan.gated),
+                    widen = saved_accumulator_dtype(self._example["a"].dtype) == torch.float32
+                    self._saving = _compile_kernel(_with_accumulator(self._fn, self.kernel.plan.gated, widen),
                                                    self._example, **self._compile_options)
                     self._saving.saved_accumulators = 2 if self.kernel.plan.gated else 1
                 except Exception as exc:  # noqa: BLE001 - recomputing gives the same gradients
@@ -656,10 +659,10 @@ def linear(
     return lin
 
 
-def _with_accumulator(fn: Callable[..., Any], gated: bool) -> Callable[..., Any]:
+def _with_accumulator(fn: Callable[..., Any], gated: bool, widen: bool = False) -> Callable[..., Any]:
     """``fn`` returning also its accumulator argument (or its gate and up halves, for a gated
-    epilogue) as the last leaves of a tuple: ``(*fn's outputs, acc)``. Its signature is ``fn``'s
-    (``functools.wraps``), so it traces with the same inputs."""
+    epilogue) as the last leaves of a tuple: ``(*fn's outputs, acc)``, in float32 with ``widen``.
+    Its signature is ``fn``'s (``functools.wraps``), so it traces with the same inputs."""
     import functools
 
     from evtc.frontend.epilogue import unwrap
@@ -673,6 +676,8 @@ def _with_accumulator(fn: Callable[..., Any], gated: bool) -> Callable[..., Any]
         out = user(*args, **kwargs)
         acc = args[0] if args else kwargs[acc_name]
         saved = tuple(acc.chunk(2, dim=-1)) if gated else (acc,)
+        if widen:  # (float16 inputs: the accumulator kept in float32, saved_accumulator_dtype)
+            saved = tuple(s.float() for s in saved)
         if isinstance(out, dict):
             return (*out.values(), *saved)
         if isinstance(out, tuple | list):

@@ -37,7 +37,13 @@ from torch.autograd.function import once_differentiable
 
 from evtc import dz_pass
 from evtc.linear_autograd import first_derivative_only, not_views, save_inputs, saved_inputs
-from evtc.runtime.op_autograd import epilogue_gradients, input_gradients, joined_accumulator, weight_gradient
+from evtc.runtime.op_autograd import (
+    epilogue_gradients,
+    input_gradients,
+    joined_accumulator,
+    recomputed_accumulator,
+    weight_gradient,
+)
 
 if TYPE_CHECKING:
     from evtc.linear import Linear
@@ -201,7 +207,7 @@ def _saved_halves(saved1, epilogue, x2, w1) -> dict[str, torch.Tensor]:
     if not epilogue.saved:
         return {}
     if not saved1:
-        acc = x2 @ w1.t()
+        acc = recomputed_accumulator(x2, w1.t())
         saved1 = tuple(acc.chunk(2, dim=-1)) if epilogue.gated else (acc,)
     parts = tuple(s.reshape(-1, s.shape[-1]) for s in saved1)
     if epilogue.gated:

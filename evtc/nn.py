@@ -389,6 +389,7 @@ def _compile_dz(first, dz2, w2, ops1, operand_grads, options):
     from evtc.dz_pass import _half
     from evtc.ir.backward_epilogue import dz_epilogue
     from evtc.runtime.dtype_variants import meta_copy
+    from evtc.runtime.op_autograd import saved_accumulator_dtype
 
     epilogue = dz_epilogue(first.backward_graph(), dz2.dtype, name=first.kernel.plan.name,
                            operand_grads=operand_grads,
@@ -406,7 +407,7 @@ def _compile_dz(first, dz2, w2, ops1, operand_grads, options):
     inputs: dict[str, Any] = {"a": torch.empty(rows, dz2.shape[1], **meta),
                               "b": torch.empty(w2.shape[0], width, **meta)}
     for name in epilogue.saved:
-        inputs[name] = torch.empty(rows, width, **meta)
+        inputs[name] = torch.empty(rows, width, device="meta", dtype=saved_accumulator_dtype(dz2.dtype))
     for name in epilogue.operands:
         inputs[name] = meta_copy(example[name])
     for param, operand, index in epilogue.halves:

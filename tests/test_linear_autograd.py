@@ -1853,3 +1853,98 @@ def test_mlp_fused_step_gives_the_first_bias_gradient(monkeypatch, tmp_path, act
     if block.gated:
         assert {operand for _, operand, _ in epilogue.halves} == {"bias"}
         assert epilogue.split_grads == (("bias",) if trained else ())
+
+
+def _scaled_down_gelu(acc, bias):
+    return F.gelu(acc * 1e-3 + bias)
+
+
+def _scaled_down_swiglu(acc):
+    gate, up = (acc * 1e-3).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _float16_past_its_range(g, rows, k, n):
+    """float16 x and weight whose products reach about 1e5, past float16's 65504."""
+    x = (torch.randn(rows, k, generator=g) * 80).half().requires_grad_()
+    w = (torch.randn(n, k, generator=g) * 80).half().requires_grad_()
+    return x, w
+
+
+@pytest.mark.parametrize("fn, n, operands", [
+    (_scaled_down_gelu, 40, {"bias": 40}),
+    (_scaled_down_swiglu, 48, {}),
+])
+@pytest.mark.parametrize("dz_kernel", [False, True])
+def test_float16_accumulator_past_its_range_keeps_finite_gradients(monkeypatch, tmp_path, fn, n, operands,
+                                                                      dz_kernel):
+    """float16 inputs whose accumulator passes 65504 under an epilogue that scales it back down:
+    the forward (on the float32 accumulator) is finite, and so must be the gradients. The saved
+    accumulator was float16 (infinities, then NaN gradients); it is now kept in float32
+    (``saved_accumulator_dtype``), for the reference backward and the dZ kernel (``dz_kernel``:
+    forced on CPU, where it runs as its torch path) alike. Gradients against float64 autograd."""
+    from evtc.runtime import op_autograd
+
+    ran = None
+    if dz_kernel:  # (its 16-bit GEMMs forced on CPU too, as on the GPU)
+        ran = _spy_on_the_dz_pass(monkeypatch)
+        monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.float16)
+    g = torch.Generator().manual_seed(6)
+    x, w = _float16_past_its_range(g, 4, 64, n)
+    ops = {name: torch.randn(size, generator=g).half().requires_grad_() for name, size in operands.items()}
+    lin = evtc.linear(fn, {"x": x, "weight": w, **ops}, cache_dir=tmp_path)
+    y = lin(x, w, **ops)
+    wide = [t.detach().double().requires_grad_() for t in (x, w, *ops.values())]
+    acc = wide[0] @ wide[1].t()
+    assert acc.abs().max() > 65504
+    want_y = fn(acc, **dict(zip(ops, wide[2:], strict=True)))
+    assert torch.isfinite(y).all()
+    dy = torch.randn(want_y.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(y, [x, w, *ops.values()], dy.half())
+    want = torch.autograd.grad(want_y, wide, dy.half().double())
+    for name, a, b in zip(["x", "weight", *ops], mine, want, strict=True):
+        assert torch.isfinite(a).all(), f"{name}: non-finite gradient"
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 5e-3, f"{name}: relative error {err:.3g}"
+    if dz_kernel:
+        assert ran and ran[0] is not None, "the dZ pass did not run"
+
+
+def _plus_bias(acc, bias):
+    return acc + bias
+
+
+def test_mlp_float16_accumulator_past_its_range_keeps_finite_gradients(monkeypatch, tmp_path):
+    """evtc.nn.MLP in float16 with a first accumulator past 65504 scaled back down by its
+    activation: the fused step (forced on CPU, its kernel's torch path) reads the first layer's
+    accumulator saved in float32, and every gradient is finite and float64 autograd's."""
+    from evtc import mlp_autograd
+    from evtc.runtime import op_autograd
+
+    monkeypatch.setattr(mlp_autograd, "fused_applies", lambda x, w1, w2: True)
+    # (Its 16-bit GEMMs forced on CPU too, as on the GPU: dZ2 in float16.)
+    monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.float16)
+    g = torch.Generator().manual_seed(8)
+    block = evtc.nn.MLP(64, 24, _scaled_down_gelu, _plus_bias, bias=True, dtype=torch.float16,
+                        cache_dir=tmp_path)
+    x, w1 = _float16_past_its_range(g, 6, 64, 24)
+    with torch.no_grad():
+        block.up.weight.copy_(w1)
+        block.down.weight.copy_(torch.randn(64, 24, generator=g).half())
+        for bias in (block.up.bias, block.down.bias):
+            bias.copy_(torch.randn(bias.shape, generator=g).half())
+    y = block(x)
+    params = list(block.parameters())
+    wide = [t.detach().double().requires_grad_() for t in (x, *params)]
+    xd, w1d, b1d, w2d, b2d = wide
+    want_y = _scaled_down_gelu(xd @ w1d.t(), b1d) @ w2d.t() + b2d
+    assert (xd @ w1d.t()).abs().max() > 65504
+    dy = torch.randn(want_y.shape, generator=g, dtype=torch.float64).half()
+    mine = torch.autograd.grad(y, [x, *params], dy)
+    want = torch.autograd.grad(want_y, wide, dy.double())
+    for name, a, b in zip(["x", "up.weight", "up.bias", "down.weight", "down.bias"], mine, want, strict=True):
+        assert torch.isfinite(a).all(), f"{name}: non-finite gradient"
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 5e-3, f"{name}: relative error {err:.3g}"
+    (fused,) = [v for v in block._dz.values() if v is not None]
+    assert fused[0].call_spec.operand_dtypes["saved"] == torch.float32

@@ -622,3 +622,70 @@ def test_dz_pass_of_a_gated_epilogue_with_a_wide_operand(fn, name, trained, monk
     theirs = torch.autograd.grad(eager, inputs, dy.bfloat16())
     assert len(ran) == 1 and ran[0] is not None, "the dZ pass did not run"
     _no_less_accurate_than_eager(["x", "weight", name][:len(inputs)], mine, want, theirs, inputs)
+
+
+def _scaled_down_gelu(acc, bias):
+    return F.gelu(acc * 1e-3 + bias)
+
+
+def _scaled_down_swiglu(acc):
+    gate, up = (acc * 1e-3).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _plus_bias(acc, bias):
+    return acc + bias
+
+
+@pytest.mark.parametrize("api", ["linear", "linear_swiglu", "operator_out_dtypes", "mlp"])
+def test_float16_accumulator_past_its_range_keeps_finite_gradients(api):
+    """float16 inputs whose accumulator passes 65504 (about 1e5) under an epilogue that scales it
+    back down: the forward reads the float32 accumulator and is finite, and so must be the
+    gradients. The accumulator kept for the backward was float16 (infinity, then NaN gradients):
+    saved by evtc.linear / FusedLinear's twin and read by the dZ pass, recomputed by a kernel's
+    operator with out_dtypes, read by MLP's fused step. Against float64 autograd, by norm."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    m, k = 192, 128
+    n = 256 if api == "linear_swiglu" else 128
+    fn = _scaled_down_swiglu if api == "linear_swiglu" else _scaled_down_gelu
+    x = (torch.randn(m, k, device="cuda", generator=g) * 40).half().requires_grad_()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 40).half().requires_grad_()
+    ops = {} if api == "linear_swiglu" else {"bias": torch.randn(n, device="cuda", generator=g).half()
+                                             .requires_grad_()}
+    wide = {name: t.detach().double().requires_grad_() for name, t in {"x": x, "w": w, **ops}.items()}
+    acc = wide["x"] @ wide["w"].t()
+    assert acc.abs().max() > 65504
+    if api == "mlp":
+        block = evtc.nn.MLP(k, n, _scaled_down_gelu, _plus_bias, bias=True, device="cuda",
+                            dtype=torch.float16)
+        w2 = torch.randn(k, n, device="cuda", generator=g).half() * n ** -0.5
+        with torch.no_grad():
+            block.up.weight.copy_(w)
+            block.up.bias.copy_(ops["bias"])
+            block.down.weight.copy_(w2)
+            block.down.bias.zero_()
+        block.down.bias.requires_grad_(False)
+        y = block(x)
+        w2d = w2.double().requires_grad_()
+        want_y = fn(acc, wide["bias"]) @ w2d.t()
+        leaves = [x, block.up.weight, block.up.bias, block.down.weight]
+        refs = [wide["x"], wide["w"], wide["bias"], w2d]
+    else:
+        if api == "operator_out_dtypes":
+            kernel = evtc.compile(fn, {"a": x, "b": w.t(), **ops}, out_dtypes=torch.float32)
+            y = kernel(x, w.t(), **ops)
+        else:
+            y = evtc.linear(fn, {"x": x, "weight": w, **ops})(x, w, **ops)
+        want_y = fn(acc, **{name: wide[name] for name in ops})
+        leaves = [x, w, *ops.values()]
+        refs = [wide["x"], wide["w"], *(wide[name] for name in ops)]
+    assert torch.isfinite(y).all()
+    _norm_close(y, want_y, "forward", 1e-2)
+    dy = torch.randn(want_y.shape, device="cuda", generator=g).half()
+    mine = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+    want = torch.autograd.grad(want_y, refs, dy.double())
+    for i, (a, b) in enumerate(zip(mine, want, strict=True)):
+        assert torch.isfinite(a).all(), f"gradient {i}: not finite"
+        _norm_close(a, b, f"gradient {i}", 1e-2)
+    if api == "mlp":
+        assert [v for v in block._dz.values() if v is not None], "the fused step did not run"

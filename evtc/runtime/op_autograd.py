@@ -124,7 +124,7 @@ def epilogue_gradients(back: Backward, a: torch.Tensor, b: torch.Tensor, names: 
     if acc is not None:
         feeds[back.graph.acc_name] = acc
     elif any(node.op == "acc" for node in back.graph.nodes):
-        feeds[back.graph.acc_name] = (torch.matmul(a, b).to(torch.float32) if low
+        feeds[back.graph.acc_name] = (recomputed_accumulator(a, b).to(torch.float32) if low
                                       else accumulator(a, b, torch.float32))
     else:  # only its sizes are read: a broadcast zero of its shape, no memory
         feeds[back.graph.acc_name] = torch.zeros((), dtype=torch.float32, device=a.device).expand(acc_shape)
@@ -191,6 +191,28 @@ def weight_gradient(d_acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) 
     if low_precision(x, weight):
         return d_acc.t() @ x
     return (d_acc.to(torch.float32).t() @ x.to(torch.float32)).to(weight.dtype)
+
+
+def saved_accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which the backward keeps an accumulator of ``dtype`` inputs (saved by the
+    forward, or recomputed): the inputs' own, as eager autograd saves a linear's output, except
+    float16's. Its largest value is 65504: an accumulator past it would be saved as infinity while
+    the forward's epilogue read it in float32 (``gelu(acc * 1e-3 + bias)`` finite), and every
+    gradient would turn NaN. bfloat16 has float32's range."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def recomputed_accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` on the tensor cores, in :func:`saved_accumulator_dtype`: float16 inputs give
+    float32 results (torch's ``out_dtype`` GEMM where there is one, else a float32 GEMM)."""
+    if saved_accumulator_dtype(a.dtype) == a.dtype:
+        return torch.matmul(a, b)
+    if a.is_cuda and a.dim() == b.dim() == 2:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass  # a torch without the float32-output GEMM
+    return torch.matmul(a.float(), b.float())
 
 
 def low_precision(a: torch.Tensor, b: torch.Tensor) -> bool:
