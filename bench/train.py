@@ -5,6 +5,7 @@ PyTorch and torch.compile (issue "Training").
     python3 bench/train.py --tokens 2048 --no-compile
     python3 bench/train.py --profile             # and where each step spends its GPU time
     python3 bench/train.py --gaps                # and how long the GPU idles within steps run back to back
+    python3 bench/train.py --gpt --inter 16384     # a GPT-style block (GELU, trained biases)
 
 The block: ``h = rms_norm(x) * g``; ``a = silu(gate) * up`` of ``h @ W_gate_up^T``;
 ``y = x + a @ W_down^T``. A step is the forward and ``y.backward(dy)`` with a fixed random ``dy``
@@ -89,6 +90,42 @@ class EvtcLayers(nn.Module):
         return self.down(self.gate_up(rms_scaled(x, self.norm)), residual=x)
 
 
+def bias_gelu(acc, bias):
+    return F.gelu(acc + bias)
+
+
+def add_bias_residual(acc, bias, residual):
+    return acc + bias + residual
+
+
+class EagerGPT(nn.Module):
+    """A GPT-style MLP block (``--gpt``): ``x + down(gelu(up(norm(x))))``, both layers with biases."""
+
+    def __init__(self, hidden: int, inter: int, **kw) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden, **kw))
+        self.up = nn.Linear(hidden, inter, **kw)
+        self.down = nn.Linear(inter, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(rms_scaled(x, self.norm))))
+
+
+class EvtcGPT(nn.Module):
+    """``--gpt`` as ``evtc.nn.MLP`` (the first bias's gradient from the fused dZ kernel); with
+    ``unfused``, its backward's step 3 as before that: dH in memory, then the dZ pass."""
+
+    def __init__(self, hidden: int, inter: int, unfused: bool = False, **kw) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden, **kw))
+        self.mlp = evtc.nn.MLP(hidden, inter, bias_gelu, add_bias_residual, bias=True, **kw)
+        if unfused:
+            self.mlp.dz_kernel = lambda *args: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(rms_scaled(x, self.norm), residual=x)
+
+
 def gradient_error(model: nn.Module, reference: nn.Module) -> float:
     """Largest relative norm error of ``model``'s parameter gradients against ``reference``'s."""
     worst = 0.0
@@ -111,19 +148,34 @@ def main() -> None:
     p.add_argument("--gaps", action="store_true",
                    help="also run 5 steps of each variant back to back under torch.profiler and print "
                         "per step: the wall time, the GPU's busy time and its idle time between kernels")
+    p.add_argument("--gpt", action="store_true",
+                   help="a GPT-style block instead: GELU, both layers with trained biases; 'evtc "
+                        "unfused' is the same block with the first layer's dZ outside dZ2 @ W2")
     args = p.parse_args()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
-    eager = EagerMLP(args.hidden, args.inter, **kw)
-    ours = EvtcMLP(args.hidden, args.inter, **kw)
-    layers = EvtcLayers(args.hidden, args.inter, **kw)
-    with torch.no_grad():
-        for up, down in ((ours.mlp.up, ours.mlp.down), (layers.gate_up, layers.down)):
-            up.weight.copy_(eager.gate_up.weight)
-            down.weight.copy_(eager.down.weight)
+    if args.gpt:
+        eager = EagerGPT(args.hidden, args.inter, **kw)
+        ours = EvtcGPT(args.hidden, args.inter, **kw)
+        second = "evtc unfused"
+        layers = EvtcGPT(args.hidden, args.inter, unfused=True, **kw)
+        with torch.no_grad():
+            for model in (ours, layers):
+                for mine, theirs in ((model.mlp.up, eager.up), (model.mlp.down, eager.down)):
+                    mine.weight.copy_(theirs.weight)
+                    mine.bias.copy_(theirs.bias)
+    else:
+        eager = EagerMLP(args.hidden, args.inter, **kw)
+        ours = EvtcMLP(args.hidden, args.inter, **kw)
+        second = "evtc layers"
+        layers = EvtcLayers(args.hidden, args.inter, **kw)
+        with torch.no_grad():
+            for up, down in ((ours.mlp.up, ours.mlp.down), (layers.gate_up, layers.down)):
+                up.weight.copy_(eager.gate_up.weight)
+                down.weight.copy_(eager.down.weight)
     x = (torch.randn(args.tokens, args.hidden, **kw)).requires_grad_()
     dy = torch.randn(args.tokens, args.hidden, **kw)
-    variants = {"evtc": ours, "evtc layers": layers, "eager": eager}
+    variants = {"evtc": ours, second: layers, "eager": eager}
     if not args.no_compile:
         variants["torch.compile"] = torch.compile(eager)
         # How a user deploys evtc inside a compiled model: torch.compile fuses the RMS scaling
@@ -139,7 +191,7 @@ def main() -> None:
     # parameters, so each is checked right after its own step).
     eager.zero_grad(set_to_none=True)
     step(eager)()
-    for name in ("evtc", "evtc layers", "evtc+compile"):
+    for name in ("evtc", second, "evtc+compile"):
         if name not in variants:
             continue
         model = variants[name]
@@ -151,10 +203,12 @@ def main() -> None:
     x.grad = None
     names = list(variants)
     ms = time_paired([step(variants[n]) for n in names], 3, args.samples, 1)
-    # Forward: gate/up 2 M H (2 I) and down 2 M I H flops; the backward twice that (dX and dW).
-    flops = 3 * 6 * args.tokens * args.hidden * args.inter
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens}, hidden "
-          f"{args.hidden}, intermediate {args.inter}, bf16; median of {args.samples}")
+    # Forward: gate/up 2 M H (2 I) and down 2 M I H flops (up 2 M H I for --gpt); the backward
+    # twice that (dX and dW).
+    flops = 3 * (4 if args.gpt else 6) * args.tokens * args.hidden * args.inter
+    block = "GPT-style (GELU, biases)" if args.gpt else "Llama-style (SwiGLU)"
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {block}, M = {args.tokens}, "
+          f"hidden {args.hidden}, intermediate {args.inter}, bf16; median of {args.samples}")
     for n, t in zip(names, ms, strict=True):
         ratio = t / ms[0]
         print(f"  {n:14s} {t:8.3f} ms  {flops / t / 1e9:6.0f} TFLOP/s  {n}/evtc = {ratio:.3f}")
