@@ -30,14 +30,14 @@ float32 arithmetic's rounding):
   was first built, not inside a CUDA graph capture.
 
 A kernel's own custom operator (``k(a, b, ...)`` with inputs that require grad) saves no
-accumulator; its reference backward recomputes ``a @ b`` into memory (16 bits) before the float32
-operations. :func:`recomputed_gradients` makes dZ the epilogue of that recomputing GEMM instead
-(``dz_epilogue(..., recompute=True)``: ``fn(acc, grad, operands...)``, the accumulator read in
-registers), compiled with the selector's configuration per layout of the call's tensors and cached
-on the forward kernel (``Kernel.recomputed_dz``). At 8192 x 4096 -> 14336 in bf16 (H200,
-``bench/layer_step.py --operator``) the operator's step takes 5.58 ms where the reference took 10.19
-(eager nn.Linear + GELU, which saves its output: 4.48). It applies under the same conditions, not
-to a batched call whose operands need gradients (those also sum over the batch).
+accumulator; its reference backward recomputes ``a @ b`` into memory (16 bits; float32 for float16)
+before the float32 operations. :func:`recomputed_gradients` makes dZ the epilogue of that
+recomputing GEMM instead (``dz_epilogue(..., recompute=True)``: ``fn(acc, grad, operands...)``, the
+accumulator read in registers), compiled with the selector's configuration per layout of the call's
+tensors and cached on the forward kernel (``Kernel.recomputed_dz``). At 8192 x 4096 -> 14336 in bf16
+(H200, ``bench/layer_step.py --operator``) the operator's step takes 5.58 ms where the reference
+took 10.19 (eager nn.Linear + GELU, which saves its output: 4.48). It applies under the same
+conditions, not to a batched call whose operands need gradients (those also sum over the batch).
 """
 
 from __future__ import annotations
@@ -290,15 +290,16 @@ def _operand_gradients(epilogue: DzEpilogue, outs: tuple[torch.Tensor, ...],
 def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any],
                          grads: dict[str, torch.Tensor | None], operand_grads: tuple[str, ...] = ()
                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """(dZ, {operand: gradient}) of the backward of ``kernel``'s custom operator called on ``a``,
-    ``b`` and ``operands`` (by name), from one evtc kernel: the forward's GEMM run again with dZ as
-    its epilogue, which reads the incoming gradient ``grad`` as a tile operand and the recomputed
-    accumulator in registers (the reference recomputes ``a @ b`` into memory in 16 bits and
-    evaluates the backward graph over it as float32 torch operations). The operands in ``operand_grads``
-    get their gradients from the same kernel. None where it does not apply (the caller then runs
-    the reference): where ``applies`` does not hold, dZ does not read the accumulator or is not one
-    elementwise pass, a batched call needs operand gradients, or the kernel does not compile or
-    refuses the call. Kernels are compiled on first use per layout of the call's tensors."""
+    """(dZ, {operand: gradient}) of the backward of ``kernel``'s custom operator called on ``a``, ``b``
+    and ``operands`` (by name), from one evtc kernel: the forward's GEMM run again with dZ as its
+    epilogue, which reads the incoming gradient ``grad`` as a tile operand and the recomputed
+    accumulator in registers (the reference recomputes ``a @ b`` into memory, in 16 bits for
+    bfloat16, and evaluates the backward graph over it as float32 torch operations). The operands in
+    ``operand_grads`` get their gradients from the same kernel. None where it does not apply (the
+    caller then runs the reference): where ``applies`` does not hold, dZ does not read the
+    accumulator or is not one elementwise pass, a batched call needs operand gradients, or the
+    kernel does not compile or refuses the call. Kernels are compiled on first use per layout of the
+    call's tensors."""
     if not recompute_applies(a, b):
         return None
     if operand_grads and (a.dim() > 2 or b.dim() > 2):
@@ -337,10 +338,14 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
 
 def recompute_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether an operator's backward on these inputs may take the recomputing dZ kernel: 16-bit
-    inputs on the GPU (where the backward's GEMMs run in 16 bits too), not under torch.compile."""
+    inputs on the GPU (where the backward's GEMMs run in 16 bits too), not under torch.compile, and
+    not in a backward with ``create_graph=True`` (grad mode on): the reference's torch operations
+    are then the differentiable path, and the kernel refuses ``out=`` while its inputs require
+    grad (which, cached as a refusal, turned the kernel off for later backwards)."""
     from evtc.runtime import op_autograd  # the module's attribute: tests force it on CPU tensors
 
-    return op_autograd.low_precision(a, b) and not torch.compiler.is_compiling()
+    return (op_autograd.low_precision(a, b) and not torch.compiler.is_compiling()
+            and not torch.is_grad_enabled())
 
 
 def _incoming(back, grads: dict[str, torch.Tensor | None], m: int, n: int, batches: int

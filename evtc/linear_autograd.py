@@ -10,8 +10,9 @@ For 16-bit inputs on the GPU with a saved accumulator, dZ and the wanted operand
 one elementwise evtc kernel (:mod:`evtc.dz_pass`). Elsewhere the reference backward runs: the
 backward graph as torch operations through the IR's interpreter in float32. The GEMMs (dx,
 dweight, and an accumulator recomputed where none was saved) run in 16 bits with float32
-accumulation for 16-bit inputs on the GPU, with dZ rounded to 16 bits, as eager autograd runs them,
-and in float32 otherwise (:func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). dZ in the
+accumulation for 16-bit inputs on the GPU, with dZ rounded to 16 bits, as eager autograd runs them
+(a float16 accumulator, saved or recomputed, is kept in float32: its range), and in float32
+otherwise (:func:`evtc.runtime.op_autograd.gemm_epilogue_backward`). dZ in the
 epilogue of the GEMM that makes dY needs both layers: :mod:`evtc.mlp_autograd`.
 """
 

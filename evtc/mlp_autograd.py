@@ -15,9 +15,8 @@ The backward, for 16-bit inputs on the GPU:
    output, saved;
 3. ``dZ1``: the fused kernel ``dZ1 = dz(dZ2 @ W2, saved accumulator, operands)``; for a gated
    epilogue its two outputs are written into the halves of one tensor. The first layer's trained
-   operands get their gradients from the same kernel: a bias's as a column sum of dZ1 (a bias as
-   wide as a gated layer's GEMM, ``(acc + bias).chunk(2, -1)``, from dZ1's two halves), a per-row
-   scale's as a row sum, a tile operand's as one more tile;
+   bias gets its gradient from the same kernel, as a column sum of dZ1 (a bias as wide as a gated
+   layer's GEMM, ``(acc + bias).chunk(2, -1)``, from dZ1's two halves);
 4. ``dX = dZ1 @ W1`` and ``dW1 = dZ1^T @ X`` (torch.matmul).
 
 Where the fused kernel does not apply (float32 or CPU inputs; a first epilogue whose dZ is not one
@@ -53,8 +52,8 @@ class MLPFunction(torch.autograd.Function):
     (a tuple in its output order) of ``second(first(x, w1, **operands1), w2, **operands2)``.
 
     ``pair`` (an :class:`evtc.nn.MLP`) provides ``first_linear(x, ops1, w1)`` and
-    ``second_linear(h, ops2, w2)``, the two :class:`evtc.Linear`, and ``dz_kernel(first, dz2, w2, x2, w1,
-    ops1)``, the fused kernel of step 3 and its epilogue, or None. Under ``torch.compile`` the same
+    ``second_linear(h, ops2, w2)``, the two :class:`evtc.Linear`, and ``dz_kernel(first, dz2, w2, ops1,
+    operand_grads)``, the fused kernel of step 3 and its epilogue, or None. Under ``torch.compile`` the same
     forward and backward run as custom operators instead (:mod:`evtc.mlp_op`).
     """
 

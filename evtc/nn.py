@@ -370,7 +370,15 @@ class MLP(nn.Module):
                tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, type(v))
                      for n, v in ops1.items()))
         if key not in self._dz:
-            self._dz[key] = _compile_dz(first, dz2, w2, ops1, operand_grads, self._options)
+            from evtc.dz_pass import _BUILD_LOCK
+
+            if dz2.is_cuda and torch.cuda.is_current_stream_capturing():
+                # A build launches work that a CUDA graph capture refuses: the unfused step is
+                # capture-safe, and the kernel is built by the first backward outside a capture.
+                return None
+            with _BUILD_LOCK:  # threads whose backwards want it wait for one build
+                if key not in self._dz:
+                    self._dz[key] = _compile_dz(first, dz2, w2, ops1, operand_grads, self._options)
         return self._dz[key]
 
     def __getstate__(self) -> dict[str, Any]:

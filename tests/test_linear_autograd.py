@@ -1948,3 +1948,24 @@ def test_mlp_float16_accumulator_past_its_range_keeps_finite_gradients(monkeypat
         assert err < 5e-3, f"{name}: relative error {err:.3g}"
     (fused,) = [v for v in block._dz.values() if v is not None]
     assert fused[0].call_spec.operand_dtypes["saved"] == torch.float32
+
+
+def test_mlp_builds_no_fused_kernel_inside_a_cuda_graph_capture(monkeypatch, tmp_path):
+    """evtc.nn.MLP's fused step is compiled on first use: a first use inside a CUDA graph capture
+    (a build launches work a capture refuses) takes the unfused step, capture-safe, and leaves the
+    build to the next backward outside a capture (here on CPU: the capture state patched, the
+    fused step forced, its kernel running as its torch path)."""
+    from evtc import mlp_autograd
+
+    monkeypatch.setattr(mlp_autograd, "fused_applies", lambda x, w1, w2: True)
+    block = evtc.nn.MLP(16, 24, _bias_gelu, _bias_residual, bias=True, cache_dir=tmp_path)
+    x = torch.randn(6, 16, requires_grad=True)
+    first = block.first_linear(x, {"bias": block.up.bias})
+    w2, dz2 = block.down.weight.detach(), torch.randn(6, 16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert block.dz_kernel(first, dz2, w2, {"bias": block.up.bias.detach()}, ("bias",)) is None
+    assert not block._dz  # nothing cached: built by the first backward outside a capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    built = block.dz_kernel(first, dz2, w2, {"bias": block.up.bias.detach()}, ("bias",))
+    assert built is not None and built[1].operand_grads == ("bias",)

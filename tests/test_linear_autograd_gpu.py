@@ -637,13 +637,14 @@ def _plus_bias(acc, bias):
     return acc + bias
 
 
-@pytest.mark.parametrize("api", ["linear", "linear_swiglu", "operator_out_dtypes", "mlp"])
+@pytest.mark.parametrize("api", ["linear", "linear_swiglu", "operator_out_dtypes", "operator_batched", "mlp"])
 def test_float16_accumulator_past_its_range_keeps_finite_gradients(api):
     """float16 inputs whose accumulator passes 65504 (about 1e5) under an epilogue that scales it
     back down: the forward reads the float32 accumulator and is finite, and so must be the
     gradients. The accumulator kept for the backward was float16 (infinity, then NaN gradients):
     saved by evtc.linear / FusedLinear's twin and read by the dZ pass, recomputed by a kernel's
-    operator with out_dtypes, read by MLP's fused step. Against float64 autograd, by norm."""
+    operator with out_dtypes (batched too), read by MLP's fused step. Against float64 autograd, by
+    norm."""
     g = torch.Generator(device="cuda").manual_seed(2)
     m, k = 192, 128
     n = 256 if api == "linear_swiglu" else 128
@@ -671,12 +672,15 @@ def test_float16_accumulator_past_its_range_keeps_finite_gradients(api):
         leaves = [x, block.up.weight, block.up.bias, block.down.weight]
         refs = [wide["x"], wide["w"], wide["bias"], w2d]
     else:
-        if api == "operator_out_dtypes":
-            kernel = evtc.compile(fn, {"a": x, "b": w.t(), **ops}, out_dtypes=torch.float32)
-            y = kernel(x, w.t(), **ops)
+        if api.startswith("operator"):
+            # (Batched: a's rows as two batches beside one b; the reference backward's recompute is
+            # then a batched GEMM.)
+            a = x.view(2, m // 2, k) if api == "operator_batched" else x
+            kernel = evtc.compile(fn, {"a": a, "b": w.t(), **ops}, out_dtypes=torch.float32)
+            y = kernel(a, w.t(), **ops)
         else:
             y = evtc.linear(fn, {"x": x, "weight": w, **ops})(x, w, **ops)
-        want_y = fn(acc, **{name: wide[name] for name in ops})
+        want_y = fn(acc, **{name: wide[name] for name in ops}).view(y.shape)
         leaves = [x, w, *ops.values()]
         refs = [wide["x"], wide["w"], *(wide[name] for name in ops)]
     assert torch.isfinite(y).all()

@@ -583,3 +583,36 @@ def test_operator_backward_traced_with_symbolic_sizes(monkeypatch):
     want = torch.autograd.grad([y, s], [ad, bd], [torch.ones_like(y), torch.ones_like(s)])
     for name, x, r in zip("ab", traced(a2, b2, bias2), want, strict=True):
         _close(x, r, name)
+
+
+def _swiglu_over_a_bias(acc, bias):
+    gate, up = (acc + bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def test_a_create_graph_backward_leaves_the_recomputing_dz_kernel_on(monkeypatch, tmp_path):
+    """A backward with create_graph=True through a kernel's operator (grad mode on, a and b
+    requiring grad) takes the reference, the differentiable path: the recomputing dZ kernel, which
+    refuses out= there, was tried, and its refusal was cached, turning it off for every later
+    backward. Both backwards give float64 autograd's gradients, and the kernel is built and kept
+    by the plain one (bfloat16 16-bit GEMMs forced on CPU, where the kernel runs its torch path)."""
+    from evtc.runtime import op_autograd
+
+    monkeypatch.setattr(op_autograd, "low_precision", lambda a, b: a.dtype == b.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(16, 24, generator=g) * 0.25).bfloat16().requires_grad_()
+    bias = torch.randn(24, generator=g).bfloat16().requires_grad_()
+    k = evtc.compile(_swiglu_over_a_bias, {"a": a, "b": w, "bias": bias}, cache_dir=tmp_path)
+    wide = [t.detach().double().requires_grad_() for t in (a, w, bias)]
+    want = torch.autograd.grad(_swiglu_over_a_bias(wide[0] @ wide[1], wide[2]), wide,
+                               torch.ones(8, 12, dtype=torch.float64))
+    for create_graph in (True, False):
+        y = k(a, w, bias=bias)
+        got = torch.autograd.grad(y, [a, w, bias], torch.ones_like(y), create_graph=create_graph)
+        for name, mine, ref in zip("a w bias".split(), got, want, strict=True):
+            err = ((mine.double() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, f"{name} (create_graph={create_graph}): {err:.3g}"
+        if create_graph:
+            assert not any(v is False for v in k.recomputed_dz.values()), k.recomputed_dz
+    assert [v for v in k.recomputed_dz.values() if v], "the plain backward did not build the dZ kernel"

@@ -113,8 +113,9 @@ def epilogue_gradients(back: Backward, a: torch.Tensor, b: torch.Tensor, names: 
 
     # 16-bit inputs on the GPU: the GEMMs run as eager autograd's would, on the tensor cores with
     # float32 accumulation and 16-bit results (the accumulator rounded as the 16-bit output that
-    # eager autograd saves, dZ rounded before dX and dW). In float32 they would run several times
-    # slower than the forward (docs/training.md). Otherwise (float32 inputs, the CPU): float32.
+    # eager autograd saves, but float16's kept in float32, saved_accumulator_dtype; dZ rounded
+    # before dX and dW). In float32 they would run several times slower than the forward
+    # (docs/training.md). Otherwise (float32 inputs, the CPU): float32.
     low = low_precision(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     acc_shape = (*batch, a.shape[-2], b.shape[-1])
@@ -204,15 +205,25 @@ def saved_accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def recomputed_accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` on the tensor cores, in :func:`saved_accumulator_dtype`: float16 inputs give
-    float32 results (torch's ``out_dtype`` GEMM where there is one, else a float32 GEMM)."""
+    float32 results (torch's ``out_dtype`` GEMM on the GPU, batched as ``bmm``; a float32 GEMM
+    where torch has none)."""
     if saved_accumulator_dtype(a.dtype) == a.dtype:
         return torch.matmul(a, b)
-    if a.is_cuda and a.dim() == b.dim() == 2:
+    global _OUT_DTYPE_GEMM
+    if a.is_cuda and _OUT_DTYPE_GEMM and a.dim() <= 3 and b.dim() <= 3:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass  # a torch without the float32-output GEMM
+            if a.dim() == b.dim() == 2:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            return torch.bmm(a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:]),
+                             out_dtype=torch.float32)
+        except (TypeError, NotImplementedError):
+            _OUT_DTYPE_GEMM = False  # a torch without the float32-output GEMMs (before 2.8)
     return torch.matmul(a.float(), b.float())
+
+
+#: Whether torch has ``mm`` / ``bmm`` with ``out_dtype`` (found out on first use).
+_OUT_DTYPE_GEMM = True
 
 
 def low_precision(a: torch.Tensor, b: torch.Tensor) -> bool:
