@@ -231,6 +231,50 @@ def test_numpy_scalars_are_python_numbers():
         torch.testing.assert_close(k(a, b, alpha=alpha).float(), want.half().float())
 
 
+def test_numpy_scalar_on_the_left_of_an_operator():
+    """``np.float32(2) * acc``: NumPy's scalar tried to make an array of the traced value (len(),
+    bool()) and the trace failed with a control-flow error naming neither; torch takes it as the
+    reflected operator with a Python number, and so does evtc now: every such operator gives the
+    graph, and the values, of the same function with Python numbers (whose semantics the cases
+    above check against torch), and torch's own values on the float32 accumulator within the
+    float16 rounding of the outputs."""
+    np = pytest.importorskip("numpy")
+
+    def with_numpy(acc, C):
+        return (np.float32(2.0) * acc + np.float64(1.5) - C, np.float32(3.0) / (acc.abs() + 1),
+                torch.where(np.float32(0.5) > acc, acc, C), torch.where(np.float64(-0.5) <= acc, C, acc),
+                np.float32(2.0) ** (acc * 0.01),
+                (np.float32(1.0) == acc).float() + (np.int64(2) != C).float())
+
+    def with_python(acc, C):
+        return (2.0 * acc + 1.5 - C, 3.0 / (acc.abs() + 1), torch.where(0.5 > acc, acc, C),
+                torch.where(-0.5 <= acc, C, acc), 2.0 ** (acc * 0.01),
+                (1.0 == acc).float() + (2 != C).float())
+
+    a, b, ops = _inputs({"C": "MN"})
+    feeds = {"a": a, "b": b, **ops}
+    got = evtc.trace(with_numpy, feeds).evaluate(feeds, cast_outputs=True)
+    same = evtc.trace(with_python, feeds).evaluate(feeds, cast_outputs=True)
+    want = with_python(a.float() @ b.float(), ops["C"].float())
+    for g, s, w in zip(got, same, want, strict=True):
+        assert g.dtype == s.dtype and torch.equal(g, s)
+        torch.testing.assert_close(g.float(), w, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("call", ["exp", "maximum", "multiply"])
+def test_numpy_function_of_a_traced_value_is_refused_by_name(call):
+    """``np.exp(acc)``: refused naming the NumPy function and the torch one to use, at the user's
+    line (NumPy's own attempt to make an array of the value gave a control-flow error)."""
+    np = pytest.importorskip("numpy")
+    functions = {"exp": lambda acc: np.exp(acc), "maximum": lambda acc: np.maximum(acc, 0),
+                 "multiply": lambda acc: np.multiply(acc, 2)}
+    a, b, _ = _inputs({})
+    message = f"numpy.{call} of a traced value.*torch.{call}"
+    with pytest.raises(evtc.UnsupportedOpError, match=message) as info:
+        evtc.trace(functions[call], {"a": a, "b": b})
+    assert "test_torch_semantics.py" in str(info.value)
+
+
 def test_numpy_scalars_as_compile_time_constants(tmp_path):
     """A NumPy flag or an unused NumPy number in the examples is the Python value it holds: the
     kernel compiles (its plan is JSON) and calls pass either form."""

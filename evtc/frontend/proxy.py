@@ -40,6 +40,15 @@ MATRIX_PRODUCTS = frozenset({
 })
 
 
+#: NumPy ufuncs that a NumPy scalar on the left of a Python operator calls, and the traced value's
+#: reflected operator that computes them (``np.float32(2) > acc`` is ``acc < 2``).
+_NUMPY_REFLECTED = {
+    "add": "__radd__", "subtract": "__rsub__", "multiply": "__rmul__", "true_divide": "__rtruediv__",
+    "divide": "__rtruediv__", "power": "__rpow__", "greater": "__lt__", "greater_equal": "__le__",
+    "less": "__gt__", "less_equal": "__ge__", "equal": "__eq__", "not_equal": "__ne__",
+}
+
+
 def unsupported(what: str) -> UnsupportedOpError:
     """The error for an op the epilogue language does not have (``what``: ``torch.sin``,
     ``Tensor.mm``, ``@``), at the user's line."""
@@ -277,6 +286,18 @@ class TracedValue:
     # --- Python operators ----------------------------------------------------------------------
     def _op(self, name: str, *args: Any) -> Any:
         return self._tracer.operator(name, args)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """NumPy's hook: a NumPy scalar on the left of an operator (``np.float32(2) * acc``) is the
+        reflected operator, as torch takes it; a NumPy function of a traced value is refused by
+        name (without this, NumPy would try to make an array of it: len(), bool(), a caught error)."""
+        reflected = _NUMPY_REFLECTED.get(getattr(ufunc, "__name__", ""))
+        if method == "__call__" and reflected and len(inputs) == 2 and inputs[1] is self and not kwargs:
+            return getattr(self, reflected)(inputs[0])
+        name = getattr(ufunc, "__name__", str(ufunc))
+        raise UnsupportedOpError(
+            f"numpy.{name} of a traced value: NumPy computes on host arrays, not in the kernel; use "
+            f"the torch function (torch.{name}, where torch has it)", user_location())
 
     def __add__(self, o: Any) -> Any:
         return self._op("add", self, o)
