@@ -959,3 +959,19 @@ def test_in_place_on_a_value_that_was_detached_is_refused():
     err = _trace_error(epilogue, EX, evtc.InPlaceError)
     assert "detached" in str(err)
     _assert_points_at_marked_line(err, epilogue)
+
+
+def test_graph_evaluated_without_an_input_names_every_missing_one():
+    """``Graph.evaluate`` with an input the graph reads left out: an InputError naming each missing
+    input and what the graph reads (it was a bare KeyError of the first missing name)."""
+    def ep(acc, bias, scale: float):
+        return acc * scale + bias
+
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    graph = evtc.trace(ep, {"a": a, "b": b, "bias": torch.randn(6), "scale": 2.0})
+    with pytest.raises(evtc.InputError, match="without its input\\(s\\) bias, scale; it reads acc, "):
+        graph.evaluate({"acc": a @ b})
+    with pytest.raises(evtc.InputError, match="acc \\(or a and b\\)"):
+        graph.evaluate({"bias": torch.randn(6), "scale": 2.0})
+    got = graph.evaluate({"a": a, "b": b, "bias": torch.ones(6), "scale": 2.0})
+    torch.testing.assert_close(got, (a @ b) * 2 + 1)

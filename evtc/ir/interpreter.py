@@ -57,6 +57,7 @@ def evaluate(
     outputs come back in their store dtype, otherwise in `compute_dtype` (exactly as computed).
     Returns the outputs in the structure the epilogue returns.
     """
+    _require_inputs(graph, inputs)
     if graph.acc_name in inputs:
         acc = inputs[graph.acc_name].to(compute_dtype)
     else:
@@ -73,6 +74,22 @@ def evaluate(
             outputs[node.attrs["name"]] = stored.to(node.dtype) if cast_outputs else stored
         values[node.id] = result
     return graph.outputs.build(outputs)
+
+
+def _require_inputs(graph: Graph, inputs: Mapping[str, Any]) -> None:
+    """Refuse ``inputs`` that lack one the graph reads, naming every missing one (a bare KeyError
+    from deep in the evaluation would name one, as a dict lookup)."""
+    needed = [node.attrs["name"] for node in graph.nodes if node.op in ("load", "arg")
+              and "half_of" not in node.attrs]
+    needed += [node.attrs["half_of"][0] for node in graph.nodes if "half_of" in node.attrs]
+    missing = sorted({name for name in needed if name not in inputs})
+    if graph.acc_name not in inputs and not {"a", "b"} <= set(inputs):
+        missing = [f"{graph.acc_name} (or a and b)", *missing]
+    if missing:
+        from ..errors import InputError
+
+        raise InputError(f"{graph.name!r} evaluated without its input(s) {', '.join(missing)}; it reads "
+                         f"{', '.join(dict.fromkeys([graph.acc_name, *needed]))}")
 
 
 def _evaluate_node(
