@@ -975,3 +975,18 @@ def test_graph_evaluated_without_an_input_names_every_missing_one():
         graph.evaluate({"bias": torch.randn(6), "scale": 2.0})
     got = graph.evaluate({"a": a, "b": b, "bias": torch.ones(6), "scale": 2.0})
     torch.testing.assert_close(got, (a @ b) * 2 + 1)
+
+
+@evtc.epilogue
+def _times_a_row_value(acc, s):
+    return acc * s.unsqueeze(-1)
+
+
+def test_an_operand_shape_error_names_the_def_line_and_the_column_shape():
+    """An (M,) operand meant per row: the error is at the function's ``def`` line (it was the
+    decorator's, ``@evtc.epilogue``, above it) and says a per-row column is (M, 1)."""
+    a, b = torch.randn(6, 8), torch.randn(8, 5)
+    with pytest.raises(evtc.ShapeError, match=r"per-row column of M = 6 values is \(6, 1\)") as info:
+        evtc.trace(_times_a_row_value, {"a": a, "b": b, "s": torch.randn(6)})
+    decorator_line = inspect.getsourcelines(_times_a_row_value)[1]
+    assert f"test_errors.py:{decorator_line + 1}: def _times_a_row_value" in str(info.value), str(info.value)

@@ -181,9 +181,14 @@ def classify_tensor(name: str, t: torch.Tensor, problem: Problem, loc: SourceLoc
             shape.append(ONE)
         else:
             names = "(L, M, N)" if problem.batched else "(M, N)"
+            # A vector of M values is the usual slip: torch broadcasts a 1-d tensor along the last
+            # dim (N), so a per-row value needs its own column dim.
+            column = (dim == N and size == problem.sizes[M] and t.dim() >= 1 and t.shape[-1] == size)
+            hint = (f"; a per-row column of M = {size} values is ({size}, 1) (torch broadcasts a "
+                    "1-d tensor along N)") if column else ""
             raise ShapeError(
                 f"input {name!r} has shape {tuple(t.shape)}, which cannot broadcast to "
-                f"{names} = {target}: each dim must be 1 or the problem's size",
+                f"{names} = {target}: each dim must be 1 or the problem's size{hint}",
                 loc,
             )
     sym: Shape = tuple(shape)

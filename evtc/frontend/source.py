@@ -32,8 +32,17 @@ def definition_location(fn: object) -> SourceLoc | None:
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
-    return SourceLoc(code.co_filename, code.co_firstlineno, linecache.getline(code.co_filename,
-                                                                                code.co_firstlineno))
+    # A decorated function's first line is its first decorator's (``@evtc.epilogue``): step over the
+    # decorators (a few lines at most, each possibly spanning several) to the ``def`` itself.
+    line = code.co_firstlineno
+    for candidate in range(line, line + 20):
+        text = linecache.getline(code.co_filename, candidate).lstrip()
+        if not text:
+            break
+        if text.startswith(("def ", "async def ", "lambda")) or "lambda" in text:
+            line = candidate
+            break
+    return SourceLoc(code.co_filename, line, linecache.getline(code.co_filename, line))
 
 
 def traceback_location(tb) -> SourceLoc | None:
