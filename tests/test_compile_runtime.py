@@ -629,3 +629,106 @@ def test_the_torch_path_ignores_the_callers_autocast(tmp_path):
             inside = kernel(a, b, bias=bias)
         assert kernel.last_path == "torch" and inside.dtype == outside.dtype == dtype
         assert torch.equal(inside, outside)
+
+
+def test_front_key_sees_what_the_epilogue_reads_through_library_modules():
+    """The front key digests torch's modules by name; what an epilogue reads through them is
+    digested by value: a flag it branches on (``torch.backends.cuda.matmul.allow_tf32``), a library
+    function the user replaced (``F.gelu = ...``). A call of a library function that reads process
+    state (``torch.are_deterministic_algorithms_enabled()``) and an lru_cache holding results of
+    another time give no front key (the full path, every time): with any of these, a front record
+    served the kernel traced under the state of its time."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from evtc.runtime.front_key import front_key
+
+    ex = dict(a=torch.empty(8, 16, dtype=torch.float16, device="meta"),
+              b=torch.empty(16, 8, dtype=torch.float16, device="meta"))
+
+    def key(fn):
+        return front_key(fn, ex, None, None, "sm_90a", False)
+
+    def by_flag(acc):
+        return acc * 2.0 if torch.backends.cuda.matmul.allow_tf32 else acc * 3.0
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        off = key(by_flag)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        on = key(by_flag)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert off is not None and on is not None and off != on
+
+    def gelu(acc):
+        return F.gelu(acc)
+
+    plain, original = key(gelu), F.gelu
+    try:
+        F.gelu = lambda x, approximate="none": original(x) * 2
+        replaced = key(gelu)
+    finally:
+        F.gelu = original
+    assert plain is not None and replaced is not None and replaced != plain and key(gelu) == plain
+
+    def deterministic(acc):
+        return acc * (2.0 if torch.are_deterministic_algorithms_enabled() else 3.0)
+
+    assert key(deterministic) is None
+
+    @functools.lru_cache
+    def scale():
+        return 2.0
+
+    def cached(acc):
+        return acc * scale()
+
+    assert key(cached) is not None  # nothing held yet: the digest sees what it will compute
+    scale()
+    assert key(cached) is None
+
+
+def test_an_entry_that_neither_verifies_nor_can_be_replaced_is_never_loaded(tmp_path, monkeypatch):
+    """A damaged entry whose folder cannot be replaced (another user's, in a shared cache): the
+    commit of the fresh build failed, was taken for another process's commit of the same key, and
+    the damaged library was loaded. Now the commit raises (the kernel is then built in a private
+    folder, as for a read-only cache), and it still defers to another process's valid entry."""
+    import os
+
+    from evtc.runtime import cache as cache_module
+
+    def relu_plus(acc):
+        return torch.relu(acc) + 1.0
+
+    ex = dict(a=torch.empty(64, 32, dtype=torch.float16, device="meta"),
+              b=torch.empty(32, 64, dtype=torch.float16, device="meta"))
+    k = evtc.compile(relu_plus, ex, cache_dir=tmp_path, arch="sm_90a")
+    cache = cache_module.DiskCache(tmp_path)
+    library = cache.entry(k.key) / "kernel.so"
+    good = library.read_bytes()
+    real_replace = os.replace
+
+    def no_replacing_entries(src, dst):
+        if Path(dst) == cache.entry(k.key):
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(cache_module.os, "replace", no_replacing_entries)
+    monkeypatch.setattr(cache_module.shutil, "rmtree", lambda *a, **kw: None)  # the folder stays
+    for damaged in (False, True):
+        library.write_bytes(good + (b"\0damaged" if damaged else b""))
+        staged = cache.staging()
+        (staged / "kernel.so").write_bytes(good)
+        if damaged:
+            with pytest.raises(PermissionError):
+                cache.commit(k.key, staged, ["kernel.so"], {})
+        else:
+            assert cache.commit(k.key, staged, ["kernel.so"], {}) == cache.entry(k.key)
+    # Through evtc.compile: the damaged entry is rebuilt elsewhere, and what is loaded verifies.
+    clear_memory_cache()
+    again = evtc.compile(relu_plus, ex, cache_dir=tmp_path, arch="sm_90a")
+    assert Path(again.cache_path) != cache.entry(k.key)
+    assert cache_module.DiskCache(Path(again.cache_path).parents[1]).load(again.key) is not None

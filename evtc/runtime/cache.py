@@ -198,6 +198,11 @@ class DiskCache:
         try:
             os.replace(staged, target)
         except OSError:
+            if self.load(key) is None:
+                # Neither ours nor another process's valid entry is there: its place cannot be
+                # written (another user's folder, a corrupt entry that cannot be removed). What is
+                # there is never loaded: the caller builds where it can (UnwritableCache).
+                raise
             # Another process committed the same key first: theirs is as good as ours.
             shutil.rmtree(staged, ignore_errors=True)
         return target

@@ -22,6 +22,7 @@ import builtins
 import functools
 import hashlib
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -114,10 +115,78 @@ def _function(fn: types.FunctionType, seen: set[int]) -> tuple:
             globals_read.append((name, _value(fn.__globals__[name], seen)))
         elif hasattr(builtins, name):
             globals_read.append((name, "builtin"))
+    # What the function reads through a library module (``torch.backends.cuda.matmul.allow_tf32``,
+    # ``F.gelu`` replaced by a function of the user's): the module is digested by its name, and
+    # these by their values.
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ()), strict=True))
+    for from_closure, *chain in _module_attribute_chains(code):
+        start = cells if from_closure else fn.__globals__
+        globals_read.append((".".join(chain), _chain_value(start, tuple(chain), seen)))
     annotations = tuple(sorted((k, repr(v)) for k, v in getattr(fn, "__annotations__", {}).items()))
     attributes = _value(dict(fn.__dict__), seen) if fn.__dict__ else None  # fn.scale read in fn
     return ("function", _code(code, seen), _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen),
             closure, tuple(globals_read), annotations, attributes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _module_attribute_chains(code: types.CodeType) -> tuple[tuple, ...]:
+    """The attribute chains the bytecode reads from a global or a closure variable
+    (``torch.backends.cuda.matmul``: ``(False, "torch", "backends", "cuda", "matmul")``, the first
+    item whether it starts at a closure variable), in ``code`` and the code it nests (whose closure
+    variables are the function's cells too, where they are ``code``'s own)."""
+    import dis
+
+    chains: set[tuple] = set()
+    current: list = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF"):
+            if len(current) > 2:
+                chains.add(tuple(current))
+            current = [ins.opname != "LOAD_GLOBAL", ins.argval]
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and current:
+            current.append(ins.argval)
+        elif ins.opname not in ("CACHE", "EXTENDED_ARG", "NOP", "PRECALL"):
+            if len(current) > 2:
+                chains.add(tuple(current))
+            current = []
+    if len(current) > 2:
+        chains.add(tuple(current))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            # A nested function's closure variables are this function's cells only where they
+            # are its own free variables: others (its own cells) are not readable from here.
+            chains.update(c for c in _module_attribute_chains(const)
+                          if not c[0] or c[1] in code.co_freevars)
+    return tuple(sorted(chains, key=repr))
+
+
+#: Library functions whose results are process state (a flag set by the user), not a function of
+#: their arguments: an epilogue that calls them traces differently as the state changes.
+_STATE_READERS = re.compile(r"(are|is)_\w*(enabled|mode)|get_\w+|is_available|is_built")
+
+
+def _chain_value(globals_: dict, chain: tuple[str, ...], seen: set[int]) -> Any:
+    """The digest of what ``chain`` reads, where it starts at a library module (other values are
+    digested whole, above): a module by its name, anything else by its value."""
+    value = globals_.get(chain[0])  # (the function's globals, or its closure variables)
+    if not (isinstance(value, types.ModuleType) and _library_name(value.__name__)):
+        return None
+    for depth, attribute in enumerate(chain[1:], start=2):
+        try:
+            value = getattr(value, attribute)
+        except Exception:  # noqa: BLE001 - an attribute the trace would fail on
+            return ("missing", attribute)
+        if isinstance(value, types.ModuleType):
+            continue
+        if _STATE_READERS.fullmatch(attribute) and callable(value):
+            raise _Opaque(f"{'.'.join(chain[:depth])}() reads process state")
+        try:
+            return _value(value, seen)
+        except _Opaque:
+            if depth == len(chain):
+                raise
+            # An object along the way (``torch.backends.cuda.matmul``): what is read from it counts.
+    return ("module", value.__name__) if isinstance(value, types.ModuleType) else None
 
 
 def _value(value: Any, seen: set[int]) -> Any:
@@ -140,6 +209,10 @@ def _value(value: Any, seen: set[int]) -> Any:
     if _is_library_callable(value):
         return ("named", getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
     wrapped = getattr(value, "__wrapped__", None)  # @evtc.epilogue, functools.lru_cache
+    if isinstance(value, functools._lru_cache_wrapper) and value.cache_info().currsize:
+        # Results it holds were computed from the state of their time, which the digest of the
+        # state of now does not see: a kernel traced with them would be recorded under today's.
+        raise _Opaque("an lru_cache holding results")
     if isinstance(wrapped, types.FunctionType) and _is_plain_wrapper(value):
         return ("wrapped", type(value).__qualname__, _function(wrapped, seen))
     raise _Opaque(type(value).__name__)
