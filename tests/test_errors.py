@@ -990,3 +990,17 @@ def test_an_operand_shape_error_names_the_def_line_and_the_column_shape():
         evtc.trace(_times_a_row_value, {"a": a, "b": b, "s": torch.randn(6)})
     decorator_line = inspect.getsourcelines(_times_a_row_value)[1]
     assert f"test_errors.py:{decorator_line + 1}: def _times_a_row_value" in str(info.value), str(info.value)
+
+
+def test_a_product_with_a_transpose_is_named_as_a_matrix_product():
+    """``acc @ acc.t()``: the transpose fails first while tracing, but the line asks for a matrix
+    product, and the error says so (it said ``Tensor.t is not supported``). A transpose alone keeps
+    its own message."""
+    a, b = torch.randn(6, 8), torch.randn(8, 6)
+    with pytest.raises(evtc.UnsupportedOpError, match="the @ operator is a matrix product") as info:
+        evtc.trace(lambda acc: acc @ acc.t(), {"a": a, "b": b})
+    assert "test_errors.py" in str(info.value)
+    with pytest.raises(evtc.UnsupportedOpError, match="matrix product"):
+        evtc.trace(lambda acc: torch.matmul(acc, acc.transpose(0, 1)), {"a": a, "b": b})
+    with pytest.raises(evtc.UnsupportedOpError, match="Tensor.t is not supported"):
+        evtc.trace(lambda acc: acc.t() + acc, {"a": a, "b": b})

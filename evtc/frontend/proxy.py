@@ -49,9 +49,20 @@ _NUMPY_REFLECTED = {
 }
 
 
+#: Transposes, which a matrix product on the same line usually takes (``acc @ acc.t()``).
+_TRANSPOSES = frozenset({"t", "T", "mT", "H", "mH", "transpose", "permute", "swapaxes", "swapdims",
+                         "adjoint"})
+
+
 def unsupported(what: str) -> UnsupportedOpError:
     """The error for an op the epilogue language does not have (``what``: ``torch.sin``,
     ``Tensor.mm``, ``@``), at the user's line."""
+    op = what.rsplit(".", 1)[-1]
+    loc = user_location()
+    if op in _TRANSPOSES and loc is not None and (
+            "@" in loc.text or any(f"{name}(" in loc.text for name in MATRIX_PRODUCTS)):
+        # ``acc @ acc.t()``: the transpose fails first, but the product is what the line asks for.
+        what = "@"
     if what.rsplit(".", 1)[-1] in MATRIX_PRODUCTS:
         shown = "the @ operator" if what == "@" else what
         return UnsupportedOpError(
