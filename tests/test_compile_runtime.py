@@ -719,6 +719,9 @@ def test_an_entry_that_neither_verifies_nor_can_be_replaced_is_never_loaded(tmp_
     monkeypatch.setattr(cache_module.os, "replace", no_replacing_entries)
     monkeypatch.setattr(cache_module.shutil, "rmtree", lambda *a, **kw: None)  # the folder stays
     for damaged in (False, True):
+        # A new file, not the loaded library rewritten in place (its pages are mapped by this
+        # process: changing them under the loader crashes it).
+        library.unlink()
         library.write_bytes(good + (b"\0damaged" if damaged else b""))
         staged = cache.staging()
         (staged / "kernel.so").write_bytes(good)
