@@ -63,7 +63,7 @@ def main() -> None:
     second = block.second_linear(torch.empty(m, inter, **kw), {"residual": x})
     saving1 = first._saving_kernel()
     h, gate, up = first._call_kernel(saving1, x, w1, {})
-    (kernel, epilogue), = [v for v in block._dz.values() if v is not None]
+    (kernel, epilogue), = [v for v in block._dz.values() if v]
     dz2 = torch.randn(m, hidden, **kw)
     dz1 = torch.empty(m, 2 * inter, **kw)
     pairs = {

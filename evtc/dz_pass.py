@@ -75,8 +75,6 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
     generated epilogue), or None where it has none. Compiled from ``lin``'s examples: the forward's
     operands keep their kinds and layouts."""
     from evtc.ir.backward_epilogue import dz_epilogue
-    from evtc.runtime.dtype_variants import meta_copy
-    from evtc.runtime.op_autograd import saved_accumulator_dtype
 
     example = lin._example
     if example is None or lin._saving_kernel() is None:
@@ -106,19 +104,42 @@ def build(lin: Linear, operand_grads: tuple[str, ...] = ()) -> tuple[Kernel, DzE
             return None
         shape = _grad_shape(back.grad_shapes[back.output_grads[output]], rows, b.shape[-1], 1)
         inputs[param] = torch.empty(shape, device="meta", dtype=out_dtypes[output])
+    inputs.update(saved_and_operand_examples(epilogue, example, rows, width, a.dtype))
+    options = {k: v for k, v in lin._compile_options.items() if k in ("arch", "cache_dir")}
+    kernel = compile_epilogue(epilogue, inputs, lin.kernel.plan.name, PASS_CONFIG, options)
+    return None if kernel is None else (kernel, epilogue)
+
+
+def saved_and_operand_examples(epilogue: DzEpilogue, example: dict[str, Any], rows: int, width: int,
+                               dtype: torch.dtype) -> dict[str, Any]:
+    """Meta examples of what a dZ epilogue reads besides its GEMM and incoming gradients: the saved
+    accumulator's pieces (``rows`` x ``width``, kept as :func:`saved_accumulator_dtype` says for
+    ``dtype`` inputs), and the forward's operands and wide operands' halves as ``example`` (the
+    forward's) holds them, so that they keep the kinds and layouts the forward compiled."""
+    from evtc.runtime.dtype_variants import meta_copy
+    from evtc.runtime.op_autograd import saved_accumulator_dtype
+
+    inputs: dict[str, Any] = {}
     for name in epilogue.saved:
-        inputs[name] = torch.empty(rows, width, device="meta", dtype=saved_accumulator_dtype(a.dtype))
+        inputs[name] = torch.empty(rows, width, device="meta", dtype=saved_accumulator_dtype(dtype))
     for name in epilogue.operands:
         inputs[name] = meta_copy(example[name])
     for param, operand, index in epilogue.halves:
         inputs[param] = meta_copy(_half(example[operand], index))
-    options = {k: v for k, v in lin._compile_options.items() if k in ("arch", "cache_dir")}
-    kernel = _compile(epilogue, inputs, lin.kernel.plan.name, PASS_CONFIG, options)
-    return None if kernel is None else (kernel, epilogue)
+    return inputs
 
 
-def _compile(epilogue: DzEpilogue, inputs: dict[str, Any], name: str, config: dict | None,
-             options: dict[str, Any]) -> Kernel | None:
+def operand_feeds(epilogue: DzEpilogue, operands: dict[str, Any]) -> dict[str, Any]:
+    """A dZ epilogue's operands from the forward's ``operands``: those it reads, and the halves of
+    those as wide as a gated epilogue's GEMM (views)."""
+    feeds = {name: operands[name] for name in epilogue.operands}
+    for param, operand, index in epilogue.halves:
+        feeds[param] = _half(operands[operand], index)
+    return feeds
+
+
+def compile_epilogue(epilogue: DzEpilogue, inputs: dict[str, Any], name: str, config: dict | None,
+                     options: dict[str, Any]) -> Kernel | None:
     """``epilogue`` compiled on ``inputs`` with ``config`` (else, or where that does not compile,
     the selector's choices); None where it does not compile at all."""
     from evtc.compile import compile as compile_kernel
@@ -132,8 +153,8 @@ def _compile(epilogue: DzEpilogue, inputs: dict[str, Any], name: str, config: di
                 pass
         return compile_kernel(epilogue.fn, inputs, **options)
     except Exception as exc:  # noqa: BLE001 - the reference backward gives the same gradients
-        log.warning("%r: the dZ kernel of the backward does not compile (%s); the backward runs dZ as "
-                    "torch operations", name, str(exc).splitlines()[0])
+        log.warning("%r: the dZ kernel of the backward does not compile (%s); the backward takes its "
+                    "unfused path", name, str(exc).splitlines()[0])
         return None
 
 
@@ -153,7 +174,7 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     ``saved``: the saved accumulator's pieces, flattened alike."""
     if not all(_concrete(t) for t in (x2, *saved, *(g for g in grads.values() if g is not None))):
         return None  # torch's symbolic sizes (a trace with dynamic shapes): the reference traces
-    state = _built_once(lin._dz_passes, operand_grads, x2.device, lambda: build(lin, operand_grads))
+    state = built_once(lin._dz_passes, operand_grads, x2.device, lambda: build(lin, operand_grads))
     if not state:
         return None
     kernel, epilogue = state
@@ -168,10 +189,7 @@ def gradients(lin: Linear, x2: torch.Tensor, operands: dict[str, Any], grads: di
     pieces = dict(zip(("saved_gate", "saved_up") if epilogue.gated else ("saved",), saved, strict=True))
     for name in epilogue.saved:
         feeds[name] = pieces[name]
-    for name in epilogue.operands:
-        feeds[name] = operands[name]
-    for param, operand, index in epilogue.halves:
-        feeds[param] = _half(operands[operand], index)
+    feeds.update(operand_feeds(epilogue, operands))
     zeros = _zeros(max(m, width) * PASS_K, x2.dtype, x2.device)
     zeros_a = zeros[:m * PASS_K].view(m, PASS_K)
     zeros_b = zeros[:width * PASS_K].view(width, PASS_K).t()
@@ -197,7 +215,7 @@ def _half(t: torch.Tensor, index: int) -> torch.Tensor:
 _BUILD_LOCK = threading.Lock()
 
 
-def _built_once(cache: dict, key: Any, device: torch.device,
+def built_once(cache: dict, key: Any, device: torch.device,
                 build_it: Callable[[], tuple | None]) -> tuple | bool | None:
     """``cache[key]``, built by ``build_it`` (False where it gives None) by the first thread that
     asks for it; None where it is not built yet and ``device``'s stream is being captured into a
@@ -237,12 +255,12 @@ def _launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tens
     """One launch of a dZ kernel on ``a @ b``: (dZ in a's dtype, {operand: gradient in the
     operand's shape and dtype}). ``half``: the width of each half of a gated epilogue's dZ."""
     rows = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2])
-    return launch_into_halves(kernel, epilogue, a, b, feeds, operands, rows, half)
+    return launch(kernel, epilogue, a, b, feeds, operands, rows, half)
 
 
-def launch_into_halves(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tensor,
-                       feeds: dict[str, Any], operands: dict[str, Any], rows: tuple[int, ...],
-                       half: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def launch(kernel: Kernel, epilogue: DzEpilogue, a: torch.Tensor, b: torch.Tensor, feeds: dict[str, Any],
+           operands: dict[str, Any], rows: tuple[int, ...],
+           half: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``kernel(a, b, **feeds)`` for a generated dZ epilogue: (dZ of ``rows`` rows in a's dtype, a
     gated epilogue's halves written through ``out=`` into the halves of one tensor, {operand:
     gradient in the operand's shape and dtype}). ``half``: each half's width (gated only)."""
@@ -318,7 +336,7 @@ def recomputed_gradients(kernel: Kernel, a: torch.Tensor, b: torch.Tensor, opera
            *((output, None if g is None else (g.dtype, g.dim(), tuple(n == 1 for n in g.shape)))
              for output, g in incoming.items()))
     cache = kernel.recomputed_dz
-    state = _built_once(cache, key, a.device,
+    state = built_once(cache, key, a.device,
                         lambda: _build_recomputed(kernel, back, tensors, incoming, operands, operand_grads))
     if not state:
         return None
@@ -394,7 +412,7 @@ def _build_recomputed(kernel: Kernel, back, tensors: dict[str, torch.Tensor],
         inputs[name] = meta_copy(operands[name])
     # The selector's configuration: a real GEMM now, its epilogue reading one tile more than the
     # forward's and writing dZ (and the operands' gradients) instead of the forward's outputs.
-    built = _compile(epilogue, inputs, kernel.plan.name, None, {"cache_dir": kernel.cache_root})
+    built = compile_epilogue(epilogue, inputs, kernel.plan.name, None, {"cache_dir": kernel.cache_root})
     return None if built is None else (built, epilogue)
 
 

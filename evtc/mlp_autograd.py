@@ -187,17 +187,8 @@ def fused_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
 def _fused_dz(kernel, epilogue, dz2, w2, x2, w1, saved1,
               ops1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Step 3: (``dZ1``, {operand: gradient}) from the kernel whose accumulator is ``dZ2 @ W2``."""
-    m, width = x2.shape[0], w1.shape[0]
-    feeds = {**_saved_halves(saved1, epilogue, x2, w1), **{name: ops1[name] for name in epilogue.operands}}
-    for param, operand, index in epilogue.halves:
-        feeds[param] = dz_pass._half(ops1[operand], index)
-    if epilogue.gated:
-        return dz_pass.launch_into_halves(kernel, epilogue, dz2, w2, feeds, ops1, (m,), width // 2)
-    if not epilogue.operand_grads:
-        dz1 = torch.empty(m, width, dtype=x2.dtype, device=x2.device)
-        kernel(dz2, w2, **feeds, out=dz1)
-        return dz1, {}
-    return dz_pass.launch_into_halves(kernel, epilogue, dz2, w2, feeds, ops1, (m,), 0)
+    feeds = {**_saved_halves(saved1, epilogue, x2, w1), **dz_pass.operand_feeds(epilogue, ops1)}
+    return dz_pass.launch(kernel, epilogue, dz2, w2, feeds, ops1, (x2.shape[0],), w1.shape[0] // 2)
 
 
 def _saved_halves(saved1, epilogue, x2, w1) -> dict[str, torch.Tensor]:

@@ -369,17 +369,13 @@ class MLP(nn.Module):
         key = (first, dz2.dtype, dz2.device, w2.dtype, operand_grads,
                tuple((n, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else (n, type(v))
                      for n, v in ops1.items()))
-        if key not in self._dz:
-            from evtc.dz_pass import _BUILD_LOCK
+        # Built once across threads, and not inside a CUDA graph capture (the unfused step is
+        # capture-safe; the first backward outside one builds it).
+        from evtc.dz_pass import built_once
 
-            if dz2.is_cuda and torch.cuda.is_current_stream_capturing():
-                # A build launches work that a CUDA graph capture refuses: the unfused step is
-                # capture-safe, and the kernel is built by the first backward outside a capture.
-                return None
-            with _BUILD_LOCK:  # threads whose backwards want it wait for one build
-                if key not in self._dz:
-                    self._dz[key] = _compile_dz(first, dz2, w2, ops1, operand_grads, self._options)
-        return self._dz[key]
+        state = built_once(self._dz, key, dz2.device,
+                           lambda: _compile_dz(first, dz2, w2, ops1, operand_grads, self._options))
+        return state or None
 
     def __getstate__(self) -> dict[str, Any]:
         """As :meth:`FusedLinear.__getstate__`: the fused backward kernels and the torch.compile
@@ -393,40 +389,25 @@ class MLP(nn.Module):
 
 def _compile_dz(first, dz2, w2, ops1, operand_grads, options):
     """(kernel, epilogue) of the fused dZ step for the first layer ``first``, or None."""
-    from evtc.compile import compile as compile_kernel
-    from evtc.dz_pass import _half
+    from evtc import dz_pass
     from evtc.ir.backward_epilogue import dz_epilogue
-    from evtc.runtime.dtype_variants import meta_copy
-    from evtc.runtime.op_autograd import saved_accumulator_dtype
 
     epilogue = dz_epilogue(first.backward_graph(), dz2.dtype, name=first.kernel.plan.name,
                            operand_grads=operand_grads,
                            tile_grad_dtypes={name: ops1[name].dtype for name in operand_grads})
-    if epilogue is None:
-        return None
-    # The first layer's operands as its forward was compiled for them (their kinds and layouts),
-    # beside as many rows (at least two: one would compile the tiles as row vectors).
     example = first._example
-    if example is None:
+    if epilogue is None or example is None:
         return None
+    # Beside as many rows as the forward's example (at least two: one would compile the tiles as
+    # row vectors), its operands keeping the kinds and layouts the forward compiled.
     rows = max(example["a"].shape[0], 2)
-    width = w2.shape[1]
     meta = {"device": "meta", "dtype": dz2.dtype}
     inputs: dict[str, Any] = {"a": torch.empty(rows, dz2.shape[1], **meta),
-                              "b": torch.empty(w2.shape[0], width, **meta)}
-    for name in epilogue.saved:
-        inputs[name] = torch.empty(rows, width, device="meta", dtype=saved_accumulator_dtype(dz2.dtype))
-    for name in epilogue.operands:
-        inputs[name] = meta_copy(example[name])
-    for param, operand, index in epilogue.halves:
-        inputs[param] = meta_copy(_half(example[operand], index))
-    try:
-        kernel = compile_kernel(epilogue.fn, inputs, **options)
-    except Exception as exc:  # noqa: BLE001 - the unfused backward gives the same gradients
-        log.warning("the fused backward kernel of %r does not compile (%s); the backward runs unfused",
-                    first.kernel.plan.name, str(exc).splitlines()[0])
-        return None
-    return kernel, epilogue
+                              "b": torch.empty(w2.shape[0], w2.shape[1], **meta),
+                              **dz_pass.saved_and_operand_examples(epilogue, example, rows, w2.shape[1],
+                                                                   dz2.dtype)}
+    kernel = dz_pass.compile_epilogue(epilogue, inputs, first.kernel.plan.name, None, options)
+    return None if kernel is None else (kernel, epilogue)
 
 
 def _is_gated(activation: Callable[..., Any], in_features: int, hidden_features: int, bias: bool) -> bool:

@@ -61,7 +61,7 @@ def _run(block, activation, output, lead, in_features, seed=0, freeze_bias=False
 
 
 def _fused_kernels(block) -> list:
-    return [v for v in block._dz.values() if v is not None]
+    return [v for v in block._dz.values() if v]
 
 
 @pytest.mark.parametrize("activation, output, hidden", [

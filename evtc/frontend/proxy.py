@@ -69,11 +69,11 @@ def unsupported(what: str) -> UnsupportedOpError:
             f"{shown} is a matrix product: an epilogue is elementwise over the accumulator of one GEMM "
             "(with row, column and full reductions). A second GEMM is a second evtc.compile: pass "
             "this kernel's output as its `a`",
-            user_location(),
+            loc,
         )
     return UnsupportedOpError(
         f"{what} is not supported in epilogues (see docs/epilogues.md for the list of supported ops)",
-        user_location(),
+        loc,
     )
 
 

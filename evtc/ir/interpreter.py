@@ -57,7 +57,14 @@ def evaluate(
     outputs come back in their store dtype, otherwise in `compute_dtype` (exactly as computed).
     Returns the outputs in the structure the epilogue returns.
     """
-    _require_inputs(graph, inputs)
+    try:
+        return _evaluate(graph, inputs, compute_dtype, cast_outputs)
+    except KeyError:
+        _require_inputs(graph, inputs)  # names every input left out (off the path of a good call)
+        raise
+
+
+def _evaluate(graph: Graph, inputs: Mapping[str, Any], compute_dtype: torch.dtype, cast_outputs: bool) -> Any:
     if graph.acc_name in inputs:
         acc = inputs[graph.acc_name].to(compute_dtype)
     else:
