@@ -1004,3 +1004,54 @@ def test_a_product_with_a_transpose_is_named_as_a_matrix_product():
         evtc.trace(lambda acc: torch.matmul(acc, acc.transpose(0, 1)), {"a": a, "b": b})
     with pytest.raises(evtc.UnsupportedOpError, match="Tensor.t is not supported"):
         evtc.trace(lambda acc: acc.t() + acc, {"a": a, "b": b})
+
+
+def test_an_int_example_scalar_beyond_int64_is_refused_at_compile_time():
+    """An example scalar torch could not take (an int beyond int64) was accepted by the trace and
+    refused only at the first call: now the compile names it, at the epilogue's definition."""
+    def scaled(acc, s: int):
+        return acc * s
+
+    with pytest.raises(OverflowError):  # the reference: torch refuses such an int scalar
+        torch.randn(2, 2) * 2**70
+    with pytest.raises(evtc.InputError, match="example input 's'.*does not fit in int64") as info:
+        evtc.trace(scaled, {"a": EX["a"], "b": EX["b"], "s": 2**70})
+    assert info.value.loc is not None and info.value.loc.filename == __file__
+    evtc.trace(scaled, {"a": EX["a"], "b": EX["b"], "s": 2**63 - 1})  # int64's largest is fine
+
+
+def test_a_math_function_on_a_traced_value_is_named_with_the_torch_one():
+    """``math.exp(acc)`` reached float() and was told about data-dependent control flow: the
+    message now names the math function and the torch function to use, at the user's line."""
+    import math
+    from math import sqrt
+
+    def qualified(acc):
+        return math.exp(acc)  # error here
+
+    def imported(acc):
+        return sqrt(acc)  # error here
+
+    for fn, written, torch_name in ((qualified, "math.exp()", "torch.exp"),
+                                    (imported, "sqrt()", "torch.sqrt")):
+        err = _trace_error(fn, EX, evtc.ControlFlowError)
+        assert written in str(err) and torch_name in str(err) and "control flow" not in str(err), str(err)
+        _assert_points_at_marked_line(err, fn)
+
+    def branch(acc):
+        return acc if float(acc) > 0 else -acc  # error here (no math function: control flow)
+
+    err = _trace_error(branch, EX, evtc.ControlFlowError)
+    assert "control flow" in str(err)
+    _assert_points_at_marked_line(err, branch)
+
+
+def test_a_builtin_epilogue_that_needs_more_than_the_accumulator_says_to_wrap_it():
+    """``torch.add`` as the epilogue (no readable signature: called with the accumulator alone)
+    failed with torch's message naming evtc's stand-in class; now it says to wrap the builtin."""
+    with pytest.raises(evtc.UnsupportedOpError) as info:
+        evtc.trace(torch.add, {"a": EX["a"], "b": EX["b"]})
+    message = str(info.value)
+    assert "torch.add, used as the epilogue, is a builtin" in message
+    assert "lambda acc, other: torch.add(acc, other)" in message and "TracedValue" not in message
+    assert info.value.loc is not None and info.value.loc.filename == __file__

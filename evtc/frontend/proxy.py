@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ControlFlowError, InPlaceError, UnsupportedOpError
 from ..ir.shapes import format_shape
-from .source import user_location
+from .source import python_math_call, user_location
 
 if TYPE_CHECKING:
     from ..ir.graph import Node
@@ -449,6 +449,13 @@ class TracedValue:
         return _control_flow_error(what)
 
     def __float__(self) -> float:
+        math_call = python_math_call()
+        if math_call is not None and not self._node.is_python_scalar:
+            torch_name = "torch." + math_call.rsplit(".", 1)[-1]
+            raise ControlFlowError(
+                f"{math_call}() works on Python numbers, and a traced value is a tile whose values are "
+                f"only known on the GPU: use torch's function ({torch_name}(x) if torch has it)",
+                user_location())
         raise self._scalar_in_python("float()")
 
     def __int__(self) -> int:

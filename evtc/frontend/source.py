@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 
 import torch
@@ -24,6 +25,37 @@ def user_location() -> SourceLoc | None:
             lineno = frame.f_lineno
             return SourceLoc(frame.f_code.co_filename, lineno, linecache.getline(filename, lineno))
         frame = frame.f_back
+    return None
+
+
+def _user_frame():
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_SKIPPED) and not frame.f_code.co_filename.startswith("<frozen"):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+_CALLED_NAME = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+
+
+def python_math_call() -> str | None:
+    """The ``math`` (or ``cmath``) function called on the user's line, as written (``math.exp``,
+    or ``exp`` after ``from math import exp``), if any: such a function converts its argument with
+    float(), which is where a traced value ends up."""
+    frame = _user_frame()
+    if frame is None:
+        return None
+    text = linecache.getline(os.path.abspath(frame.f_code.co_filename), frame.f_lineno)
+    for written in _CALLED_NAME.findall(text):
+        head, *attrs = written.split(".")
+        value = frame.f_locals.get(head, frame.f_globals.get(head))
+        for attr in attrs:
+            value = getattr(value, attr, None)
+        if callable(value) and getattr(value, "__module__", None) in ("math", "cmath"):
+            return written
     return None
 
 

@@ -29,6 +29,7 @@ from ..ir.shapes import L, varying_dims
 from ..numpy_scalars import is_numpy_scalar
 from . import composites, lowering  # noqa: F401 - composites registers its handlers with lowering
 from .eager_dtypes import DIMENSIONED, NUMBER, ZERO_DIM, EagerDtypes, EagerType
+from .epilogue import signature_of
 from .inputs import Problem, check_example_keys, classify_tensor, read_problem, read_signature
 from .made_tensors import MadeTensors
 from .proxy import MATRIX_PRODUCTS, SymDim, TracedValue, unsupported
@@ -448,6 +449,11 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             # Flags and absent optionals specialise the trace, so `if flag:` in the epilogue works.
             call_args[name] = value
         elif isinstance(value, int | float) and name in example:
+            if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:
+                # torch reads an int scalar as an int64 and refuses one beyond it; so would each call
+                raise InputError(f"example input {name!r}, an int of {len(str(abs(value)))} digits, does not "
+                                 "fit in int64, which torch requires of an int scalar: pass a float",
+                                 def_loc)
             operands[name] = Operand(name, "arg", torch.float32)
             node = builder.add("arg", (), {"name": name, "python_scalar": True}, loc=def_loc)
             call_args[name] = tracer.wrap(node, name)
@@ -493,7 +499,16 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
                 f"method refuses): write x.{method}(...)"
                 + ("" if where is not def_loc else f"; as the epilogue itself, lambda acc: acc.{method}()"),
                 where) from None
-        raise UnsupportedOpError(f"{name}: a call does not take the arguments it was given: {err}",
+        # torch names our stand-in's class in its message; the user knows it as a tensor.
+        detail = str(err).replace("TracedValue", "Tensor")
+        if not _has_readable_signature(fn):
+            name = resolve_name(fn) or name
+            raise UnsupportedOpError(
+                f"{name}, used as the epilogue, is a builtin whose parameters evtc cannot read, so it "
+                f"is called with the accumulator alone, which it does not take ({detail}): wrap it "
+                f"in a function that names its operands, e.g. lambda acc, other: {name}(acc, other)",
+                where or user_location()) from None
+        raise UnsupportedOpError(f"{name}: a call does not take the arguments it was given: {detail}",
                                  where) from None
 
     if made:
@@ -533,6 +548,14 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         fixed_n=tracer.fixed_n,
         operand_variants=_operand_variants(tracer, operands, stored),
     )
+
+
+def _has_readable_signature(fn: Any) -> bool:
+    try:
+        signature_of(fn)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _flatten_outputs(returned: Any, loc: Any) -> tuple[OutputTree, list[tuple[str, Any]]]:
