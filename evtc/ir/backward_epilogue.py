@@ -124,7 +124,8 @@ class DzEpilogue:
 
 def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad_operand: bool = False,
                 operand_grads: tuple[str, ...] = (), recompute: bool = False,
-                tile_grad_dtypes: dict[str, torch.dtype] | None = None) -> DzEpilogue | None:
+                tile_grad_dtypes: dict[str, torch.dtype] | None = None,
+                compute_dtype: torch.dtype = torch.float32) -> DzEpilogue | None:
     """The epilogue computing ``back``'s dZ from the incoming gradient as the accumulator, or None
     where there is none (see the module docstring). With ``grad_operand``, the incoming gradient is
     a tile operand ``grad`` after an accumulator ``acc`` that the epilogue never reads: dZ as one
@@ -133,7 +134,10 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
     summed over the rows (a column reduction), a per-row column's over the columns, a scalar's over
     the tile, a tile operand's elementwise (in ``tile_grad_dtypes[name]`` where given: the tile's own
     dtype, as the caller returns it). With ``recompute`` (only with ``grad_operand``) ``acc`` is the
-    forward's accumulator, read where the others read ``saved`` (see the module docstring)."""
+    forward's accumulator, read where the others read ``saved`` (see the module docstring).
+    ``compute_dtype``: what a cast to float32 (the kernels' compute dtype) converts to; float64
+    runs the source as :func:`evtc.ir.interpreter.evaluate` runs the graph with that compute dtype
+    (a check of the source against the interpreter, not a kernel)."""
     tile_grad_dtypes = tile_grad_dtypes or {}
     graph = back.graph
     grad_acc = back.input_grads.get(graph.acc_name)
@@ -282,7 +286,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             # A value of the whole accumulator in a layer's pass: computed as its two halves.
             if any(i.op == "acc" for i in node.inputs):
                 saved_read.update(halves_of[next(i.id for i in node.inputs if i.op == "acc")])
-            pair = _split_op(node, halves_of, names, constants, sized)
+            pair = _split_op(node, halves_of, names, constants, sized, compute_dtype)
             if pair is None:
                 return None
             halves_of[node.id] = (f"v{node.id}_gate", f"v{node.id}_up")
@@ -296,7 +300,7 @@ def dz_epilogue(back: Backward, dz_dtype: torch.dtype, *, name: str = "dz", grad
             return None  # a size in anything but arithmetic with a tensor: not worth writing
         args = [names[i.id] if i.id in names else constants[i.id] for i in node.inputs]
         if op == "cast":
-            text = f"{_text(args[0])}.to(torch.{_dtype(node.dtype)})"
+            text = _cast_text(args[0], node.dtype, compute_dtype)
         elif op in ELEMENTWISE:
             params_of = {p: node.attrs[p] for p in ELEMENTWISE[op].params}
             if all(i.id in constants for i in node.inputs):
@@ -435,8 +439,14 @@ def _spans_the_tile(node: Node) -> bool:
     return M in dims and N in dims
 
 
+def _cast_text(value: Any, dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
+    """A cast as the source writes it: to float32, the compute dtype, to ``compute_dtype``."""
+    return f"{_text(value)}.to(torch.{_dtype(compute_dtype if dtype == torch.float32 else dtype)})"
+
+
 def _split_op(node: Node, halves_of: dict[int, tuple[str, str]], names: dict[int, str],
-              constants: dict[int, Any], sized: set[int]) -> tuple[str, str] | None:
+              constants: dict[int, Any], sized: set[int],
+              compute_dtype: torch.dtype) -> tuple[str, str] | None:
     """An elementwise op or a cast of values of the whole accumulator, as the source of its two
     halves (each input's half, or the input itself where it broadcasts along the columns: a per-row
     column, a scalar); None where it is neither, or reads a size."""
@@ -455,7 +465,7 @@ def _split_op(node: Node, halves_of: dict[int, tuple[str, str]], names: dict[int
         args = [halves_of[i.id][side] if i.id in halves_of else names[i.id] if i.id in names
                 else constants[i.id] for i in node.inputs]
         if node.op == "cast":
-            pair.append(f"{_text(args[0])}.to(torch.{_dtype(node.dtype)})")
+            pair.append(_cast_text(args[0], node.dtype, compute_dtype))
         else:
             params_of = {p: node.attrs[p] for p in ELEMENTWISE[node.op].params}
             pair.append(_call(node.op, [_text(a) for a in args], params_of, constant))
