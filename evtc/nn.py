@@ -239,7 +239,18 @@ def _serves(theirs: tuple, ours: tuple, one_row: bool, one_column: bool) -> bool
     wild = {1: (one_column,), 2: (one_row, one_column)}.get(len(ours[2]))
     if wild is None:
         return False
-    return all([t == o or w for t, o, w in zip(theirs[2], ours[2], wild, strict=True)])
+    # Conditions only, no comparison of flags: under torch.compile(dynamic=True) the call's key and
+    # flags may hold symbolic booleans, which dynamo refuses to compare with a bool (a sympy
+    # BooleanAtom error) but decides as a branch's condition (with a guard).
+    for t, o, w in zip(theirs[2], ours[2], wild, strict=True):
+        if w:
+            continue
+        if t:
+            if not o:
+                return False
+        elif o:
+            return False
+    return True
 
 
 def _identity(acc):

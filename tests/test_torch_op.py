@@ -316,3 +316,66 @@ def test_make_fx_and_dispatch_modes_see_the_operator(kernel):
     assert any(op.startswith("evtc.") for op in recorder.ops), recorder.ops
     torch.testing.assert_close(y.float(), bias_relu_aux(a.float() @ b.float(), C.float(), bias, 0.5)[0]
                                .half().float(), rtol=2e-3, atol=2e-3)
+
+
+def _lincomb(acc, C, alpha: float):
+    return alpha * acc + C
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_python_number_that_changes_under_torch_compile(dynamic, tmp_path):
+    """A runtime scalar whose value changes between calls of a torch.compile'd function (directly,
+    through evtc.linear and as a module's attribute): dynamo makes such a number symbolic (with
+    dynamic=True from the first call), and evtc's check of which inputs require grad asked it for
+    ``requires_grad``, which dynamo cannot trace: fullgraph=True failed, and without it the graph
+    broke on every call."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(5)
+    a, b, C, w = (torch.randn(*s, generator=g) for s in ((10, 16), (16, 24), (10, 24), (24, 16)))
+    k = evtc.compile(_lincomb, dict(a=a, b=b, C=C, alpha=1.0), cache_dir=tmp_path)
+    lin = evtc.linear(_lincomb, dict(x=a, weight=w, C=C, alpha=1.0), cache_dir=tmp_path)
+
+    class Scaled(torch.nn.Module):
+        alpha = 0.5
+
+        def forward(self, a, b, C):
+            return k(a, b, C=C, alpha=self.alpha)
+
+    module = Scaled()
+    torch._dynamo.reset()
+    counters.clear()
+    call = torch.compile(lambda a, b, C, al: k(a, b, C=C, alpha=al), fullgraph=True, dynamic=dynamic,
+                         backend="eager")
+    layer = torch.compile(lambda x, C, al: lin(x, w, C=C, alpha=al), fullgraph=True, dynamic=dynamic,
+                          backend="eager")
+    attribute = torch.compile(module, fullgraph=True, dynamic=dynamic, backend="eager")
+    breaks = torch.compile(lambda a, b, C, al: k(a, b, C=C, alpha=al) * 2, dynamic=dynamic, backend="eager")
+    for alpha in (0.5, 0.7, 3):
+        module.alpha = alpha
+        torch.testing.assert_close(call(a, b, C, alpha), alpha * (a @ b) + C, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(a, C, alpha), alpha * (a @ w.t()) + C, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attribute(a, b, C), alpha * (a @ b) + C, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(breaks(a, b, C, alpha), 2 * (alpha * (a @ b) + C), rtol=1e-5, atol=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _residual(acc, residual):
+    return acc + residual
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 5)], ids=["2d", "3d"])
+def test_fused_linear_takes_one_row_under_dynamic_shapes(lead, tmp_path):
+    """FusedLinear with a tile operand, built for many rows, called with one row (a decode step)
+    under torch.compile(fullgraph=True, dynamic=True): the check that the built layer serves the
+    one-row residual compared a bool with dynamo's symbolic one (a sympy BooleanAtom error)."""
+    torch.manual_seed(0)
+    layer = evtc.nn.FusedLinear(16, 24, _residual, bias=False, cache_dir=tmp_path)
+    with torch.no_grad():
+        layer(torch.randn(*lead, 16), residual=torch.randn(*lead, 24))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, r: layer(x, residual=r), fullgraph=True, dynamic=True, backend="eager")
+    one = (1,) * len(lead)
+    x, r = torch.randn(*one, 16), torch.randn(*one, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, r), x @ layer.weight.t() + r, rtol=1e-5, atol=1e-5)

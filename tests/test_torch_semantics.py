@@ -354,3 +354,84 @@ def test_a_long_chain_of_ops_traces_without_deep_recursion():
     want = many_steps(a.float() @ b.float(), ops["bias"].float())
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want.half().float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda acc: torch.sign(acc),
+    lambda acc: torch.sgn(acc),
+    lambda acc: torch.sign(acc.bfloat16()),
+    lambda acc: torch.sign(acc) * acc,
+    lambda acc: torch.heaviside(acc, acc),
+    lambda acc: (acc * 2.0).to(torch.sign(acc).dtype),
+], ids=["sign", "sgn", "sign_bf16", "sign_times_acc", "heaviside", "dtype_read_inside"])
+def test_sign_and_heaviside_keep_the_dtype_of_their_input(fn):
+    """torch.sign / sgn / heaviside of a 16-bit value are 16-bit; evtc wrote them as selections of
+    Python numbers, which torch's promotion reads as float32, so the output (and ``.dtype`` read
+    inside the function) was float32."""
+    a, b, _ = _inputs({})
+    graph = evtc.trace(fn, {"a": a, "b": b})
+    got = graph.evaluate({"a": a, "b": b}, cast_outputs=True)
+    want = fn(a @ b)  # torch on the 16-bit accumulator: the dtype torch gives
+    assert got.dtype == want.dtype
+    _same(got, fn((a.float() @ b.float()).half()))
+
+
+def _sixty(acc, dtype):
+    return (acc * 0.0 + 60.0).to(dtype)
+
+
+@pytest.mark.parametrize("fn, scalars", [
+    (lambda acc: (1.1 ** _sixty(acc, torch.float16)).float(), {}),
+    (lambda acc: (1.1 ** _sixty(acc, torch.bfloat16)).float(), {}),
+    (lambda acc: torch.pow(1.1, _sixty(acc, torch.float16)).float(), {}),
+    (lambda acc, base: (base ** _sixty(acc, torch.float16)).float(), {"base": 1.1}),
+    (lambda acc: (_sixty(acc, torch.float16) ** 1.1).float(), {}),
+    (lambda acc, e: torch.pow(_sixty(acc, torch.bfloat16), e).float(), {"e": 1.1}),
+    (lambda acc: (acc ** 1.1).float(), {}),  # acc computes in float32: nothing to round
+], ids=["literal_f16", "literal_bf16", "torch_pow", "runtime_scalar", "number_exponent",
+        "runtime_exponent", "float32_base"])
+def test_pow_of_a_16bit_value_and_a_number_rounds_the_number_to_its_dtype(fn, scalars):
+    """torch's pow of a 16-bit tensor and a Python number takes the number in the tensor's dtype:
+    ``1.1 ** h`` for a float16 h = 60 is 1.1 rounded to float16 (1.0996) to the 60th, 298.0, and
+    ``h ** 1.1`` is 90.1875; evtc took the number in float32 (304.5 and 90.375)."""
+    a, b, _ = _inputs({})
+    graph = evtc.trace(fn, {"a": a, "b": b, **scalars})
+    got = graph.evaluate({"a": a, "b": b, **scalars}, cast_outputs=True)
+    want = fn(a.float() @ b.float(), **scalars)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_0dim_tensor_as_an_activation_parameter():
+    """torch reads a 0-dim tensor where it takes a number (``F.leaky_relu(x, torch.tensor(0.3))``);
+    evtc refused it, naming its own stand-in class. leaky_relu's slope and elu's alpha now compute
+    with it as with a runtime scalar; hardtanh's bounds, which torch checks against each other, are
+    refused saying it is a 0-dim tensor."""
+    a, b, _ = _inputs({})
+    s = torch.tensor(0.3)
+    for fn in (lambda acc, s: F.leaky_relu(acc.float(), s), lambda acc, s: F.elu(acc.float(), s)):
+        graph = evtc.trace(fn, {"a": a, "b": b, "s": s})
+        got = graph.evaluate({"a": a, "b": b, "s": s}, cast_outputs=True)
+        torch.testing.assert_close(got, fn(a.float() @ b.float(), s), rtol=1e-6, atol=1e-6)
+    with pytest.raises(evtc.UnsupportedOpError, match="min_val is a 0-dim tensor") as info:
+        evtc.trace(lambda acc, s: F.hardtanh(acc, min_val=s), {"a": a, "b": b, "s": s})
+    assert "TracedValue" not in str(info.value) and "test_torch_semantics.py" in str(info.value)
+    with pytest.raises(evtc.UnsupportedOpError, match="beta must be a Python number, got a tensor") as info:
+        evtc.trace(lambda acc, C: F.softplus(acc, beta=C), {"a": a, "b": b, "C": torch.randn(M, N)})
+
+
+@pytest.mark.parametrize("fn", [
+    lambda acc: acc.sum(axis=-1),
+    lambda acc: torch.sum(acc, axis=-1),
+    lambda acc: acc.amax(axis=-2),
+    lambda acc: acc.mean(axis=(-2, -1), keepdim=True),
+], ids=["sum", "torch_sum", "amax", "mean"])
+def test_reductions_take_numpys_axis_keyword(fn):
+    """``axis`` is torch's other name for ``dim``; evtc refused it as an unknown argument."""
+    a, b, _ = _inputs({})
+    graph = evtc.trace(fn, {"a": a, "b": b})
+    got = graph.evaluate({"a": a, "b": b}, cast_outputs=True)
+    want = fn((a.float() @ b.float()).half())
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    with pytest.raises(evtc.UnsupportedOpError, match="dim and axis both given"):
+        evtc.trace(lambda acc: acc.sum(-1, axis=-1), {"a": a, "b": b})

@@ -350,7 +350,10 @@ def _sign(t: Tracer, input: Any, **kwargs: Any) -> Any:
     if t.node_of(input).dtype == torch.bool:
         return input
     negative = t.emit("where", (t.emit("lt", (input, 0.0)), -1.0, 0.0))
-    return t.emit("where", (t.emit("gt", (input, 0.0)), 1.0, negative))
+    result = t.emit("where", (t.emit("gt", (input, 0.0)), 1.0, negative))
+    # Built of numbers, the selection would read float32 to torch's promotion: sign keeps x's dtype.
+    t.eager.same_as(result._node, t.node_of(input))
+    return result
 
 
 # --- activations ----------------------------------------------------------------------------
@@ -448,7 +451,10 @@ def _heaviside(t: Tracer, input: Any, values: Any, **kwargs: Any) -> Any:
         step = t.emit("where", (t.emit("gt", (x, 0.0)), 1.0, 0.0))
         return t.emit("where", (t.emit("eq", (x, 0.0)), v, step))
 
-    return _rounded_once(t, (input, values), formula)
+    result = _rounded_once(t, (input, values), formula)
+    # The step's numbers would read float32 to torch's promotion: heaviside keeps x's dtype.
+    t.eager.same_as(result._node, t.node_of(input))
+    return result
 
 
 _SELU_ALPHA = 1.6732632423543772848170429916717

@@ -141,28 +141,37 @@ def _unary_inplace_kw(op: str, **defaults: Any) -> Handler:
             params[key] = value
         # A runtime scalar, or a number computed from the problem's sizes (1 / acc.shape[-1]),
         # which is known only per call too.
+        # torch reads a 0-dim tensor where it takes a number (F.leaky_relu(x, torch.tensor(0.1))).
         runtime = [key for key, value in params.items() if isinstance(value, SymDim)
-                   or isinstance(value, TracedValue) and value._node.is_python_scalar]
+                   or isinstance(value, TracedValue) and (value._node.is_python_scalar or value.dim() == 0)]
         if runtime and op in _BY_RUNTIME_SCALAR:
             # A parameter passed per call: the op written out with it, as torch computes it.
             return _maybe_inplace(t, input, _BY_RUNTIME_SCALAR[op](t, input, **params), inplace, op)
         for key, value in params.items():
             if key in runtime:
                 what = ("computed from the problem's sizes" if isinstance(params[key], SymDim)
-                        else "a runtime scalar (an epilogue argument)")
+                        else "a runtime scalar (an epilogue argument)" if params[key]._node.is_python_scalar
+                        else "a 0-dim tensor, known only when the kernel runs")
                 raise UnsupportedOpError(
                     f"{op}: parameter {key} is {what}; evtc takes it only as a compile-time number: "
                     "write it as a literal, or give the parameter a default value and leave it out of "
                     "the example inputs", user_location())
             if not isinstance(value, int | float):
                 raise UnsupportedOpError(
-                    f"{op}: parameter {key} must be a Python number, got {type(value).__name__}",
+                    f"{op}: parameter {key} must be a Python number, got {_described(value)}",
                     user_location(),
                 )
             params[key] = float(value)
         return _maybe_inplace(t, input, t.emit(op, (input,), params), inplace, op)
 
     return handler
+
+
+def _described(value: Any) -> str:
+    """What a user passed, in their terms (a traced value is their tensor)."""
+    if isinstance(value, TracedValue):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _binary(op: str) -> Handler:
@@ -279,13 +288,16 @@ def _clamp_max(t: Tracer, input: Any, max: Any) -> Any:
 def _hardtanh(t: Tracer, input: Any, min_val: float = -1.0, max_val: float = 1.0,
               inplace: bool = False) -> Any:
     for name, value in (("min_val", min_val), ("max_val", max_val)):
-        if isinstance(value, TracedValue) and value._node.is_python_scalar:
+        if isinstance(value, TracedValue) and (value._node.is_python_scalar or value.dim() == 0):
+            # torch checks min_val <= max_val, which a value known only per call cannot be.
+            what = ("a runtime scalar (an epilogue argument)" if value._node.is_python_scalar
+                    else "a 0-dim tensor")
             raise UnsupportedOpError(
-                f"hardtanh: {name} is a runtime scalar (an epilogue argument); evtc takes it only as a "
-                "compile-time number (a literal, or a parameter default left out of the example "
-                "inputs); torch.clamp takes runtime bounds", user_location())
+                f"hardtanh: {name} is {what}; evtc takes it only as a compile-time number (a literal, "
+                "or a parameter default left out of the example inputs); torch.clamp takes runtime "
+                "bounds", user_location())
         if not isinstance(value, int | float) or isinstance(value, bool):
-            raise UnsupportedOpError(f"hardtanh: {name} must be a Python number, got {type(value).__name__}",
+            raise UnsupportedOpError(f"hardtanh: {name} must be a Python number, got {_described(value)}",
                                      user_location())
     if min_val > max_val:
         raise UnsupportedOpError(f"hardtanh: min_val {min_val} is greater than max_val {max_val}, which "
@@ -336,10 +348,15 @@ def _max_min(kind: str) -> Handler:
 
 
 # --- reductions -------------------------------------------------------------------------------
-def _reduction(kind: str, mean: bool = False) -> Handler:
+def _reduction(name: str, kind: str, mean: bool = False) -> Handler:
     def handler(t: Tracer, input: Any, dim: Any = None, keepdim: bool = False, *,
                 dtype: Any = None, **kwargs: Any) -> Any:
-        _reject_out(kwargs, kind)
+        if "axis" in kwargs:  # NumPy's name, which torch takes for dim
+            if dim is not None:
+                raise UnsupportedOpError(f"{name}: dim and axis both given (torch refuses it too); axis is "
+                                         "torch's other name for dim", user_location())
+            dim = kwargs.pop("axis")
+        _reject_out(kwargs, name)
         if dtype in (torch.float16, torch.bfloat16):
             # torch casts the input to dtype first, accumulates in float32 and rounds the result
             # to dtype once: a reduction of the cast input does the same.
@@ -564,10 +581,10 @@ register([], ["where"], lambda t, input, condition, other: _where(t, condition, 
          inplace=False)
 register([F.gelu], [], _gelu)
 
-register([torch.sum], ["sum"], _reduction("sum"), inplace=False)
-register([torch.mean], ["mean"], _reduction("sum", mean=True), inplace=False)
-register([torch.amax], ["amax"], _reduction("max"), inplace=False)
-register([torch.amin], ["amin"], _reduction("min"), inplace=False)
+register([torch.sum], ["sum"], _reduction("sum", "sum"), inplace=False)
+register([torch.mean], ["mean"], _reduction("mean", "sum", mean=True), inplace=False)
+register([torch.amax], ["amax"], _reduction("amax", "max"), inplace=False)
+register([torch.amin], ["amin"], _reduction("amin", "min"), inplace=False)
 register([torch.max], ["max"], _max_min("max"), inplace=False)
 register([torch.min], ["min"], _max_min("min"), inplace=False)
 

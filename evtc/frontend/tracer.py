@@ -131,6 +131,8 @@ class Tracer:
             inputs = self._compared_in(inputs)
         elif len(inputs) == 2 and op in ELEMENTWISE and not ELEMENTWISE[op].boolean:
             inputs = self._zero_dim_rounded(inputs)
+            if op == "pow":
+                inputs = self._pow_number_rounded(inputs)
         return self.wrap(self.builder.add(op, inputs, attrs, loc=user_location()))
 
     def _compared_in(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
@@ -159,6 +161,16 @@ class Tracer:
         # float32, as evtc.reference does): only a value the function itself narrowed is narrow.
         return self._cast_to_narrow_promotion(
             inputs, inputs, lambda n: len(n.shape) == 0 and not n.is_python_scalar)
+
+    def _pow_number_rounded(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
+        """torch's pow of a tensor and a Python number (or a runtime scalar), either way round,
+        converts the number to the tensor's dtype (its kernels take it as ``scalar_t``): for a
+        float16 ``h``, ``1.1 ** h`` and ``h ** 1.1`` use 1.1 rounded to float16 (1.0996). Other
+        ops take a number in float32."""
+        numbers = [n.is_python_scalar for n in inputs]
+        if numbers.count(True) != 1 or any(n.dtype == torch.bool for n in inputs):
+            return inputs
+        return self._cast_to_narrow_promotion(inputs, inputs, lambda n: n.is_python_scalar)
 
     def _cast_to_narrow_promotion(self, inputs: tuple[Node, ...], promoted_from: tuple[Node, ...],
                                   cast: Callable[[Node], bool]) -> tuple[Node, ...]:

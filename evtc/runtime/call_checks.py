@@ -479,11 +479,13 @@ def by_position(params: tuple[str, ...] | list[str], positional: tuple, operands
 
 
 def needs_grad(a, b, operands: dict) -> bool:
-    """Whether any input requires grad (on the per-call path: no tuple or generator built)."""
-    if getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False):
+    """Whether any input requires grad (on the per-call path: no tuple or generator built). Only
+    tensors are asked: under torch.compile a Python number that changed between calls is a
+    symbolic one, whose attributes dynamo cannot look up."""
+    if isinstance(a, torch.Tensor) and a.requires_grad or isinstance(b, torch.Tensor) and b.requires_grad:
         return True
     for value in operands.values():
-        if getattr(value, "requires_grad", False):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
             return True
     return False
 
