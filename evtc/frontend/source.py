@@ -16,26 +16,25 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SKIPPED = (_EVTC_DIR + os.sep, _TORCH_DIR + os.sep)
 
 
-def user_location() -> SourceLoc | None:
-    """The innermost frame of the caller's code: where the traced operation was written."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_SKIPPED) and not frame.f_code.co_filename.startswith("<frozen"):
-            lineno = frame.f_lineno
-            return SourceLoc(frame.f_code.co_filename, lineno, linecache.getline(filename, lineno))
-        frame = frame.f_back
-    return None
-
-
 def _user_frame():
-    frame = sys._getframe(2)
+    """The innermost stack frame of the caller's code (outside evtc and torch)."""
+    frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not filename.startswith(_SKIPPED) and not frame.f_code.co_filename.startswith("<frozen"):
             return frame
         frame = frame.f_back
     return None
+
+
+def user_location() -> SourceLoc | None:
+    """Where the traced operation was written: the line of the caller's innermost frame."""
+    frame = _user_frame()
+    if frame is None:
+        return None
+    lineno = frame.f_lineno
+    return SourceLoc(frame.f_code.co_filename, lineno,
+                     linecache.getline(os.path.abspath(frame.f_code.co_filename), lineno))
 
 
 _CALLED_NAME = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
@@ -52,9 +51,13 @@ def python_math_call() -> str | None:
     for written in _CALLED_NAME.findall(text):
         head, *attrs = written.split(".")
         value = frame.f_locals.get(head, frame.f_globals.get(head))
-        for attr in attrs:
-            value = getattr(value, attr, None)
-        if callable(value) and getattr(value, "__module__", None) in ("math", "cmath"):
+        try:  # the user's attributes (properties included) are read only for this message
+            for attr in attrs:
+                value = getattr(value, attr, None)
+            module = getattr(value, "__module__", None) if callable(value) else None
+        except Exception:  # noqa: BLE001 - a property of the user's that raises: no math call there
+            continue
+        if module in ("math", "cmath"):
             return written
     return None
 
