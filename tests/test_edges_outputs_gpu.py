@@ -218,3 +218,36 @@ def test_symbolic_sizes_follow_each_call_batched(cache):
     for (L, m, n, k) in ((2, 64, 64, 64), (3, 40, 136, 32), (1, 7, 8, 8)):
         a, b = randn(L, m, k), randn(L, k, n)
         check(kern(a, b), f, a, b, what=f"L={L} {m}x{n}x{k}", atol_rel=1e-2)
+
+
+def _shared_first(acc, C):
+    return C * 2.0, acc + C
+
+
+def _shared_second(acc, C, bias):
+    return F.gelu(acc + bias), (C - 1.0).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn, rank", [(_shared_first, 2), (_shared_second, 2), (_shared_second, 3)],
+                         ids=["first", "second", "unit_batch"])
+def test_an_output_the_same_in_every_batch(cache, fn, rank):
+    """A batched call whose output reads no batched value (a shared (M, N) or (1, M, N) C): torch
+    gives it C's shape, and the kernel returned it (L, M, N). Values and shapes against float64,
+    at sizes off the tiles, D first or second; inputs unchanged."""
+    shape = (64, 96) if rank == 2 else (1, 64, 96)
+    ops = {"C": randn(*shape, dtype=F32)}
+    if fn is _shared_second:
+        ops["bias"] = randn(96, dtype=F32)
+    kern = evtc.compile(fn, dict(a=randn(3, 64, 32), b=randn(3, 32, 96), **ops), cache_dir=cache,
+                        config=PINNED)
+    for L, m, n, k in ((3, 200, 136, 72), (2, 1, 264, 24), (4, 129, 40, 128)):
+        a, b = randn(L, m, k), randn(L, k, n)
+        ops = {"C": randn(*((m, n) if rank == 2 else (1, m, n)), dtype=F32)}
+        if fn is _shared_second:
+            ops["bias"] = randn(n, dtype=F32)
+        before = snapshot(a, b, *ops.values())
+        got = kern(a, b, **ops)
+        assert kern.last_path == "kernel"
+        check(got, fn, a, b, what=f"{fn.__name__} {L}x{m}x{n}", **ops)
+        unchanged(before, [a, b, *ops.values()])

@@ -190,3 +190,42 @@ def test_reference_names_bad_inputs():
             evtc.reference(add, inputs, **kwargs)
     with pytest.raises(evtc.InputError, match="must be a dict"):
         evtc.trace(add, [a, b])
+
+
+def _shared_and_batched(acc, C):
+    return acc * 2.0, C / 1.0
+
+
+def test_an_output_the_same_in_every_batch_has_torchs_shape(tmp_path):
+    """In a batched call, an output that reads no batched value (``C / 1.0`` of a shared (M, N) C)
+    is (M, N) in torch. The kernel stores it per batch like the other outputs, and returned that
+    (L, M, N) buffer (found by a random-program probe on the GPU); now the plan names it, the
+    fake implementation and the call give (M, N) (the first batch), ``out=`` for it is refused by
+    name, and an empty batch takes the torch path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from evtc.plan.kernel_plan import KernelPlan
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 40, 16, generator=g), torch.randn(2, 16, 24, generator=g)
+    C = torch.randn(40, 24, generator=g)
+    k = evtc.compile(_shared_and_batched, {"a": a, "b": b, "C": C}, cache_dir=tmp_path)
+    assert k.plan.batch_free == (("D1", 2),)
+    assert KernelPlan.from_json(k.plan.to_json()).batch_free == (("D1", 2),)
+    assert [shape for shape, _ in k.output_meta(40, 24, 2)] == [(2, 40, 24), (40, 24)]
+    got = k(a, b, C=C)
+    want = _shared_and_batched(a @ b, C)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    torch.testing.assert_close(got[1], want[1])
+    # Compiled with a (1, M, N) C: its output is (1, M, N) in torch.
+    k1 = evtc.compile(_shared_and_batched, {"a": a, "b": b, "C": C[None]}, cache_dir=tmp_path)
+    assert k1.plan.batch_free == (("D1", 3),)
+    assert [shape for shape, _ in k1.output_meta(40, 24, 2)] == [(2, 40, 24), (1, 40, 24)]
+    assert k1(a, b, C=C[None])[1].shape == (1, 40, 24)
+    with FakeTensorMode() as mode:
+        fake = k.op(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(C))
+    assert [t.shape for t in fake] == [(2, 40, 24), (40, 24)]
+    with pytest.raises(evtc.CallError, match="this output is the same in every batch"):
+        k(a, b, C=C, out=(torch.empty(2, 40, 24), torch.empty(40, 24)))
+    empty = k(a[:0], b[:0], C=C)
+    assert [t.shape for t in empty] == [(0, 40, 24), (40, 24)] and torch.equal(empty[1], C)

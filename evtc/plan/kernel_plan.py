@@ -22,7 +22,7 @@ from typing import Any
 from evtc.plan.tensor_spec import TensorSpec
 
 #: The version of this format; a manifest of another one is rebuilt.
-PLAN_FORMAT = 3
+PLAN_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,10 @@ class KernelPlan:
     #: (L, M, N) batched). What decides which broadcasts keep torch's result
     #: (:mod:`evtc.runtime.broadcasts`).
     reads: tuple[tuple[tuple[str, ...], bool], ...] = ()
+    #: Full-tile outputs of a batched kernel that are the same in every batch (``C * 2`` of a
+    #: shared (M, N) or (1, M, N) ``C``), with the rank torch gives them (2 or 3): the kernel stores
+    #: them per batch like the others, and a call returns the first batch, of torch's shape.
+    batch_free: tuple[tuple[str, int], ...] = ()
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -300,6 +304,7 @@ def _decode_plan(d: dict) -> KernelPlan:
         kernel_finish=_tuple(d["kernel_finish"]),
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),
         reads=tuple((tuple(names), full) for names, full in d["reads"]),
+        batch_free=tuple((name, rank) for name, rank in d.get("batch_free", ())),
     )
 
 
@@ -364,6 +369,8 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
         interface=interface, broadcast_batch=signature.broadcast_batch, class_name=emitted.class_name,
         kernel_finish=tuple((f.axis, tuple(f.outputs)) for f in emitted.finishes),
         a_scales=signature.a_scales, b_scales=signature.b_scales, reads=_reads(graph),
+        batch_free=tuple((s.attrs["name"], len(s.shape)) for s in graph.stores if signature.batched
+                         and s.attrs["name"] in kernel_outputs and "L" not in _dims(s.shape)),
     )
 
 

@@ -261,6 +261,10 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     for name, out_spec, dt in zip(tile_names, plan.outputs, spec.out_dtypes, strict=True):
         t = given[name]
         label = f"out[{name!r}]" if not spec.single_output else "out"
+        if name in dict(plan.batch_free):
+            raise CallError(f"{label}: this output is the same in every batch of a batched call (it reads "
+                            "no batched value), and evtc writes it only into tensors of its own: call "
+                            "without out=, or compute it outside the kernel")
         if isinstance(t, torch.Tensor):  # (check_tensor names anything else)
             refuse_unwritable(label, t)  # before check_tensor reads strides a sparse tensor lacks
         check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout)
@@ -558,6 +562,9 @@ def torch_reason(spec: CallSpec, a, operands: dict, b=None) -> str | None:
                 "(torch.set_float32_matmul_precision('high')); this call is computed in full float32")
     if a.shape[-1] == 0:
         return "K = 0 (the accumulator is all zeros)"
+    if spec.batch_free and (a.dim() == 3 and a.shape[0] == 0
+                            or isinstance(b, torch.Tensor) and b.dim() == 3 and b.shape[0] == 0):
+        return "a batch of 0 beside an output the same in every batch (torch gives it, no kernel runs)"
     sizes = (*a.shape, *(b.shape if isinstance(b, torch.Tensor) else ()))
     if max(sizes, default=0) > INT32_MAX:
         return (f"a size past 2**31 - 1 (a {tuple(a.shape)}, b {tuple(b.shape)}): the kernel's "

@@ -64,6 +64,11 @@ class CallSpec:
         #: D's unit-stride dim is M (a column-major output), so rows of M must be 16-byte multiples.
         self.d_by_m = plan.d_major == "m"
         self.out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
+        #: Positions (kernel order) of the full-tile outputs that are the same in every batch
+        #: (KernelPlan.batch_free), each with the rank torch gives it: the call returns their
+        #: first batch (``t[0]``, or ``t[:1]`` for a (1, M, N) one).
+        ranks = dict(plan.batch_free)
+        self.batch_free = {i: ranks[s.name] for i, s in enumerate(plan.outputs) if s.name in ranks}
         rank = 3 if plan.batched else 2
         #: Per output: (dtype, the physical order of its dims or None when row-major): what
         #: staging.empty_in_layout does, prepared once.
@@ -180,7 +185,9 @@ class CallSpec:
         if self.gated:
             n = n // 2  # N is the output's width in a gated graph
         tile = (batches, m, n) if self.batched else (m, n)
-        meta = [(tile, dt) for dt in self.out_dtypes]
+        free = {2: (m, n), 3: (1, m, n)}
+        meta = [(free[self.batch_free[i]] if i in self.batch_free else tile, dt)
+                for i, dt in enumerate(self.out_dtypes)]
         dims = {"M": m, "N": n, "L": batches, "1": 1}
         for host in self.host_outputs:
             meta.append((tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)))

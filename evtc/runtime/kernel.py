@@ -685,6 +685,8 @@ class Kernel:
             raise ValueError("K = 0 takes the torch path")
         if len(kernel_operands) != spec.kernel_name_count:
             raise KeyError("unknown arguments")
+        if batches == 0 and spec.batch_free:
+            raise ValueError("an output the same in every batch of none: the torch path computes it")
         if m == 0 or n == 0 or batches == 0:
             return self._empty_problem(user_a, user_b, out, operands, scales, m, n, batches)
         if scales is not None and not stage:
@@ -728,6 +730,9 @@ class Kernel:
         # may read that input again (a device scalar inside out=).
         pending = [] if outs is targets else [(w, t) for w, t in zip(outs, targets, strict=True)
                                               if w is not t]
+        if spec.batch_free:  # the same in every batch: torch's (M, N), the first batch's view
+            free = spec.batch_free
+            targets = [t if i not in free else t[0] if free[i] == 2 else t[:1] for i, t in enumerate(targets)]
         return targets, workspaces, (m, n, batches, finisher), pending
 
     def _empty_problem(self, a, b, out, operands, scales, m: int, n: int, batches: int):
