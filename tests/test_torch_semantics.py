@@ -435,3 +435,22 @@ def test_reductions_take_numpys_axis_keyword(fn):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
     with pytest.raises(evtc.UnsupportedOpError, match="dim and axis both given"):
         evtc.trace(lambda acc: acc.sum(-1, axis=-1), {"a": a, "b": b})
+
+
+@pytest.mark.parametrize("make", [lambda: torch.tensor([0.25]), lambda: torch.tensor(0.25),
+                                  lambda: torch.tensor([0.25]).half()], ids=["1", "0-dim", "half"])
+def test_prelu_takes_a_weight_the_function_makes(make):
+    """``F.prelu(x, torch.tensor([0.25]))``: a one-element tensor made in the function is a constant,
+    as elsewhere; prelu refused it as "a number" (found by a random-program probe)."""
+    def fn(acc):
+        w = make()
+        return F.prelu(acc if w.dtype == torch.float16 else acc.float(), w)
+
+    a, b, _ = _inputs({})
+    got = evtc.trace(fn, {"a": a, "b": b}).evaluate({"a": a, "b": b}, cast_outputs=True)
+    acc = a.float() @ b.float()
+    want = fn(acc.half()) if make().dtype == torch.float16 else fn(acc)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)
+    with pytest.raises(evtc.UnsupportedOpError, match="prelu's weight must be a tensor"):
+        evtc.trace(lambda acc, s: F.prelu(acc, s), {"a": a, "b": b, "s": 0.3})

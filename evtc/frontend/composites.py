@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedOpError
 from ..ir.shapes import N
+from .eager_dtypes import NUMBER
 from .lowering import FUNCTIONS, _halves, _last_dim, _maybe_inplace, _reject_out, _rounded_once, register
 from .proxy import TracedValue
 from .source import user_location
@@ -415,7 +416,12 @@ def _tanhshrink(t: Tracer, input: Any) -> Any:
 def _prelu(t: Tracer, input: Any, weight: Any) -> Any:
     """F.prelu: x where x > 0, else weight * x. torch reads the weight along dim 1: an (M, N) value's
     N columns (a weight of N values is a row vector) or one value for all."""
-    if not isinstance(weight, TracedValue) or weight._node.is_python_scalar:
+    # A one-element tensor the function makes (torch.tensor([0.25])) is a literal that reads as a
+    # tensor to torch; a Python number or a runtime scalar is not a tensor.
+    if isinstance(weight, torch.Tensor) and not isinstance(weight, TracedValue):
+        weight = t.wrap(t.node_of(weight))  # (node_of names a tensor that cannot be a constant)
+    if not isinstance(weight, TracedValue) or weight._node.is_python_scalar \
+            and t.eager.of(weight._node).rank_class == NUMBER:
         raise UnsupportedOpError("prelu's weight must be a tensor (torch refuses a number): pass it as an "
                                  "operand of the epilogue", user_location())
     if t.eager.dtype(weight._node) != t.eager.dtype(t.node_of(input)):
