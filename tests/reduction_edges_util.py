@@ -89,6 +89,8 @@ def close(got, want, what, *, abs_tol=None, rtol=None, dtype=None, shape=None):
         at = torch.full_like(w, float(abs_tol))
     tol = r * w.abs() + at + 1e-30
     bad = ((g - w).abs() > tol) & fin
+    if not bad.any():
+        return
     worst = ((g - w).abs() / tol)[fin].max().item()
     assert not bad.any(), (f"{what}: {int(bad.sum())}/{int(fin.sum())} off; worst {worst:.3g}x tol at "
                            f"{bad.nonzero()[:3].tolist()}: got {g[bad][:3].tolist()} "
