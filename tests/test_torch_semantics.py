@@ -173,6 +173,17 @@ def test_reduction_of_a_value_shared_by_every_batch_is_refused():
     with pytest.raises(evtc.ReductionError, match="same in every batch") as info:
         evtc.trace(shared, ex)
     assert "test_torch_semantics.py" in str(info.value)
+    with pytest.raises(evtc.ReductionError, match="same in every batch"):  # read through arithmetic
+        evtc.trace(lambda acc, C: (acc, C.float().amax() * 3), ex)
+
+    # One the function computes and drops is legal torch (a random-program probe found it refused).
+    def dropped(acc, C):
+        total = C.sum()  # noqa: F841 - computed and not returned
+        return acc * 2.0
+
+    graph = evtc.trace(dropped, ex)
+    got = graph.evaluate(ex, cast_outputs=True)
+    torch.testing.assert_close(got.float(), (ex["a"].float() @ ex["b"].float()) * 2, rtol=2e-3, atol=2e-3)
     # Per batch through acc it is fine.
     graph = evtc.trace(lambda acc, C: (acc * C).sum(-1), ex)
     got = graph.evaluate(ex, cast_outputs=True)

@@ -53,6 +53,8 @@ class Tracer:
         self.eager = EagerDtypes(eager_acc_dtype(problem.ab_dtype))
         #: Whether the epilogue is running (its values, not the inputs evtc sets up for it).
         self.running = False
+        #: Reductions refused only if an output reads them: node id -> (message, location).
+        self.refused_if_read: dict[int, tuple[str, Any]] = {}
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -311,14 +313,15 @@ class Tracer:
                 "vary over the whole (M, N) tile",
                 user_location(),
             )
+        shared = None
         if self.problem.batched and L not in varying_dims(node.shape):
             # The kernel reduces per batch, each batch's tiles seeing this value again: it would be
-            # counted once per batch, where torch counts it once.
-            raise ReductionError(
-                f"{name} of a value that is the same in every batch (it reads neither acc nor a "
-                "per-batch operand) in a batched epilogue: compute it outside the kernel",
-                user_location(),
-            )
+            # counted once per batch, where torch counts it once. Refused if an output reads it
+            # (after the trace: a reduction the function computes and drops is legal torch).
+            # (The message only: an error made while the function runs would read as one it caught.)
+            shared = (f"{name} of a value that is the same in every batch (it reads neither acc nor a "
+                      "per-batch operand) in a batched epilogue: compute it outside the kernel",
+                      user_location())
         dims = _normalize_dims(dim, rank, name)
         last, second = rank - 1, rank - 2
         if dims == {last}:
@@ -343,6 +346,8 @@ class Tracer:
             node = self.builder.add("cast", (node,), {"dtype": torch.float32}, loc=loc)
         result = self.builder.add("reduce", (node,), {"reduce": kind, "axis": axis,
                                                       "keepdim": bool(keepdim)}, loc=loc)
+        if shared is not None:
+            self.refused_if_read[result.id] = shared
         if mean:
             count = sympy.Mul(*(node.shape[d] for d in sorted(dims)))
             scale = self.builder.literal(1 / count, loc)
@@ -548,6 +553,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         builder.add("store", (node,), {"name": out_name, "dtype": dtype}, loc=where)
         names.append(out_name)
         stored.append(node)
+    _refuse_what_outputs_read(tracer.refused_if_read, stored)
     tree.names = names
     return Graph(
         name=getattr(fn, "__name__", None) or type(fn).__name__,
@@ -560,6 +566,23 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         fixed_n=tracer.fixed_n,
         operand_variants=_operand_variants(tracer, operands, stored),
     )
+
+
+def _refuse_what_outputs_read(refused: dict[int, tuple[str, Any]], stored: list[Node]) -> None:
+    """Raise a ReductionError for the first of ``refused`` (by node) that an output reads."""
+    if not refused:
+        return
+    seen: set[int] = set()
+    stack = list(stored)
+    while stack:
+        node = stack.pop()
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        stack.extend(node.inputs)
+    read = sorted(i for i in refused if i in seen)
+    if read:
+        raise ReductionError(*refused[read[0]])
 
 
 def _has_readable_signature(fn: Any) -> bool:
