@@ -465,3 +465,18 @@ def test_prelu_takes_a_weight_the_function_makes(make):
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)
     with pytest.raises(evtc.UnsupportedOpError, match="prelu's weight must be a tensor"):
         evtc.trace(lambda acc, s: F.prelu(acc, s), {"a": a, "b": b, "s": 0.3})
+
+
+@pytest.mark.parametrize("fn", [
+    torch.positive, F.celu, F.selu, F.hardshrink, lambda x: F.threshold(x, 0.5, 0.0),
+    lambda x: torch.addcmul(x, x, x), lambda x: torch.round(x, decimals=1),
+], ids=["positive", "celu", "selu", "hardshrink", "threshold", "addcmul", "round_decimals"])
+def test_functions_torch_does_not_define_for_masks_refuse_them(fn):
+    """torch refuses these on a bool tensor ("not implemented for 'Bool'", "+ on a bool tensor");
+    evtc computed them on the mask as 0/1 (found by a random-program probe)."""
+    with pytest.raises((RuntimeError, TypeError)):  # the reference: torch refuses
+        fn(torch.tensor([True, False]))
+    a, b, _ = _inputs({})
+    with pytest.raises(evtc.DTypeError, match="boolean mask, which torch refuses") as info:
+        evtc.trace(lambda acc: fn(acc > 0).float(), {"a": a, "b": b})
+    assert "test_torch_semantics.py" in str(info.value)

@@ -17,7 +17,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedOpError
+from ..errors import DTypeError, UnsupportedOpError
 from ..ir.shapes import N
 from .eager_dtypes import NUMBER
 from .lowering import FUNCTIONS, _halves, _last_dim, _maybe_inplace, _reject_out, _rounded_once, register
@@ -44,7 +44,22 @@ def _overflow_bound(value: Any) -> float:
     return info.max + top_unit / 2
 
 
+def _refuse_masks(t: Tracer, name: str, *values: Any) -> None:
+    """torch does not define ``name`` for bool tensors ("not implemented for 'Bool'"): a mask
+    among ``values`` is refused, as torch refuses it, where evtc's formula would compute on it."""
+    for value in values:
+        if isinstance(value, TracedValue) and t.node_of(value).dtype == torch.bool:
+            raise DTypeError(f"{name} of a boolean mask, which torch refuses: convert the mask with "
+                             ".float() first", user_location())
+
+
 # --- no-ops on values -------------------------------------------------------------------------
+def _positive(t: Tracer, input: Any) -> Any:
+    """torch.positive: x itself, refused for a mask as torch refuses ``+mask``."""
+    _refuse_masks(t, "positive", input)
+    return input
+
+
 def _itself(t: Tracer, input: Any, *args: Any, memory_format: Any = None, **kwargs: Any) -> Any:
     """x.contiguous(): x itself (torch returns the same memory), so an in-place op
     on one changes the other, as in torch."""
@@ -142,6 +157,7 @@ def _addcmul(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 
     (its CPU kernel multiplies value * tensor1 first: the two differ at the edge of float32's
     range), rounded once."""
     _reject_out(kwargs, "addcmul")
+    _refuse_masks(t, "addcmul", input, tensor1, tensor2)
 
     def formula(x, t1, t2, v):
         product = t.emit("mul", (t1, t2))
@@ -328,6 +344,7 @@ def _round(t: Tracer, input: Any, *, decimals: Any = 0, **kwargs: Any) -> Any:
         raise UnsupportedOpError(f"round's decimals must be an int (got {decimals!r})", user_location())
     if decimals == 0:
         return t.emit("round", (input,))
+    _refuse_masks(t, "round", input)
     scale = 10.0 ** abs(decimals) if abs(decimals) <= 308 else _INF  # torch's 10^d overflows to inf too
 
     def formula(x):
@@ -367,6 +384,7 @@ def _refuse_a_tensor(name: str, what: str, number: Any) -> None:
 
 def _threshold(t: Tracer, input: Any, threshold: Any, value: Any, inplace: bool = False) -> Any:
     """F.threshold: value where x <= threshold, else x (NaN stays NaN), in x's dtype."""
+    _refuse_masks(t, "threshold", input)
     _refuse_a_tensor("threshold", "threshold", threshold)
     _refuse_a_tensor("threshold", "value", value)
 
@@ -387,6 +405,7 @@ def _shrink_band(t: Tracer, lambd: Any, name: str, refuse_negative: bool) -> Any
 
 def _hardshrink(t: Tracer, input: Any, lambd: Any = 0.5) -> Any:
     """F.hardshrink: 0 where -lambd <= x <= lambd, else x (NaN stays NaN)."""
+    _refuse_masks(t, "hardshrink", input)
     low = _shrink_band(t, lambd, "hardshrink", refuse_negative=False)
 
     def formula(x):
@@ -469,6 +488,7 @@ _SELU_SCALE = 1.0507009873554804934193349852946
 
 def _selu(t: Tracer, input: Any, inplace: bool = False) -> Any:
     """F.selu: scale * x where x > 0, else scale * alpha * (exp(x) - 1), rounded once."""
+    _refuse_masks(t, "selu", input)
     def formula(x):
         negative = t.emit("mul", (_SELU_SCALE * _SELU_ALPHA, t.emit("expm1", (x,))))
         return t.emit("where", (t.emit("gt", (x, 0.0)), t.emit("mul", (_SELU_SCALE, x)), negative))
@@ -478,6 +498,7 @@ def _selu(t: Tracer, input: Any, inplace: bool = False) -> Any:
 
 def _celu(t: Tracer, input: Any, alpha: float = 1.0, inplace: bool = False) -> Any:
     """F.celu: x where x > 0, else alpha * (exp(x / alpha) - 1), rounded once."""
+    _refuse_masks(t, "celu", input)
     if isinstance(alpha, int | float) and alpha == 0:
         raise UnsupportedOpError("celu with alpha = 0, which torch refuses (it divides by alpha)",
                                  user_location())
@@ -560,7 +581,7 @@ register([torch.fmax], ["fmax"], _nan_ignoring("maximum"), inplace=False)
 register([torch.fmin], ["fmin"], _nan_ignoring("minimum"), inplace=False)
 register([torch.deg2rad], ["deg2rad"], _scaled_by("deg2rad", math.pi / 180))
 register([torch.rad2deg], ["rad2deg"], _scaled_by("rad2deg", 180 / math.pi))
-register([torch.positive], ["positive"], _itself, inplace=False)
+register([torch.positive], ["positive"], _positive, inplace=False)
 register([torch.log10], ["log10"], _log10)
 register([torch.tan], ["tan"], _tan)
 register([torch.sinh], ["sinh"], _hyperbolic("sinh"))
