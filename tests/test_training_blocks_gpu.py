@@ -12,6 +12,8 @@ from training_edges import (
     assert_close,
     assert_unchanged,
     bias_gelu,
+    cuda_generator,
+    cuda_rand,
     geglu_bias,
     ref_leaf,
     scaled_residual,
@@ -26,13 +28,7 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 
-
-def _gen(seed):
-    return torch.Generator(device=DEV).manual_seed(seed)
-
-
-def _rand(*shape, g, dtype, scale=1.0, grad=False):
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype).requires_grad_(grad)
+_gen, _rand = cuda_generator, cuda_rand
 
 
 def _mlp_ref(block, x, activation, output, residual=None):

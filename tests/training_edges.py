@@ -36,6 +36,15 @@ def assert_unchanged(before, tensors, what="input"):
         assert torch.equal(b, t.detach()), f"{what} {i} was modified"
 
 
+def cuda_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def cuda_rand(*shape, g, dtype, scale=1.0, grad=False) -> torch.Tensor:
+    """Normal values on the GPU from ``g``, scaled, in ``dtype``, a leaf requiring grad if ``grad``."""
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype).requires_grad_(grad)
+
+
 # ---- epilogues --------------------------------------------------------------------------------
 
 def bias_gelu(acc, bias):
