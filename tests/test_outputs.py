@@ -200,8 +200,8 @@ def test_an_output_the_same_in_every_batch_has_torchs_shape(tmp_path):
     """In a batched call, an output that reads no batched value (``C / 1.0`` of a shared (M, N) C)
     is (M, N) in torch. The kernel stores it per batch like the other outputs, and returned that
     (L, M, N) buffer (found by a random-program probe on the GPU); now the plan names it, the
-    fake implementation and the call give (M, N) (the first batch), ``out=`` for it is refused by
-    name, and an empty batch takes the torch path."""
+    fake implementation and the call give (M, N) (the first batch), ``out=`` takes it in that
+    shape, and an empty batch takes the torch path."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from evtc.plan.kernel_plan import KernelPlan
@@ -225,7 +225,44 @@ def test_an_output_the_same_in_every_batch_has_torchs_shape(tmp_path):
     with FakeTensorMode() as mode:
         fake = k.op(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(C))
     assert [t.shape for t in fake] == [(2, 40, 24), (40, 24)]
-    with pytest.raises(evtc.CallError, match="this output is the same in every batch"):
-        k(a, b, C=C, out=(torch.empty(2, 40, 24), torch.empty(40, 24)))
+    # out= takes it in torch's shape (the kernel writes a buffer of its own, copied in).
+    out = (torch.empty(2, 40, 24), torch.empty(24, 40).t())
+    assert k(a, b, C=C, out=out) is not None and torch.equal(out[1], C)
+    with pytest.raises(evtc.CallError, match=r"out\[1\]|D1"):
+        k(a, b, C=C, out=(torch.empty(2, 40, 24), torch.empty(2, 40, 24)))
     empty = k(a[:0], b[:0], C=C)
     assert [t.shape for t in empty] == [(0, 40, 24), (40, 24)] and torch.equal(empty[1], C)
+    # With the kernel path forced on this machine (no GPU: the launch is stubbed), the call's
+    # own buffers come back in torch's shape, empty problems included.
+    assert [k.call_spec.first_batch(i, t).shape for i, t in enumerate(k.call_spec.new_outputs(
+        torch.device("cpu"), 0, 24, 2))] == [(2, 0, 24), (0, 24)]
+
+
+def test_the_kernel_path_returns_an_output_the_same_in_every_batch_in_torchs_shape(tmp_path):
+    """The kernel path itself (its launch emulated on the CPU: the stub writes what the kernel
+    writes, every batch's tile, each output (L, M, N)): the call returns the batch-free output's
+    first batch, in torch's shape, without out= and through out= (into a transposed target), at
+    an empty M too; the other outputs whole."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(2, 40, 16, generator=g), torch.randn(2, 16, 24, generator=g)
+    C = torch.randn(40, 24, generator=g)
+    k = evtc.compile(_shared_and_batched, {"a": a, "b": b, "C": C}, cache_dir=tmp_path)
+
+    def launch(a, b, outs, ins, clusters):  # what the kernel computes, per batch
+        d0, d1 = outs
+        d0.copy_((a @ b) * 2.0)
+        d1.copy_((ins[0] / 1.0).expand_as(d1))
+
+    k._kernel_runs = True  # as on a Hopper GPU
+    for m in (40, 0):
+        k._launch_memo[(m, 24, 16, 2, a.get_device())] = (launch, 1, None, k._finisher)
+    got = k(a, b, C=C)
+    assert k.last_path == "kernel"
+    assert [t.shape for t in got] == [(2, 40, 24), (40, 24)]
+    torch.testing.assert_close(got[0], (a @ b) * 2.0)
+    torch.testing.assert_close(got[1], C)
+    out = (torch.empty(2, 40, 24), torch.full((24, 40), float("nan")).t())
+    returned = k(a, b, C=C, out=out)
+    assert returned[1] is out[1] and torch.equal(out[1], C)
+    empty = k(a[:, :0], b, C=C[:0])
+    assert [t.shape for t in empty] == [(2, 0, 24), (0, 24)]

@@ -157,7 +157,10 @@ def _addcmul(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 
     (its CPU kernel multiplies value * tensor1 first: the two differ at the edge of float32's
     range), rounded once."""
     _reject_out(kwargs, "addcmul")
-    _refuse_masks(t, "addcmul", input, tensor1, tensor2)
+    # torch refuses three masks; a mask beside a value promotes.
+    if all(isinstance(v, TracedValue) and t.node_of(v).dtype == torch.bool
+           for v in (input, tensor1, tensor2)):
+        _refuse_masks(t, "addcmul", input)
 
     def formula(x, t1, t2, v):
         product = t.emit("mul", (t1, t2))
@@ -369,8 +372,12 @@ def _sign(t: Tracer, input: Any, **kwargs: Any) -> Any:
         return input
     negative = t.emit("where", (t.emit("lt", (input, 0.0)), -1.0, 0.0))
     result = t.emit("where", (t.emit("gt", (input, 0.0)), 1.0, negative))
-    # Built of numbers, the selection would read float32 to torch's promotion: sign keeps x's dtype.
-    t.eager.same_as(result._node, t.node_of(input))
+    # Built of numbers, the selection would read float32 to torch's promotion: sign keeps x's dtype,
+    # a 16-bit value's as a cast (so that what follows rounds as torch's 16-bit ops do).
+    node = t.node_of(input)
+    if node.dtype in (torch.float16, torch.bfloat16):
+        return t.emit("cast", (result,), {"dtype": node.dtype})
+    t.eager.same_as(result._node, node)
     return result
 
 

@@ -167,8 +167,10 @@ class Tracer:
     def _pow_number_rounded(self, inputs: tuple[Node, ...]) -> tuple[Node, ...]:
         """torch's pow of a tensor and a Python number (or a runtime scalar), either way round,
         converts the number to the tensor's dtype (its kernels take it as ``scalar_t``): for a
-        float16 ``h``, ``1.1 ** h`` and ``h ** 1.1`` use 1.1 rounded to float16 (1.0996). Other
-        ops take a number in float32."""
+        float16 ``h``, ``1.1 ** h`` and ``h ** 1.1`` use 1.1 rounded to float16 (1.0996). Only a
+        value the function narrowed is 16-bit here: a loaded operand and the accumulator compute
+        in float32, as evtc.reference computes them (widened), so a number beside them is not
+        rounded. Other ops take a number in float32."""
         numbers = [n.is_python_scalar for n in inputs]
         if numbers.count(True) != 1 or any(n.dtype == torch.bool for n in inputs):
             return inputs

@@ -18,6 +18,7 @@ from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
 from evtc.ir.dtypes import short_name, torch_dtype, variant_name
 from evtc.numpy_scalars import is_numpy_scalar
 from evtc.plan.config import GATED_SCALE_CHUNK
+from evtc.plan.tensor_spec import TensorSpec
 from evtc.runtime.call_spec import CallSpec
 from evtc.runtime.out_aliasing import overlap, storage_span
 
@@ -261,13 +262,18 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     for name, out_spec, dt in zip(tile_names, plan.outputs, spec.out_dtypes, strict=True):
         t = given[name]
         label = f"out[{name!r}]" if not spec.single_output else "out"
-        if name in dict(plan.batch_free):
-            raise CallError(f"{label}: this output is the same in every batch of a batched call (it reads "
-                            "no batched value), and evtc writes it only into tensors of its own: call "
-                            "without out=, or compute it outside the kernel")
+        free_rank = dict(plan.batch_free).get(name)
+        if free_rank is not None:
+            # The same in every batch: torch's (M, N) or (1, M, N); the kernel writes a buffer of
+            # the call's, whose first batch is copied in (any layout).
+            dims = out_spec.dims[1:] if free_rank == 2 else ("1", *out_spec.dims[1:])
+            contiguous = None if out_spec.contiguous is None else out_spec.contiguous - (free_rank == 2)
+            out_spec, layout_here = TensorSpec(out_spec.name, out_spec.dtype, dims, contiguous), False
+        else:
+            layout_here = layout
         if isinstance(t, torch.Tensor):  # (check_tensor names anything else)
             refuse_unwritable(label, t)  # before check_tensor reads strides a sparse tensor lacks
-        check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout)
+        check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout_here)
         tensors.append(t)
     # The reductions' outputs are copied in after the kernel: checked now, so that a refused call
     # has written none of out='s tensors.

@@ -193,6 +193,14 @@ class CallSpec:
             meta.append((tuple(dims[d] for d in host.dims), torch_dtype(host.dtype)))
         return meta
 
+    def first_batch(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """Output ``index`` (kernel order) as torch shapes it: for one the same in every batch
+        (:attr:`batch_free`), the first batch of the kernel's (L, M, N) ``t``; else ``t``."""
+        rank = self.batch_free.get(index)
+        if rank is None:
+            return t
+        return t[0] if rank == 2 else t[:1]
+
     def result(self, outs: list):
         """The outputs (kernel order) in the structure the epilogue returns."""
         if self.single_output:

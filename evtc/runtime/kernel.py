@@ -704,6 +704,9 @@ class Kernel:
         else:
             targets = call_checks.given_outputs(spec, out, m, n, batches, layout=not stage, device=device)
             outs = unaliased(targets, (a, b, *(scales or ())), ins)  # block scales are read by every CTA too
+            if spec.batch_free:  # written per batch into a buffer of the call's, then copied
+                fresh = spec.new_outputs(device, m, n, batches)
+                outs = [fresh[i] if i in spec.batch_free else t for i, t in enumerate(outs)]
         if stage:
             a, b, up, ins, outs, problems = stage_call(self.plan, a, b, up, ins, outs)
             if scales is not None:
@@ -728,11 +731,9 @@ class Kernel:
         invoke(fn, a, b, tuple(outs + workspaces), tuple(ins), clusters, split, device, scales, up)
         # out= tensors that overlap an input got fresh ones: copied in after the host finish, which
         # may read that input again (a device scalar inside out=).
-        pending = [] if outs is targets else [(w, t) for w, t in zip(outs, targets, strict=True)
+        pending = [] if outs is targets else [(spec.first_batch(i, w), t)
+                                              for i, (w, t) in enumerate(zip(outs, targets, strict=True))
                                               if w is not t]
-        if spec.batch_free:  # the same in every batch: torch's (M, N), the first batch's view
-            free = spec.batch_free
-            targets = [t if i not in free else t[0] if free[i] == 2 else t[:1] for i, t in enumerate(targets)]
         return targets, workspaces, (m, n, batches, finisher), pending
 
     def _empty_problem(self, a, b, out, operands, scales, m: int, n: int, batches: int):
@@ -839,6 +840,8 @@ class Kernel:
     def _finished(self, out, outs, workspaces, problem, operands, pending) -> list[torch.Tensor]:
         """The call's outputs: the tiles ``outs``, then the host outputs (finished first, while the
         inputs are as the call gave them), then the tiles written aside copied into their out=."""
+        if out is None and self.call_spec.batch_free:  # torch's shape: the first batch (a view)
+            outs = [self.call_spec.first_batch(i, t) for i, t in enumerate(outs)]
         results = outs + self._finish(out, workspaces, *problem, operands)
         for written, target in pending:
             target.copy_(written)
