@@ -406,3 +406,13 @@ def load(prog: Program, directory):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.f, path
+
+
+def flat_outputs(x):
+    """(keys, values) of a program's result: a dict's keys, a tuple's or list's positions, or
+    [None] for one tensor."""
+    if isinstance(x, dict):
+        return list(x.keys()), list(x.values())
+    if isinstance(x, (tuple, list)):
+        return list(range(len(x))), list(x)
+    return [None], [x]

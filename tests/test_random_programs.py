@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from random_programs import load, make
+from random_programs import flat_outputs, load, make
 from torch.overrides import TorchFunctionMode
 
 import evtc
@@ -88,14 +88,6 @@ class _AsEvtcRounds(_Widened):
             x, y = (a.float() if isinstance(a, torch.Tensor) else float(a) for a in args)
             return (x + _ADD_ALPHA[func] * (y * float(alpha))).to(result.dtype)
         return result
-
-
-def _flat(x):
-    if isinstance(x, dict):
-        return list(x.keys()), list(x.values())
-    if isinstance(x, (tuple, list)):
-        return list(range(len(x))), list(x)
-    return [None], [x]
 
 
 def _run(fn, inputs, dtype=None, mode=None):
@@ -192,10 +184,11 @@ def _check(seed, progdir):
         w32 = _run(fn, inputs, torch.float32)
         alt32 = _run(fn, inputs, torch.float32, _AsEvtcRounds())
         w64 = _run(fn, inputs, torch.float64)
-        kg, vg = _flat(got)
-        kn, vn = _flat(nat)
+        kg, vg = flat_outputs(got)
+        kn, vn = flat_outputs(nat)
         assert type(got) is type(nat) and kg == kn, f"{what}: structure {type(got)} {kg}, torch {kn}"
-        refs = zip(kg, vg, vn, _flat(w32)[1], _flat(alt32)[1], _flat(w64)[1], strict=True)
+        refs = zip(kg, vg, vn, flat_outputs(w32)[1], flat_outputs(alt32)[1], flat_outputs(w64)[1],
+                   strict=True)
         for key, g, n, t, alt, x in refs:
             want = inputs["a"].dtype if n.dtype == torch.bool else n.dtype  # a mask is written as a's dtype
             assert g.dtype == want, f"{what} output {key}: dtype {g.dtype}, torch {want}"

@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from random_programs import load, make
+from random_programs import flat_outputs, load, make
 
 import evtc
 
@@ -52,14 +52,6 @@ def _shapes(prog):
     if prog.batched:
         return [(2, 1, 264, 72), (3, 200, 136, 128), (2, 77, 40, 24)]
     return [(1, 1, 264, 72), (1, 200, 136, 128), (1, 77, 40, 24)]
-
-
-def _flat(x):
-    if isinstance(x, dict):
-        return list(x.keys()), list(x.values())
-    if isinstance(x, (tuple, list)):
-        return list(range(len(x))), list(x)
-    return [None], [x]
 
 
 def _run(fn, inputs, dtype):
@@ -139,10 +131,10 @@ def test_random_program(idx, cache):
         nat = _run(fn, inputs, None)
         w64 = _run(fn, inputs, torch.float64)
         w32 = _run(fn, inputs, torch.float32)
-        kg, vg = _flat(got)
-        kn, vn = _flat(nat)
+        kg, vg = flat_outputs(got)
+        kn, vn = flat_outputs(nat)
         assert type(got) is type(nat) and kg == kn, f"{what}: structure {type(got)} {kg}, torch {kn}"
-        refs = zip(kg, vg, vn, _flat(w64)[1], _flat(w32)[1], strict=True)
+        refs = zip(kg, vg, vn, flat_outputs(w64)[1], flat_outputs(w32)[1], strict=True)
         for key, g, n, x, t in refs:
             want = inputs["a"].dtype if n.dtype == torch.bool else n.dtype
             assert g.dtype == want, f"{what} output {key}: dtype {g.dtype}, torch {want}"
