@@ -12,6 +12,7 @@ must be an error the doc lists. Tracing only: no kernel is compiled.
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -25,7 +26,14 @@ import evtc
 # 800 programs, about 40 s on two cores. Chunks of 100 keep the counts per test meaningful and let
 # pytest-xdist spread them.
 CHUNK = 100
-CHUNKS = [range(start, start + CHUNK) for start in range(0, 800, CHUNK)]
+# EVTC_RANDOM_PROGRAMS_FROM starts another range of 800, for a wider search by hand. Read its
+# failures as leads: beyond this range the references meet CPU torch's own departures from CUDA
+# torch, which evtc follows (docs/epilogues.md): a Python number added to a bfloat16 value rounded
+# to bfloat16 first (seed 1663), 16-bit tanhshrink not computed in float32 (2449), addcmul's
+# product taken in CPU torch's order (1596), and ill-conditioned
+# compositions (logit(sigmoid(x)) at large x, 2771) amplifying a float32 rounding.
+_FIRST = int(os.environ.get("EVTC_RANDOM_PROGRAMS_FROM", 0))
+CHUNKS = [range(start, start + CHUNK) for start in range(_FIRST, _FIRST + 800, CHUNK)]
 # Most programs must be compared, not refused: about 7% are refused where torch refuses too.
 MIN_COMPARED = 0.85
 
@@ -40,7 +48,7 @@ _ROUNDED_ONCE = {torch.rsqrt, torch.Tensor.rsqrt, torch.logit, torch.Tensor.logi
 _ADD_ALPHA = {torch.add: 1.0, torch.Tensor.add: 1.0, torch.sub: -1.0, torch.Tensor.sub: -1.0}
 
 
-_SAME_DTYPE = {torch.lerp, torch.Tensor.lerp, F.prelu, torch.prelu}
+_SAME_DTYPE = {torch.lerp, torch.Tensor.lerp, F.prelu, torch.prelu, torch.heaviside, torch.Tensor.heaviside}
 
 
 class _Widened(TorchFunctionMode):
@@ -52,8 +60,8 @@ class _Widened(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _SAME_DTYPE:
-            floats = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        floats = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if func in _SAME_DTYPE and floats:
             wide = max(floats, key=lambda d: torch.finfo(d).bits)
             args = tuple(a.to(wide) if isinstance(a, torch.Tensor) else a for a in args)
         return func(*args, **kwargs)
