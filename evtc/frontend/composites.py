@@ -44,13 +44,14 @@ def _overflow_bound(value: Any) -> float:
     return info.max + top_unit / 2
 
 
-def _refuse_masks(t: Tracer, name: str, *values: Any) -> None:
+def _refuse_masks(t: Tracer, name: str, *values: Any, every: bool = False) -> None:
     """torch does not define ``name`` for bool tensors ("not implemented for 'Bool'"): a mask
-    among ``values`` is refused, as torch refuses it, where evtc's formula would compute on it."""
-    for value in values:
-        if isinstance(value, TracedValue) and t.node_of(value).dtype == torch.bool:
-            raise DTypeError(f"{name} of a boolean mask, which torch refuses: convert the mask with "
-                             ".float() first", user_location())
+    among ``values`` (with ``every``, ``values`` all masks) is refused, as torch refuses it, where
+    evtc's formula would compute on it."""
+    masks = [isinstance(v, TracedValue) and t.node_of(v).dtype == torch.bool for v in values]
+    if all(masks) if every else any(masks):
+        raise DTypeError(f"{name} of a boolean mask, which torch refuses: convert the mask with "
+                         ".float() first", user_location())
 
 
 # --- no-ops on values -------------------------------------------------------------------------
@@ -158,9 +159,7 @@ def _addcmul(t: Tracer, input: Any, tensor1: Any, tensor2: Any, *, value: Any = 
     range), rounded once."""
     _reject_out(kwargs, "addcmul")
     # torch refuses three masks; a mask beside a value promotes.
-    if all(isinstance(v, TracedValue) and t.node_of(v).dtype == torch.bool
-           for v in (input, tensor1, tensor2)):
-        _refuse_masks(t, "addcmul", input)
+    _refuse_masks(t, "addcmul", input, tensor1, tensor2, every=True)
 
     def formula(x, t1, t2, v):
         product = t.emit("mul", (t1, t2))
@@ -368,13 +367,13 @@ def _sign(t: Tracer, input: Any, **kwargs: Any) -> Any:
     """torch.sign (and sgn, for real values): 1, -1 or 0; 0 for NaN, as torch gives; a mask's sign
     is the mask."""
     _reject_out(kwargs, "sign")
-    if t.node_of(input).dtype == torch.bool:
+    node = t.node_of(input)
+    if node.dtype == torch.bool:
         return input
     negative = t.emit("where", (t.emit("lt", (input, 0.0)), -1.0, 0.0))
     result = t.emit("where", (t.emit("gt", (input, 0.0)), 1.0, negative))
     # Built of numbers, the selection would read float32 to torch's promotion: sign keeps x's dtype,
     # a 16-bit value's as a cast (so that what follows rounds as torch's 16-bit ops do).
-    node = t.node_of(input)
     if node.dtype in (torch.float16, torch.bfloat16):
         return t.emit("cast", (result,), {"dtype": node.dtype})
     t.eager.same_as(result._node, node)

@@ -21,7 +21,14 @@ from ..errors import (
     UnsupportedOpError,
     made_during,
 )
-from ..ir.dtypes import COMPUTE_DTYPE, FLOAT8_DTYPES, OPERAND_DTYPES, eager_acc_dtype, variant_name
+from ..ir.dtypes import (
+    COMPUTE_DTYPE,
+    FLOAT8_DTYPES,
+    OPERAND_DTYPES,
+    beyond_int64,
+    eager_acc_dtype,
+    variant_name,
+)
 from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
 from ..ir.infer import promote
 from ..ir.ops import ELEMENTWISE
@@ -73,7 +80,7 @@ class Tracer:
                 "build masks from comparisons (acc > 0) and combine them with &, |, ~",
                 user_location(),
             )
-        if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:
+        if beyond_int64(value):
             # torch reads an int as an int64 and refuses one beyond it (OverflowError)
             raise DTypeError(f"the Python int {value} in an epilogue expression is beyond int64, which "
                              "torch refuses; write it as a float (a literal such as 1e30)", user_location())
@@ -468,7 +475,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
             # Flags and absent optionals specialise the trace, so `if flag:` in the epilogue works.
             call_args[name] = value
         elif isinstance(value, int | float) and name in example:
-            if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:
+            if beyond_int64(value):
                 # torch reads an int scalar as an int64 and refuses one beyond it; so would each call
                 raise InputError(f"example input {name!r}, an int of {len(str(abs(value)))} digits, does not "
                                  "fit in int64, which torch requires of an int scalar: pass a float",

@@ -98,3 +98,8 @@ def as_float32_literal(value: float) -> float:
     if math.isfinite(value) and abs(value) > FLOAT32_MAX:
         return math.copysign(FLOAT32_MAX, value)
     return value
+
+
+def beyond_int64(value: object) -> bool:
+    """Whether ``value`` is a Python int that torch refuses as a scalar (it reads ints as int64)."""
+    return isinstance(value, int) and not -(1 << 63) <= value < (1 << 63)

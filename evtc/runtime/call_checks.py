@@ -15,7 +15,7 @@ import torch
 
 from evtc.errors import CallError, nested_tensor_message
 from evtc.ir.block_scales import SCALE_BLOCK, is_pair, scale_problem
-from evtc.ir.dtypes import short_name, torch_dtype, variant_name
+from evtc.ir.dtypes import beyond_int64, short_name, torch_dtype, variant_name
 from evtc.numpy_scalars import is_numpy_scalar
 from evtc.plan.config import GATED_SCALE_CHUNK
 from evtc.plan.tensor_spec import TensorSpec
@@ -25,7 +25,6 @@ from evtc.runtime.out_aliasing import overlap, storage_span
 #: Operand dtypes a call may pass for a tensor compiled with another float dtype (torch path).
 FLOAT_OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The largest int a runtime scalar may be, as torch takes one.
-_INT64_MAX = (1 << 63) - 1
 #: The largest size (M, N, K, L) and workspace length the kernel's 32-bit arguments hold.
 INT32_MAX = (1 << 31) - 1
 
@@ -259,10 +258,11 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
     tensors = []
     plan = spec.plan
     tile_names = spec.kernel_order[:len(plan.outputs)]
-    for name, out_spec, dt in zip(tile_names, plan.outputs, spec.out_dtypes, strict=True):
+    specs = zip(tile_names, plan.outputs, spec.out_dtypes, strict=True)
+    for index, (name, out_spec, dt) in enumerate(specs):
         t = given[name]
         label = f"out[{name!r}]" if not spec.single_output else "out"
-        free_rank = dict(plan.batch_free).get(name)
+        free_rank = spec.batch_free.get(index)
         if free_rank is not None:
             # The same in every batch: torch's (M, N) or (1, M, N); the kernel writes a buffer of
             # the call's, whose first batch is copied in (any layout).
@@ -672,7 +672,7 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
             if not isinstance(value, int | float):  # (a tensor was refused above)
                 raise CallError(f"{kernel_input.name} is a runtime scalar: pass a Python float or int, got "
                                 f"{type(value).__name__}")
-            if isinstance(value, int) and not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+            if beyond_int64(value):
                 # torch refuses it too (an int scalar must fit in int64)
                 raise CallError(f"{kernel_input.name}, an int of {len(str(abs(value)))} digits, does not fit "
                                 "in int64, which torch requires of an int scalar: pass a float")
