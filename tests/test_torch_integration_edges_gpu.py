@@ -80,7 +80,8 @@ CASES = {
     "stats_kd": (_stats_kd, lambda m, n, k: dict(a=R(m, k), b=R(k, n), C=R(m, n)), {}),
     "bstats": (_bstats, lambda m, n, k: dict(a=R(3, m, k), b=R(3, k, n), C=R(3, m, n)), {}),
     "dict": (_dict, lambda m, n, k: dict(a=R(m, k), b=R(k, n), bias=R(n, dtype=torch.float32)), {}),
-    "swiglu": (_swiglu, lambda m, n, k: dict(a=R(m, k), b=R(k, 2 * n)), {}),
+    # b scaled by 1/sqrt(K): silu(g) * u of two order-sqrt(K) halves passes float16's 65504 at K = 8192
+    "swiglu": (_swiglu, lambda m, n, k: dict(a=R(m, k), b=(R(k, 2 * n).float() * k**-0.5).to(H)), {}),
     "d_major_m": (_residual, lambda m, n, k: dict(a=R(m, k), b=R(k, n), C=R(m, n)), {"d_major": "m"}),
     "coop_C_in_D": (_residual, lambda m, n, k: dict(a=R(m, k), b=R(k, n), C=R(m, n)),
                     {"schedule": "cooperative"}),
