@@ -509,3 +509,22 @@ def test_sign_of_a_16bit_value_rounds_what_follows_as_torch():
     mixed = lambda acc, C: torch.addcmul(acc.float(), C > 0, C.float())  # noqa: E731
     got = evtc.trace(mixed, {"a": a, "b": b, "C": C}).evaluate({"a": a, "b": b, "C": C}, cast_outputs=True)
     torch.testing.assert_close(got, mixed(a.float() @ b.float(), C), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda acc, C: torch.logit(acc > C) + C,
+    lambda acc, C: torch.special.logit(acc > C, eps=-1.0) * C,
+    lambda acc, C: torch.logit(acc > C, eps=0.25),
+    lambda acc, C: torch.nan_to_num(acc > C) * acc.float(),
+    lambda acc, C: torch.nan_to_num(acc > C, nan=2.0, posinf=5.0).float() + C,
+], ids=["logit", "logit_negative_eps", "logit_eps", "nan_to_num", "nan_to_num_values"])
+def test_functions_torch_defines_for_masks(fn):
+    """torch computes these on a bool tensor (logit in float32: +-inf without eps; nan_to_num
+    returns the mask as it is); evtc refused them (a mask's subtraction; finfo of bool)."""
+    a, b, _ = _inputs({})
+    C = torch.randn(M, N).half()
+    inputs = {"a": a, "b": b, "C": C}
+    got = evtc.trace(fn, inputs).evaluate(inputs, cast_outputs=True)
+    want = fn(a.float() @ b.float(), C)
+    assert got.dtype == want.dtype
+    _same(got, want)

@@ -106,6 +106,9 @@ def _nan_to_num(t: Tracer, input: Any, nan: float = 0.0, posinf: float | None = 
     """torch.nan_to_num: NaN, +inf and -inf replaced; the infinities by default with the largest
     finite values of the value's dtype (bfloat16's for a bfloat16 value, as in torch)."""
     _reject_out(kwargs, "nan_to_num")
+    dtype = t.node_of(input).dtype if isinstance(input, TracedValue) else None
+    if dtype is not None and not dtype.is_floating_point:
+        return input  # a mask or an integer holds no NaN or infinity: torch returns it as it is
     info = torch.finfo(input.dtype if isinstance(input, TracedValue) else torch.float32)
     posinf = info.max if posinf is None else posinf
     neginf = info.min if neginf is None else neginf
@@ -312,6 +315,8 @@ def _logit(t: Tracer, input: Any, eps: Any = None, **kwargs: Any) -> Any:
         got = "a runtime value or tensor" if isinstance(eps, TracedValue | torch.Tensor) else repr(eps)
         raise UnsupportedOpError(f"logit's eps must be a number written in the epilogue or None (got {got})",
                                  user_location())
+    if isinstance(input, TracedValue) and not t.node_of(input).dtype.is_floating_point:
+        input = t.emit("cast", (input,), {"dtype": torch.float32})  # torch takes a mask's logit in float32
     bounds = None
     if eps is not None and eps >= 0:
         lo = torch.tensor(float(eps), dtype=torch.float32)
