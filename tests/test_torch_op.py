@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import evtc
@@ -379,3 +380,40 @@ def test_fused_linear_takes_one_row_under_dynamic_shapes(lead, tmp_path):
     x, r = torch.randn(*one, 16), torch.randn(*one, 24)
     with torch.no_grad():
         torch.testing.assert_close(f(x, r), x @ layer.weight.t() + r, rtol=1e-5, atol=1e-5)
+
+
+def test_fake_implementation_refuses_operand_shapes_the_call_refuses(kernel, tmp_path):
+    """The fake runs the call's shape checks on every operand, so torch.compile and torch.export
+    refuse a graph whose run would be refused (it checked a and b only: an exported program
+    with a wrong C traced, then raised when run)."""
+    a, b = meta(300, 64), meta(64, 200)
+    with FakeTensorMode() as mode:
+        for C, bias, match in [(meta(300, 40), meta(200, dtype=torch.float32), r"C has shape \(300, 40\)"),
+                               (meta(300, 200), meta(47, dtype=torch.float32), r"bias has shape \(47,\)"),
+                               (meta(200), meta(200, dtype=torch.float32), "C must be 2-d")]:
+            args = [mode.from_tensor(torch.empty(t.shape, dtype=t.dtype)) for t in (a, b, C, bias)]
+            with pytest.raises(evtc.CallError, match=match):
+                kernel.op(*args, 0.5)
+
+    class Layer(torch.nn.Module):
+        def forward(self, a, b, C, bias):
+            return kernel(a, b, C=C, bias=bias, alpha=1.5)
+
+    good = [torch.randn(300, 64).half(), torch.randn(64, 200).half(), torch.randn(300, 200).half(),
+            torch.randn(200)]
+    torch.export.export(Layer(), tuple(good))
+    with pytest.raises(evtc.CallError, match=r"C has shape \(300, 40\)"):
+        torch.export.export(Layer(), (good[0], good[1], torch.randn(300, 40).half(), good[3]))
+
+    # A gated kernel: its operand as wide as the GEMM is checked whole, at 2N.
+    def swiglu_bias(acc, bias):
+        g, u = (acc + bias).chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    gated = evtc.compile(swiglu_bias, {"a": meta(64, 32), "b": meta(32, 128), "bias": meta(128)},
+                         cache_dir=tmp_path)
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(torch.empty(64, 32).half()), mode.from_tensor(torch.empty(32, 128).half())
+        assert gated.op(x, w, mode.from_tensor(torch.empty(128).half())).shape == (64, 64)
+        with pytest.raises(evtc.CallError, match="bias must be a tensor whose last dim is N = 128"):
+            gated.op(x, w, mode.from_tensor(torch.empty(64).half()))

@@ -623,11 +623,39 @@ def check_gemm_shapes(plan, a, b) -> None:
                         f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if b.shape[-2] != a.shape[-1]:
         raise CallError(f"a @ b: a is {tuple(a.shape)} and b is {tuple(b.shape)}; K differs")
+    fixed_n = plan.interface.fixed_n
+    if fixed_n is not None and b.shape[-1] != fixed_n:
+        raise CallError(f"b has {b.shape[-1]} columns, but the epilogue splits acc into halves of a "
+                        f"fixed size ({fixed_n // 2}, as compiled: split({fixed_n // 2}, -1)), which "
+                        f"torch's split makes two halves only for N = {fixed_n}; write "
+                        "acc.chunk(2, dim=-1) or split(acc.shape[-1] // 2, -1) for a kernel of every N")
     # Comparisons only (no set of sizes): under torch.compile they are symbolic, and unhashable.
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0] and (
             plan.broadcast_batch is None or (a.shape[0] != 1 and b.shape[0] != 1)):
         raise CallError(f"a and b have batch sizes {a.shape[0]} and {b.shape[0]}"
                         + ("" if plan.broadcast_batch else " (compiled for equal batch sizes)"))
+
+
+def check_operand_shapes(spec: CallSpec, a, b, operands: dict) -> None:
+    """Raise the CallError a call would for a tensor operand whose rank or shape disagrees with
+    ``a`` and ``b`` (and a gated call's own rules). Shapes only, comparisons only: the operator's
+    fake implementation runs it on fake tensors of possibly symbolic sizes, so that torch.compile
+    and torch.export refuse a graph whose run would be refused."""
+    plan = spec.plan
+    if plan.gated:
+        _validate_gated(spec, b, operands)
+        _, operands = spec.kernel_arguments(b, operands)
+    batches = [t.shape[0] for t in (a, b) if t.dim() == 3]
+    sizes = {"M": a.shape[-2], "K": a.shape[-1], "N": b.shape[-1] // 2 if plan.gated else b.shape[-1],
+             "L": max(batches) if batches else 1}
+    for kernel_input in plan.inputs:
+        value = operands.get(kernel_input.name)
+        if kernel_input.kind in ("arg", "literal") or not isinstance(value, torch.Tensor):
+            continue
+        spec_ = kernel_input.spec
+        want = tuple(1 if d == "1" else sizes[d] for d in spec_.dims)
+        if value.dim() != spec_.rank or tuple(value.shape) != want:
+            _refuse_shape(kernel_input.label, value, spec_, want)
 
 
 def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
@@ -646,12 +674,6 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
     check_names(spec, operands)
     batches = [t.shape[0] for t in (a, b) if t.dim() == 3]
     b_parts = [("b", b)]
-    fixed_n = plan.interface.fixed_n
-    if fixed_n is not None and b.shape[-1] != fixed_n:
-        raise CallError(f"b has {b.shape[-1]} columns, but the epilogue splits acc into halves of a "
-                        f"fixed size ({fixed_n // 2}, as compiled: split({fixed_n // 2}, -1)), which "
-                        f"torch's split makes two halves only for N = {fixed_n}; write "
-                        "acc.chunk(2, dim=-1) or split(acc.shape[-1] // 2, -1) for a kernel of every N")
     if plan.gated:
         _validate_gated(spec, b, operands)
         (gate, up), operands = spec.kernel_arguments(b, operands)

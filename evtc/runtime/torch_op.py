@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from evtc.errors import CallError
-from evtc.runtime.call_checks import check_gemm_shapes
+from evtc.runtime.call_checks import check_gemm_shapes, check_operand_shapes
 from evtc.runtime.out_aliasing import distinct_outputs
 
 if TYPE_CHECKING:
@@ -81,7 +81,10 @@ def register(kernel: Kernel):
             return outs[0] if single else tuple(outs)
 
         def fake(a, b, *operands):
-            check_gemm_shapes(plan, a, b)  # as the real call: a traced graph fails where its run would
+            # The real call's shape checks: a traced or exported graph fails where its run would.
+            check_gemm_shapes(plan, a, b)
+            check_operand_shapes(kernel.call_spec, a, b,
+                                 dict(zip(names, operands[2:] if scaled else operands, strict=True)))
             # The batch of the result: a 2-d ``a`` beside a batched ``b``, or a batch of 1 beside
             # one of L, broadcast as torch does (the real call takes such batches too).
             batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) if plan.batched else ()
