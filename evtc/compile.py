@@ -512,7 +512,8 @@ def _call_interface(user_fn, example_inputs, graph, emitted, strict: bool) -> Ca
             constants.append((name, value))
     return CallInterface(parameters=tuple(signature.params), unused=frozenset(unused),
                          constants=tuple(constants), strict=strict, fixed_n=graph.fixed_n,
-                         operand_variants=graph.operand_variants, defaults=tuple(defaults))
+                         operand_variants=graph.operand_variants, defaults=tuple(defaults),
+                         shape_reads=graph.shape_reads)
 
 
 def _torch_kernel(graph, emitted, signature, interface, cache_dir, loc, reason: str, remedy: str) -> Kernel:

@@ -906,3 +906,81 @@ def test_an_int_scalar_beyond_int64_is_named(cache):
     with pytest.raises(evtc.CallError, match="does not fit in int64"):
         k(a, b, alpha=10**400)
     assert torch.allclose(k(a, b, alpha=2**62), (a @ b) * 2.0**62, rtol=1e-5)
+
+
+def test_an_operand_whose_shape_the_epilogue_reads_keeps_its_compiled_shape():
+    """``C.size(0)``, ``bias.dim()``, ``(C * 2).dim()``: the graph holds the sizes at the compiled
+    shapes, so a call that passes such an operand in another shape torch broadcasts (or a and b
+    of batch 1 where acc's shape is read) is refused by name. It was computed with the compiled
+    sizes: silently not torch's values (found by a docs audit)."""
+    L, M, N, K = 3, 6, 8, 4
+    A, B = torch.randn(L, M, K), torch.randn(L, K, N)
+    cases = [  # (function, example (a, b, C), call (a, b, C), whose shape is read)
+        (lambda acc, C: acc * C.size(0) + C, (A, B, torch.randn(L, M, N)), (A, B, torch.randn(M, N)), "C"),
+        (lambda acc, C: acc * C.dim() + C, (A, B, torch.randn(L, M, N)), (A, B, torch.randn(M, N)), "C"),
+        (lambda acc, C: acc * C.size(0) + C, (A[0], B[0], torch.randn(N)),
+         (A[0], B[0], torch.randn(1, N)), "C"),
+        (lambda acc, C: acc * (C * 2).dim() + C, (A[0], B[0], torch.tensor([0.5])),
+         (A[0], B[0], torch.tensor([[0.5]])), "C"),
+        (lambda acc, C: acc * C.numel() + C, (A, B, torch.randn(L, 1, N)), (A, B, torch.randn(N)), "C"),
+        (lambda acc, C: acc * C.shape[0] + C, (A[:1], B[:1], torch.randn(1, M, N)),
+         (A, B, torch.randn(1, M, N)), "C"),
+        (lambda acc, C: acc * acc.size(0) + C, (A, B, torch.randn(L, M, N)),
+         (A[:1], B[:1], torch.randn(L, M, N)), "acc"),
+    ]
+    for fn, example, (a, b, C), name in cases:
+        k = evtc.compile(fn, {"a": example[0], "b": example[1], "C": example[2]})
+        kept = C.clone()
+        with pytest.raises(evtc.CallError, match=rf"the epilogue reads {name}'s shape"):
+            k(a, b, C=C)
+        assert torch.equal(C, kept)
+        # In the compiled shapes the same kernel gives torch's values.
+        ea, eb, eC = example
+        torch.testing.assert_close(k(ea, eb, C=eC), fn(torch.matmul(ea, eb), eC), rtol=1e-5, atol=1e-5)
+    # A size of acc alone (1/N) leaves operands free to broadcast.
+    k = evtc.compile(lambda acc, bias: acc / acc.shape[-1] + bias,
+                     {"a": A[0], "b": B[0], "bias": torch.randn(N)})
+    bias = torch.randn(1, N)
+    torch.testing.assert_close(k(A[0], B[0], bias=bias), (A[0] @ B[0]) / N + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_rank_changes_absorbed_by_a_full_tile_are_taken():
+    """A (1,) scale for a 0-d example or a (1, N) bias for an (N,) one, read by a reduction only
+    through a full tile of acc (``(acc * s).abs().amax()``, ``(acc + bias).sum(-1)``): torch's
+    shapes do not change, so the call runs as a view (it was refused whenever a reduction read the
+    operand; found by restating TransformerEngine's (1,)-shaped scales)."""
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+
+    def scaled_amax(acc, s):
+        y = acc * s
+        return y, y.abs().amax()
+
+    def bias_rowsum(acc, bias):
+        y = acc + bias
+        return y, y.sum(-1)
+
+    for fn, example, given in [(scaled_amax, torch.tensor(0.5), torch.tensor([0.5])),
+                               (scaled_amax, torch.tensor(0.5), torch.tensor([[0.5]])),
+                               (bias_rowsum, torch.randn(8), torch.randn(1, 8))]:
+        k = evtc.compile(fn, {"a": a, "b": b, ("s" if fn is scaled_amax else "bias"): example})
+        got = k(a, b, given)
+        want = fn(a.double() @ b.double(), given.double())
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_an_output_of_shared_operands_alone_lets_a_and_b_broadcast_their_batch():
+    """``C * 2`` of a shared (M, N) C is the same in every batch: a 2-d a or b, or one of batch 1,
+    beside a 3-d other gives torch's result, that output (M, N). It was refused (the expansion
+    rule asked every output to read an input of the whole batch)."""
+    def fn(acc, C):
+        return acc + C, C * 2
+
+    A, B, C = torch.randn(3, 6, 4), torch.randn(3, 4, 8), torch.randn(6, 8)
+    k = evtc.compile(fn, {"a": A, "b": B, "C": C})
+    for a, b in ((A[0], B), (A, B[0]), (A[:1], B), (A, B[:1])):
+        got, want = k(a, b, C=C), fn(torch.matmul(a.double(), b.double()), C.double())
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ indexing) is an error that names the user's line.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -225,12 +226,20 @@ class TracedValue:
         promoted), although the kernel computes it in float32 (evtc/frontend/eager_dtypes.py)."""
         return self._tracer.eager.dtype(self._node)
 
+    def _read_shape(self) -> None:
+        # A read by the user's code (not evtc's own, which asks ranks to pick a lowering): the
+        # inputs of this value may not change shape at a call (Graph.shape_reads).
+        if not sys._getframe(2).f_globals.get("__name__", "").startswith("evtc."):
+            self._tracer.note_shape_read(self._node)
+
     @property
     def shape(self) -> tuple[SymDim, ...]:
+        self._read_shape()
         return tuple(SymDim(d) for d in self._node.shape)
 
     def size(self, dim: int | None = None) -> Any:
-        shape = self.shape
+        self._read_shape()
+        shape = tuple(SymDim(d) for d in self._node.shape)
         if dim is not None and not -len(shape) <= dim < len(shape):
             # torch's IndexError, with its message (a tuple's would not say which dims exist).
             raise IndexError(f"Dimension out of range (expected to be in range of [{-len(shape)}, "
@@ -239,12 +248,15 @@ class TracedValue:
 
     @property
     def ndim(self) -> int:
+        self._read_shape()
         return len(self._node.shape)
 
     def dim(self) -> int:
+        self._read_shape()
         return len(self._node.shape)
 
     def numel(self) -> SymDim:
+        self._read_shape()
         return SymDim(sympy.Mul(*self._node.shape))
 
     @property

@@ -62,6 +62,27 @@ class Tracer:
         self.running = False
         #: Reductions refused only if an output reads them: node id -> (message, location).
         self.refused_if_read: dict[int, tuple[str, Any]] = {}
+        #: The inputs ("acc", operand names) whose shape or rank the function read: see
+        #: Graph.shape_reads.
+        self.shape_reads: set[str] = set()
+
+    def note_shape_read(self, node: Node) -> None:
+        """The function read the shape, a size or the rank of ``node``: each input it is computed
+        from is one whose shape a call may not change (torch's value would read another)."""
+        if not self.running:
+            return
+        seen: set[int] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.id in seen:
+                continue
+            seen.add(n.id)
+            if n.op == "acc":
+                self.shape_reads.add("acc")
+            elif n.op == "load":
+                self.shape_reads.add(n.attrs["name"])
+            stack.extend(n.inputs)
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -574,6 +595,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         ab_dtype=ab_dtype,
         fixed_n=tracer.fixed_n,
         operand_variants=_operand_variants(tracer, operands, stored),
+        shape_reads=frozenset(tracer.shape_reads),
     )
 
 

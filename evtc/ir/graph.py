@@ -180,6 +180,11 @@ class Graph:
     #: acc + bias float32): the dtypes (and 0-dim or not) a call may pass, by
     #: :func:`evtc.ir.dtypes.variant_name`. Unlisted operands take any float dtype.
     operand_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: The inputs ("acc" for the accumulator, else operand names) that a shape, size or rank the
+    #: function read is computed from (``C.size(0)``, ``bias.dim()``, ``(acc + C).shape[-1]``): the
+    #: graph holds what they were at the compiled shapes, so a call may not pass them in another
+    #: shape even where torch would broadcast it.
+    shape_reads: frozenset[str] = frozenset()
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -308,4 +313,5 @@ def replace_nodes(graph: Graph, nodes: list[Node]) -> Graph:
         gated=graph.gated,
         fixed_n=graph.fixed_n,
         operand_variants=graph.operand_variants,
+        shape_reads=graph.shape_reads,
     )

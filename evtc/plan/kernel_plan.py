@@ -22,7 +22,7 @@ from typing import Any
 from evtc.plan.tensor_spec import TensorSpec
 
 #: The version of this format; a manifest of another one is rebuilt.
-PLAN_FORMAT = 4
+PLAN_FORMAT = 5
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,9 @@ class CallInterface:
     #: Runtime scalars with a Python default (``alpha=1.0``, given in the examples): a call that
     #: leaves one out gets the default, as calling the function would.
     defaults: tuple[tuple[str, Any], ...] = ()
+    #: The inputs whose shape or rank the function reads (Graph.shape_reads): a call passes them in
+    #: the compiled shapes, never as views of another (evtc.runtime.broadcasts).
+    shape_reads: frozenset[str] = frozenset()
 
     def tag(self) -> str:
         """A digest of this interface: kernels that share compiled code but not the interface
@@ -154,7 +157,8 @@ class CallInterface:
         if self == CallInterface():
             return ""
         text = repr((self.parameters, sorted(self.unused), self.constants, self.strict, self.torch_only,
-                     self.fixed_n, self.operand_variants) + ((self.defaults,) if self.defaults else ()))
+                     self.fixed_n, self.operand_variants) + ((self.defaults,) if self.defaults else ())
+                    + ((sorted(self.shape_reads),) if self.shape_reads else ()))
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -196,6 +200,11 @@ class KernelPlan:
     #: shared (M, N) or (1, M, N) ``C``), with the rank torch gives them (2 or 3): the kernel stores
     #: them per batch like the others, and a call returns the first batch, of torch's shape.
     batch_free: tuple[tuple[str, int], ...] = ()
+    #: Operands whose rank a call may not change by torch's broadcasts (a (1, N) bias for an (N,)
+    #: example, (1,) for a 0-d scalar): those that reach an output or a reduction through no
+    #: full tile of another input, which would absorb extra leading dims of 1 (``acc.sum() * s``
+    #: with ``s`` of (1,) is torch's (1,); ``(acc * s).amax()`` is () either way).
+    rank_fixed: tuple[str, ...] = ()
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -299,12 +308,14 @@ def _decode_plan(d: dict) -> KernelPlan:
         interface=CallInterface(tuple(interface["parameters"]), frozenset(interface["unused"]),
                                 _tuple(interface["constants"]), interface["strict"], interface["torch_only"],
                                 interface.get("fixed_n"), _tuple(interface.get("operand_variants", [])),
-                                _tuple(interface.get("defaults", []))),
+                                _tuple(interface.get("defaults", [])),
+                                frozenset(interface.get("shape_reads", []))),
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
         kernel_finish=_tuple(d["kernel_finish"]),
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),
         reads=tuple((tuple(names), full) for names, full in d["reads"]),
         batch_free=tuple((name, rank) for name, rank in d.get("batch_free", ())),
+        rank_fixed=tuple(d.get("rank_fixed", ())),
     )
 
 
@@ -371,6 +382,7 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
         a_scales=signature.a_scales, b_scales=signature.b_scales, reads=_reads(graph),
         batch_free=tuple((s.attrs["name"], len(s.shape)) for s in graph.stores if signature.batched
                          and s.attrs["name"] in kernel_outputs and "L" not in _dims(s.shape)),
+        rank_fixed=_rank_fixed(graph),
     )
 
 
@@ -387,6 +399,36 @@ def _reads(graph) -> tuple[tuple[tuple[str, ...], bool], ...]:
     full = ("L", "M", "N") if graph.batched else ("M", "N")
     return tuple((tuple(sorted(reads[node.id])), node.op == "store" and _dims(node.shape) == full)
                  for node in graph if node.op in ("store", "reduce"))
+
+
+def _rank_fixed(graph) -> tuple[str, ...]:
+    """:attr:`KernelPlan.rank_fixed` of ``graph``. In torch a value's shape is the broadcast of
+    its inputs' shapes: an operand given with extra (or fewer) leading dims of 1 changes it only
+    until the value meets a full tile made full by another input. ``full_by[n]``: the inputs
+    that make node n a full tile; ``open_[n]``: the operands whose rank still shows in n."""
+    full = ("L", "M", "N") if graph.batched else ("M", "N")
+    full_by: dict[int, frozenset[str]] = {}
+    open_: dict[int, frozenset[str]] = {}
+    fixed: set[str] = set()
+    for node in graph:
+        is_full = _dims(node.shape) == full
+        if node.op == "acc":
+            full_by[node.id], open_[node.id] = (frozenset({"acc"}) if is_full else frozenset()), frozenset()
+            continue
+        if node.op == "load":
+            name = node.attrs["name"]
+            full_by[node.id] = frozenset({name}) if is_full else frozenset()
+            open_[node.id] = frozenset({name})
+            continue
+        reaching = frozenset().union(*(open_[i.id] for i in node.inputs))
+        full_by[node.id] = (frozenset().union(*(full_by[i.id] for i in node.inputs)) if is_full
+                            else frozenset())
+        if node.op in ("store", "reduce"):
+            fixed |= reaching  # the value's shape, or the reduced one's, is torch's result's
+            open_[node.id] = frozenset()
+            continue
+        open_[node.id] = frozenset(x for x in reaching if not (is_full and full_by[node.id] - {x}))
+    return tuple(sorted(fixed))
 
 
 def _live(steps: list[FinishStep]) -> list[FinishStep]:

@@ -29,20 +29,38 @@ from typing import Any
 
 import torch
 
+from evtc.errors import CallError
 from evtc.plan.kernel_plan import KernelPlan
 
 
 def _may_change_rank(plan: KernelPlan, name: str) -> bool:
-    """Whether operand ``name`` may gain or lose leading size-1 dims: only full tiles read it
-    (a reduction or a smaller output would take the dims into its shape; :attr:`KernelPlan.reads`)."""
-    return all(full for names, full in plan.reads if name in names)
+    """Whether operand ``name`` may gain or lose leading size-1 dims: no output or reduction
+    would take them into its shape (:attr:`KernelPlan.rank_fixed`)."""
+    return name not in plan.rank_fixed
 
 
 def _may_expand(plan: KernelPlan, whole: set[str]) -> bool:
     """Whether inputs of batch 1 may be expanded beside ``whole`` (those of the whole batch):
-    every output and every reduction reads one of ``whole`` (a sum over an expanded batch of 1
-    alone counts it again; an output of it alone is torch's batch of 1)."""
-    return all(whole.intersection(names) for names, _ in plan.reads)
+    every output and every reduction that reads a batched input reads one of ``whole`` (a sum
+    over an expanded batch of 1 alone counts it again; an output of it alone is torch's batch of
+    1). One that reads only inputs shared by the batches is the same in every batch, and a call
+    returns it in torch's shape (:attr:`KernelPlan.batch_free`)."""
+    batched = {"acc"} | {i.user for i in plan.inputs if i.spec is not None and "L" in i.spec.dims}
+    return all(whole.intersection(names) for names, _ in plan.reads if batched.intersection(names))
+
+
+def _refuse_shape_read(plan: KernelPlan, name: str, given: tuple, compiled: tuple[str, ...]) -> None:
+    """Raise the CallError for a view of ``name`` (as torch would broadcast it) where the function
+    reads its shape: the graph holds what it read at the compiled shape."""
+    if name not in plan.interface.shape_reads:
+        return
+    what = ("a and b of batch 1 beside operands of a larger batch make torch's acc a batch of 1"
+            if name == "acc" else f"{name} has shape {given}, compiled as ({', '.join(compiled)})")
+    raise CallError(f"{what}: torch would broadcast it, but the epilogue reads {name}'s shape "
+                    f"({name}.shape, .size(), .dim() or .numel(), or those of a value computed from "
+                    f"it), which the kernel fixed at the compiled shape; pass "
+                    f"{'a and b with the batch' if name == 'acc' else name} in the compiled shape "
+                    "(.expand() or .reshape())")
 
 
 def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.Tensor | None:
@@ -81,6 +99,7 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
             viewed = _to_rank(t, dims, result_rank) if _may_change_rank(plan, kernel_input.user) else None
             if viewed is None:
                 continue
+            _refuse_shape_read(plan, kernel_input.user, tuple(t.shape), dims)
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:
             batched.append((kernel_input.user, dims.index("L")))
@@ -126,6 +145,12 @@ def _expand_batch(plan: KernelPlan, a, b, operands: dict, batched: list, scales:
         whole.add("acc")
     if not _may_expand(plan, whole):
         return None
+    if a.shape[0] == 1 and b.shape[0] == 1:
+        _refuse_shape_read(plan, "acc", (), ())
+    compiled = {i.user: i.spec.dims for i in plan.inputs if i.spec is not None}
+    for name, axis in batched:
+        if operands[name].shape[axis] == 1:
+            _refuse_shape_read(plan, name, tuple(operands[name].shape), compiled[name])
     operands = dict(operands)
     if a.shape[0] == 1:
         a = a.expand(batches, *a.shape[1:])
