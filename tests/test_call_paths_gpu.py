@@ -377,3 +377,35 @@ def test_empty_out_tensors_are_resized_and_written_by_the_kernel(cache):
     out = (torch.empty(0, device="cuda", dtype=torch.float16), torch.empty(0, device="cuda"))
     lin(x, w, bias=bias, out=out)
     _check(out, gelu_and_row_norms(x.float() @ w.float().t(), bias.float()), "linear(out=empty)")
+
+
+def test_broadcasts_that_keep_torchs_shapes_run_the_kernel(cache):
+    """A (1,) scale for a 0-d example read by a reduction through a full tile, and a 2-d a or b
+    (or one of batch 1) beside a batched other where an output reads shared operands alone (that
+    output the same in every batch, torch's (M, N)): both run the kernel on views and give torch's
+    results. An operand whose shape the function reads keeps its compiled shape (refused by name)."""
+    def scaled_amax(acc, s):
+        y = acc * s
+        return y, y.abs().amax()
+
+    a, b = randn(200, 128), randn(128, 256)
+    k = _compile(scaled_amax, a, b, cache, s=torch.tensor(0.5, device="cuda"))
+    for s in (torch.tensor([0.5], device="cuda"), torch.tensor([[0.25]], device="cuda")):
+        got = k(a, b, s=s)
+        assert k.last_path == "kernel"
+        _check(got, _ref(scaled_amax, a, b, s=s), f"scale {tuple(s.shape)}")
+
+    def shared(acc, C, D):
+        return acc + C, D * 2
+
+    A, B, C, D = randn(3, 200, 128), randn(3, 128, 256), randn(3, 200, 256), randn(200, 256)
+    kb = _compile(shared, A, B, cache, C=C, D=D)
+    for x, w, what in [(A, B[1], "2-d b"), (A[2], B, "2-d a"), (A[:1], B, "a of batch 1")]:
+        got = kb(x, w, C=C, D=D)
+        assert kb.last_path == "kernel", what
+        _check(got, _ref(shared, x, w, C=C, D=D), what)
+
+    sized = _compile(lambda acc, C: acc * C.size(0) + C, A, B, cache, C=C)
+    with pytest.raises(evtc.CallError, match="the epilogue reads C's shape"):
+        sized(A, B, C=C[0])
+    _check(sized(A, B, C=C), (A.float() @ B.float()) * 3 + C.float(), "compiled shapes")
