@@ -59,14 +59,16 @@ class Linear:
         # gradients it also computes, built on first use; False where there is none.
         self._dz_passes: dict[tuple[str, ...], tuple | bool] = {}
         self._compile_options = dict(compile_options or {})  # config, arch, cache_dir of the twin
-        # x.dim() values whose flattening into M gives fn's own results (see _check_leading_dims).
-        self._exact_dims: set[int] = {2}
+        # Calls whose flattening into M gives fn's own results, by :func:`_leading_key` (see
+        # _check_leading_dims); a 2-d x has nothing to flatten.
+        self._exact_dims: set[Any] = {2}
 
     def _check_leading_dims(self, x_dims: int, n: int, operands: Mapping[str, Any]) -> None:
         """Refuse x with ``x_dims`` dims where flattening its leading dims into M would change what
         the epilogue returns (a reduction over rows, a dim read by position); checked once per
-        ``x_dims``."""
-        if x_dims in self._exact_dims or self._fn is None:
+        ``x_dims`` and pattern of operands' size-1 dims (:func:`_leading_key`)."""
+        key = _leading_key(x_dims, operands)
+        if key in self._exact_dims or self._fn is None:
             return
         why = _flattening_changes(self.kernel, self._fn, x_dims, n, operands)
         if why is not None:
@@ -75,7 +77,7 @@ class Linear:
             raise CallError(f"evtc.linear: {why}. Pass x as (rows, in_features) (x.reshape(-1, "
                             "x.shape[-1])) for a reduction over all rows, or compile the epilogue with "
                             "evtc.compile on a batched a for one per leading index")
-        self._exact_dims.add(x_dims)
+        self._exact_dims.add(key)
 
     def __deepcopy__(self, memo: dict) -> Linear:
         """The Linear itself: a compiled kernel does not change (see ``Kernel.__deepcopy__``)."""
@@ -249,8 +251,10 @@ class Linear:
             flat = {name: _flatten_like(v, lead) for name, v in operands.items()}
         else:
             flat = _one_row(kernel, operands)
-        if x.dim() not in self._exact_dims:
+        if x.dim() != 2 and _leading_key(x.dim(), operands) not in self._exact_dims:
             self._check_leading_dims(x.dim(), weight.shape[0], operands)
+        if kernel.plan.interface.shape_reads:
+            _refuse_reshaped_shape_reads(kernel, operands, flat)
         x2 = _rows(x)
         if out is None:
             result = kernel(x2, weight.t(), **flat)
@@ -374,6 +378,31 @@ def unflatten_gradient(grad: torch.Tensor | None, value: Any, lead: tuple[int, .
     return grad.reshape(*lead, shape[-1]).sum_to_size(shape).reshape(value.shape)
 
 
+def _leading_key(x_dims: int, operands: Mapping[str, Any]) -> Any:
+    """What decides whether flattening an x of ``x_dims`` dims into M keeps fn's results: the
+    rank, and for each operand its rank and which of its dims are 1 (a (1, N) operand beside a
+    1-d x makes torch's output (1, N); a (B, 1, N) one beside a 3-d x broadcasts over S)."""
+    if x_dims == 2:
+        return 2
+    return (x_dims, *(tuple(bool(size == 1) for size in v.shape) if isinstance(v, torch.Tensor) else None
+                      for v in operands.values()))
+
+
+def _refuse_reshaped_shape_reads(kernel: Kernel, operands: Mapping[str, Any],
+                                 flat: Mapping[str, Any]) -> None:
+    """Raise a CallError where the epilogue reads the shape of an operand that evtc.linear hands
+    the kernel in another shape (flattened with x's leading dims, expanded over them, or a 1-d x's
+    row): the kernel's function reads the sizes it sees, torch's the ones the caller passed."""
+    for name in kernel.plan.interface.shape_reads:
+        given, seen = operands.get(name), flat.get(name)
+        if isinstance(given, torch.Tensor) and isinstance(seen, torch.Tensor) and given.shape != seen.shape:
+            raise CallError(f"evtc.linear: the epilogue reads {name}'s shape ({name}.shape, .size(), .dim() "
+                            f"or .numel(), or those of a value computed from it), but {name} of shape "
+                            f"{tuple(given.shape)} reaches the kernel as {tuple(seen.shape)} (flattened "
+                            f"with x's leading dims): the values would differ from torch's. Pass x as "
+                            f"(rows, in_features) and {name} in that shape, or read only the last dim")
+
+
 def _one_row(kernel: Kernel, operands: Mapping[str, Any]) -> dict[str, Any]:
     """Operands beside an ``x`` of one dim (``F.linear``'s (in_features,), one row of M): one shaped
     (*lead, N) = (N,) or (*lead, 1) = (1,) is that row's, a (1, N) or (1, 1) view where the kernel
@@ -432,10 +461,13 @@ class _SizeWatch(torch.Tensor):
         return torch.empty(shape, dtype=dtype, device=device).as_subclass(_SizeWatch)
 
     @staticmethod
-    def start() -> None:
-        """Forget what an earlier probe in this thread noted."""
+    def start(one_row: bool = False) -> None:
+        """Forget what an earlier probe in this thread noted. ``one_row``: the probe stands in for a
+        1-d x, whose values are one dim short of the kernel's (a dim read from the front, shape[0],
+        is N in torch and the kernel's M)."""
         _WATCHED.read = None
         _WATCHED.depth = 0
+        _WATCHED.one_row = one_row
 
     @staticmethod
     def read() -> str | None:
@@ -453,6 +485,14 @@ class _SizeWatch(torch.Tensor):
         outermost = depth == 0
         if outermost and any(isinstance(v, _LeadingSize) for v in (*args, *kwargs.values())):
             cls.note("a leading size (in a torch function's arguments)")
+        if outermost and getattr(func, "__name__", "") not in _DIM_TAKING and any(
+                isinstance(v, _Rank) for v in (*args, *kwargs.values())):
+            cls.note("its rank as a value (acc * acc.dim())")
+        one_row = getattr(_WATCHED, "one_row", False)
+        if outermost and one_row and func is torch.Tensor.size:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(dim, int) and dim >= 0:
+                cls.note(f"a dim by position from the front (size({dim}))")
         _WATCHED.depth = depth + 1
         try:
             result = super().__torch_function__(func, types, args, kwargs)
@@ -462,11 +502,12 @@ class _SizeWatch(torch.Tensor):
             return result
         if func in (torch.Tensor.size, torch.Tensor.shape.__get__):
             if isinstance(result, tuple):
-                return tuple(_LeadingSize(size) if size in _PROBE_SIZES else size for size in result)
+                sizes = tuple(_LeadingSize(size) if size in _PROBE_SIZES else size for size in result)
+                return _FrontWatched(sizes) if one_row else sizes
             return _LeadingSize(result) if result in _PROBE_SIZES else result
         if func in (torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.ndim.__get__):
             return _Rank(result)
-        if func is torch.Tensor.__len__ and result in _PROBE_SIZES:
+        if func is torch.Tensor.__len__ and (result in _PROBE_SIZES or one_row):
             cls.note("a leading size (len())")
         return result
 
@@ -493,21 +534,63 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 _LeadingSize.__hash__ = int.__hash__
 
 
+# Torch functions that take a rank-derived number as a dim (y.sum(y.dim() - 1)): a dim counted
+# from the rank is the same dim of the flattened value, so passing one there is no use of its value.
+_DIM_TAKING = frozenset({
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "softmax", "log_softmax", "logsumexp", "cumsum",
+    "cumprod", "norm", "var", "std", "argmax", "argmin", "all", "any", "count_nonzero", "chunk", "split",
+    "unsqueeze", "squeeze", "transpose", "movedim", "flip", "narrow", "select", "size", "nansum", "nanmean",
+    "aminmax", "tensor_split", "unbind", "var_mean", "std_mean", "vector_norm"})
+
+
+class _FrontWatched(tuple):
+    """The shape of a value of a 1-d x's probe: a dim read from the front (``shape[0]``, unpacking)
+    is noted, as torch's value has one dim fewer than the kernel's (its shape[0] is N, the
+    kernel's M); dims read from the end are the same."""
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index >= 0 or isinstance(index, slice):
+            _SizeWatch.note(f"a dim by position from the front (shape[{index}])")
+        return tuple.__getitem__(self, index)
+
+    def __iter__(self):
+        _SizeWatch.note("a dim by position from the front (its shape unpacked)")
+        return tuple.__iter__(self)
+
+
 class _Rank(int):
     """The rank of a value with x's leading dims in the probe: a comparison of it is noted (a branch
-    on it would take the other way on the flattened x)."""
+    on it would take the other way on the flattened x), and so is its use as a value (in a torch
+    function other than one that takes it as a dim, or as a float). Arithmetic on it keeps it a
+    rank (``y.dim() - 1``); ``range()`` of it gives dims, which are the same either way."""
 
 
 def _noting_rank(name: str):
-    def method(self, other):
-        _SizeWatch.note("its rank in a comparison (dim(), ndim)")
-        return getattr(int, name)(int(self), other)
+    def method(self, *other):
+        compares = name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+        _SizeWatch.note("its rank in a comparison (dim(), ndim)" if compares
+                        else "its rank as a value (acc * acc.dim())")
+        return getattr(int, name)(int(self), *other)
 
     return method
 
 
-for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__float__", "__truediv__",
+              "__rtruediv__"):
     setattr(_Rank, _name, _noting_rank(_name))
+
+
+def _rank_arithmetic(name: str):
+    def method(self, *args):
+        result = getattr(int, name)(int(self), *args)
+        return _Rank(result) if isinstance(result, int) and not isinstance(result, bool) else result
+
+    return method
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+              "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):
+    setattr(_Rank, _name, _rank_arithmetic(_name))
 _Rank.__hash__ = int.__hash__
 
 
@@ -554,9 +637,13 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
     watch = not torch.compiler.is_compiling()  # (a tensor subclass is not for dynamo to trace)
     tensor = _SizeWatch.make if watch else torch.empty
     acc = tensor((*probe, n), dtype=torch.float32, device="meta")
-    _SizeWatch.start()
+    _SizeWatch.start(one_row=x_dims == 1)
     try:
         result = unwrap(fn)(acc, **{name: meta(v) for name, v in operands.items()})
+        if _SizeWatch.read() is not None and x_dims == 1:
+            return (f"the epilogue reads {_SizeWatch.read()} of a value of a 1-d x, which has one dim "
+                    "fewer in torch than in the kernel (x is the one row of its GEMM): the values "
+                    "would differ. Pass x as x.unsqueeze(0), or read only dims from the end")
         if _SizeWatch.read() is not None:
             # The values, not only the shapes, would differ: torch's function reads a leading dim
             # or the rank of a value with x's leading dims, where the kernel's sees M or 2.

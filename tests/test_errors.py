@@ -281,6 +281,18 @@ def test_size_dependent_python_is_rejected():
     _assert_points_at_marked_line(err, epilogue)
 
 
+def test_len_of_a_traced_value_names_its_size_and_the_way_out():
+    """len(acc) is a size, not data: the message says so and offers acc.shape[0] (it spoke of
+    data-dependent control flow and torch.where)."""
+    def epilogue(acc):
+        return acc / len(acc)  # error here
+
+    err = _trace_error(epilogue, EX, evtc.ControlFlowError)
+    assert "problem size known only at run time" in str(err) and "x.shape[0]" in str(err)
+    assert "torch.where" not in str(err)
+    _assert_points_at_marked_line(err, epilogue)
+
+
 @pytest.mark.parametrize("how", ["iadd", "method", "functional"])
 def test_inplace_on_acc(how):
     def epilogue(acc, C):

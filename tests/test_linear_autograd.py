@@ -506,6 +506,74 @@ def test_a_leading_size_or_a_branch_on_the_rank_is_refused(fn, tmp_path):
         _close(a, b, "last size and rank arithmetic")
 
 
+def _by_rank_value(acc):
+    return acc * acc.dim()
+
+
+def _by_rank_less_one(acc):
+    return acc * (acc.ndim - 1)
+
+
+@pytest.mark.parametrize("fn", [_by_rank_value, _by_rank_less_one])
+def test_the_rank_as_a_value_is_refused(fn, tmp_path):
+    """``acc * acc.dim()`` is x's rank in torch and 2 in the flattened kernel: refused for 3-d and
+    1-d x (it was computed with 2: silently not torch's values; found by a docs audit)."""
+    w = torch.randn(24, 16)
+    lin = evtc.linear(fn, {"x": torch.randn(5, 16), "weight": w}, cache_dir=tmp_path)
+    x2 = torch.randn(5, 16)
+    _close(lin(x2, w), fn(x2 @ w.t()), "2-d")
+    for x in (torch.randn(2, 5, 16), torch.randn(16)):
+        with pytest.raises(evtc.CallError, match="its rank as a value"):
+            lin(x, w)
+
+
+def test_a_one_row_x_refuses_dims_read_from_the_front(tmp_path):
+    """With a 1-d x torch's acc is (N,) and the kernel's (1, N): ``acc.size(0)``, ``acc.shape[0]``
+    differ (N against 1) and are refused; dims read from the end are the same."""
+    w = torch.randn(24, 16)
+    x = torch.randn(16)
+    for fn in (lambda acc: acc * acc.size(0), lambda acc: acc * acc.shape[0]):
+        lin = evtc.linear(fn, {"x": torch.randn(5, 16), "weight": w}, cache_dir=tmp_path)
+        with pytest.raises(evtc.CallError, match="1-d x"):
+            lin(x, w)
+    lin = evtc.linear(lambda acc: acc / acc.shape[-1], {"x": torch.randn(5, 16), "weight": w},
+                      cache_dir=tmp_path)
+    _close(lin(x, w), (x @ w.t()) / 24, "last dim")
+
+
+def test_an_operand_reshaped_for_the_kernel_keeps_its_shape_reads(tmp_path):
+    """An operand flattened or expanded with x's leading dims reaches the kernel in another shape:
+    where the epilogue reads its shape (``R.size(0)``, ``R.numel()``) the values would differ, so
+    the call is refused (they were computed from the kernel's shapes: silently wrong)."""
+    w = torch.randn(24, 16)
+    x = torch.randn(2, 5, 16)
+    for fn, shape in [(lambda acc, R: acc * R.size(0) + R, (1, 5, 1)),
+                      (lambda acc, R: acc * R.numel() + R, (2, 1, 24)),
+                      (lambda acc, R: acc * R.dim() + R, (2, 5, 24))]:
+        R = torch.randn(*shape)
+        lin = evtc.linear(fn, {"x": torch.randn(10, 16), "weight": w, "R": torch.randn(10, shape[-1])},
+                          cache_dir=tmp_path)
+        with pytest.raises(evtc.CallError, match="reads R's shape|its rank as a value"):
+            lin(x, w, R=R)
+    # In the shapes the kernel sees, the same layer gives torch's values.
+    R = torch.randn(10, 24)
+    _close(lin(x.reshape(10, 16), w, R=R), (x.reshape(10, 16) @ w.t()) * 2 + R, "2-d")
+
+
+def test_a_one_row_verdict_is_kept_per_operand_shape(tmp_path):
+    """Whether a 1-d x keeps torch's shapes depends on the operands too: a (1, N) tile operand makes
+    torch's output (1, N). After a call with an (N,) operand passed, the same call with a (1, N)
+    one was accepted and returned (N,) (the verdict was kept per rank of x alone)."""
+    w = torch.randn(24, 16)
+    lin = evtc.linear(lambda acc, R: acc + R, {"x": torch.randn(5, 16), "weight": w, "R": torch.randn(5, 24)},
+                      cache_dir=tmp_path)
+    x = torch.randn(16)
+    R = torch.randn(24)
+    _close(lin(x, w, R=R), x @ w.t() + R, "(N,) operand")
+    with pytest.raises(evtc.CallError, match="with a 1-d x"):
+        lin(x, w, R=R[None])
+
+
 _PROBES_MEET = threading.Barrier(2, timeout=30)
 
 
@@ -1616,10 +1684,11 @@ def test_dz_kernel_of_a_float32_output_takes_a_float32_incoming_gradient(monkeyp
         assert err < 1e-2, f"{name}: relative error {err:.3g} by norm"
 
 
-def test_dz_as_one_kernel_hands_shapes_it_refuses_to_the_reference(monkeypatch, tmp_path):
-    """A (1, N) bias beside an (N,) example, and a 1-d x's tile operand, are views the forward takes
-    but the pass's kernel refuses: the reference backward runs, and every gradient matches torch's
-    (an exception out of backward() would be the defect)."""
+def test_dz_as_one_kernel_takes_a_bias_of_another_rank(monkeypatch, tmp_path):
+    """A (1, N) bias beside an (N,) example is a view the forward takes, and the pass's kernel too
+    (the bias meets dZ's full tile before its column sum, so the rank changes no shape; the pass
+    refused it before, and the reference backward ran): every gradient matches torch's, the
+    bias's in its own (1, N) shape."""
     ran = _spy_on_the_dz_pass(monkeypatch)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(6, 16, generator=g).requires_grad_()
@@ -1631,8 +1700,9 @@ def test_dz_as_one_kernel_hands_shapes_it_refuses_to_the_reference(monkeypatch, 
     xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
     want = torch.autograd.grad(bias_gelu(xd @ wd.t(), bd).sum(), [xd, wd, bd])
     for name, a, r in zip(["x", "weight", "bias"], mine, want, strict=True):
+        assert a.shape == r.shape, name
         _close(a.double(), r, name)
-    assert ran == [None]
+    assert len(ran) == 1 and ran[0] is not None
 
 
 def _gelu_plus_bias_in_bf16(acc, bias):

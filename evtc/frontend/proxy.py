@@ -477,7 +477,11 @@ class TracedValue:
         raise _control_flow_error("use as an index")
 
     def __len__(self) -> int:
-        raise _control_flow_error("len()")
+        # len() must give a Python int, and the sizes are known only per call.
+        raise ControlFlowError(
+            "len() of a traced value: its first size is a problem size known only at run time, which "
+            "len() cannot return as a Python int; use x.shape[0] (or "
+            "x.size(0)), which works in arithmetic (acc / acc.shape[0])", user_location())
 
     def __iter__(self) -> Any:
         raise UnsupportedOpError(
