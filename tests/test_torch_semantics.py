@@ -528,3 +528,12 @@ def test_functions_torch_defines_for_masks(fn):
     want = fn(a.float() @ b.float(), C)
     assert got.dtype == want.dtype
     _same(got, want)
+
+
+def test_shape_numel_as_torch_size_gives_it():
+    """``acc.shape.numel()`` (torch.Size's method): evtc's shape was a plain tuple while tracing,
+    and the call raised a bare AttributeError with no file or line."""
+    a, b, _ = _inputs({})
+    fn = lambda acc: acc.float() / acc.shape.numel() + acc.size().numel()  # noqa: E731
+    got = evtc.trace(fn, {"a": a, "b": b}).evaluate({"a": a, "b": b}, cast_outputs=True)
+    _same(got, fn(a.float() @ b.float()))

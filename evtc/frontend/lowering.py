@@ -458,9 +458,10 @@ def cast_to(t: Tracer, input: Any, dtype: torch.dtype, copy: bool = False) -> An
     if getattr(input, "dtype", None) == dtype and not copy:
         # torch returns the tensor itself (no copy): an in-place op on either would change the
         # other too, which the graph cannot say. (The cast stays: it sets an output's dtype.)
-        result._shares_memory = "a cast to the value's own dtype (x.float() of a float32 x)"
+        what = f"x.to({dtype}) of a {short_name(dtype)} x"
+        result._shares_memory = f"a cast to the value's own dtype ({what})"
         if isinstance(input, TracedValue) and input._input_name is None:
-            input._shares_memory = "a value cast to its own dtype (x.float() of a float32 x)"
+            input._shares_memory = f"a value cast to its own dtype ({what})"
     return result
 
 

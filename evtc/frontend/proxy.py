@@ -78,6 +78,13 @@ def unsupported(what: str) -> UnsupportedOpError:
     )
 
 
+class TracedShape(tuple):
+    """``x.shape`` while tracing: its sizes as :class:`SymDim`, with torch.Size's ``numel()``."""
+
+    def numel(self) -> SymDim:
+        return SymDim(sympy.Mul(*(d.expr for d in self)))
+
+
 class SymDim:
     """A problem size (M, N, L or a product of them) as seen through `x.shape` while tracing.
 
@@ -233,13 +240,13 @@ class TracedValue:
             self._tracer.note_shape_read(self._node)
 
     @property
-    def shape(self) -> tuple[SymDim, ...]:
+    def shape(self) -> TracedShape:
         self._read_shape()
-        return tuple(SymDim(d) for d in self._node.shape)
+        return TracedShape(SymDim(d) for d in self._node.shape)
 
     def size(self, dim: int | None = None) -> Any:
         self._read_shape()
-        shape = tuple(SymDim(d) for d in self._node.shape)
+        shape = TracedShape(SymDim(d) for d in self._node.shape)
         if dim is not None and not -len(shape) <= dim < len(shape):
             # torch's IndexError, with its message (a tuple's would not say which dims exist).
             raise IndexError(f"Dimension out of range (expected to be in range of [{-len(shape)}, "
