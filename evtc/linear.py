@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -205,7 +206,12 @@ class Linear:
                 rows = math.prod(x.shape[:-1])
                 flat = (f"x {tuple(x.shape)} runs as a = x.reshape({rows}, {x.shape[-1]}), operands "
                         "with x's leading dims flattened alike")
-            raise CallError(f"evtc.linear ({flat}, weight as b = weight.t()): {err.message}",
+            message = err.message
+            if x.dim() > 2:
+                # The kernel's hint names a flattened shape; a caller passes one with x's leading dims.
+                lead = ", ".join(str(size) for size in x.shape[:-1])
+                message = re.sub(rf"\.expand\({rows}, (\d+)\)", rf".expand({lead}, \1)", message)
+            raise CallError(f"evtc.linear ({flat}, weight as b = weight.t()): {message}",
                             err.loc) from None
         except EpilogueError as err:
             raise err.with_traceback(None) from None

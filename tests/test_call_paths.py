@@ -712,8 +712,21 @@ def test_an_example_of_one_row_names_why_a_tile_operand_became_a_row(cache):
 
     a, b = torch.randn(1, 32), torch.randn(32, 16)
     k = evtc.compile(add_residual, {"a": a, "b": b, "residual": torch.randn(1, 16)}, cache_dir=cache)
-    with pytest.raises(evtc.CallError, match=r"compiled as a broadcast operand.*M = 1"):
+    with pytest.raises(evtc.CallError, match=r"compiled as a row vector.*M = 1"):
         k(torch.randn(9, 32), b, residual=torch.randn(9, 16))
+
+
+def test_a_row_or_column_operand_called_with_more_is_named_as_what_it_is(cache):
+    """A column (M, 1) or a row (N,) example called with a tile: the message names the operand's
+    kind (it spoke of an example with M = 1 even where the column was deliberate, and said only
+    "must be 1-d" for a row)."""
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    col = evtc.compile(lambda acc, x: acc * x, {"a": a, "b": b, "x": torch.randn(16, 1)}, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match=r"compiled as a column vector \(one value per row\), \(M, 1\)"):
+        col(a, b, x=torch.randn(16, 8))
+    row = evtc.compile(lambda acc, x: acc * x, {"a": a, "b": b, "x": torch.randn(8)}, cache_dir=cache)
+    with pytest.raises(evtc.CallError, match=r"must be 1-d.*a row vector \(one value per column\)"):
+        row(a, b, x=torch.randn(16, 8))
 
 
 def _residual_bias(acc, C, bias):

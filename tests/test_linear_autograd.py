@@ -2039,3 +2039,16 @@ def test_mlp_builds_no_fused_kernel_inside_a_cuda_graph_capture(monkeypatch, tmp
     assert not block._dz  # nothing cached: built by the first backward outside a capture
     built = block.dz_kernel(first, dz2, w2, {"bias": block.up.bias.detach()}, ("bias",))
     assert built is not None and built[1].operand_grads == ("bias",)
+
+
+def test_a_narrower_operand_hint_names_x_leading_dims(tmp_path):
+    """An (N,) operand where an (M, N) tile was compiled: the kernel's hint said
+    ``.expand(20, 32)`` (the flattened rows), which evtc.linear then refused; it names x's
+    leading dims, and that call works."""
+    w = torch.randn(32, 16)
+    lin = evtc.linear(lambda acc, R: acc + R, {"x": torch.randn(20, 16), "weight": w, "R": torch.randn(20, 32)},
+                      cache_dir=tmp_path)
+    x, R = torch.randn(2, 10, 16), torch.randn(32)
+    with pytest.raises(evtc.CallError, match=r"pass R\.expand\(2, 10, 32\)"):
+        lin(x, w, R=R)
+    _close(lin(x, w, R=R.expand(2, 10, 32)), x @ w.t() + R, "expanded as the hint says")

@@ -113,6 +113,8 @@ def _refuse_shape(name: str, t: torch.Tensor, spec, want: tuple[int, ...]) -> No
             hint = (f" ({name} has a batch of {t.shape[0]} where its example had none, so it was "
                     "compiled as shared by all batches; the kind is part of the kernel: compile from "
                     "an example of this rank to pass one per batch)")
+        elif t.dim() > spec.rank and _kind_name(spec.dims):
+            hint = _kind_hint(name, spec.dims)
         raise CallError(f"{name} must be {spec.rank}-d like its example ({dims}), got shape "
                         f"{tuple(t.shape)}{hint}")
     hint = ""
@@ -127,10 +129,9 @@ def _refuse_shape(name: str, t: torch.Tensor, spec, want: tuple[int, ...]) -> No
                 "beside a and b of a larger batch; the kind is part of the kernel: compile from "
                 "an example with a batch of its own to pass one per batch)")
     elif any(d == "1" and size > 1 for d, size in zip(spec.dims, t.shape, strict=True)):
-        # An example of M = 1 (one token) makes an (M, N) operand a row, N = 1 a column.
-        hint = (f" ({name} was compiled as a broadcast operand, from its example's shape: an "
-                "example with M = 1 or N = 1 makes a tile operand a row or a column; give "
-                "examples with M and N above 1)")
+        # A row or a column where the call passes more: deliberately, or from an example of M = 1
+        # (one token), which makes an (M, N) operand a row (N = 1, a column).
+        hint = _kind_hint(name, spec.dims)
     elif name.endswith(" half)") and broadcastable:
         # A gated operand's halves are views of the user's tensor: they are not broadcast.
         full = (*want[:-1], 2 * want[-1])
@@ -587,6 +588,24 @@ def torch_reason(spec: CallSpec, a, operands: dict, b=None) -> str | None:
         if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in FLOAT_OPERAND_DTYPES:
             return f"{name} is {value.dtype}, the kernel was compiled for {dtype}"
     return None
+
+
+def _kind_name(dims: tuple[str, ...]) -> str | None:
+    """What an operand of ``dims`` is, in words (None for a tile or a scalar)."""
+    core = tuple(d for d in dims if d != "L")
+    batch = " per batch" if "L" in dims else ""
+    if core in (("N",), ("1", "N")):
+        return f"a row vector{batch} (one value per column)"
+    if core == ("M", "1"):
+        return f"a column vector{batch} (one value per row)"
+    return None
+
+
+def _kind_hint(name: str, dims: tuple[str, ...]) -> str:
+    kind = _kind_name(dims) or "a broadcast operand"
+    return (f" ({name} was compiled as {kind}, ({', '.join(dims)}), from its example's shape; the kind "
+            "is part of the kernel: compile from an example of the shape you call with. An example "
+            "with M = 1 or N = 1 makes a tile operand a row or a column)")
 
 
 def _validate_gated(spec: CallSpec, b, operands) -> None:
