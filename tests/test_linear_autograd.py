@@ -2046,8 +2046,8 @@ def test_a_narrower_operand_hint_names_x_leading_dims(tmp_path):
     ``.expand(20, 32)`` (the flattened rows), which evtc.linear then refused; it names x's
     leading dims, and that call works."""
     w = torch.randn(32, 16)
-    lin = evtc.linear(lambda acc, R: acc + R, {"x": torch.randn(20, 16), "weight": w, "R": torch.randn(20, 32)},
-                      cache_dir=tmp_path)
+    example = {"x": torch.randn(20, 16), "weight": w, "R": torch.randn(20, 32)}
+    lin = evtc.linear(lambda acc, R: acc + R, example, cache_dir=tmp_path)
     x, R = torch.randn(2, 10, 16), torch.randn(32)
     with pytest.raises(evtc.CallError, match=r"pass R\.expand\(2, 10, 32\)"):
         lin(x, w, R=R)
