@@ -716,6 +716,12 @@ def linear(
                             "evtc.linear builds itself from x and weight (a = x's rows, b = weight.t()): "
                             "leave it out")
         x, weight = example.pop("x"), example.pop("weight")
+        if any(isinstance(v, tuple) and len(v) == 2 and all(isinstance(t, torch.Tensor) for t in v)
+               for v in (x, weight)):
+            raise CallError("evtc.linear: x or weight is a (tensor, scales) pair: evtc.linear takes no "
+                            "block scales. Compile the epilogue with evtc.compile and a = (x, x_scales), "
+                            "b = (weight.t(), weight_scales.t()) as example inputs (docs/fp8.md, 'Block "
+                            "scales'); per-tensor or rowwise scales are operands of the epilogue")
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 1 \
                 or weight.dim() != 2:
             raise CallError("evtc.linear: example x must be a (..., in_features) tensor and weight an "

@@ -2052,3 +2052,12 @@ def test_a_narrower_operand_hint_names_x_leading_dims(tmp_path):
     with pytest.raises(evtc.CallError, match=r"pass R\.expand\(2, 10, 32\)"):
         lin(x, w, R=R)
     _close(lin(x, w, R=R.expand(2, 10, 32)), x @ w.t() + R, "expanded as the hint says")
+
+
+def test_block_scaled_pairs_are_refused_with_the_way_to_compile_them(tmp_path):
+    """evtc.linear given DeepGEMM-style (tensor, scales) pairs said only "got a tuple and a tuple"."""
+    e4m3 = torch.float8_e4m3fn
+    x, w = torch.randn(64, 256).to(e4m3), torch.randn(384, 256).to(e4m3)
+    with pytest.raises(evtc.CallError, match=r"\(tensor, scales\) pair.*evtc\.compile.*docs/fp8\.md"):
+        evtc.linear(lambda acc: acc, {"x": (x, torch.rand(64, 2)), "weight": (w, torch.rand(3, 2))},
+                    cache_dir=tmp_path)
