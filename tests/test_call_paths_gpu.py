@@ -389,8 +389,9 @@ def test_broadcasts_that_keep_torchs_shapes_run_the_kernel(cache):
         return y, y.abs().amax()
 
     a, b = randn(200, 128), randn(128, 256)
-    k = _compile(scaled_amax, a, b, cache, s=torch.tensor(0.5, device="cuda"))
-    for s in (torch.tensor([0.5], device="cuda"), torch.tensor([[0.25]], device="cuda")):
+    # s in acc's dtype: a float32 (1,) would promote the outputs where a 0-dim one does not
+    k = _compile(scaled_amax, a, b, cache, s=torch.tensor(0.5, device="cuda").half())
+    for s in (torch.tensor([0.5], device="cuda").half(), torch.tensor([[0.25]], device="cuda").half()):
         got = k(a, b, s=s)
         assert k.last_path == "kernel"
         _check(got, _ref(scaled_amax, a, b, s=s), f"scale {tuple(s.shape)}")
