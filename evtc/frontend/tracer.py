@@ -29,7 +29,7 @@ from ..ir.dtypes import (
     eager_acc_dtype,
     variant_name,
 )
-from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree
+from ..ir.graph import Graph, GraphBuilder, Node, Operand, OutputTree, upstream
 from ..ir.infer import promote
 from ..ir.ops import ELEMENTWISE
 from ..ir.shapes import L, varying_dims
@@ -71,18 +71,11 @@ class Tracer:
         from is one whose shape a call may not change (torch's value would read another)."""
         if not self.running:
             return
-        seen: set[int] = set()
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n.id in seen:
-                continue
-            seen.add(n.id)
+        for n in upstream(node):
             if n.op == "acc":
                 self.shape_reads.add("acc")
             elif n.op == "load":
                 self.shape_reads.add(n.attrs["name"])
-            stack.extend(n.inputs)
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -603,14 +596,7 @@ def _refuse_what_outputs_read(refused: dict[int, tuple[str, Any]], stored: list[
     """Raise a ReductionError for the first of ``refused`` (by node) that an output reads."""
     if not refused:
         return
-    seen: set[int] = set()
-    stack = list(stored)
-    while stack:
-        node = stack.pop()
-        if node.id in seen:
-            continue
-        seen.add(node.id)
-        stack.extend(node.inputs)
+    seen = {node.id for node in upstream(*stored)}
     read = sorted(i for i in refused if i in seen)
     if read:
         raise ReductionError(*refused[read[0]])
@@ -665,16 +651,7 @@ def _check_output(name: str, node: Node, where: SourceLoc | None) -> None:
 
 
 def _depends_on_reduction(node: Node) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n.id in seen:
-            continue
-        seen.add(n.id)
-        if n.op == "reduce":
-            return True
-        stack.extend(n.inputs)
-    return False
+    return any(n.op == "reduce" for n in upstream(node))
 
 
 def _operand_variants(tracer: Tracer, operands: dict[str, Operand], stored: list[Node]) -> tuple:

@@ -278,6 +278,19 @@ class GraphBuilder:
         return self.add("literal", (), {"value": sympy.sympify(value), "python_scalar": True}, loc=loc)
 
 
+def upstream(*nodes: Node) -> Iterator[Node]:
+    """``nodes`` and every node they are computed from, each once (in no particular order)."""
+    seen: set[int] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        yield node
+        stack.extend(node.inputs)
+
+
 def rewrite(
     graph: Graph,
     visit: Callable[[Node, tuple[Node, ...], GraphBuilder], Node | None],
