@@ -390,8 +390,9 @@ def _leading_key(x_dims: int, operands: Mapping[str, Any]) -> Any:
     1-d x makes torch's output (1, N); a (B, 1, N) one beside a 3-d x broadcasts over S)."""
     if x_dims == 2:
         return 2
-    return (x_dims, *(tuple(bool(size == 1) for size in v.shape) if isinstance(v, torch.Tensor) else None
-                      for v in operands.values()))
+    # (names sorted alone: dynamo sorts constants only)
+    return (x_dims, *((name, tuple(bool(size == 1) for size in operands[name].shape))
+                      for name in sorted(operands) if isinstance(operands[name], torch.Tensor)))
 
 
 def _refuse_reshaped_shape_reads(kernel: Kernel, operands: Mapping[str, Any],
@@ -509,7 +510,7 @@ class _SizeWatch(torch.Tensor):
         if func in (torch.Tensor.size, torch.Tensor.shape.__get__):
             if isinstance(result, tuple):
                 sizes = tuple(_LeadingSize(size) if size in _PROBE_SIZES else size for size in result)
-                return _FrontWatched(sizes) if one_row else sizes
+                return _WatchedShape(sizes)
             return _LeadingSize(result) if result in _PROBE_SIZES else result
         if func in (torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.ndim.__get__):
             return _Rank(result)
@@ -549,18 +550,26 @@ _DIM_TAKING = frozenset({
     "aminmax", "tensor_split", "unbind", "var_mean", "std_mean", "vector_norm"})
 
 
-class _FrontWatched(tuple):
-    """The shape of a value of a 1-d x's probe: a dim read from the front (``shape[0]``, unpacking)
-    is noted, as torch's value has one dim fewer than the kernel's (its shape[0] is N, the
-    kernel's M); dims read from the end are the same."""
+class _WatchedShape(tuple):
+    """The shape of a value in the probe: its length is the rank, noted as a value (torch's is
+    x's rank, the kernel's 2: ``len(acc.shape)``; ``acc.dim()`` gives a rank that ``range()``
+    may count dims from). For a 1-d x's probe a dim read from the front (``shape[0]``,
+    unpacking) is noted too, as torch's value has one dim fewer than the kernel's (its shape[0]
+    is N, the kernel's M); dims read from the end are the same."""
+
+    def __len__(self) -> int:
+        _SizeWatch.note("its rank as a value (len(x.shape); count dims with x.dim())")
+        return tuple.__len__(self)
 
     def __getitem__(self, index):
-        if isinstance(index, int) and index >= 0 or isinstance(index, slice):
+        if getattr(_WATCHED, "one_row", False) and (isinstance(index, int) and index >= 0
+                                                    or isinstance(index, slice)):
             _SizeWatch.note(f"a dim by position from the front (shape[{index}])")
         return tuple.__getitem__(self, index)
 
     def __iter__(self):
-        _SizeWatch.note("a dim by position from the front (its shape unpacked)")
+        if getattr(_WATCHED, "one_row", False):
+            _SizeWatch.note("a dim by position from the front (its shape unpacked)")
         return tuple.__iter__(self)
 
 
@@ -576,19 +585,19 @@ def _noting_rank(name: str):
         compares = name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
         _SizeWatch.note("its rank in a comparison (dim(), ndim)" if compares
                         else "its rank as a value (acc * acc.dim())")
-        return getattr(int, name)(int(self), *other)
+        return getattr(int, name)(int.__int__(self), *other)
 
     return method
 
 
 for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__float__", "__truediv__",
-              "__rtruediv__"):
+              "__rtruediv__", "__pow__", "__rpow__", "__int__"):
     setattr(_Rank, _name, _noting_rank(_name))
 
 
 def _rank_arithmetic(name: str):
     def method(self, *args):
-        result = getattr(int, name)(int(self), *args)
+        result = getattr(int, name)(int.__int__(self), *args)
         return _Rank(result) if isinstance(result, int) and not isinstance(result, bool) else result
 
     return method
@@ -641,6 +650,14 @@ def _flattening_changes(kernel: Kernel, fn: Callable[..., Any], x_dims: int, n: 
         return tensor(shape, dtype=value.dtype, device="meta")
 
     watch = not torch.compiler.is_compiling()  # (a tensor subclass is not for dynamo to trace)
+    if not watch and kernel.plan.interface.shape_reads:
+        # Nothing can watch what fn reads while dynamo traces: refuse where it reads more than a
+        # last dim (Graph.shape_reads), which the flattened kernel would read otherwise.
+        read = ", ".join(sorted(kernel.plan.interface.shape_reads))
+        return (f"the epilogue reads a size or the rank of {read} "
+                "(more than the last dim), which flattening x's leading dims would change; under "
+                "torch.compile evtc.linear cannot tell which, so it refuses x of other than 2 dims "
+                "here (eager calls check each read)")
     tensor = _SizeWatch.make if watch else torch.empty
     acc = tensor((*probe, n), dtype=torch.float32, device="meta")
     _SizeWatch.start(one_row=x_dims == 1)

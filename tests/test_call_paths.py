@@ -997,3 +997,57 @@ def test_an_output_of_shared_operands_alone_lets_a_and_b_broadcast_their_batch()
         assert [g.shape for g in got] == [w.shape for w in want]
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_operands_that_lose_their_batch_dim_need_acc_to_keep_the_tile_full():
+    """C and D compiled as (L, M, N) and passed as (M, N) beside a and b of batch 1: torch's
+    ``C * D`` is (M, N), which no input of the kernel's keeps 3-d, so the call is refused (each
+    operand's full tile counted as absorbing the other's missing dim, and evtc returned
+    (1, M, N)); ``acc + C`` alone keeps torch's shape, and runs."""
+    L, M, N, K = 2, 8, 12, 4
+    A, B, C, D = torch.randn(L, M, K), torch.randn(L, K, N), torch.randn(L, M, N), torch.randn(L, M, N)
+
+    def both(acc, C, D):
+        return acc + C, C * D
+
+    k = evtc.compile(both, {"a": A, "b": B, "C": C, "D": D})
+    with pytest.raises(evtc.CallError):
+        k(A[:1], B[:1], C=C[0], D=D[0])
+    k2 = evtc.compile(lambda acc, C: acc + C, {"a": A, "b": B, "C": C})
+    got, want = k2(A, B, C=C[0]), A @ B + C[0]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_output_of_narrower_operands_takes_an_extra_dim():
+    """``bias * col`` is a full (M, N) output from a row and a column: a bias passed as (1, N) for
+    its (N,) example leaves torch's shape as it is, and runs (it was refused)."""
+    a, b = torch.randn(8, 16), torch.randn(16, 12)
+    fn = lambda acc, bias, col: (acc, bias * col)  # noqa: E731
+    k = evtc.compile(fn, {"a": a, "b": b, "bias": torch.randn(12), "col": torch.randn(8, 1)})
+    bias, col = torch.randn(1, 12), torch.randn(8, 1)
+    got, want = k(a, b, bias=bias, col=col), fn(a @ b, bias, col)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_reading_the_last_dim_leaves_operands_free_to_broadcast():
+    """``y.shape[-1]`` of ``y = acc + bias`` is N whatever rank bias comes in: the call with a
+    (1, N) bias runs (any read of a value's shape refused its operands' broadcasts); a leading
+    size or the rank still refuses it, and a wrong width is named as such."""
+    a, b = torch.randn(8, 16), torch.randn(16, 12)
+
+    def last(acc, bias):
+        y = acc + bias
+        return y / y.shape[-1] + y.size(-1) + y.shape[:-1].numel()
+
+    k = evtc.compile(last, {"a": a, "b": b, "bias": torch.randn(12)})
+    with pytest.raises(evtc.CallError, match="reads bias's shape"):  # shape[:-1] reads leading sizes
+        k(a, b, bias=torch.randn(1, 12))
+    k = evtc.compile(lambda acc, bias: (acc + bias) / (acc + bias).shape[-1],
+                     {"a": a, "b": b, "bias": torch.randn(12)})
+    bias = torch.randn(1, 12)
+    torch.testing.assert_close(k(a, b, bias=bias), (a @ b + bias) / 12, rtol=1e-5, atol=1e-5)
+    with pytest.raises(evtc.CallError, match=r"bias must be 1-d"):
+        k(a, b, bias=torch.randn(1, 13))

@@ -2061,3 +2061,44 @@ def test_block_scaled_pairs_are_refused_with_the_way_to_compile_them(tmp_path):
     with pytest.raises(evtc.CallError, match=r"\(tensor, scales\) pair.*evtc\.compile.*docs/fp8\.md"):
         evtc.linear(lambda acc: acc, {"x": (x, torch.rand(64, 2)), "weight": (w, torch.rand(3, 2))},
                     cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("fn", [lambda acc: acc * len(acc.shape), lambda acc: acc / acc.dim() ** 0.5,
+                                lambda acc: acc * int(acc.dim())], ids=["len_shape", "pow", "int"])
+def test_other_forms_of_the_rank_as_a_value_are_refused(fn, tmp_path):
+    """``len(acc.shape)``, a power of the rank, ``int(acc.dim())``: x's rank in torch, 2 in the
+    kernel; they escaped the probe and gave silently other values (found by a review)."""
+    w = torch.randn(24, 16)
+    lin = evtc.linear(fn, {"x": torch.randn(5, 16), "weight": w}, cache_dir=tmp_path)
+    for x in (torch.randn(2, 5, 16), torch.randn(16)):
+        with pytest.raises(evtc.CallError, match="rank as a value"):
+            lin(x, w)
+
+
+def test_the_leading_verdict_is_kept_per_operand_name(tmp_path):
+    """Two operands with the same patterns of size-1 dims in the other order are another call:
+    ``acc + T, R * 2`` with R of (B, 1, N) makes torch's second output (B, 1, N) (the verdict
+    keyed by the patterns in keyword order took it for the checked call, and returned (B, S, N))."""
+    w = torch.randn(12, 16)
+    fn = lambda acc, T, R: (acc + T, R * 2)  # noqa: E731
+    example = {"x": torch.randn(6, 16), "weight": w, "T": torch.randn(6, 12), "R": torch.randn(6, 12)}
+    lin = evtc.linear(fn, example, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 16)
+    full, row = torch.randn(2, 3, 12), torch.randn(2, 1, 12)
+    for g, r in zip(lin(x, w, T=row, R=full), fn(x @ w.t(), row, full), strict=True):
+        _close(g, r, "checked call")
+    with pytest.raises(evtc.CallError, match="has shape"):
+        lin(x, w, R=row, T=full)
+
+
+def test_under_torch_compile_leading_reads_are_refused_for_other_ranks(tmp_path):
+    """Nothing watches the probe's reads while dynamo traces: an epilogue that reads more than a
+    last dim refuses x of other than 2 dims there (it returned the flattened kernel's values)."""
+    w = torch.randn(24, 16)
+    lin = evtc.linear(lambda acc: acc / acc.shape[0], {"x": torch.randn(5, 16), "weight": w},
+                      cache_dir=tmp_path)
+    f = torch.compile(lambda x: lin(x, w), backend="eager")
+    with pytest.raises(evtc.CallError, match="under torch.compile evtc.linear cannot tell"):
+        f(torch.randn(2, 5, 16))
+    x = torch.randn(7, 16)
+    _close(f(x), (x @ w.t()) / 7, "2-d x")

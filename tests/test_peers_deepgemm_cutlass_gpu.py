@@ -37,6 +37,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from peer_checks import ROUNDOFF as UNIT  # noqa: E402
+from peer_checks import as_list, close  # noqa: E402
+from peer_checks import wide as f64  # noqa: E402
 
 import evtc  # noqa: E402
 
@@ -80,48 +83,6 @@ def cache_dir(tmp_path_factory):
 
 # ----------------------------------------------------------------------------------------------
 # Checking
-
-UNIT = {f16: 2.0**-11, bf16: 2.0**-8, f32: 2.0**-24, e4m3: 2.0**-4, e5m2: 2.0**-3}
-TINY = {f16: 2.0**-24, bf16: 2.0**-126, f32: 2.0**-126, e4m3: 2.0**-9, e5m2: 2.0**-16}
-
-
-def as_list(x):
-    if isinstance(x, dict):
-        return list(x.values())
-    if isinstance(x, (tuple, list)):
-        return list(x)
-    return [x]
-
-
-def f64(t):
-    if not torch.is_tensor(t):
-        return t
-    if t.dtype in FP8:
-        return t.float().double()
-    return t.double() if t.is_floating_point() else t
-
-
-def close(out, ref, *, acc_tol=1e-5, what=""):
-    """Elementwise |out - ref| <= (2u + acc_tol) * (|ref| + rms(ref)) + tiny, u the unit roundoff of
-    out's dtype; NaN only where the reference is NaN, infinities equal."""
-    assert tuple(out.shape) == tuple(ref.shape), f"{what}: shape {tuple(out.shape)}, want {tuple(ref.shape)}"
-    if out.numel() == 0:
-        return
-    o, r = f64(out), f64(ref)
-    fin = torch.isfinite(r)
-    rms = r[fin].square().mean().sqrt().item() if bool(fin.any()) else 0.0
-    t = 2 * UNIT[out.dtype] + acc_tol
-    tol = t * r.abs() + t * rms + TINY[out.dtype]
-    err = (o - r).abs()
-    ok = (err <= tol) | (o == r) | (torch.isnan(o) & torch.isnan(r))
-    if not bool(ok.all()):
-        i = tuple((~ok).nonzero()[0].tolist())
-        raise AssertionError(
-            f"{what} ({out.dtype}, {tuple(out.shape)}): {int((~ok).sum())} of {ok.numel()} off; "
-            f"first at {i}: "
-            f"got {o[i].item()!r}, want {r[i].item()!r} (tol {tol[i].item():.3g}); "
-            f"max err {err.nan_to_num(float('inf')).max().item():.3g}, rms(ref) {rms:.3g}"
-        )
 
 
 def exact(out, ref, *, what=""):

@@ -32,6 +32,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from peer_checks import gen, rnd
 
 import evtc
 
@@ -206,16 +207,6 @@ def run_case(k, fn, a, b, ops, *, exact=False, acc_tol=1e-5, out_major="row", pa
 # Data
 
 
-def gen(seed):
-    return torch.Generator(device=DEV).manual_seed(seed)
-
-
-def rnd(shape, dtype=f32, g=None, std=1.0, major="row"):
-    shape = tuple(shape)
-    if major == "col":
-        store = (*shape[:-2], shape[-1], shape[-2])
-        return (torch.randn(store, generator=g, device=DEV) * std).to(dtype).transpose(-1, -2)
-    return (torch.randn(shape, generator=g, device=DEV) * std).to(dtype)
 
 
 def rint(shape, dtype=f16, g=None, major="row", lo=-4, hi=4):

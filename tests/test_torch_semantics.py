@@ -537,3 +537,19 @@ def test_shape_numel_as_torch_size_gives_it():
     fn = lambda acc: acc.float() / acc.shape.numel() + acc.size().numel()  # noqa: E731
     got = evtc.trace(fn, {"a": a, "b": b}).evaluate({"a": a, "b": b}, cast_outputs=True)
     _same(got, fn(a.float() @ b.float()))
+
+
+def test_nan_to_num_of_a_mask_is_a_copy():
+    """torch's nan_to_num returns a new tensor: an in-place op on it leaves the mask (evtc returned
+    the mask itself, so ``y |= ...`` changed both)."""
+    a, b, _ = _inputs({})
+
+    def fn(acc):
+        m = acc > 0
+        y = torch.nan_to_num(m)
+        y |= acc < -1
+        return m.float(), y.float()
+
+    got = evtc.trace(fn, {"a": a, "b": b}).evaluate({"a": a, "b": b}, cast_outputs=True)
+    for g, w in zip(got, fn(a.float() @ b.float()), strict=True):
+        _same(g, w)

@@ -108,7 +108,8 @@ def _nan_to_num(t: Tracer, input: Any, nan: float = 0.0, posinf: float | None = 
     _reject_out(kwargs, "nan_to_num")
     dtype = t.node_of(input).dtype if isinstance(input, TracedValue) else None
     if dtype is not None and not dtype.is_floating_point:
-        return input  # a mask or an integer holds no NaN or infinity: torch returns it as it is
+        # A mask or an integer holds no NaN or infinity: torch returns a copy of it as it is.
+        return t.wrap(t.node_of(input))
     info = torch.finfo(input.dtype if isinstance(input, TracedValue) else torch.float32)
     posinf = info.max if posinf is None else posinf
     neginf = info.min if neginf is None else neginf

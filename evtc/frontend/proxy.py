@@ -79,10 +79,52 @@ def unsupported(what: str) -> UnsupportedOpError:
 
 
 class TracedShape(tuple):
-    """``x.shape`` while tracing: its sizes as :class:`SymDim`, with torch.Size's ``numel()``."""
+    """``x.shape`` while tracing: its sizes as :class:`SymDim`, with torch.Size's ``numel()``.
+
+    ``on_read`` (where the user's code asked for it) is called when a size other than the last
+    one, or the rank, is read: a call's broadcast views change leading dims only (adding or
+    dropping ones of size 1, expanding a batch of 1), so the last dim of a value of rank 2 or
+    more reads the same whatever the call passes (Graph.shape_reads)."""
+
+    def __new__(cls, sizes, on_read=None):
+        shape = super().__new__(cls, sizes)
+        shape._on_read = on_read
+        return shape
+
+    def _read(self) -> None:
+        if self._on_read is not None:
+            self._on_read()
+
+    def __getitem__(self, index):
+        rank = tuple.__len__(self)
+        if not (isinstance(index, int) and rank >= 2 and index in (-1, rank - 1)):
+            self._read()
+        if isinstance(index, slice):
+            return TracedShape(tuple.__getitem__(self, index), self._on_read)
+        return tuple.__getitem__(self, index)
+
+    def __iter__(self):
+        self._read()
+        return tuple.__iter__(self)
+
+    def __len__(self) -> int:
+        self._read()
+        return tuple.__len__(self)
+
+    def __eq__(self, other) -> bool:
+        self._read()
+        if isinstance(other, TracedShape):
+            other._read()
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
 
     def numel(self) -> SymDim:
-        return SymDim(sympy.Mul(*(d.expr for d in self)))
+        self._read()
+        return SymDim(sympy.Mul(*(d.expr for d in tuple.__iter__(self))))
 
 
 class SymDim:
@@ -239,18 +281,26 @@ class TracedValue:
         if not sys._getframe(2).f_globals.get("__name__", "").startswith("evtc."):
             self._tracer.note_shape_read(self._node)
 
+    def _traced_shape(self) -> TracedShape:
+        """This value's shape, noting a read of more than its last dim (see TracedShape) where
+        the user's code asked for it."""
+        on_read = None
+        if not sys._getframe(2).f_globals.get("__name__", "").startswith("evtc."):
+            tracer, node = self._tracer, self._node
+            on_read = lambda: tracer.note_shape_read(node)  # noqa: E731
+        return TracedShape((SymDim(d) for d in self._node.shape), on_read)
+
     @property
     def shape(self) -> TracedShape:
-        self._read_shape()
-        return TracedShape(SymDim(d) for d in self._node.shape)
+        return self._traced_shape()
 
     def size(self, dim: int | None = None) -> Any:
-        self._read_shape()
-        shape = TracedShape(SymDim(d) for d in self._node.shape)
-        if dim is not None and not -len(shape) <= dim < len(shape):
+        shape = self._traced_shape()
+        rank = tuple.__len__(shape)
+        if dim is not None and not -rank <= dim < rank:
             # torch's IndexError, with its message (a tuple's would not say which dims exist).
-            raise IndexError(f"Dimension out of range (expected to be in range of [{-len(shape)}, "
-                             f"{len(shape) - 1}], but got {dim})")
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-rank}, "
+                             f"{rank - 1}], but got {dim})")
         return shape if dim is None else shape[dim]
 
     @property

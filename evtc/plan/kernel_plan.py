@@ -200,11 +200,13 @@ class KernelPlan:
     #: shared (M, N) or (1, M, N) ``C``), with the rank torch gives them (2 or 3): the kernel stores
     #: them per batch like the others, and a call returns the first batch, of torch's shape.
     batch_free: tuple[tuple[str, int], ...] = ()
-    #: Operands whose rank a call may not change by torch's broadcasts (a (1, N) bias for an (N,)
-    #: example, (1,) for a 0-d scalar): those that reach an output or a reduction through no
-    #: full tile of another input, which would absorb extra leading dims of 1 (``acc.sum() * s``
-    #: with ``s`` of (1,) is torch's (1,); ``(acc * s).amax()`` is () either way).
-    rank_fixed: tuple[str, ...] = ()
+    #: Operands a call may not pass with more leading dims of 1 than compiled (a (1, N) bias for
+    #: an (N,) example, (1,) for a 0-d scalar), and those it may not pass with fewer ((M, N) for an
+    #: (L, M, N) example, 0-d for (1,)): those whose rank would show in an output's or a reduction's
+    #: shape in torch (:func:`_rank_fixed`; ``acc.sum() * s`` with ``s`` of (1,) is torch's (1,),
+    #: ``(acc * s).amax()`` is () either way).
+    no_more_dims: tuple[str, ...] = ()
+    no_fewer_dims: tuple[str, ...] = ()
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -315,7 +317,7 @@ def _decode_plan(d: dict) -> KernelPlan:
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),
         reads=tuple((tuple(names), full) for names, full in d["reads"]),
         batch_free=tuple((name, rank) for name, rank in d.get("batch_free", ())),
-        rank_fixed=tuple(d.get("rank_fixed", ())),
+        no_more_dims=tuple(d.get("no_more_dims", ())), no_fewer_dims=tuple(d.get("no_fewer_dims", ())),
     )
 
 
@@ -382,7 +384,7 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
         a_scales=signature.a_scales, b_scales=signature.b_scales, reads=_reads(graph),
         batch_free=tuple((s.attrs["name"], len(s.shape)) for s in graph.stores if signature.batched
                          and s.attrs["name"] in kernel_outputs and "L" not in _dims(s.shape)),
-        rank_fixed=_rank_fixed(graph),
+        no_more_dims=_rank_fixed(graph, more=True), no_fewer_dims=_rank_fixed(graph, more=False),
     )
 
 
@@ -401,33 +403,34 @@ def _reads(graph) -> tuple[tuple[tuple[str, ...], bool], ...]:
                  for node in graph if node.op in ("store", "reduce"))
 
 
-def _rank_fixed(graph) -> tuple[str, ...]:
-    """:attr:`KernelPlan.rank_fixed` of ``graph``. In torch a value's shape is the broadcast of
-    its inputs' shapes: an operand given with extra (or fewer) leading dims of 1 changes it only
-    until the value meets a full tile made full by another input. ``full_by[n]``: the inputs
-    that make node n a full tile; ``open_[n]``: the operands whose rank still shows in n."""
+def _rank_fixed(graph, more: bool) -> tuple[str, ...]:
+    """:attr:`KernelPlan.no_more_dims` (``more``) or ``no_fewer_dims`` of ``graph``. In torch a
+    value's shape is the broadcast of its inputs' shapes. Extra leading dims of 1 on an operand
+    vanish in any full tile it meets (a full tile has the result's rank, which no view exceeds).
+    Missing leading dims vanish only in a full tile that another input keeps full whatever the
+    call passes: acc, or a full tile operand of an unbatched kernel (a batched one's may itself
+    come without its batch dim). ``open_[n]``: the operands whose rank still shows in node n."""
     full = ("L", "M", "N") if graph.batched else ("M", "N")
-    full_by: dict[int, frozenset[str]] = {}
+    kept_full: dict[int, bool] = {}  # full whatever rank the call gives the operands
     open_: dict[int, frozenset[str]] = {}
     fixed: set[str] = set()
     for node in graph:
         is_full = _dims(node.shape) == full
         if node.op == "acc":
-            full_by[node.id], open_[node.id] = (frozenset({"acc"}) if is_full else frozenset()), frozenset()
+            kept_full[node.id], open_[node.id] = is_full, frozenset()
             continue
         if node.op == "load":
-            name = node.attrs["name"]
-            full_by[node.id] = frozenset({name}) if is_full else frozenset()
-            open_[node.id] = frozenset({name})
+            kept_full[node.id] = is_full and not graph.batched
+            open_[node.id] = frozenset({node.attrs["name"]})
             continue
         reaching = frozenset().union(*(open_[i.id] for i in node.inputs))
-        full_by[node.id] = (frozenset().union(*(full_by[i.id] for i in node.inputs)) if is_full
-                            else frozenset())
+        kept_full[node.id] = is_full and any(kept_full[i.id] for i in node.inputs)
         if node.op in ("store", "reduce"):
             fixed |= reaching  # the value's shape, or the reduced one's, is torch's result's
             open_[node.id] = frozenset()
             continue
-        open_[node.id] = frozenset(x for x in reaching if not (is_full and full_by[node.id] - {x}))
+        absorbed = is_full if more else kept_full[node.id]
+        open_[node.id] = frozenset() if absorbed else reaching
     return tuple(sorted(fixed))
 
 

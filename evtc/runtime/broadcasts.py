@@ -11,13 +11,17 @@ handled here. A broadcast that would change the result's shape (a ``C`` of (1, M
 (M, N) kernel makes torch's result 3-d) or an operand's kind (an (M, N) example with M = 1 was a
 row vector) is left alone, and the call's checks refuse it by name.
 
-The views are the same computation only under two conditions, read from
-:attr:`KernelPlan.reads`. An operand changes rank only where full tiles alone read it: a
-reduction or an output of lower rank takes the extra dims of a (1, N) bias or a (1,) scalar into
-its shape. A batch of 1 is expanded only where every output and every reduction reads an input of
-the whole batch: an output ``acc`` of an ``a`` and ``b`` of batch 1 beside a ``C`` of batch 3 is
-torch's (1, M, N), and a sum over the expanded batch would count it three times. Elsewhere
-nothing is viewed, and the checks refuse the call by name.
+The views are the same computation only under three conditions, read from the plan. An operand
+changes rank only where no output or reduction would take its extra (or missing) leading dims
+into its shape (:attr:`KernelPlan.no_more_dims`, :attr:`KernelPlan.no_fewer_dims`): extra dims
+of 1 vanish in any full tile the operand meets, missing ones only in a full tile that acc (or a
+full operand of an unbatched kernel) keeps full. A batch of 1 is expanded only where every output
+and every reduction that reads a batched input reads one of the whole batch (:attr:`KernelPlan.reads`):
+an output ``acc`` of an ``a`` and ``b`` of batch 1 beside a ``C`` of batch 3 is torch's
+(1, M, N), and a sum over the expanded batch would count it three times. And no operand whose
+shape the function reads beyond its last dim (``C.size(0)``, ``bias.dim()``;
+:attr:`CallInterface.shape_reads`) is viewed at all: the graph holds the sizes it read at the
+compiled shapes. Elsewhere nothing is viewed, and the checks refuse the call by name.
 
 Only the slow path of a call and the custom operator's path use this: a call whose tensors the
 compiled function takes as they are never gets here.
@@ -33,10 +37,11 @@ from evtc.errors import CallError
 from evtc.plan.kernel_plan import KernelPlan
 
 
-def _may_change_rank(plan: KernelPlan, name: str) -> bool:
-    """Whether operand ``name`` may gain or lose leading size-1 dims: no output or reduction
-    would take them into its shape (:attr:`KernelPlan.rank_fixed`)."""
-    return name not in plan.rank_fixed
+def _may_change_rank(plan: KernelPlan, name: str, more: bool) -> bool:
+    """Whether operand ``name`` may come with more (``more``) or fewer leading size-1 dims than
+    compiled: no output or reduction would take them into its shape
+    (:attr:`KernelPlan.no_more_dims`, :attr:`KernelPlan.no_fewer_dims`)."""
+    return name not in (plan.no_more_dims if more else plan.no_fewer_dims)
 
 
 def _may_expand(plan: KernelPlan, whole: set[str]) -> bool:
@@ -63,6 +68,11 @@ def _refuse_shape_read(plan: KernelPlan, name: str, given: tuple, compiled: tupl
                     "(.expand() or .reshape())")
 
 
+def _fits(t: torch.Tensor, dims: tuple[str, ...], sizes: dict) -> bool:
+    """Whether ``t`` has the sizes ``dims`` say (any batch size for L)."""
+    return all(d == "L" or size == sizes[d] for d, size in zip(dims, t.shape, strict=True))
+
+
 def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.Tensor | None:
     """``t`` viewed with the rank of ``dims``, where the dims it lacks or has in excess are leading
     size-1 dims and it has no more dims than the result (more would give torch's result more
@@ -85,6 +95,7 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return None
     result_rank = 3 if 3 in (a.dim(), b.dim()) else 2
+    sizes = {"M": a.shape[-2], "N": b.shape[-1] // 2 if plan.gated else b.shape[-1], "1": 1}
     changed = False
     operands = dict(operands)
     batched: list[tuple[str, int]] = []  # (operand, its batch axis)
@@ -96,9 +107,10 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
         if not isinstance(t, torch.Tensor) or dims is None:
             continue
         if t.dim() != len(dims):
-            viewed = _to_rank(t, dims, result_rank) if _may_change_rank(plan, kernel_input.user) else None
-            if viewed is None:
-                continue
+            may = _may_change_rank(plan, kernel_input.user, more=t.dim() > len(dims))
+            viewed = _to_rank(t, dims, result_rank) if may else None
+            if viewed is None or not _fits(viewed, dims, sizes):
+                continue  # (the checks name a shape torch would not broadcast either)
             _refuse_shape_read(plan, kernel_input.user, tuple(t.shape), dims)
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:
