@@ -325,6 +325,14 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     if signature.tile_majors:
         emitted = emit(graph, tile_majors=signature.tile_majors)
     interface = _call_interface(user_fn, example_inputs, graph, emitted, strict)
+    shape_only = sorted(interface.unused & graph.size_reads)
+    if shape_only:
+        # The kernel takes no such operand, so a call could not check the shape the graph holds.
+        name = shape_only[0]
+        raise CompileError(f"the epilogue reads the shape of {name} ({name}.shape, .size(), .dim() or "
+                           f".numel()) but none of its values: the kernel takes no {name}, "
+                           "so a call could not check that it has the compiled shape. Read the size from "
+                           "acc (acc.shape[...]) or pass it as a Python number", loc)
     if interface.unused:
         log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
                  graph.name, sorted(interface.unused))

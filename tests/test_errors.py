@@ -1067,3 +1067,22 @@ def test_a_builtin_epilogue_that_needs_more_than_the_accumulator_says_to_wrap_it
     assert "torch.add, used as the epilogue, is a builtin" in message
     assert "lambda acc, other: torch.add(acc, other)" in message and "TracedValue" not in message
     assert info.value.loc is not None and info.value.loc.filename == __file__
+
+
+def test_an_operand_read_only_for_its_shape_is_refused_at_compile_time():
+    """``acc * C.size(0)`` with C used nowhere else: the kernel takes no C, so a call dropped it
+    unchecked and computed with the compiled size whatever C it got (silently wrong); refused at
+    compile time, at the def line, for its last dim too (torch would read a C of any width)."""
+    a, b = torch.randn(8, 16), torch.randn(16, 12)
+
+    def epilogue(acc, C):  # error here
+        return acc * C.size(0)
+
+    with pytest.raises(evtc.CompileError, match="reads the shape of C") as info:
+        evtc.compile(epilogue, {"a": a, "b": b, "C": torch.randn(8, 12)})
+    assert info.value.loc.lineno in _marked_lines(epilogue)
+    with pytest.raises(evtc.CompileError, match="reads the shape of C"):
+        evtc.compile(lambda acc, C: acc / C.shape[-1], {"a": a, "b": b, "C": torch.randn(8, 12)})
+    k = evtc.compile(lambda acc, C: (acc + C) / C.shape[-1], {"a": a, "b": b, "C": torch.randn(8, 12)})
+    C = torch.randn(8, 12)
+    torch.testing.assert_close(k(a, b, C=C), (a @ b + C) / 12, rtol=1e-5, atol=1e-5)

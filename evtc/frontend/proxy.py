@@ -99,6 +99,8 @@ class TracedShape(tuple):
         rank = tuple.__len__(self)
         if not (isinstance(index, int) and rank >= 2 and index in (-1, rank - 1)):
             self._read()
+        elif self._on_read is not None:
+            self._on_read(last_dim=True)
         if isinstance(index, slice):
             return TracedShape(tuple.__getitem__(self, index), self._on_read)
         return tuple.__getitem__(self, index)
@@ -287,7 +289,7 @@ class TracedValue:
         on_read = None
         if not sys._getframe(2).f_globals.get("__name__", "").startswith("evtc."):
             tracer, node = self._tracer, self._node
-            on_read = lambda: tracer.note_shape_read(node)  # noqa: E731
+            on_read = lambda last_dim=False: tracer.note_shape_read(node, last_dim)  # noqa: E731
         return TracedShape((SymDim(d) for d in self._node.shape), on_read)
 
     @property

@@ -63,19 +63,22 @@ class Tracer:
         #: Reductions refused only if an output reads them: node id -> (message, location).
         self.refused_if_read: dict[int, tuple[str, Any]] = {}
         #: The inputs ("acc", operand names) whose shape or rank the function read: see
-        #: Graph.shape_reads.
+        #: Graph.shape_reads; and those of which it read any size, the last dim included.
         self.shape_reads: set[str] = set()
+        self.size_reads: set[str] = set()
 
-    def note_shape_read(self, node: Node) -> None:
-        """The function read the shape, a size or the rank of ``node``: each input it is computed
-        from is one whose shape a call may not change (torch's value would read another)."""
+    def note_shape_read(self, node: Node, last_dim: bool = False) -> None:
+        """The function read the shape, a size or the rank of ``node`` (only its last dim, which
+        no call-time view changes, with ``last_dim``): each input it is computed from is one whose
+        shape a call may not change (torch's value would read another)."""
         if not self.running:
             return
         for n in upstream(node):
-            if n.op == "acc":
-                self.shape_reads.add("acc")
-            elif n.op == "load":
-                self.shape_reads.add(n.attrs["name"])
+            name = "acc" if n.op == "acc" else n.attrs["name"] if n.op == "load" else None
+            if name is not None:
+                self.size_reads.add(name)
+                if not last_dim:
+                    self.shape_reads.add(name)
 
     # --- values -----------------------------------------------------------------------------
     def node_of(self, value: Any) -> Node:
@@ -589,6 +592,7 @@ def trace_raw(fn: Callable[..., Any], example: Mapping[str, Any]) -> Graph:
         fixed_n=tracer.fixed_n,
         operand_variants=_operand_variants(tracer, operands, stored),
         shape_reads=frozenset(tracer.shape_reads),
+        size_reads=frozenset(tracer.size_reads),
     )
 
 

@@ -185,6 +185,9 @@ class Graph:
     #: graph holds what they were at the compiled shapes, so a call may not pass them in another
     #: shape even where torch would broadcast it.
     shape_reads: frozenset[str] = frozenset()
+    #: The inputs any of whose sizes the function read, the last dim included (an operand read
+    #: only so, which the kernel then does not take, is refused at compile time).
+    size_reads: frozenset[str] = frozenset()
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -327,4 +330,5 @@ def replace_nodes(graph: Graph, nodes: list[Node]) -> Graph:
         fixed_n=graph.fixed_n,
         operand_variants=graph.operand_variants,
         shape_reads=graph.shape_reads,
+        size_reads=graph.size_reads,
     )
