@@ -1051,3 +1051,15 @@ def test_reading_the_last_dim_leaves_operands_free_to_broadcast():
     torch.testing.assert_close(k(a, b, bias=bias), (a @ b + bias) / 12, rtol=1e-5, atol=1e-5)
     with pytest.raises(evtc.CallError, match=r"bias must be 1-d"):
         k(a, b, bias=torch.randn(1, 13))
+
+
+def test_a_shape_concatenated_counts_as_read():
+    """``(C.shape + (1,))[0]`` reads C's leading size through a plain tuple: it counts as a read,
+    so C keeps its compiled (1, N) shape (it was viewed from (N,), and evtc multiplied by 1 where
+    torch multiplies by N; found by a second review)."""
+    a, b = torch.randn(8, 16), torch.randn(16, 12)
+    for fn in (lambda acc, C: (acc + C) * (C.shape + (1,))[0],
+               lambda acc, C: (acc + C) * ((7,) + C.shape)[1]):
+        k = evtc.compile(fn, {"a": a, "b": b, "C": torch.randn(1, 12)})
+        with pytest.raises(evtc.CallError, match="reads C's shape"):
+            k(a, b, C=torch.randn(12))

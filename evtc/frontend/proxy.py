@@ -124,6 +124,34 @@ class TracedShape(tuple):
 
     __hash__ = tuple.__hash__
 
+    def __add__(self, other):  # (acc.shape + (1,))[0]: a plain tuple of every size
+        self._read()
+        if isinstance(other, TracedShape):
+            other._read()
+        return tuple.__add__(self, other)
+
+    def __radd__(self, other):
+        self._read()
+        return tuple(other) + tuple(tuple.__iter__(self))
+
+    def __mul__(self, count):
+        self._read()
+        return tuple.__mul__(self, count)
+
+    __rmul__ = __mul__
+
+    def __contains__(self, size) -> bool:
+        self._read()
+        return tuple.__contains__(self, size)
+
+    def index(self, *args):
+        self._read()
+        return tuple.index(self, *args)
+
+    def count(self, size) -> int:
+        self._read()
+        return tuple.count(self, size)
+
     def numel(self) -> SymDim:
         self._read()
         return SymDim(sympy.Mul(*(d.expr for d in tuple.__iter__(self))))
