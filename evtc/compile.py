@@ -329,10 +329,11 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     if shape_only:
         # The kernel takes no such operand, so a call could not check the shape the graph holds.
         name = shape_only[0]
-        raise CompileError(f"the epilogue reads the shape of {name} ({name}.shape, .size(), .dim() or "
-                           f".numel()) but none of its values: the kernel takes no {name}, "
-                           "so a call could not check that it has the compiled shape. Read the size from "
-                           "acc (acc.shape[...]) or pass it as a Python number", loc)
+        raise CompileError(f"the epilogue reads the shape or dtype of {name} ({name}.shape, .size(), .dim(), "
+                           f".numel(), .dtype) but none of its values: the kernel takes no {name}, so a call "
+                           "could not check that it has the compiled shape and dtype. Read sizes from acc "
+                           "(acc.shape[...]), or pass a size as a Python number and a dtype as a constant",
+                           loc)
     if interface.unused:
         log.info("%r: parameter(s) %s are unused after the passes: calls accept and ignore them",
                  graph.name, sorted(interface.unused))

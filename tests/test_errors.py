@@ -1078,11 +1078,14 @@ def test_an_operand_read_only_for_its_shape_is_refused_at_compile_time():
     def epilogue(acc, C):  # error here
         return acc * C.size(0)
 
-    with pytest.raises(evtc.CompileError, match="reads the shape of C") as info:
+    with pytest.raises(evtc.CompileError, match="reads the shape or dtype of C") as info:
         evtc.compile(epilogue, {"a": a, "b": b, "C": torch.randn(8, 12)})
     assert info.value.loc.lineno in _marked_lines(epilogue)
-    with pytest.raises(evtc.CompileError, match="reads the shape of C"):
+    with pytest.raises(evtc.CompileError, match="reads the shape or dtype of C"):
         evtc.compile(lambda acc, C: acc / C.shape[-1], {"a": a, "b": b, "C": torch.randn(8, 12)})
+    # Its dtype alone likewise: torch's acc.to(C.dtype) follows the C of each call.
+    with pytest.raises(evtc.CompileError, match="reads the shape or dtype of C"):
+        evtc.compile(lambda acc, C: acc.to(C.dtype), {"a": a, "b": b, "C": torch.randn(8, 12)})
     k = evtc.compile(lambda acc, C: (acc + C) / C.shape[-1], {"a": a, "b": b, "C": torch.randn(8, 12)})
     C = torch.randn(8, 12)
     torch.testing.assert_close(k(a, b, C=C), (a @ b + C) / 12, rtol=1e-5, atol=1e-5)
