@@ -572,6 +572,19 @@ class _WatchedShape(tuple):
             _SizeWatch.note("a dim by position from the front (its shape unpacked)")
         return tuple.__iter__(self)
 
+    def __add__(self, other):  # (acc.shape + ())[0]: the sizes in a plain tuple
+        if getattr(_WATCHED, "one_row", False):
+            _SizeWatch.note("a dim by position from the front (its shape concatenated)")
+        return tuple.__add__(self, other)
+
+    def __radd__(self, other):
+        if getattr(_WATCHED, "one_row", False):
+            _SizeWatch.note("a dim by position from the front (its shape concatenated)")
+        return tuple(other) + tuple(tuple.__iter__(self))
+
+    def numel(self) -> int:
+        return math.prod(int(size) for size in tuple.__iter__(self))  # the same flattened or not
+
 
 class _Rank(int):
     """The rank of a value with x's leading dims in the probe: a comparison of it is noted (a branch

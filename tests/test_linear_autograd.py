@@ -2102,3 +2102,18 @@ def test_under_torch_compile_leading_reads_are_refused_for_other_ranks(tmp_path)
         f(torch.randn(2, 5, 16))
     x = torch.randn(7, 16)
     _close(f(x), (x @ w.t()) / 7, "2-d x")
+
+
+def test_a_one_row_x_refuses_a_concatenated_shape(tmp_path):
+    """``(acc.shape + ())[0]`` with a 1-d x is N in torch and the kernel's one row: refused (the
+    probe watched indexing and unpacking only; a second review). ``acc.shape.numel()`` is the same
+    either way and runs."""
+    w = torch.randn(12, 16)
+    lin = evtc.linear(lambda acc: acc * (acc.shape + ())[0], {"x": torch.randn(5, 16), "weight": w},
+                      cache_dir=tmp_path)
+    with pytest.raises(evtc.CallError, match="1-d x"):
+        lin(torch.randn(16), w)
+    lin = evtc.linear(lambda acc: acc / acc.shape.numel(), {"x": torch.randn(5, 16), "weight": w},
+                      cache_dir=tmp_path)
+    x = torch.randn(2, 5, 16)
+    _close(lin(x, w), (x @ w.t()) / 120, "numel over every dim")
