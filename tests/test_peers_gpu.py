@@ -32,16 +32,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from peer_checks import gen, rnd
+from peer_checks import DEV, ROUNDOFF, SMALLEST, as_list, bf16, e4m3, e5m2, f16, f32, gen, rnd, wide
 
 import evtc
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-DEV = os.environ.get("EVTC_PEERS_DEVICE", "cuda")
 pytestmark = pytest.mark.gpu if DEV == "cuda" else []
-f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
-e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = (e4m3, e5m2)
 # A pinned cluster pins tile and cluster too (docs/compile.md): one build serves every call.
 FIX = {"cluster": (1, 2)}
 
@@ -64,33 +60,13 @@ def cache_dir(tmp_path_factory):
 # Checking
 
 
-UNIT = {f16: 2.0 ** -11, bf16: 2.0 ** -8, f32: 2.0 ** -24, e4m3: 2.0 ** -4, e5m2: 2.0 ** -3}
-TINY = {f16: 2.0 ** -24, bf16: 2.0 ** -126, f32: 2.0 ** -126, e4m3: 2.0 ** -9, e5m2: 2.0 ** -16}
-
-
-def _flat(x):
-    if isinstance(x, dict):
-        return list(x.values())
-    if isinstance(x, tuple | list):
-        return list(x)
-    return [x]
-
-
-def _f64(t):
-    if not torch.is_tensor(t):
-        return t
-    if t.dtype in FP8:
-        return t.float().double()
-    return t.double() if t.is_floating_point() else t
-
-
 def acc64(a, b):
-    return torch.matmul(_f64(a), _f64(b))
+    return torch.matmul(wide(a), wide(b))
 
 
 def ref64(fn, a, b, **ops):
     """The epilogue function itself, on real tensors in float64: the reference."""
-    return fn(acc64(a, b), **{k: _f64(v) for k, v in ops.items()})
+    return fn(acc64(a, b), **{k: wide(v) for k, v in ops.items()})
 
 
 def assert_close(out, ref, *, acc_tol=1e-5, what=""):
@@ -100,12 +76,12 @@ def assert_close(out, ref, *, acc_tol=1e-5, what=""):
     assert tuple(out.shape) == tuple(ref.shape), f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
     if out.numel() == 0:
         return
-    o, r = _f64(out), _f64(ref)
-    u = UNIT[out.dtype]
+    o, r = wide(out), wide(ref)
+    u = ROUNDOFF[out.dtype]
     finite = torch.isfinite(r)
     rms = r[finite].square().mean().sqrt().item() if finite.any() else 0.0
     t = 2 * u + acc_tol
-    tol = t * r.abs() + t * rms + TINY[out.dtype]
+    tol = t * r.abs() + t * rms + SMALLEST[out.dtype]
     err = (o - r).abs()
     ok = (err <= tol) | (o == r) | (torch.isnan(o) & torch.isnan(r))
     if not bool(ok.all()):
@@ -131,7 +107,7 @@ def assert_exact(out, ref, *, what=""):
 
 
 def check_outputs(got, ref, *, exact=False, acc_tol=1e-5, what=""):
-    g, r = _flat(got), _flat(ref)
+    g, r = as_list(got), as_list(ref)
     assert len(g) == len(r), f"{what}: {len(g)} outputs, the function returns {len(r)}"
     for i, (o, e) in enumerate(zip(g, r, strict=True)):
         name = f"{what} output {i}"
@@ -143,8 +119,8 @@ def check_outputs(got, ref, *, exact=False, acc_tol=1e-5, what=""):
 
 def assert_peer_rule(out, ref, lowp, *, slack=1e-6, what=""):
     """quack's rule: no more than twice the error of torch's own low-precision path."""
-    err = (_f64(out) - _f64(ref)).abs().max().item()
-    err_pt = (_f64(lowp) - _f64(ref)).abs().max().item()
+    err = (wide(out) - wide(ref)).abs().max().item()
+    err_pt = (wide(lowp) - wide(ref)).abs().max().item()
     assert err <= 2 * err_pt + slack, f"{what}: max error {err:.3g}, torch's low-precision path {err_pt:.3g}"
 
 
@@ -189,10 +165,10 @@ def run_case(k, fn, a, b, ops, *, exact=False, acc_tol=1e-5, out_major="row", pa
     check_outputs(got, ref, exact=exact, acc_tol=acc_tol, what=what)
     outs = poisoned(got, out_major)
     got2 = k(a, b, **ops, out=outs)
-    for o, p in zip(_flat(got2), _flat(outs), strict=True):
+    for o, p in zip(as_list(got2), as_list(outs), strict=True):
         assert o is p, f"{what}: out= tensor not returned as given"
     if out_major == "row":
-        for i, (x, y) in enumerate(zip(_flat(got), _flat(got2), strict=True)):
+        for i, (x, y) in enumerate(zip(as_list(got), as_list(got2), strict=True)):
             assert _same_bits(x, y), f"{what} output {i}: out= call gave other bits than the first call"
     else:
         check_outputs(got2, ref, exact=exact, acc_tol=acc_tol, what=what + " (column-major out=)")

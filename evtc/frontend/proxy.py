@@ -55,6 +55,13 @@ _TRANSPOSES = frozenset({"t", "T", "mT", "H", "mH", "transpose", "permute", "swa
                          "adjoint"})
 
 
+def _user_caller(depth: int) -> bool:
+    """Whether the frame ``depth`` levels up runs the user's code, not evtc's own (which reads
+    shapes and dtypes to pick a lowering; those reads must not count as the function's).
+    ``depth`` counts from here: 1 is the method that asks, 2 that method's caller."""
+    return not sys._getframe(depth).f_globals.get("__name__", "").startswith("evtc.")
+
+
 def unsupported(what: str) -> UnsupportedOpError:
     """The error for an op the epilogue language does not have (``what``: ``torch.sin``,
     ``Tensor.mm``, ``@``), at the user's line."""
@@ -303,7 +310,7 @@ class TracedValue:
     def dtype(self) -> torch.dtype:
         """The dtype torch would give this value (acc in a's dtype, a float16 C float16, acc + C
         promoted), although the kernel computes it in float32 (evtc/frontend/eager_dtypes.py)."""
-        if not sys._getframe(1).f_globals.get("__name__", "").startswith("evtc."):
+        if _user_caller(2):
             # A read of the inputs' metadata (Graph.size_reads): an operand read only so is refused.
             self._tracer.note_shape_read(self._node, last_dim=True)
         return self._tracer.eager.dtype(self._node)
@@ -311,14 +318,14 @@ class TracedValue:
     def _read_shape(self) -> None:
         # A read by the user's code (not evtc's own, which asks ranks to pick a lowering): the
         # inputs of this value may not change shape at a call (Graph.shape_reads).
-        if not sys._getframe(2).f_globals.get("__name__", "").startswith("evtc."):
+        if _user_caller(3):
             self._tracer.note_shape_read(self._node)
 
     def _traced_shape(self) -> TracedShape:
         """This value's shape, noting a read of more than its last dim (see TracedShape) where
         the user's code asked for it."""
         on_read = None
-        if not sys._getframe(2).f_globals.get("__name__", "").startswith("evtc."):
+        if _user_caller(3):
             tracer, node = self._tracer, self._node
             on_read = lambda last_dim=False: tracer.note_shape_read(node, last_dim)  # noqa: E731
         return TracedShape((SymDim(d) for d in self._node.shape), on_read)

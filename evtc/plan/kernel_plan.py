@@ -22,7 +22,7 @@ from typing import Any
 from evtc.plan.tensor_spec import TensorSpec
 
 #: The version of this format; a manifest of another one is rebuilt.
-PLAN_FORMAT = 5
+PLAN_FORMAT = 6
 
 
 @dataclass(frozen=True)
@@ -192,10 +192,9 @@ class KernelPlan:
     a_scales: TensorSpec | None = None
     b_scales: TensorSpec | None = None
     #: For each output and each reduction, in graph order: the inputs it reads ("acc" for
-    #: ``a @ b``, else the operand's name) and whether it is a full tile (an output of (M, N), or
-    #: (L, M, N) batched). What decides which broadcasts keep torch's result
+    #: ``a @ b``, else the operand's name). What decides which broadcasts keep torch's result
     #: (:mod:`evtc.runtime.broadcasts`).
-    reads: tuple[tuple[tuple[str, ...], bool], ...] = ()
+    reads: tuple[tuple[str, ...], ...] = ()
     #: Full-tile outputs of a batched kernel that are the same in every batch (``C * 2`` of a
     #: shared (M, N) or (1, M, N) ``C``), with the rank torch gives them (2 or 3): the kernel stores
     #: them per batch like the others, and a call returns the first batch, of torch's shape.
@@ -315,7 +314,7 @@ def _decode_plan(d: dict) -> KernelPlan:
         broadcast_batch=d["broadcast_batch"], class_name=d["class_name"],
         kernel_finish=_tuple(d["kernel_finish"]),
         a_scales=_spec(d.get("a_scales")), b_scales=_spec(d.get("b_scales")),
-        reads=tuple((tuple(names), full) for names, full in d["reads"]),
+        reads=tuple(tuple(names) for names in d["reads"]),
         batch_free=tuple((name, rank) for name, rank in d.get("batch_free", ())),
         no_more_dims=tuple(d.get("no_more_dims", ())), no_fewer_dims=tuple(d.get("no_fewer_dims", ())),
     )
@@ -388,7 +387,7 @@ def plan_kernel(graph, emitted, signature, interface: CallInterface) -> KernelPl
     )
 
 
-def _reads(graph) -> tuple[tuple[tuple[str, ...], bool], ...]:
+def _reads(graph) -> tuple[tuple[str, ...], ...]:
     """:attr:`KernelPlan.reads` of ``graph``."""
     reads: dict[int, frozenset[str]] = {}
     for node in graph:  # topological order: a node's inputs come before it
@@ -398,9 +397,7 @@ def _reads(graph) -> tuple[tuple[tuple[str, ...], bool], ...]:
             reads[node.id] = frozenset({node.attrs["name"]})
         else:
             reads[node.id] = frozenset().union(*(reads[i.id] for i in node.inputs))
-    full = ("L", "M", "N") if graph.batched else ("M", "N")
-    return tuple((tuple(sorted(reads[node.id])), node.op == "store" and _dims(node.shape) == full)
-                 for node in graph if node.op in ("store", "reduce"))
+    return tuple(tuple(sorted(reads[node.id])) for node in graph if node.op in ("store", "reduce"))
 
 
 def _rank_fixed(graph, more: bool) -> tuple[str, ...]:

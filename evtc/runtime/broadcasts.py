@@ -51,7 +51,7 @@ def _may_expand(plan: KernelPlan, whole: set[str]) -> bool:
     1). One that reads only inputs shared by the batches is the same in every batch, and a call
     returns it in torch's shape (:attr:`KernelPlan.batch_free`)."""
     batched = {"acc"} | {i.user for i in plan.inputs if i.spec is not None and "L" in i.spec.dims}
-    return all(whole.intersection(names) for names, _ in plan.reads if batched.intersection(names))
+    return all(whole.intersection(names) for names in plan.reads if batched.intersection(names))
 
 
 def _refuse_shape_read(plan: KernelPlan, name: str, given: tuple, compiled: tuple[str, ...]) -> None:
