@@ -468,7 +468,8 @@ def test_broadcasts_that_would_change_an_output_are_refused_by_name():
 
     ks = evtc.compile(scaled_total, {"a": a, "b": b, "s": torch.tensor(0.5)})
     for s in (torch.tensor([0.5]), torch.tensor([[0.5]])):
-        with pytest.raises(evtc.CallError, match="s must be 0-d"):
+        with pytest.raises(evtc.CallError, match=r"s has shape \(1(, 1)?,?\), compiled as \(\): torch would "
+                           r"broadcast it, .* pass s\.reshape\(\(\)\)"):
             ks(a, b, s=s)
 
     # A scalar only full tiles read still changes rank freely, beside a reduction of acc alone.
@@ -563,6 +564,26 @@ def test_out_of_no_elements_may_have_stride_0():
     k = evtc.compile(double, {"a": torch.randn(2, 16, 32), "b": torch.randn(2, 32, 8)})
     out = torch.empty_strided((2, 0, 1), (0, 1, 0))
     assert k(A, B, out=out) is out
+
+
+def test_out_of_another_shape_is_refused_with_the_outputs_shape():
+    """An out= tensor is written whole: one of another shape (a 2-d out for a batched kernel, a
+    row short) is refused with the output's shape, not with the operands' advice to expand it
+    (an expanded out= is refused itself: its elements share memory)."""
+    def residual(acc, C):
+        return acc + C
+
+    A, B, C = torch.randn(3, 16, 32), torch.randn(3, 32, 8), torch.randn(3, 16, 8)
+    k = evtc.compile(residual, {"a": A, "b": B, "C": C})
+    for out in (torch.empty(16, 8), torch.empty(1, 16, 8), torch.empty(3, 15, 8)):
+        with pytest.raises(evtc.CallError, match=r"out must have the output's shape \(3, 16, 8\)") as err:
+            k(A, B, C=C, out=out)
+        assert "expand" not in str(err.value)
+    two = evtc.compile(lambda acc, C: (acc + C, acc * 2), {"a": A, "b": B, "C": C})
+    with pytest.raises(evtc.CallError, match=r"out\[.*\] must have the output's shape \(3, 16, 8\)"):
+        two(A, B, C=C, out=(torch.empty(3, 16, 8), torch.empty(16, 8)))
+    ref = residual(A @ B, C)
+    assert torch.allclose(k(A, B, C=C, out=torch.empty(3, 16, 8)), ref, atol=1e-5)
 
 
 def test_out_of_memory_reaches_the_caller_as_it_is(cache, monkeypatch):
@@ -1011,12 +1032,33 @@ def test_operands_that_lose_their_batch_dim_need_acc_to_keep_the_tile_full():
         return acc + C, C * D
 
     k = evtc.compile(both, {"a": A, "b": B, "C": C, "D": D})
-    with pytest.raises(evtc.CallError):
+    with pytest.raises(evtc.CallError, match=r"C has shape \(8, 12\), compiled as \(L, M, N\): torch "
+                       "would broadcast it, but an output or reduction .* fewer dims"):
         k(A[:1], B[:1], C=C[0], D=D[0])
     k2 = evtc.compile(lambda acc, C: acc + C, {"a": A, "b": B, "C": C})
     got, want = k2(A, B, C=C[0]), A @ B + C[0]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_extra_dim_an_output_would_keep_is_refused_with_the_reason():
+    """``C * 2`` beside batched a and b, C compiled (M, N) and passed (1, M, N): torch's second
+    output is (1, M, N), which the kernel (C shared by the batch) cannot give; the refusal says
+    why and how (it named only the rank), and the view it suggests runs as torch runs it."""
+    L, M, N, K = 3, 5, 7, 4
+    A, B, C, bias = torch.randn(L, M, K), torch.randn(L, K, N), torch.randn(M, N), torch.randn(N)
+
+    def pair(acc, C, bias):
+        return acc + bias, C * 2
+
+    k = evtc.compile(pair, {"a": A, "b": B, "C": C, "bias": bias})
+    with pytest.raises(evtc.CallError, match=r"C has shape \(1, 5, 7\), compiled as \(M, N\): torch would "
+                       r"broadcast it, .* pass C.reshape\(5, 7\)"):
+        k(A, B, C=C[None], bias=bias)
+    got, want = k(A, B, C=C[None].reshape(5, 7), bias=bias), pair(A @ B, C, bias)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_a_full_output_of_narrower_operands_takes_an_extra_dim():

@@ -68,6 +68,24 @@ def _refuse_shape_read(plan: KernelPlan, name: str, given: tuple, compiled: tupl
                     "(.expand() or .reshape())")
 
 
+def _refuse_rank_change(name: str, given: tuple, dims: tuple[str, ...], viewed: tuple) -> None:
+    """Raise the CallError for ``name`` passed with leading size-1 dims more or fewer than
+    compiled (``dims``; ``viewed``: its shape at that rank), where torch would broadcast it but an
+    output or reduction would take those dims into its shape (:attr:`KernelPlan.no_more_dims`,
+    :attr:`KernelPlan.no_fewer_dims`)."""
+    compiled = ", ".join(dims)
+    sizes = ", ".join(str(size) for size in viewed) or "()"  # reshape(5, 7), reshape(()) for 0-d
+    why = (f"torch would broadcast it, but an output or reduction of the epilogue reads {name} with "
+           "no tile of the compiled rank beside it, ")
+    if len(given) > len(dims):
+        raise CallError(f"{name} has shape {given}, compiled as ({compiled}): {why}so torch would give "
+                        "that result the extra leading dims of 1 too, where the kernel's keeps the "
+                        f"compiled rank; pass {name}.reshape({sizes}) (a view), or compile from an "
+                        "example of this rank")
+    raise CallError(f"{name} has shape {given}, compiled as ({compiled}): {why}so torch would give "
+                    "that result fewer dims than the kernel's; compile from an example of this rank")
+
+
 def _fits(t: torch.Tensor, dims: tuple[str, ...], sizes: dict) -> bool:
     """Whether ``t`` has the sizes ``dims`` say (any batch size for L)."""
     return all(d == "L" or size == sizes[d] for d, size in zip(dims, t.shape, strict=True))
@@ -107,10 +125,11 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
         if not isinstance(t, torch.Tensor) or dims is None:
             continue
         if t.dim() != len(dims):
-            may = _may_change_rank(plan, kernel_input.user, more=t.dim() > len(dims))
-            viewed = _to_rank(t, dims, result_rank) if may else None
+            viewed = _to_rank(t, dims, result_rank)
             if viewed is None or not _fits(viewed, dims, sizes):
                 continue  # (the checks name a shape torch would not broadcast either)
+            if not _may_change_rank(plan, kernel_input.user, more=t.dim() > len(dims)):
+                _refuse_rank_change(kernel_input.user, tuple(t.shape), dims, tuple(viewed.shape))
             _refuse_shape_read(plan, kernel_input.user, tuple(t.shape), dims)
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:

@@ -55,9 +55,11 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout: bool = True) -> None:
+def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout: bool = True,
+                 output: bool = False) -> None:
     """Raise a CallError unless ``t`` fits ``spec`` (checks the kernel also makes, with messages).
-    ``layout=False`` leaves out strides and alignment (which the staged path handles)."""
+    ``layout=False`` leaves out strides and alignment (which the staged path handles); ``output``:
+    ``t`` is an ``out=`` target, written whole, never broadcast."""
     if not isinstance(t, torch.Tensor):
         hint = ""
         if isinstance(t, int | float) and all(d in ("1", "L") for d in spec.dims):
@@ -75,6 +77,11 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
                     "modules, which follow autocast as nn.Linear does)")
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
+    if output and tuple(t.shape) != want:
+        # torch resizes an out= tensor of another shape (or writes a broadcast result whole): no
+        # view of the caller's tensor would do, so the hints for operands do not apply.
+        raise CallError(f"{name} must have the output's shape {want}, got {tuple(t.shape)} (an out= "
+                        f"tensor is written whole; evtc does not resize it as torch would)")
     if t.dim() != spec.rank or tuple(t.shape) != want:
         _refuse_shape(name, t, spec, want)
     if layout and spec.contiguous is not None:
@@ -274,7 +281,8 @@ def given_outputs(spec: CallSpec, out, m: int, n: int, batches: int, *, layout: 
             layout_here = layout
         if isinstance(t, torch.Tensor):  # (check_tensor names anything else)
             refuse_unwritable(label, t)  # before check_tensor reads strides a sparse tensor lacks
-        check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout_here)
+        check_tensor(label, t, out_spec, dt, {"L": batches, "M": m, "N": n}, layout=layout_here,
+                     output=True)
         tensors.append(t)
     # The reductions' outputs are copied in after the kernel: checked now, so that a refused call
     # has written none of out='s tensors.
