@@ -48,26 +48,33 @@ def identity(acc):
     return acc
 
 
+def residual(acc, C):
+    return acc + C
+
+
 def swiglu(acc):
     gate, up = acc.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-EPILOGUES = {"identity": identity, "swiglu": swiglu}  # swiglu: a gated kernel, b holds both halves
+# swiglu: a gated kernel, b holds both halves; residual: C of (M, N), against torch.addmm too
+EPILOGUES = {"identity": identity, "residual": residual, "swiglu": swiglu}
 
 
 def parse_candidates(text: str) -> list[tuple]:
-    """``[tile_m x]tile_n:cluster[:ab_stages[:splits]]`` items, comma-separated
-    (``64:1x4,64x32:1x1:10,64:1x1::2``); a tile without tile_m keeps the default launch's, an empty
-    ab_stages fits as many as shared memory holds, splits (of K) default to one."""
+    """``[tile_m x]tile_n:cluster[:ab_stages[:splits[:epi_tile_n[:load_stages]]]]`` items,
+    comma-separated (``64:1x4,64x32:1x1:10,64:1x1::2,64:1x1:::16``); a tile without tile_m keeps
+    the default launch's, an empty ab_stages fits as many as shared memory holds, splits (of K)
+    default to one, epi_tile_n and load_stages (epilogue subtile width, C's load stages) to the
+    default launch's."""
     out = []
     for item in filter(None, text.split(",")):
         tile, cluster, *rest = item.split(":")
-        ab, splits = (rest + ["", ""])[:2]
+        ab, splits, epi, loads = (rest + ["", "", "", ""])[:4]
         cm, cn = (int(c) for c in cluster.split("x"))
         tile_m, _, tile_n = tile.rpartition("x")
         out.append((int(tile_n), (cm, cn), int(ab) if ab else None, int(tile_m) if tile_m else None,
-                    int(splits) if splits else 1))
+                    int(splits) if splits else 1, int(epi) if epi else None, int(loads) if loads else None))
     return out
 
 
@@ -77,18 +84,20 @@ def pinned(kernel, m: int, n: int, k: int, candidates=None) -> tuple[object, dic
     default, _ = kernel.launch_for(m, n, k)
     handles = {}
     for tile_n, cluster, ab, *rest in candidates or CANDIDATES:
-        tile_m, splits = (rest + [None, 1])[:2]
+        tile_m, splits, epi, loads = (rest + [None, 1, None, None][len(rest):])[:4]
         tile_m = tile_m or default.tile_m
         schedule = "pingpong" if tile_m == 64 else default.schedule
         name = f"{tile_m}x{tile_n} {cluster[0]}x{cluster[1]}"
-        tail = f" ab{ab or 'fit'}" + (f" s{splits}" if splits > 1 else "")
-        epi_tile_n = default.epi_tile_n if tile_n % default.epi_tile_n == 0 else 16
+        tail = (f" ab{ab or 'fit'}" + (f" s{splits}" if splits > 1 else "") + (f" e{epi}" if epi else "")
+                + (f" l{loads}" if loads else ""))
+        epi_tile_n = epi or (default.epi_tile_n if tile_n % default.epi_tile_n == 0 else 16)
         try:
             # A's rows trimmed as the selector trims them for this cluster.
             config = with_a_rows_for(default.replace(
                 tile_m=tile_m, tile_n=tile_n, cluster=cluster, a_rows=None, ab_stages=ab,
                 # pinned stages: D gets the two buffers it needs, no more
-                epi_stages=None if ab is None else 2, schedule=schedule, epi_tile_n=epi_tile_n), m)
+                epi_stages=None if ab is None else 2, schedule=schedule, epi_tile_n=epi_tile_n,
+                load_stages=loads or default.load_stages), m)
         except ConfigError as exc:
             print(f"{m}x{n}x{k} {name}{tail}: skipped ({exc})")
             continue
@@ -116,6 +125,8 @@ def main() -> None:
     args = p.parse_args()
     example = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
                "b": torch.empty(128, 64, dtype=torch.bfloat16, device="meta").t()}
+    if args.epilogue == "residual":
+        example["C"] = torch.empty(8, 128, dtype=torch.bfloat16, device="meta")
     kernel = evtc.compile(EPILOGUES[args.epilogue], example)
     candidates = parse_candidates(args.candidates) or CANDIDATES
     if args.compile_only:
@@ -151,20 +162,27 @@ def time_shape(kernel, shape: str, samples: int, capture, candidates) -> None:
     if gated:
         ref = swiglu(ref)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ops = {}
+    if "C" in kernel.operand_names:
+        ops["C"] = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        ref = ref + ops["C"].double()
     default, handles = pinned(kernel, m, n, k, candidates)
     default_splits = kernel.launch_for(m, n, k)[1]
-    calls = {"cublas": lambda w: torch.matmul(x, w.t()), "default": lambda w: kernel(x, w.t(), out=out)}
+    calls = {"cublas": lambda w: torch.matmul(x, w.t()),
+             "default": lambda w: kernel(x, w.t(), out=out, **ops)}
     if gated:  # cuBLAS, then the activation as separate kernels
         calls["eager"] = lambda w: swiglu(torch.matmul(x, w.t()))
+    if ops:  # cuBLASLt's own fused residual
+        calls["eager"] = lambda w: torch.addmm(ops["C"], x, w.t())
     for label, handle in handles.items():
         try:
-            got = handle(x, weights[0].t(), out=out)
+            got = handle(x, weights[0].t(), out=out, **ops)
         except (ConfigError, evtc.CallError) as exc:
             print(f"{shape} {label}: skipped ({str(exc)[:80]})")
             continue
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 2e-2, (shape, label, err)
-        calls[label] = lambda w, handle=handle: handle(x, w.t(), out=out)
+        calls[label] = lambda w, handle=handle: handle(x, w.t(), out=out, **ops)
     reps = max(1, min(500, math.ceil(1e3 / max(2.0, m * n * k * 2 / 600e12 * 1e6))))
     graphs = {label: capture(fn, weights, reps).replay for label, fn in calls.items()}
     labels = list(graphs)
