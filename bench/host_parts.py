@@ -89,7 +89,7 @@ def main() -> None:
         assert k.last_path == "kernel", (name, k.last_path)
         m, n = a.shape[-2], b.shape[-1]
         batches = a.shape[0] if a.dim() == 3 else 1
-        outs, workspaces, _ = k._run_kernel(a, b, None, ops, stage=False)
+        outs, workspaces, _, _ = k._run_kernel(a, b, None, ops, stage=False)
         spec = k.call_spec
         if spec.gated:  # b whole and its up half's offset; N is the output's width
             b_k, up, kops = spec.split(b, ops)
