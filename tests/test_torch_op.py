@@ -272,7 +272,8 @@ def test_refusals_under_torch_compile_carry_evtc_messages(tmp_path):
         k(a, b, C=C, s=torch.tensor(2.0))
     cases = [(lambda a, b, C: k(a, b, C=C, s=torch.tensor(2.0)), scalar),
              (lambda a, b, C: k(a, b, C=C, s=2.0, out=torch.empty(16, 31, dtype=h)),
-              r"out.*(must be a torch.float16 tensor of shape|expected \(M, N\) =|must have the output.s shape) \(16, 32\)")]
+              r"out.*(must be a torch.float16 tensor of shape|expected \(M, N\) =|"
+              r"must have the output.s shape) \(16, 32\)")]
     for fn, message in cases:
         torch._dynamo.reset()
         with pytest.raises(Exception) as err:
