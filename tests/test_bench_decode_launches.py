@@ -40,8 +40,10 @@ def test_each_handle_launches_its_candidate(bench, tmp_path):
 
 def test_candidates_parse_tiles_stages_and_splits(bench, tmp_path):
     parsed = bench.parse_candidates("64:1x4,64x32:1x1:10,64:1x1::2,128x48:1x1:8:3")
-    assert parsed == [(64, (1, 4), None, None, 1), (32, (1, 1), 10, 64, 1), (64, (1, 1), None, None, 2),
-                      (48, (1, 1), 8, 128, 3)]
+    assert parsed == [(64, (1, 4), None, None, 1, None, None), (32, (1, 1), 10, 64, 1, None, None),
+                      (64, (1, 1), None, None, 2, None, None), (48, (1, 1), 8, 128, 3, None, None)]
+    # subtile width and C's load stages: the fifth and sixth fields
+    assert bench.parse_candidates("64:1x1:13::16:4") == [(64, (1, 1), 13, None, 1, 16, 4)]
     meta = {"a": torch.empty(8, 64, dtype=torch.bfloat16, device="meta"),
             "b": torch.empty(64, 64, dtype=torch.bfloat16, device="meta").t()}
     kernel = evtc.compile(_identity, meta, arch="sm_90a", cache_dir=tmp_path)
