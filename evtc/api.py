@@ -13,7 +13,7 @@ from .frontend.inputs import RESERVED, read_signature
 from .frontend.source import definition_location
 from .frontend.tracer import trace_raw
 from .ir.block_scales import is_pair, scale_problem, split_inputs
-from .ir.dtypes import CAST_DTYPES, short_name
+from .ir.dtypes import STORE_DTYPES, short_name
 from .ir.graph import Graph, rewrite
 from .ir.interpreter import accumulator
 from .ir.passes import optimize
@@ -76,8 +76,8 @@ def _override_dtypes(graph: Graph, out_dtypes: OutDtypes, fn: Callable[..., Any]
         raise OutputError(f"out_dtypes must be a torch.dtype, a list or tuple of them in output order, or "
                           f"a dict by output name; got a {type(out_dtypes).__name__}", loc)
     for name, dtype in wanted.items():
-        if dtype not in CAST_DTYPES:
-            allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
+        if dtype not in STORE_DTYPES:
+            allowed = ", ".join(short_name(d) for d in STORE_DTYPES)
             raise DTypeError(f"out_dtypes[{name!r}] = {dtype} is not supported; outputs may be {allowed}",
                              loc)
 

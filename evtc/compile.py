@@ -297,13 +297,13 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     """The full path: trace, optimize, generate, plan and obtain. Returns the kernel and its front
     record (None for a kernel without SM90 code)."""
     from evtc.api import trace
-    from evtc.codegen.emit import emit
+    from evtc.codegen.emit import emit, kernel_dtype_name
     from evtc.frontend.epilogue import unwrap
     from evtc.frontend.source import definition_location
     from evtc.ir.block_scales import scale_problem, split_inputs
     from evtc.ir.passes.gated import kernel_graph
     from evtc.plan.config import DEFAULT_SCHEDULE, FLOAT8_DTYPES, ConfigError
-    from evtc.plan.signature import KernelSignature, dtype_name
+    from evtc.plan.signature import KernelSignature
     from evtc.plan.smem import fit_config
 
     user_fn = unwrap(fn)
@@ -370,7 +370,7 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
                            "per problem size trims A's loads itself for problems with few rows (see "
                            "GemmConfig.a_rows)", loc)
     # Only reductions: no D (the kernel's D dtype is then that of a and b, for its unused buffer).
-    d_dtype = dtype_name(emitted.outputs[0].dtype) if emitted.outputs else signature.a.dtype
+    d_dtype = kernel_dtype_name(emitted.outputs[0].dtype) if emitted.outputs else signature.a.dtype
     d_major = knobs.get("d_major", "n")
     if d_major == "m" and (len(emitted.outputs) != 1 or emitted.reductions):
         raise CompileError("configuration: d_major='m' (a column-major output) needs an epilogue with "

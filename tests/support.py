@@ -43,6 +43,7 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
         torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
         torch.float8_e4m3fn: dict(rtol=0.13, atol=0.02),
         torch.float8_e5m2: dict(rtol=0.26, atol=0.04),
+        torch.bool: dict(rtol=0, atol=0),  # a mask: exactly torch's
     }[dtype]
 
 
@@ -61,7 +62,7 @@ def assert_same_outputs(graph_out: Any, ref_out: Any) -> None:
 def eager_dtypes(fn: Callable[..., Any], inputs: dict[str, Any]) -> list[torch.dtype]:
     """The dtype of each output of `fn` run by torch itself on ``acc = a @ b`` in a's dtype (on
     meta tensors, which follow torch's promotion rules without computing): the dtypes evtc's
-    outputs take. A boolean mask reads as a's dtype, which is how evtc returns one."""
+    outputs take (a boolean mask is a bool tensor in both)."""
     a, b = inputs["a"], inputs["b"]
     fn = getattr(fn, "__wrapped__", fn)
     acc = torch.empty(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
@@ -73,7 +74,7 @@ def eager_dtypes(fn: Callable[..., Any], inputs: dict[str, Any]) -> list[torch.d
         out = fn(acc, **operands)
     except (NotImplementedError, RuntimeError):  # no meta kernel, or a CPU constant it makes: on the CPU
         out = fn(torch.zeros(acc.shape, dtype=a.dtype), **{k: v for k, v in inputs.items() if k in params})
-    return [a.dtype if v.dtype == torch.bool else v.dtype for _, v in flatten(out)]
+    return [v.dtype for _, v in flatten(out)]
 
 
 def check_epilogue(fn: Callable[..., Any], inputs: dict[str, Any], **trace_kwargs: Any) -> evtc.Graph:

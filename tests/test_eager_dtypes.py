@@ -1,5 +1,5 @@
 """Output dtypes and ``x.dtype`` inside the epilogue are torch's: the function run on ``acc = a @ b``
-in a's dtype (torch's promotion on meta tensors is the reference), masks aside (a's dtype)."""
+in a's dtype (torch's promotion on meta tensors is the reference); a returned mask is bool."""
 
 from __future__ import annotations
 

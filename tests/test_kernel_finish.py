@@ -67,7 +67,11 @@ def float8_row_max(acc):
 
 
 def boolean_row_test(acc):
-    return acc, acc.sum(-1) > 0
+    return acc, (acc.sum(-1) > 0).float()
+
+
+def boolean_row_mask(acc):
+    return acc, acc.sum(-1) > 0  # a bool output, as torch's: finished on the host
 
 
 SCALAR = torch.empty((), device="meta")
@@ -87,6 +91,7 @@ SCALAR = torch.empty((), device="meta")
     (row_over_everything, {}, False, {}),  # all or nothing: one host finish for every output
     (float8_row_max, {}, False, {}),
     (boolean_row_test, {}, False, {"row": ["D1"]}),  # a comparison, stored as float32
+    (boolean_row_mask, {}, False, {}),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_what_the_kernel_finishes(fn, operands, batched, axes):
     emitted = _emitted(fn, batched, **operands)

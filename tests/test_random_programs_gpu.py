@@ -63,6 +63,12 @@ def _run(fn, inputs, dtype):
 
 
 def _check_values(got, w64, w32, nat, dtype, disc, what):
+    if dtype == torch.bool:  # a mask: torch's on one of the references (ties may flip, as below)
+        g = got.cpu()
+        bad = ~((g == w64.cpu()) | (g == w32.cpu()) | (g == nat.cpu()))
+        allowed = max(1, int(0.02 * g.numel())) if disc else 0
+        assert int(bad.sum()) <= allowed, f"{what}: {int(bad.sum())}/{bad.numel()} mask elements off"
+        return
     g = got.double().cpu()
     x = w64.to(dtype).double().cpu() if w64.dtype != torch.bool else w64.double().cpu()
     t = w32.to(dtype).double().cpu() if w32.dtype != torch.bool else w32.double().cpu()
@@ -136,7 +142,6 @@ def test_random_program(idx, cache):
         assert type(got) is type(nat) and kg == kn, f"{what}: structure {type(got)} {kg}, torch {kn}"
         refs = zip(kg, vg, vn, flat_outputs(w64)[1], flat_outputs(w32)[1], strict=True)
         for key, g, n, x, t in refs:
-            want = inputs["a"].dtype if n.dtype == torch.bool else n.dtype
-            assert g.dtype == want, f"{what} output {key}: dtype {g.dtype}, torch {want}"
+            assert g.dtype == n.dtype, f"{what} output {key}: dtype {g.dtype}, torch {n.dtype}"
             assert g.shape == n.shape, f"{what} output {key}: shape {tuple(g.shape)}, torch {tuple(n.shape)}"
             _check_values(g, x, t, n, g.dtype, prog.discontinuous, f"{what} output {key}")

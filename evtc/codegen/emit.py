@@ -44,13 +44,21 @@ _DSL_DTYPE = {
     torch.float8_e4m3fn: "Float8E4M3FN",
     torch.float8_e5m2: "Float8E5M2",
 }
+#: The dtype the kernel stores each output dtype as: a bool output (a mask) is one byte, 0 or 1,
+#: written by float8_e4m3fn's stores as the values 0 and 2^-9 (whose encodings those bytes are).
 _DTYPE_NAME = {
     torch.float32: "float32",
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float8_e5m2: "float8_e5m2",
+    torch.bool: "float8_e4m3fn",
 }
+def kernel_dtype_name(dtype: torch.dtype) -> str:
+    """The dtype the kernel stores an output of ``dtype`` as (a bool output: float8_e4m3fn bytes)."""
+    return _DTYPE_NAME[dtype]
+
+
 _CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
     "pow", "abs", "reciprocal", "minimum", "maximum", "clamp_min", "clamp_max", "hardtanh", "sqrt",
     "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log1p", "sin", "cos", "tanh", "erf", "floor", "ceil",
@@ -279,6 +287,10 @@ class _Emitter:
                     ident = _identifier(f"size_{len(self.inputs)}", self.taken)
                     self.names[node.id] = ident
                     self.inputs.append(InputPlan(format_literal(value), ident, "literal", expr=value))
+            elif op == "store" and node.dtype == torch.bool:
+                # A mask output: its bytes 0 and 1 (torch's bool), written as the float8 values
+                # whose encodings they are (the output is stored as float8_e4m3fn, see _DTYPE_NAME).
+                self.define(self.stage_of(node), node, f"op.mask_to_byte({self.names[node.inputs[0].id]})")
             elif op == "store":
                 self.names[node.id] = self.names[node.inputs[0].id]
             elif op == "cast":
@@ -485,7 +497,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
 
     uniform_params = [p.ident for p in em.inputs if KINDS[p.kind].uniform]
     reduced = [em.names[r.node.inputs[0].id] for r in em.reductions]
-    returned = {em.names[o.node.inputs[0].id] for o in outputs} | set(reduced)
+    returned = {em.names[o.node.id] for o in outputs} | set(reduced)
     fragment_body = "\n".join(x for x in em.fragment_lines if not x.startswith("#"))
     uniform_body = "\n".join(x for x in em.uniform_lines if not x.startswith("#"))
     finish_bodies = em.finish_bodies
@@ -570,7 +582,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
     w('        """One subtile: this thread\'s float32 values in, one value per output out."""')
     for line in em.fragment_lines:
         w(("        " + line) if line else "")
-    returned = [em.names[o.node.inputs[0].id] for o in outputs] + reduced  # noqa: F811
+    returned = [em.names[o.node.id] for o in outputs] + reduced  # noqa: F811
     comment = ", ".join([f"{o.name}: {short_name(o.dtype)}{format_shape(o.node.shape)}" for o in outputs]
                         + [f"{r.ident}: {r.op} per {'column' if r.axis == 'col' else 'row'}"
                            + ("" if r.axis in ("row", "col") else f" (then {_AXIS_TEXT[r.axis]})")

@@ -686,12 +686,12 @@ def _operand_variants(tracer: Tracer, operands: dict[str, Operand], stored: list
 def _default_output_dtype(node: Node, ab_dtype: torch.dtype, eager: torch.dtype) -> torch.dtype:
     """The dtype torch would give the output with ``acc = a @ b`` in a's dtype (``eager``): a's
     dtype, unless the function casts or promotes (a float32 bias makes ``acc + bias`` float32, a
-    ``.sum()`` of it is float32, of ``acc * 2`` a's dtype). A mask takes a's dtype as 0.0 / 1.0.
+    ``.sum()`` of it is float32, of ``acc * 2`` a's dtype). A mask is a bool tensor, as in torch.
 
     float8 a and b have no such product in torch (``torch._scaled_mm`` takes an ``out_dtype``):
     there an explicit final cast wins, full tiles are bfloat16 and reductions float32."""
-    if ab_dtype not in FLOAT8_DTYPES:
-        return ab_dtype if eager == torch.bool else eager
+    if ab_dtype not in FLOAT8_DTYPES or eager == torch.bool:
+        return eager
     if node.op == "cast" and not node.attrs.get("implicit") or node.dtype not in (COMPUTE_DTYPE, torch.bool):
         return node.dtype
     if _depends_on_reduction(node):

@@ -26,6 +26,10 @@ CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+#: What an output may be stored as: the cast dtypes, and bool for a mask (``acc > 0`` returned is
+#: a bool tensor, as torch gives it; the kernel writes its bytes as 0 and 1).
+STORE_DTYPES = (*CAST_DTYPES, torch.bool)
+
 _SHORT_NAMES = {
     torch.float32: "f32",
     torch.float64: "f64",

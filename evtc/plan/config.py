@@ -27,7 +27,8 @@ BLOCK_SCALE_ROWS = (1, 128)
 # of 32; N/2 of other sizes take the torch path.
 GATED_SCALE_CHUNK = 32
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-               "int32": 4}  # int32: the counters of a kernel that finishes its own reductions
+               "int32": 4,  # int32: the counters of a kernel that finishes its own reductions
+               "bool": 1}  # a mask output, stored by the kernel as float8_e4m3fn bytes (0 and 1)
 
 TILE_M = 128  # the default: two consumer warpgroups, 64 rows each (cooperative schedule)
 # Rows of an output tile.  64 only under ping-pong: one m64 wgmma atom per consumer warpgroup, for

@@ -285,7 +285,8 @@ class Tuner:
                                           kernel.chooses_clusters, default)
                     if tunable(kernel, c, k)]
         # Scratch outputs with the strides of the real ones (staged calls pad their rows).
-        scratch = [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device) for o in outs]
+        scratch = kernel.call_spec.kernel_views(
+            [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device) for o in outs])
         if scales is not None:
             # The candidates take a's 1 x 128 scales by TMA: timed on a copy where the call's are in
             # another layout (the call itself then runs on one too), rather than all refusing them

@@ -64,6 +64,9 @@ class CallSpec:
         #: D's unit-stride dim is M (a column-major output), so rows of M must be 16-byte multiples.
         self.d_by_m = plan.d_major == "m"
         self.out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
+        #: Positions (kernel order) of the bool outputs (masks): the kernel writes their bytes as
+        #: float8_e4m3fn, so it is handed float8 views of them (:meth:`kernel_views`).
+        self.mask_outputs = tuple(i for i, dt in enumerate(self.out_dtypes) if dt == torch.bool)
         #: Positions (kernel order) of the full-tile outputs that are the same in every batch
         #: (KernelPlan.batch_free), each with the rank torch gives it: the call returns their
         #: first batch (``t[0]``, or ``t[:1]`` for a (1, M, N) one).
@@ -178,6 +181,16 @@ class CallSpec:
         return [torch.empty_strided(shape, row_major if order is None else compact_strides(shape, order),
                                     dtype=dt, device=device)
                 for dt, order in self.out_allocs]
+
+    def kernel_views(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``outs`` (kernel order) as the compiled function takes them: each bool output as a
+        float8_e4m3fn view of its bytes (the kernel writes 0 and 1 there, torch's False and True)."""
+        if not self.mask_outputs:
+            return outs
+        views = list(outs)
+        for i in self.mask_outputs:
+            views[i] = views[i].view(torch.float8_e4m3fn)
+        return views
 
     def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;

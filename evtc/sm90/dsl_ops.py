@@ -255,6 +255,19 @@ def mask_to_float(mask):
     return Float32(cutlass.select_(mask, Float32(1.0), Float32(0.0)))
 
 
+#: The float8_e4m3fn value whose encoding is the byte 1 (its smallest subnormal): what a bool
+#: output's True is written as, so that the byte reads as torch's True.
+BOOL_TRUE_AS_E4M3 = 2.0 ** -9
+
+
+def mask_to_byte(mask):
+    """A boolean mask as the float32 values 2^-9 / 0.0, which a float8_e4m3fn store writes as the
+    bytes 1 / 0: a bool output's memory, as torch lays out True and False."""
+    if _is_tensor(mask):
+        return cute.where(mask, cute.full_like(mask, BOOL_TRUE_AS_E4M3, Float32), 0.0)
+    return Float32(cutlass.select_(mask, Float32(BOOL_TRUE_AS_E4M3), Float32(0.0)))
+
+
 def round_to(x, dtype):
     """Round float32 ``x`` to ``dtype`` and widen it back (a rounding cast), as torch rounds:
     float8_e4m3fn saturates, float8_e5m2 overflows to infinity (:func:`evtc.sm90.dtypes.narrow`)."""

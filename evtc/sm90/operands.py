@@ -68,7 +68,7 @@ from evtc.sm90.visitor import (
 
 
 def dsl_dtype(name: str):
-    if name == "float8_e4m3fn":
+    if name in ("float8_e4m3fn", "bool"):  # a bool output's bytes are written as float8 (emit.py)
         return cutlass.Float8E4M3FN
     if name == "float8_e5m2":
         return cutlass.Float8E5M2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import DTypeError
-from ..dtypes import CAST_DTYPES, COMPUTE_DTYPE, is_float8, short_name
+from ..dtypes import CAST_DTYPES, COMPUTE_DTYPE, STORE_DTYPES, is_float8, short_name
 from ..graph import Graph, GraphBuilder, Node, rewrite
 from .result import graph_pass
 
@@ -22,7 +22,7 @@ def check_dtypes(graph: Graph) -> None:
     """Reject dtype uses the kernel (or torch itself) does not define."""
     for node in graph.nodes:
         if node.op in ("cast", "store"):
-            if node.dtype not in CAST_DTYPES:
+            if node.dtype not in (STORE_DTYPES if node.op == "store" else CAST_DTYPES):
                 raise DTypeError(f"unsupported dtype {node.dtype} for {node.op}", node.loc)
             continue
         if node.category == "load":
@@ -51,7 +51,11 @@ def make_casts_explicit(graph: Graph) -> Graph:
             return None  # a half is a view of its input: it keeps the input's dtype
         if node.op == "store":
             value = inputs[0]
-            if value.dtype != node.dtype:
+            if node.dtype == torch.bool and value.dtype != torch.bool:
+                # out_dtypes=torch.bool on a number: torch's .to(torch.bool), value != 0 (NaN too).
+                value = builder.add("ne", (widen(value, builder), builder.literal(0, node.loc)), None,
+                                    loc=node.loc)
+            elif value.dtype != node.dtype:
                 value = builder.add("cast", (value,), {"dtype": node.dtype}, loc=node.loc)
             return builder.add("store", (value,), node.attrs, loc=node.loc, dtype=node.dtype)
         wide = tuple(widen(i, builder) for i in inputs)

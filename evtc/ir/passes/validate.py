@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import GraphError
-from ..dtypes import CAST_DTYPES, COMPUTE_DTYPE
+from ..dtypes import COMPUTE_DTYPE, STORE_DTYPES
 from ..graph import LOAD_OPS, Graph
 from ..infer import infer_shape
 from ..ops import ELEMENTWISE
@@ -39,7 +39,7 @@ def validate(graph: Graph, *, lowered: bool = True) -> None:
             if name in names:
                 raise GraphError(f"two stores named {name!r}")
             names.add(name)
-            if node.dtype not in CAST_DTYPES:
+            if node.dtype not in STORE_DTYPES:
                 raise GraphError(f"store {name!r} has dtype {node.dtype}")
         if lowered:
             _check_lowered(node)
