@@ -375,6 +375,9 @@ def _compile_traced(fn, example_inputs, out_dtypes, config, arch, cache_dir, str
     if d_major == "m" and (len(emitted.outputs) != 1 or emitted.reductions):
         raise CompileError("configuration: d_major='m' (a column-major output) needs an epilogue with "
                            "one full-tile output and no reductions", loc)
+    if d_major == "m" and emitted.outputs[0].dtype == torch.bool:
+        raise CompileError("configuration: d_major='m' (a column-major output) needs a 16- or 32-bit "
+                           "output; a bool output (a mask) is stored row-major", loc)
     signature.set_output_major(d_major)
     if signature.b.dtype != signature.a.dtype:
         knobs["b_dtype"] = signature.b.dtype  # float8 of the other format

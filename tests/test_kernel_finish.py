@@ -71,7 +71,7 @@ def boolean_row_test(acc):
 
 
 def boolean_row_mask(acc):
-    return acc, acc.sum(-1) > 0  # a bool output, as torch's: finished on the host
+    return acc, acc.sum(-1) > 0  # a bool output, as torch's: its bytes stored by the finish
 
 
 SCALAR = torch.empty((), device="meta")
@@ -91,7 +91,7 @@ SCALAR = torch.empty((), device="meta")
     (row_over_everything, {}, False, {}),  # all or nothing: one host finish for every output
     (float8_row_max, {}, False, {}),
     (boolean_row_test, {}, False, {"row": ["D1"]}),  # a comparison, stored as float32
-    (boolean_row_mask, {}, False, {}),
+    (boolean_row_mask, {}, False, {"row": ["D1"]}),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_what_the_kernel_finishes(fn, operands, batched, axes):
     emitted = _emitted(fn, batched, **operands)
@@ -114,6 +114,12 @@ def test_the_finish_method_reads_per_tile_values_and_size_literals():
 def test_a_comparison_is_stored_as_a_float():
     body = _emitted(boolean_row_test).source.split("def finish_rows")[1]
     assert "op.mask_to_float(" in body
+
+
+def test_a_mask_is_finished_as_its_bytes():
+    """A bool output of a finish (a comparison of a row's sum) is stored as the bytes 0 and 1."""
+    body = _emitted(boolean_row_mask).source.split("def finish_rows")[1]
+    assert "op.mask_to_byte(" in body
 
 
 def test_a_user_operand_named_like_a_reduction_keeps_its_name():

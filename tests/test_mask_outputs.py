@@ -76,3 +76,27 @@ def test_out_of_another_dtype_for_a_mask_is_refused():
     out = (torch.empty(16, 24), torch.zeros(16, 24, dtype=torch.bool))
     assert k(a, b, bias=bias, out=out)[1] is out[1]
     assert torch.equal(out[1], a @ b + bias > 0)
+
+
+def test_bool_casts_are_torchs():
+    """``.bool()`` and ``.to(torch.bool)``: a mask as it is, a number as != 0 (NaN is True)."""
+    a, b = torch.randint(-3, 4, (8, 16)).float(), torch.randint(-3, 4, (16, 8)).float()
+    C = a @ b
+    C[::2] += 1
+    C[1, 1] = float("nan")
+    fns = [lambda acc, C: (acc > C).to(torch.bool), lambda acc, C: (acc - C).bool(),
+           lambda acc, C: (acc * C).to(dtype=torch.bool), lambda acc, C: (acc > 0).bool() & (acc - C).bool()]
+    for fn in fns:
+        k = evtc.compile(fn, {"a": a, "b": b, "C": C})
+        got, want = k(a, b, C=C), fn(a.double() @ b.double(), C.double())
+        assert [s.dtype for s in k.plan.outputs] == ["bool"]
+        assert got.dtype == torch.bool and torch.equal(got, want)
+    with pytest.raises(evtc.DTypeError, match="may be cast to .*bool"):
+        evtc.trace(lambda acc: acc.to(torch.int32), {"a": a, "b": b})
+
+
+def test_a_column_major_mask_is_refused_by_name():
+    ex = {"a": torch.empty(64, 32, dtype=torch.float16, device="meta"),
+          "b": torch.empty(32, 48, dtype=torch.float16, device="meta")}
+    with pytest.raises(evtc.CompileError, match="bool output .* is stored row-major"):
+        evtc.compile(lambda acc: acc > 0, ex, config={"d_major": "m"}, arch="sm_90a")

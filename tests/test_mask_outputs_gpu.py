@@ -179,3 +179,24 @@ def test_a_mask_under_torch_compile(cache):
     compiled = torch.compile(lambda a, b, C: kern(a, b, C=C), fullgraph=True)
     got = compiled(a, b, C)
     check_mask(got, only_mask(f64(a) @ f64(b), f64(C)), "torch.compile")
+
+
+def energies(acc, t: float):
+    energy = acc.pow(2).sum(-1)
+    return acc, energy.float(), energy > t
+
+
+@pytest.mark.parametrize("m,n", [(130, 96), (4, 520)])
+def test_a_mask_of_a_row_reduction_finished_in_the_kernel(cache, m, n):
+    """A comparison of a row's sum, stored by the kernel's own finish (as its bytes) beside the
+    sum itself; integer sums, a threshold between integers."""
+    a, b = ints(m, 32, lo=-1, hi=2), ints(32, n, lo=-1, hi=2)
+    kern = evtc.compile(energies, {"a": a, "b": b, "t": 1.5}, cache_dir=cache)
+    assert kern.plan.kernel_finish, "the kernel should finish the row reductions"
+    acc64 = f64(a) @ f64(b)
+    t = float(acc64.pow(2).sum(-1).median()) + 0.5  # between integers: no ties
+    y, energy, big = kern(a, b, t=t)
+    want_y, want_energy, want_big = energies(acc64, t)
+    assert want_big.any() and not want_big.all()
+    check_mask(big, want_big, f"{m}x{n}")
+    torch.testing.assert_close(energy.double(), want_energy, rtol=1e-6, atol=0.0)

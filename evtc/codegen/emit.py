@@ -114,8 +114,9 @@ class ReductionPlan:
         return "ReductionOverM" if self.axis == "col" else "ReductionOverN"
 
 
-#: Dtypes of outputs the kernel's finish stores (one value per row or column).
-FINISH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Dtypes of outputs the kernel's finish stores (one value per row or column); a bool one as the
+#: bytes 0 and 1, as the tile outputs store it (see _DTYPE_NAME).
+FINISH_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.bool)
 _FINISH_METHOD = {"row": "finish_rows", "col": "finish_columns", "batch": "finish_batches",
                   "all": "finish_all"}
 #: What one call of each finish method computes, for its docstring.
@@ -346,12 +347,21 @@ class _Emitter:
                     self.elementwise(node)
         plans = []
         stores = {s.attrs["name"]: s for s in graph.stores}
+        for axis, names in outputs.items():
+            for name in names:  # what each finished output stores: a mask as its bytes
+                store = stores[name]
+                value = self.names[store.inputs[0].id]
+                if store.dtype == torch.bool:
+                    self.finish_axis[store.id] = axis
+                    self.define(axis, store, f"op.mask_to_byte({value})")
+                else:
+                    self.names[store.id] = value
         for axis in _FINISH_METHOD:
             if not outputs[axis]:
                 continue
             body = self.finish_bodies[axis] = "\n".join(x for x in self.finish_lines[axis]
                                                         if not x.startswith("#"))
-            returned = {self.names[stores[n].inputs[0].id] for n in outputs[axis]}
+            returned = {self.names[stores[n].inputs[0].id] for n in outputs[axis]}  # the values read
             used = [r.ident for r in self.reductions if r.axis == axis
                     and (r.ident in returned or _mentions(body, r.ident))]
             plans.append(FinishPlan(axis, _FINISH_METHOD[axis], used, [], outputs[axis]))
@@ -600,7 +610,7 @@ def emit(graph: Graph, *, tile_majors: dict[str, str] | None = None, header: str
         w(f'        computed from the {per}\'s reductions."""')
         for line in em.finish_lines[f.axis]:
             w(("        " + line) if line else "")
-        results = [em.names[stores[n].inputs[0].id] for n in f.outputs]
+        results = [em.names[stores[n].id] for n in f.outputs]
         comment = ", ".join(f"{n}: {short_name(stores[n].dtype)}{format_shape(stores[n].shape)}"
                             for n in f.outputs)
         if em.finish_lines[f.axis]:

@@ -450,8 +450,14 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
 
 # --- casts ------------------------------------------------------------------------------------
 def cast_to(t: Tracer, input: Any, dtype: torch.dtype, copy: bool = False) -> Any:
+    if dtype == torch.bool and isinstance(input, TracedValue):
+        # torch's .bool(): a mask as it is (the tensor itself, unless copy), a number as != 0 (NaN
+        # is True); returned, it is a bool output.
+        if input.dtype == torch.bool:
+            return input.clone() if copy else input
+        return input != 0
     if dtype not in CAST_DTYPES:
-        allowed = ", ".join(short_name(d) for d in CAST_DTYPES)
+        allowed = ", ".join(short_name(d) for d in (*CAST_DTYPES, torch.bool))
         raise DTypeError(f"cast to {dtype} is not supported; epilogue values may be cast to {allowed}",
                          user_location())
     result = t.emit("cast", (input,), {"dtype": dtype})
@@ -598,6 +604,7 @@ register([], ["type_as"], _type_as, inplace=False)
 register([], ["float"], _fixed_cast(torch.float32), inplace=False)
 register([], ["half"], _fixed_cast(torch.float16), inplace=False)
 register([], ["bfloat16"], _fixed_cast(torch.bfloat16), inplace=False)
+register([], ["bool"], _fixed_cast(torch.bool), inplace=False)
 # F.sigmoid / F.tanh call the Tensor methods; the activation functions of torch with an `inplace`
 # flag call themselves through __torch_function__ and land in _ACTIVATIONS above.
 

@@ -303,8 +303,8 @@ class Tuner:
                 log.warning("%r: autotuning skips %s: %s", name, describe(launch), exc)
                 continue
             # The buffers a call of this launch would get (launches on one stream never overlap).
-            buffers = tuple(scratch + (finisher.buffers(m, n, batches, a.device) if finisher is not None
-                                       else []))
+            buffers = tuple(scratch + (finisher.kernel_views(finisher.buffers(m, n, batches, a.device))
+                                       if finisher is not None else []))
 
             def run(fn=fn, buffers=buffers, clusters=clusters, split=split):
                 invoke(fn, a, b, buffers, tuple(ins), clusters, split, a.device, scales, up)

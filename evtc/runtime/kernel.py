@@ -728,8 +728,9 @@ class Kernel:
         fn, clusters, split, finisher = chosen
         # The reductions' partials are laid out by the launched configuration's tiles.
         workspaces = finisher.buffers(m, n, batches, device) if finisher is not None else []
-        invoke(fn, a, b, tuple(spec.kernel_views(outs) + workspaces), tuple(ins), clusters, split, device,
-               scales, up)
+        kernel_buffers = spec.kernel_views(outs) + (finisher.kernel_views(workspaces) if finisher is not None
+                                                     else workspaces)
+        invoke(fn, a, b, tuple(kernel_buffers), tuple(ins), clusters, split, device, scales, up)
         # out= tensors that overlap an input got fresh ones: copied in after the host finish, which
         # may read that input again (a device scalar inside out=).
         pending = [] if outs is targets else [(spec.first_batch(i, w), t)

@@ -116,6 +116,9 @@ class ReductionFinish:
         dtypes = {h.name: torch_dtype(h.dtype) for h in plan.host_outputs}
         # The kernel's finished outputs in argument order: (name, axis, dtype).
         self.finished = [(name, axis, dtypes[name]) for axis, names in plan.kernel_finish for name in names]
+        #: Whether a finished output is bool (a mask): the kernel writes its bytes as float8
+        #: (:meth:`kernel_views`).
+        self.finishes_masks = any(dt == torch.bool for _, _, dt in self.finished)
         #: Whether a finish has a second level (per batch or over everything), whose blocks' values
         #: follow the partials in the workspaces.
         self.two_level = any(axis in TWO_LEVEL_FINISH_AXES for axis, _ in plan.kernel_finish)
@@ -176,6 +179,13 @@ class ReductionFinish:
             workspaces += _placeholders(device, [(dt, batches if axis == "batch" else 1)
                                                  for _, axis, dt in self.finished])
         return workspaces
+
+    def kernel_views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``buffers`` as the compiled function takes them: a bool output (and its placeholder) as a
+        float8_e4m3fn view of its bytes, which the kernel's finish writes as 0 and 1."""
+        if not self.finishes_masks:
+            return buffers
+        return [t.view(torch.float8_e4m3fn) if t.dtype == torch.bool else t for t in buffers]
 
     def _counters(self, m: int, n: int, batches: int) -> int:
         """The counters a launch's finish uses (see :class:`evtc.sm90.operands.KernelFinish`): per
