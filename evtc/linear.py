@@ -271,6 +271,7 @@ class Linear:
             return self._written_into(kernel, x2, weight, flat, lead, out)
         self._resize_empty_out(kernel, x2, weight, out, lead)
         self._check_out_rows(kernel, out, lead)
+        self._check_out_shapes(kernel, x2, weight, out, lead)
         try:
             # Views only: a reshape that copied would have the kernel write the copy, not `out`.
             flat_out = self._per_output(kernel, out, lambda t: t.view(-1, *t.shape[len(lead):]))
@@ -284,20 +285,41 @@ class Linear:
         return out
 
     @staticmethod
-    def _resize_empty_out(kernel: Kernel, x2, weight, out: Any, lead: tuple) -> None:
+    def _out_shapes(kernel: Kernel, x2, weight, lead: tuple) -> dict | None:
+        """Each output's (shape, dtype) as the caller sees it (x's leading dims where the kernel's
+        have M), or None where the problem's sizes are not known (the kernel's checks name why)."""
+        sizes = call_checks.problem_sizes(kernel.call_spec, x2, weight.t())
+        if sizes is None:
+            return None
+        dims = _output_dims(kernel)
+        return {name: ((*lead, *shape[1:]) if dims[name][:1] == ("M",) else shape, dtype)
+                for name, (shape, dtype) in call_checks.output_shapes(kernel.call_spec, sizes).items()}
+
+    @classmethod
+    def _resize_empty_out(cls, kernel: Kernel, x2, weight, out: Any, lead: tuple) -> None:
         """Resize ``out=`` tensors with no elements to their outputs' shapes (x's leading dims where
         the kernel's have M), as torch resizes an empty ``out=`` (see call_checks.resize_empty)."""
-        spec = kernel.call_spec
-        given = spec.tree.flatten(out, call_checks.is_tensor)
+        given = kernel.call_spec.tree.flatten(out, call_checks.is_tensor)
         if given is None or all(not isinstance(t, torch.Tensor) or t.numel() for t in given.values()):
             return
-        sizes = call_checks.problem_sizes(spec, x2, weight.t())
-        if sizes is None:
-            return
-        dims = _output_dims(kernel)
-        shapes = {name: ((*lead, *shape[1:]) if dims[name][:1] == ("M",) else shape, dtype)
-                  for name, (shape, dtype) in call_checks.output_shapes(spec, sizes).items()}
-        call_checks.resize_empty(given, shapes, x2.device)
+        shapes = cls._out_shapes(kernel, x2, weight, lead)
+        if shapes is not None:
+            call_checks.resize_empty(given, shapes, x2.device)
+
+    @classmethod
+    def _check_out_shapes(cls, kernel: Kernel, x2, weight, out: Any, lead: tuple) -> None:
+        """Refuse an ``out=`` tensor of another shape than its output's, in the caller's shapes (the
+        kernel's own check would name the flattened ones)."""
+        given = kernel.call_spec.tree.flatten(out, call_checks.is_tensor)
+        shapes = cls._out_shapes(kernel, x2, weight, lead) if given is not None else None
+        if shapes is None:
+            return  # not the epilogue's structure, or no sizes: the kernel's own check says why
+        for name, t in given.items():
+            if isinstance(t, torch.Tensor) and name in shapes and tuple(t.shape) != tuple(shapes[name][0]):
+                label = "out" if kernel.call_spec.single_output else f"out[{name!r}]"
+                want = tuple(shapes[name][0])
+                raise CallError(f"evtc.linear: {label} must have the output's shape {want}, "
+                                f"got {tuple(t.shape)} (an out= tensor with elements is written whole)")
 
     def _check_out_rows(self, kernel: Kernel, out: Any, lead: tuple) -> None:
         """Refuse an out= tensor along M whose leading dims are not x's (a (S, B, N) one for x of

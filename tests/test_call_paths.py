@@ -471,6 +471,11 @@ def test_broadcasts_that_would_change_an_output_are_refused_by_name():
         with pytest.raises(evtc.CallError, match=r"s has shape \(1(, 1)?,?\), compiled as \(\): torch would "
                            r"broadcast it, .* pass s\.reshape\(\(\)\)"):
             ks(a, b, s=s)
+    # Named after what is more basic: an unknown argument, a's dtype.
+    with pytest.raises(evtc.CallError, match=r"unexpected argument\(s\) \['t'\]"):
+        ks(a, b, s=torch.tensor([0.5]), t=1)
+    with pytest.raises(evtc.CallError, match="a must be torch.float32"):
+        ks(a.half(), b, s=torch.tensor([0.5]))
 
     # A scalar only full tiles read still changes rank freely, beside a reduction of acc alone.
     def total_beside(acc, s):
@@ -1033,7 +1038,8 @@ def test_operands_that_lose_their_batch_dim_need_acc_to_keep_the_tile_full():
 
     k = evtc.compile(both, {"a": A, "b": B, "C": C, "D": D})
     with pytest.raises(evtc.CallError, match=r"C has shape \(8, 12\), compiled as \(L, M, N\): torch "
-                       "would broadcast it, but an output or reduction .* fewer dims"):
+                       r"would broadcast it, but an output or reduction .* fewer dims .* pass "
+                       r"C\.expand\(1, 8, 12\)"):
         k(A[:1], B[:1], C=C[0], D=D[0])
     k2 = evtc.compile(lambda acc, C: acc + C, {"a": A, "b": B, "C": C})
     got, want = k2(A, B, C=C[0]), A @ B + C[0]

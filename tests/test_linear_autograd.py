@@ -4,6 +4,7 @@ as torch.matmul and the epilogue graph)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -2117,3 +2118,17 @@ def test_a_one_row_x_refuses_a_concatenated_shape(tmp_path):
                       cache_dir=tmp_path)
     x = torch.randn(2, 5, 16)
     _close(lin(x, w), (x @ w.t()) / 120, "numel over every dim")
+
+
+def test_out_of_another_width_names_the_callers_shape():
+    """An out= with x's leading dims but another width is refused with the output's shape as the
+    caller sees it (the kernel's check named the flattened (rows, N), itself refused)."""
+    x, w, bias = torch.randn(2, 3, 16), torch.randn(12, 16), torch.randn(12)
+    lin = evtc.linear(lambda acc, bias: acc + bias, {"x": x, "weight": w, "bias": bias})
+    for shape in ((2, 3, 13), (2, 3, 12, 1), (2, 3)):
+        with pytest.raises(evtc.CallError, match=r"out must have the output's shape \(2, 3, 12\), got "
+                           + re.escape(str(shape))):
+            lin(x, w, bias=bias, out=torch.empty(shape))
+    out = torch.empty(2, 3, 12)
+    assert lin(x, w, bias=bias, out=out) is out
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)

@@ -21,7 +21,9 @@ an output ``acc`` of an ``a`` and ``b`` of batch 1 beside a ``C`` of batch 3 is 
 (1, M, N), and a sum over the expanded batch would count it three times. And no operand whose
 shape the function reads beyond its last dim (``C.size(0)``, ``bias.dim()``;
 :attr:`CallInterface.shape_reads`) is viewed at all: the graph holds the sizes it read at the
-compiled shapes. Elsewhere nothing is viewed, and the checks refuse the call by name.
+compiled shapes. Elsewhere nothing is viewed: a rank change that torch would broadcast but an
+output would take into its shape is refused with a CallError that says so (after the call's more
+basic checks, on the slow path), and the checks refuse anything else by name.
 
 Only the slow path of a call and the custom operator's path use this: a call whose tensors the
 compiled function takes as they are never gets here.
@@ -68,22 +70,27 @@ def _refuse_shape_read(plan: KernelPlan, name: str, given: tuple, compiled: tupl
                     "(.expand() or .reshape())")
 
 
-def _refuse_rank_change(name: str, given: tuple, dims: tuple[str, ...], viewed: tuple) -> None:
-    """Raise the CallError for ``name`` passed with leading size-1 dims more or fewer than
-    compiled (``dims``; ``viewed``: its shape at that rank), where torch would broadcast it but an
-    output or reduction would take those dims into its shape (:attr:`KernelPlan.no_more_dims`,
-    :attr:`KernelPlan.no_fewer_dims`)."""
+def _rank_change_refusal(name: str, given: tuple, dims: tuple[str, ...], viewed: tuple,
+                         expanded: tuple) -> str:
+    """The CallError message for ``name`` passed with leading size-1 dims more or fewer than
+    compiled (``dims``; ``viewed``: its shape at that rank, ``expanded``: at the call's batch),
+    where torch would broadcast it but an output or reduction may take those dims into its shape
+    (:attr:`KernelPlan.no_more_dims`, :attr:`KernelPlan.no_fewer_dims`)."""
     compiled = ", ".join(dims)
-    sizes = ", ".join(str(size) for size in viewed) or "()"  # reshape(5, 7), reshape(()) for 0-d
-    why = (f"torch would broadcast it, but an output or reduction of the epilogue reads {name} with "
-           "no tile of the compiled rank beside it, ")
+
+    def sizes(shape: tuple) -> str:
+        return ", ".join(str(size) for size in shape) or "()"  # reshape(5, 7), reshape(()) for 0-d
+
     if len(given) > len(dims):
-        raise CallError(f"{name} has shape {given}, compiled as ({compiled}): {why}so torch would give "
-                        "that result the extra leading dims of 1 too, where the kernel's keeps the "
-                        f"compiled rank; pass {name}.reshape({sizes}) (a view), or compile from an "
-                        "example of this rank")
-    raise CallError(f"{name} has shape {given}, compiled as ({compiled}): {why}so torch would give "
-                    "that result fewer dims than the kernel's; compile from an example of this rank")
+        return (f"{name} has shape {given}, compiled as ({compiled}): torch would broadcast it, but an "
+                f"output or reduction of the epilogue that reads {name} would then have torch's extra "
+                f"leading dims of 1, where the kernel's keeps the compiled rank; pass "
+                f"{name}.reshape({sizes(viewed)}) (a view), or compile from an example of this rank")
+    return (f"{name} has shape {given}, compiled as ({compiled}): torch would broadcast it, but an output "
+            f"or reduction of the epilogue that reads {name} may then have fewer dims in torch than in "
+            f"the kernel (whether another input keeps it whole is not known when compiling); pass "
+            f"{name}.expand({sizes(expanded)}) for the kernel's shapes, or compile from an example of "
+            "this rank")
 
 
 def _fits(t: torch.Tensor, dims: tuple[str, ...], sizes: dict) -> bool:
@@ -106,10 +113,13 @@ def _to_rank(t: torch.Tensor, dims: tuple[str, ...], result_rank: int) -> torch.
 
 
 def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any],
-                       scales: tuple | None = None):
+                       scales: tuple | None = None, pending: dict[str, str] | None = None):
     """``(a, b, operands, scales)`` with the broadcasts this module describes made into views (a
     block-scaled ``a`` or ``b`` expanded to the batch with its scales), or None where the call makes
-    none of them (the caller then goes on with what it has, and its checks name what is wrong)."""
+    none of them (the caller then goes on with what it has, and its checks name what is wrong).
+    A rank change torch would broadcast but an output would take into its shape is refused with
+    a CallError that says so, or, given ``pending``, its message is put there by operand name for
+    the caller to raise if the checks find nothing more basic wrong first."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return None
     result_rank = 3 if 3 in (a.dim(), b.dim()) else 2
@@ -129,7 +139,14 @@ def to_compiled_shapes(plan: KernelPlan, a: Any, b: Any, operands: dict[str, Any
             if viewed is None or not _fits(viewed, dims, sizes):
                 continue  # (the checks name a shape torch would not broadcast either)
             if not _may_change_rank(plan, kernel_input.user, more=t.dim() > len(dims)):
-                _refuse_rank_change(kernel_input.user, tuple(t.shape), dims, tuple(viewed.shape))
+                batch = max([x.shape[0] for x in (a, b) if x.dim() == 3], default=1)
+                expanded = tuple(batch if d == "L" else sizes[d] for d in dims)
+                message = _rank_change_refusal(kernel_input.user, tuple(t.shape), dims, tuple(viewed.shape),
+                                               expanded)
+                if pending is None:
+                    raise CallError(message)
+                pending[kernel_input.user] = message
+                continue
             _refuse_shape_read(plan, kernel_input.user, tuple(t.shape), dims)
             operands[kernel_input.user], changed = viewed, True
         if "L" in dims:

@@ -81,7 +81,7 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
         # torch resizes an out= tensor of another shape (or writes a broadcast result whole): no
         # view of the caller's tensor would do, so the hints for operands do not apply.
         raise CallError(f"{name} must have the output's shape {want}, got {tuple(t.shape)} (an out= "
-                        f"tensor is written whole; evtc does not resize it as torch would)")
+                        f"tensor with elements is written whole; evtc does not resize it as torch would)")
     if t.dim() != spec.rank or tuple(t.shape) != want:
         _refuse_shape(name, t, spec, want)
     if layout and spec.contiguous is not None:

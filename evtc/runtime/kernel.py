@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -592,7 +593,8 @@ class Kernel:
         self._refuse_other_dtypes(operands)
         if isinstance(a, torch.Tensor):
             operands = call_checks.cpu_scalars_moved(operands, a.device)
-        views = to_compiled_shapes(self.plan, a, b, operands, scales) if broadcasts else None
+        refusals: dict[str, str] = {}  # rank changes an output would take, by operand (broadcasts.py)
+        views = to_compiled_shapes(self.plan, a, b, operands, scales, refusals) if broadcasts else None
         given = (a, b, operands, scales)
         if views is not None:  # torch-legal broadcasts the compiled function refused, as views
             a, b, operands, scales = views
@@ -600,10 +602,18 @@ class Kernel:
         def validate() -> None:
             # A refusal names the shapes the caller passed, not the views made of them.
             try:
-                call_checks.validate(spec, a, b, out, operands, scales)
-            except CallError:
-                if views is not None:
-                    call_checks.validate(spec, given[0], given[1], out, given[2], given[3])
+                try:
+                    call_checks.validate(spec, a, b, out, operands, scales)
+                except CallError:
+                    if views is not None:
+                        call_checks.validate(spec, given[0], given[1], out, given[2], given[3])
+                    raise
+            except CallError as err:
+                # The shape check of an operand whose rank change was refused: say why (an unknown
+                # argument or a wrong dtype, checked first, is named as it is).
+                for name, message in refusals.items():
+                    if re.match(rf"{re.escape(name)} (must be \d+-d like|has shape)", err.message):
+                        raise CallError(message) from None
                 raise
 
         reason = call_checks.torch_reason(spec, a, operands, b) if isinstance(a, torch.Tensor) else None
