@@ -84,7 +84,12 @@ def _override_dtypes(graph: Graph, out_dtypes: OutDtypes, fn: Callable[..., Any]
     def visit(node, inputs, builder):  # noqa: ANN001, ANN202 - the rewrite callback
         if node.op == "store" and node.attrs["name"] in wanted:
             dtype = wanted[node.attrs["name"]]
-            return builder.add("store", inputs, {**node.attrs, "dtype": dtype}, loc=node.loc, dtype=dtype)
+            attrs = {**node.attrs, "dtype": dtype}
+            if dtype == torch.bool and node.dtype != torch.bool:
+                # torch's .bool() of the output as the function returns it: its value rounded to
+                # that dtype first (a float16 product can underflow to 0).
+                attrs["rounded_from"] = node.dtype
+            return builder.add("store", inputs, attrs, loc=node.loc, dtype=dtype)
         return None
 
     return rewrite(graph, visit)

@@ -100,3 +100,18 @@ def test_a_column_major_mask_is_refused_by_name():
           "b": torch.empty(32, 48, dtype=torch.float16, device="meta")}
     with pytest.raises(evtc.CompileError, match="bool output .* is stored row-major"):
         evtc.compile(lambda acc: acc > 0, ex, config={"d_major": "m"}, arch="sm_90a")
+
+
+def test_bool_of_a_value_reads_it_as_torch_holds_it():
+    """``.bool()`` and ``out_dtypes=torch.bool`` of a float16 value: rounded to float16 first, as
+    torch holds it (a tiny product underflows to False); of a float8 one: compared exactly."""
+    a, b = torch.randn(16, 32).half(), torch.randn(32, 24).half()
+    tiny = evtc.compile(lambda acc: acc * 1e-8, {"a": a, "b": b}, out_dtypes=torch.bool)
+    want = (a @ b * 1e-8).bool()
+    assert want.any() and not want.all()  # some products underflow in float16, some do not
+    assert torch.equal(tiny(a, b), want)
+    for fn in (lambda acc: (acc * 1e-8).bool(), lambda acc: (acc * 1e-3).to(torch.float8_e4m3fn).bool()):
+        k = evtc.compile(fn, {"a": a, "b": b})
+        got, want = k(a, b), fn(a @ b)
+        assert want.any() and not want.all()
+        assert got.dtype == torch.bool and torch.equal(got, want)

@@ -200,3 +200,24 @@ def test_a_mask_of_a_row_reduction_finished_in_the_kernel(cache, m, n):
     assert want_big.any() and not want_big.all()
     check_mask(big, want_big, f"{m}x{n}")
     torch.testing.assert_close(energy.double(), want_energy.double(), rtol=1e-6, atol=0.0)
+
+
+def tiny(acc):
+    return acc * 1e-8
+
+
+@pytest.mark.parametrize("fn", [None, lambda acc: (acc * 1e-8).bool(),
+                                lambda acc: (acc * 1e-3).to(torch.float8_e4m3fn).bool()],
+                         ids=["out_dtypes", "bool", "e4m3-bool"])
+def test_bool_of_a_value_reads_it_as_torch_holds_it(cache, fn):
+    """``out_dtypes=torch.bool`` / ``.bool()`` of a float16 value round it to float16 first (tiny
+    products underflow to False, as in torch); of a float8 one compare it exactly."""
+    a, b = ints(96, 32), ints(32, 128)  # exact products: torch's float16 acc is the kernel's
+    if fn is None:
+        kern = evtc.compile(tiny, {"a": a, "b": b}, out_dtypes=torch.bool, cache_dir=cache)
+        want = tiny(a @ b).bool()
+    else:
+        kern = evtc.compile(fn, {"a": a, "b": b}, cache_dir=cache)
+        want = fn(a @ b)
+    assert want.any() and not want.all()
+    check_mask(kern(a, b), want, "bool of a value")

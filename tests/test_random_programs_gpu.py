@@ -4,7 +4,7 @@ probe; tests/test_random_programs.py is its CPU twin, on evtc's interpreter).
 
 Each program: evtc.compile(config={"cluster": (1, 2)}), then 3 shapes (M = 1; M and N not multiples
 of 128; K not a multiple of 64; batched when the program is). Per output: torch's structure, dtype
-and shape (the function on a @ b in a's dtype, masks written as a's dtype); values against the
+and shape (the function on a @ b in a's dtype; a mask is a bool tensor); values against the
 float64 function with a tolerance by output dtype, widened to "no worse than 4x eager torch
 float32's own error"; inputs unchanged after the call. A program evtc refuses at compile time must
 raise an evtc.EpilogueError at its line, and be one of the refusals the doc lists (REFUSED).

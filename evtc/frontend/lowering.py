@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DTypeError, ReductionError, UnsupportedOpError
-from ..ir.dtypes import CAST_DTYPES, short_name
+from ..ir.dtypes import CAST_DTYPES, FLOAT8_DTYPES, short_name
 from ..ir.infer import promotion_stand_in
 from ..ir.shapes import ONE, N
 from .proxy import SymDim, TracedValue
@@ -452,9 +452,16 @@ def _split(t: Tracer, input: Any, split_size_or_sections: Any, dim: Any = 0) -> 
 def cast_to(t: Tracer, input: Any, dtype: torch.dtype, copy: bool = False) -> Any:
     if dtype == torch.bool and isinstance(input, TracedValue):
         # torch's .bool(): a mask as it is (the tensor itself, unless copy), a number as != 0 (NaN
-        # is True); returned, it is a bool output.
-        if input.dtype == torch.bool:
+        # is True) of the value as torch holds it: rounded to its 16-bit dtype first (a float16
+        # product can underflow to 0), a float8 one compared in float32 (exactly; torch has no
+        # arithmetic on float8, but .bool() of one is legal). Returned, it is a bool output.
+        eager = input.dtype
+        if eager == torch.bool:
             return input.clone() if copy else input
+        if eager in FLOAT8_DTYPES:
+            input = cast_to(t, input, torch.float32)
+        elif eager != torch.float32:
+            input = cast_to(t, input, eager, copy=True)
         return input != 0
     if dtype not in CAST_DTYPES:
         allowed = ", ".join(short_name(d) for d in (*CAST_DTYPES, torch.bool))

@@ -52,7 +52,11 @@ def make_casts_explicit(graph: Graph) -> Graph:
         if node.op == "store":
             value = inputs[0]
             if node.dtype == torch.bool and value.dtype != torch.bool:
-                # out_dtypes=torch.bool on a number: torch's .to(torch.bool), value != 0 (NaN too).
+                # out_dtypes=torch.bool on a number: torch's .bool() of the value the function
+                # returns, rounded to its dtype (rounded_from), then != 0 (NaN too).
+                source = node.attrs.get("rounded_from")
+                if source is not None and source not in _NATIVE and value.dtype != source:
+                    value = builder.add("cast", (value,), {"dtype": source}, loc=node.loc)
                 value = builder.add("ne", (widen(value, builder), builder.literal(0, node.loc)), None,
                                     loc=node.loc)
             elif value.dtype != node.dtype:
