@@ -16,7 +16,9 @@ def gelu_and_mask(acc, bias):
 
 
 def test_a_returned_mask_is_planned_as_bool_and_written_as_bytes():
-    a, b, bias = torch.randn(16, 32).half(), torch.randn(32, 24).half(), torch.randn(24).half()
+    # Integers and a bias between them: no value near 0, so float32 and float64 agree on every sign.
+    a, b = torch.randint(-3, 4, (16, 32)).half(), torch.randint(-3, 4, (32, 24)).half()
+    bias = (torch.randint(-3, 4, (24,)) + 0.5).half()
     k = evtc.compile(gelu_and_mask, {"a": a, "b": b, "bias": bias})
     assert [s.dtype for s in k.plan.outputs] == ["float16", "bool"]
     assert "op.mask_to_byte(" in k.source  # True written as the float8 value whose byte is 1
@@ -50,7 +52,8 @@ def test_out_dtypes_bool_reads_a_number_as_torchs_bool():
 
 
 def test_a_mask_output_overridden_to_a_float_is_zero_and_one():
-    a, b, bias = torch.randn(16, 32), torch.randn(32, 24), torch.randn(24)
+    a, b = torch.randint(-3, 4, (16, 32)).float(), torch.randint(-3, 4, (32, 24)).float()
+    bias = torch.randint(-3, 4, (24,)) + 0.5
     k = evtc.compile(gelu_and_mask, {"a": a, "b": b, "bias": bias}, out_dtypes=[torch.float32, torch.float16])
     _, mask = k(a, b, bias=bias)
     want = (a.double() @ b.double() + bias.double() > 0).half()
@@ -105,7 +108,9 @@ def test_a_column_major_mask_is_refused_by_name():
 def test_bool_of_a_value_reads_it_as_torch_holds_it():
     """``.bool()`` and ``out_dtypes=torch.bool`` of a float16 value: rounded to float16 first, as
     torch holds it (a tiny product underflows to False); of a float8 one: compared exactly."""
-    a, b = torch.randn(16, 32).half(), torch.randn(32, 24).half()
+    # Integer entries: a @ b is exact, so torch's float16 product and evtc's float32 one agree and
+    # only the rounding under test can differ.
+    a, b = torch.randint(-3, 4, (16, 32)).half(), torch.randint(-3, 4, (32, 24)).half()
     tiny = evtc.compile(lambda acc: acc * 1e-8, {"a": a, "b": b}, out_dtypes=torch.bool)
     want = (a @ b * 1e-8).bool()
     assert want.any() and not want.all()  # some products underflow in float16, some do not
