@@ -271,7 +271,6 @@ class Linear:
             return self._written_into(kernel, x2, weight, flat, lead, out)
         self._resize_empty_out(kernel, x2, weight, out, lead)
         self._check_out_rows(kernel, out, lead)
-        self._check_out_shapes(kernel, x2, weight, out, lead)
         try:
             # Views only: a reshape that copied would have the kernel write the copy, not `out`.
             flat_out = self._per_output(kernel, out, lambda t: t.view(-1, *t.shape[len(lead):]))
@@ -281,7 +280,13 @@ class Linear:
             return self._written_into(kernel, x2, weight, flat, lead, out)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError):
             flat_out = out  # not the epilogue's structure: the kernel's own check says what is wrong
-        kernel(x2, weight.t(), out=flat_out, **flat)
+        try:
+            kernel(x2, weight.t(), out=flat_out, **flat)
+        except CallError:
+            # Where an out= tensor's shape is what is wrong, name it as the caller sees it (the
+            # kernel's check names the flattened one); only here, off the calls that run.
+            self._check_out_shapes(kernel, x2, weight, out, lead)
+            raise
         return out
 
     @staticmethod

@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from evtc.errors import CompileError
-from evtc.ir.dtypes import as_float32_literal, short_name
+from evtc.ir.dtypes import MASK_STORAGE, as_float32_literal, short_name
 from evtc.ir.graph import Graph, Node
 from evtc.ir.ops import ELEMENTWISE
 from evtc.ir.printer import format_literal, node_names
@@ -44,19 +44,19 @@ _DSL_DTYPE = {
     torch.float8_e4m3fn: "Float8E4M3FN",
     torch.float8_e5m2: "Float8E5M2",
 }
-#: The dtype the kernel stores each output dtype as: a bool output (a mask) is one byte, 0 or 1,
-#: written by float8_e4m3fn's stores as the values 0 and 2^-9 (whose encodings those bytes are).
 _DTYPE_NAME = {
     torch.float32: "float32",
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float8_e5m2: "float8_e5m2",
-    torch.bool: "float8_e4m3fn",
 }
+
+
 def kernel_dtype_name(dtype: torch.dtype) -> str:
-    """The dtype the kernel stores an output of ``dtype`` as (a bool output: float8_e4m3fn bytes)."""
-    return _DTYPE_NAME[dtype]
+    """The dtype the kernel stores an output of ``dtype`` as (a bool output, a mask: the bytes 0
+    and 1 through float8 stores, evtc.ir.dtypes.MASK_STORAGE)."""
+    return _DTYPE_NAME[MASK_STORAGE if dtype == torch.bool else dtype]
 
 
 _CALLED = {  # ops emitted as calls of evtc.sm90.dsl_ops (imported as `op`)
@@ -288,12 +288,8 @@ class _Emitter:
                     ident = _identifier(f"size_{len(self.inputs)}", self.taken)
                     self.names[node.id] = ident
                     self.inputs.append(InputPlan(format_literal(value), ident, "literal", expr=value))
-            elif op == "store" and node.dtype == torch.bool:
-                # A mask output: its bytes 0 and 1 (torch's bool), written as the float8 values
-                # whose encodings they are (the output is stored as float8_e4m3fn, see _DTYPE_NAME).
-                self.define(self.stage_of(node), node, f"op.mask_to_byte({self.names[node.inputs[0].id]})")
             elif op == "store":
-                self.names[node.id] = self.names[node.inputs[0].id]
+                self.store(self.stage_of(node), node)
             elif op == "cast":
                 self.cast(node)
             elif op in ELEMENTWISE:
@@ -348,14 +344,9 @@ class _Emitter:
         plans = []
         stores = {s.attrs["name"]: s for s in graph.stores}
         for axis, names in outputs.items():
-            for name in names:  # what each finished output stores: a mask as its bytes
-                store = stores[name]
-                value = self.names[store.inputs[0].id]
-                if store.dtype == torch.bool:
-                    self.finish_axis[store.id] = axis
-                    self.define(axis, store, f"op.mask_to_byte({value})")
-                else:
-                    self.names[store.id] = value
+            for name in names:
+                self.finish_axis[stores[name].id] = axis
+                self.store(axis, stores[name])
         for axis in _FINISH_METHOD:
             if not outputs[axis]:
                 continue
@@ -440,6 +431,15 @@ class _Emitter:
         if definition.boolean:
             self.bool_ids.add(node.id)
 
+    def store(self, stage: str, node: Node) -> None:
+        """What a store writes: its input's value, or for a mask (a bool output) the bytes 0 and 1
+        as the float8 values whose encodings they are (see kernel_dtype_name)."""
+        value = self.names[node.inputs[0].id]
+        if node.dtype == torch.bool:
+            self.define(stage, node, f"op.mask_to_byte({value})")
+        else:
+            self.names[node.id] = value
+
     def define(self, stage: str, node: Node, expr: str) -> None:
         ident = self.value_name(node)
         self.names[node.id] = ident
@@ -471,7 +471,8 @@ def operand_constructors(emitted: EmittedEpilogue, tile_majors: dict[str, str] |
         dtype = _DTYPE_NAME[p.dtype]
         major = f", major={(tile_majors or {}).get(p.name, 'n')!r}" if p.kind == "tile" else ""
         inputs.append(f"{kind.device_class}({p.ident!r}, {dtype!r}{major}, batched={bool(p.batched)})")
-    outputs = [f"TileStore({o.name!r}, {_DTYPE_NAME[o.dtype]!r}, batched={batched})" for o in emitted.outputs]
+    outputs = [f"TileStore({o.name!r}, {kernel_dtype_name(o.dtype)!r}, batched={batched})"
+               for o in emitted.outputs]
     reductions = [f"{r.operand}({r.ident!r}, {r.op!r})" for r in emitted.reductions]
     return inputs, outputs, reductions
 

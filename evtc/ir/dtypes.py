@@ -30,6 +30,16 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: a bool tensor, as torch gives it; the kernel writes its bytes as 0 and 1).
 STORE_DTYPES = (*CAST_DTYPES, torch.bool)
 
+#: What the kernel stores a bool output as: float8_e4m3fn, whose values 0 and 2^-9 are encoded as
+#: the bytes 0 and 1 (torch's False and True). The kernel is handed float8 views of bool tensors.
+MASK_STORAGE = torch.float8_e4m3fn
+MASK_STORAGE_NAME = "float8_e4m3fn"
+
+
+def as_kernel_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the compiled function takes it: a bool tensor as a float8 view of its bytes."""
+    return t.view(MASK_STORAGE) if t.dtype == torch.bool else t
+
 _SHORT_NAMES = {
     torch.float32: "f32",
     torch.float64: "f64",

@@ -9,6 +9,7 @@ on a machine without a GPU, so they cost nothing on the fast path. The few that 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -56,10 +57,12 @@ def is_tensor(value: Any) -> bool:
 
 
 def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout: bool = True,
-                 output: bool = False) -> None:
+                 output: bool = False, rank_refusal: str | None = None) -> None:
     """Raise a CallError unless ``t`` fits ``spec`` (checks the kernel also makes, with messages).
     ``layout=False`` leaves out strides and alignment (which the staged path handles); ``output``:
-    ``t`` is an ``out=`` target, written whole, never broadcast."""
+    ``t`` is an ``out=`` target, written whole, never broadcast; ``rank_refusal``: the message for
+    a rank other than compiled, where the broadcasts found why torch's would differ
+    (evtc.runtime.broadcasts)."""
     if not isinstance(t, torch.Tensor):
         hint = ""
         if isinstance(t, int | float) and all(d in ("1", "L") for d in spec.dims):
@@ -77,6 +80,8 @@ def check_tensor(name: str, t, spec, dtype: torch.dtype, sizes: dict, *, layout:
                     "modules, which follow autocast as nn.Linear does)")
         raise CallError(f"{name} must be {dtype} (as compiled), got {t.dtype}{hint}")
     want = tuple(1 if d == "1" else sizes[d] for d in spec.dims)
+    if rank_refusal is not None and t.dim() != spec.rank:
+        raise CallError(rank_refusal)
     if output and tuple(t.shape) != want:
         # torch resizes an out= tensor of another shape (or writes a broadcast result whole): no
         # view of the caller's tensor would do, so the hints for operands do not apply.
@@ -685,8 +690,11 @@ def check_operand_shapes(spec: CallSpec, a, b, operands: dict) -> None:
             _refuse_shape(kernel_input.label, value, spec_, want)
 
 
-def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
+def validate(spec: CallSpec, a, b, out, operands: dict, scales=None,
+             rank_refusals: Mapping[str, str] | None = None) -> None:
     """Raise a CallError naming what is wrong with the arguments (the slow path of a call).
+    ``rank_refusals``: by operand, why a rank change torch would broadcast is refused
+    (:func:`evtc.runtime.broadcasts.to_compiled_shapes`), said where its shape is checked.
 
     Layouts are not checked here: a layout the kernel cannot take is staged
     (:func:`evtc.runtime.staging.stage_call`)."""
@@ -730,7 +738,8 @@ def validate(spec: CallSpec, a, b, out, operands: dict, scales=None) -> None:
         # change an output's dtype was refused before (refuse_other_promotions).
         dtype = getattr(value, "dtype", None)
         dtype = dtype if dtype in FLOAT_OPERAND_DTYPES else torch_dtype(kernel_input.spec.dtype)
-        check_tensor(kernel_input.label, value, kernel_input.spec, dtype, sizes, layout=False)
+        check_tensor(kernel_input.label, value, kernel_input.spec, dtype, sizes, layout=False,
+                     rank_refusal=(rank_refusals or {}).get(kernel_input.user))
     outs = [] if out is None else given_outputs(spec, out, sizes["M"], sizes["N"], sizes["L"], layout=False,
                                                 device=device)
     if spec.scale_rows:

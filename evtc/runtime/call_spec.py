@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from evtc.ir.dtypes import torch_dtype
+from evtc.ir.dtypes import as_kernel_storage, torch_dtype
 from evtc.plan.kernel_plan import KernelPlan
 from evtc.runtime.reductions import size_function
 from evtc.runtime.staging import compact_order, compact_strides
@@ -64,9 +64,9 @@ class CallSpec:
         #: D's unit-stride dim is M (a column-major output), so rows of M must be 16-byte multiples.
         self.d_by_m = plan.d_major == "m"
         self.out_dtypes = [torch_dtype(s.dtype) for s in plan.outputs]
-        #: Positions (kernel order) of the bool outputs (masks): the kernel writes their bytes as
-        #: float8_e4m3fn, so it is handed float8 views of them (:meth:`kernel_views`).
-        self.mask_outputs = tuple(i for i, dt in enumerate(self.out_dtypes) if dt == torch.bool)
+        #: Whether an output is bool (a mask): the compiled function takes it as float8 bytes
+        #: (:meth:`kernel_views`).
+        self.has_masks = torch.bool in self.out_dtypes
         #: Positions (kernel order) of the full-tile outputs that are the same in every batch
         #: (KernelPlan.batch_free), each with the rank torch gives it: the call returns their
         #: first batch (``t[0]``, or ``t[:1]`` for a (1, M, N) one).
@@ -183,14 +183,9 @@ class CallSpec:
                 for dt, order in self.out_allocs]
 
     def kernel_views(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``outs`` (kernel order) as the compiled function takes them: each bool output as a
-        float8_e4m3fn view of its bytes (the kernel writes 0 and 1 there, torch's False and True)."""
-        if not self.mask_outputs:
-            return outs
-        views = list(outs)
-        for i in self.mask_outputs:
-            views[i] = views[i].view(torch.float8_e4m3fn)
-        return views
+        """``outs`` (kernel order) as the compiled function takes them: a bool output as a float8
+        view of its bytes (evtc.ir.dtypes.as_kernel_storage)."""
+        return [as_kernel_storage(t) for t in outs] if self.has_masks else outs
 
     def output_meta(self, m, n, batches) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of every output in kernel order for an (L, M, N) GEMM (N: the GEMM's;

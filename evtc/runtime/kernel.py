@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -600,20 +599,13 @@ class Kernel:
             a, b, operands, scales = views
 
         def validate() -> None:
-            # A refusal names the shapes the caller passed, not the views made of them.
+            # A refusal names the shapes the caller passed, not the views made of them, and a
+            # refused rank change why (where its shape is checked, after more basic checks).
             try:
-                try:
-                    call_checks.validate(spec, a, b, out, operands, scales)
-                except CallError:
-                    if views is not None:
-                        call_checks.validate(spec, given[0], given[1], out, given[2], given[3])
-                    raise
-            except CallError as err:
-                # The shape check of an operand whose rank change was refused: say why (an unknown
-                # argument or a wrong dtype, checked first, is named as it is).
-                for name, message in refusals.items():
-                    if re.match(rf"{re.escape(name)} (must be \d+-d like|has shape)", err.message):
-                        raise CallError(message) from None
+                call_checks.validate(spec, a, b, out, operands, scales, refusals)
+            except CallError:
+                if views is not None:
+                    call_checks.validate(spec, given[0], given[1], out, given[2], given[3], refusals)
                 raise
 
         reason = call_checks.torch_reason(spec, a, operands, b) if isinstance(a, torch.Tensor) else None

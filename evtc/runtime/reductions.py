@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from evtc.ir.dtypes import round_to, torch_dtype
+from evtc.ir.dtypes import as_kernel_storage, round_to, torch_dtype
 from evtc.ir.ops import ELEMENTWISE
 from evtc.plan.kernel_plan import KernelPlan, ReductionPartials
 from evtc.plan.smem import TWO_LEVEL_FINISH_AXES
@@ -182,10 +182,10 @@ class ReductionFinish:
 
     def kernel_views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """``buffers`` as the compiled function takes them: a bool output (and its placeholder) as a
-        float8_e4m3fn view of its bytes, which the kernel's finish writes as 0 and 1."""
+        float8 view of its bytes, which the kernel's finish writes as 0 and 1 (as_kernel_storage)."""
         if not self.finishes_masks:
             return buffers
-        return [t.view(torch.float8_e4m3fn) if t.dtype == torch.bool else t for t in buffers]
+        return [as_kernel_storage(t) for t in buffers]
 
     def _counters(self, m: int, n: int, batches: int) -> int:
         """The counters a launch's finish uses (see :class:`evtc.sm90.operands.KernelFinish`): per

@@ -40,6 +40,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
+from evtc.ir.dtypes import MASK_STORAGE_NAME
 from evtc.plan.smem import (
     COLUMN_REDUCTION_WARP_ROWS,
     FINISH_FLAGS,
@@ -68,7 +69,9 @@ from evtc.sm90.visitor import (
 
 
 def dsl_dtype(name: str):
-    if name in ("float8_e4m3fn", "bool"):  # a bool output's bytes are written as float8 (emit.py)
+    if name == "bool":  # a mask's bytes, written through float8 stores (MASK_STORAGE_NAME)
+        name = MASK_STORAGE_NAME
+    if name == "float8_e4m3fn":
         return cutlass.Float8E4M3FN
     if name == "float8_e5m2":
         return cutlass.Float8E5M2
