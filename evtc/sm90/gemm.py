@@ -350,10 +350,14 @@ class Sm90GemmKernel:
         """Pingpong: step this warpgroup's A/B pipeline states over the other warpgroup's tile (its
         ``k_tiles`` stages).  Safe with parity waits only because of the order barriers: a
         warpgroup starts a mainloop after the other has waited on every stage of the previous tile,
-        so the fill before the one it waits for has always completed."""
-        for _k in cutlass.range(k_tiles, unroll=1):
-            read_state.advance()
-            release_state.advance()
+        so the fill before the one it waits for has always completed.
+
+        One arithmetic step (index and phase from a division by the constant stage count), not a
+        loop of single steps: that loop cost about 29 cycles a K tile, and after a CTA's last tile
+        it kept the CTA resident for them (1.7k cycles at K = 3584, 6.4k at K = 14336: 0.9 and
+        3.3 us added to every decode launch, measured with timestamps in the kernel)."""
+        read_state.advance(Int32(k_tiles))
+        release_state.advance(Int32(k_tiles))
         return read_state, release_state
 
     def _subtile_map(self, acc_shape, frag_shape) -> list[list[int]]:
