@@ -120,3 +120,14 @@ def test_bool_of_a_value_reads_it_as_torch_holds_it():
         got, want = k(a, b), fn(a @ b)
         assert want.any() and not want.all()
         assert got.dtype == torch.bool and torch.equal(got, want)
+
+
+def test_explain_names_a_mask_d_as_bool():
+    """A kernel whose D is a mask: explain() names it a bool mask beside the configuration, which
+    names the float8 storage its bytes go through (it read as a float8 output before)."""
+    a, b = torch.randn(16, 32).half(), torch.randn(32, 24).half()
+    text = evtc.compile(lambda acc: acc > 0, {"a": a, "b": b}).explain()
+    gemm = next(line for line in text.splitlines() if line.strip().startswith("GEMM:"))
+    assert "->e4m3" in gemm and "D is a torch.bool mask" in gemm
+    plain = evtc.compile(lambda acc: acc, {"a": a, "b": b}).explain()
+    assert "bool mask" not in plain

@@ -266,3 +266,23 @@ def test_the_kernel_path_returns_an_output_the_same_in_every_batch_in_torchs_sha
     assert returned[1] is out[1] and torch.equal(out[1], C)
     empty = k(a[:, :0], b, C=C[:0])
     assert [t.shape for t in empty] == [(2, 0, 24), (0, 24)]
+
+
+def _tile_and_row_sums(acc):
+    return acc, acc.sum(dim=-1)
+
+
+def test_a_wrong_out_for_a_reduction_names_what_was_given(tmp_path):
+    """A reduction's out= of another shape or dtype is refused naming the shape and dtype it must
+    have and those it was given (the message named only the first)."""
+    a, b = torch.randn(8, 64).half(), torch.randn(64, 32).half()
+    k = evtc.compile(_tile_and_row_sums, {"a": a, "b": b}, cache_dir=tmp_path)
+    tile = torch.empty(8, 32, dtype=torch.float16)
+    with pytest.raises(evtc.CallError, match=r"out\['D1'\] must be a torch.float16 tensor of shape "
+                       r"\(8,\), got a tensor of shape \(4,\) \(torch.float32\)"):
+        k(a, b, out=(tile, torch.empty(4)))
+    with pytest.raises(evtc.CallError, match=r"shape \(8,\), got a tensor of shape \(8,\) \(torch.float32\)"):
+        k(a, b, out=(tile, torch.empty(8)))
+    sums = torch.full((8,), float("nan"), dtype=torch.float16)
+    k(a, b, out=(tile, sums))
+    torch.testing.assert_close(sums.float(), (a.double() @ b.double()).sum(-1).float(), rtol=2e-3, atol=0.5)

@@ -387,7 +387,8 @@ def _check_given(name: str, target: Any, shape: tuple, dtype: torch.dtype) -> No
     """Refuse an ``out=`` tensor that a result of ``shape`` and ``dtype`` is copied into, unless it
     is one of that shape and dtype whose elements do not share memory."""
     if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(shape) or target.dtype != dtype:
-        raise CallError(f"out[{name!r}] must be a {dtype} tensor of shape {tuple(shape)}")
+        raise CallError(f"out[{name!r}] must be a {dtype} tensor of shape {tuple(shape)}, got "
+                        f"{_describe_value(target)}")
     refuse_unwritable(f"out[{name!r}]", target)
 
 

@@ -44,7 +44,11 @@ def explain(kernel: Kernel) -> str:
         return "\n".join(lines)
     if kernel.interface.strict:
         lines.append("  strict: calls that would need aligned copies or the torch path raise")
-    lines.append(f"  GEMM: {cfg.short_name()}; a {kernel.plan.a.describe()}, b {kernel.plan.b.describe()}")
+    gemm = cfg.short_name()
+    if kernel.plan.outputs and kernel.plan.outputs[0].dtype == "bool":
+        # The configuration names D's storage: a mask's bytes (0 and 1) go through float8 stores.
+        gemm += " (D is a torch.bool mask, stored as its bytes through float8_e4m3fn stores)"
+    lines.append(f"  GEMM: {gemm}; a {kernel.plan.a.describe()}, b {kernel.plan.b.describe()}")
     if kernel.chooses_clusters:
         def shape(c: GemmConfig) -> str:
             tile = "" if (c.schedule, c.tile_m, c.tile_n) == (cfg.schedule, cfg.tile_m, cfg.tile_n) \
