@@ -159,6 +159,10 @@ def test_calls_that_torch_would_promote_otherwise_are_refused(tmp_path):
         assert epilogue(a @ b, bias, s).dtype != torch.bfloat16  # torch's result would differ
         with pytest.raises(evtc.CallError, match="other dtypes than the compiled kernel's"):
             k(a, b, bias=bias, s=s)
+    # The example's dtype in another rank: the message names the rank, not the dtype.
+    with pytest.raises(evtc.CallError, match=r"with s a f32 tensor of shape \(1,\) where the example's "
+                       r"was 0-dim, torch gives .*dtypes and ranks \(0-dim or not\)"):
+        k(a, b, bias=ex["bias"], s=torch.tensor([2.0]))
     for bias, s in ((ex["bias"][None], ex["s"]), (ex["bias"], torch.tensor(2.0).bfloat16())):
         got = k(a, b, bias=bias, s=s)
         assert got.dtype == epilogue(a @ b, bias, s).dtype == torch.bfloat16

@@ -118,6 +118,7 @@ class DtypeVariants:
 
         example = dict(self._example)
         changed = []
+        ranks = False  # whether an operand came with the example's dtype and another rank
         for name, given, compiled in zip(self._names, key, self._example_key, strict=True):
             if given is None or given == compiled:
                 continue  # not a float tensor: the other checks name what is wrong with it
@@ -129,11 +130,21 @@ class DtypeVariants:
             else:
                 shape = (1,)  # dims where the example was 0-dim: ranks are the broadcast checks' part
             example[name] = torch.empty(shape, dtype=dtype, device="meta")
-            changed.append(f"{name} a {'0-dim ' if zero_dim else ''}{short_name(dtype)} tensor")
+            if compiled is not None and compiled[0] == dtype:
+                # Only the rank changed: a 0-dim tensor takes part in torch's type promotion
+                # otherwise than one with dims, so the same dtype can compute otherwise.
+                given_shape = tuple(getattr(operands.get(name), "shape", shape))
+                changed.append(f"{name} a {short_name(dtype)} tensor of shape {given_shape} where the "
+                               f"example's was {'0-dim' if compiled[1] else 'not 0-dim'}")
+                ranks = True
+            else:
+                changed.append(f"{name} a {'0-dim ' if zero_dim else ''}{short_name(dtype)} tensor")
         if not changed:
             return None
         what = " and ".join(changed)
-        advice = "convert the operand(s) to the example's dtypes, or compile from an example like this call"
+        advice = ("convert the operand(s) to the example's dtypes"
+                  + (" and ranks (0-dim or not)" if ranks else "")
+                  + ", or compile from an example like this call")
         try:
             traced = kernel_graph(trace(self.fn, example, out_dtypes=self._out_dtypes))
         except EpilogueError as err:
@@ -146,8 +157,9 @@ class DtypeVariants:
             listed = ", ".join(f"{name} {short_name(dtype)}" for name, dtype in theirs.items())
             kernel = ", ".join(f"{name} {short_name(dtype)}" for name, dtype in ours.items())
             return (f"with {what}, torch gives the epilogue's outputs other dtypes than the compiled "
-                    f"kernel's ({listed}, where the kernel's are {kernel}; a float32 operand promotes a "
-                    f"16-bit result to float32, a 0-dim one does not): {advice}")
+                    f"kernel's ({listed}, where the kernel's are {kernel}; torch promotes a 16-bit "
+                    f"result with an operand that has dims, to float32 with a float32 one or float16 with "
+                    f"bfloat16; a 0-dim operand does not): {advice}")
         return (f"with {what}, the epilogue computes otherwise than the compiled kernel (it reads the "
                 "operand's dtype, as .to(C.dtype) does, compares a 16-bit operand with a number, which "
                 f"rounds the number to its dtype, or rounds an in-place result to it): {advice}")
