@@ -1061,6 +1061,14 @@ def test_an_extra_dim_an_output_would_keep_is_refused_with_the_reason():
     with pytest.raises(evtc.CallError, match=r"C has shape \(1, 5, 7\), compiled as \(M, N\): torch would "
                        r"broadcast it, .* pass C.reshape\(5, 7\)"):
         k(A, B, C=C[None], bias=bias)
+    # The operator's path (an input that requires grad) says the same, and like the call path
+    # names a more basic problem first (it raised the rank change before any other check).
+    with pytest.raises(evtc.CallError, match=r"C has shape \(1, 5, 7\), compiled as \(M, N\): .* "
+                       r"pass C.reshape\(5, 7\)"):
+        k(A.clone().requires_grad_(), B, C=C[None], bias=bias)
+    for a in (A.half(), A.half().requires_grad_()):
+        with pytest.raises(evtc.CallError, match=r"a must be torch.float32 \(as compiled\), got "):
+            k(a, B.half(), C=C[None], bias=bias)
     got, want = k(A, B, C=C[None].reshape(5, 7), bias=bias), pair(A @ B, C, bias)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape

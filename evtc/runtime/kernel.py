@@ -538,7 +538,15 @@ class Kernel:
             a, b, scales = call_checks.unpair(spec, a, b)
         if not torch.compiler.is_compiling():  # fake tensors are plain; a dispatch mode's may not be
             a, b, operands, scales, _ = call_checks.plain_copies(a, b, operands, scales)
-        views = to_compiled_shapes(self.plan, a, b, operands, scales)
+        refusals: dict[str, str] = {}  # rank changes an output would take, by operand (broadcasts.py)
+        views = to_compiled_shapes(self.plan, a, b, operands, scales, refusals)
+        if refusals:
+            # As on the call path: a more basic problem (a's dtype, another operand's shape) is
+            # named first, then the rank change where its operand's shape is checked. Fake tensors
+            # (torch.compile) are not checked here: the refusal itself.
+            if not torch.compiler.is_compiling():
+                call_checks.validate(spec, a, b, None, operands, scales, refusals)
+            raise CallError(next(iter(refusals.values())))
         if views is not None:  # views autograd sees through: gradients come back in the caller's shapes
             a, b, operands, scales = views
         if torch.is_grad_enabled() and call_checks.needs_grad(a, b, operands):
