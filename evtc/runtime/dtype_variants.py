@@ -157,9 +157,9 @@ class DtypeVariants:
             listed = ", ".join(f"{name} {short_name(dtype)}" for name, dtype in theirs.items())
             kernel = ", ".join(f"{name} {short_name(dtype)}" for name, dtype in ours.items())
             return (f"with {what}, torch gives the epilogue's outputs other dtypes than the compiled "
-                    f"kernel's ({listed}, where the kernel's are {kernel}; torch promotes a 16-bit "
-                    f"result with an operand that has dims, to float32 with a float32 one or float16 with "
-                    f"bfloat16; a 0-dim operand does not): {advice}")
+                    f"kernel's ({listed}, where the kernel's are {kernel}; in torch an operand with "
+                    f"dims promotes a 16-bit result to float32 when it is float32 or the other 16-bit "
+                    f"dtype, a 0-dim one does not): {advice}")
         return (f"with {what}, the epilogue computes otherwise than the compiled kernel (it reads the "
                 "operand's dtype, as .to(C.dtype) does, compares a 16-bit operand with a number, which "
                 f"rounds the number to its dtype, or rounds an in-place result to it): {advice}")
