@@ -127,13 +127,13 @@ def stamped_source() -> str:
 
 
 def _digest() -> str:
-    """Names this stamped kernel's files (its source and its cache), stable across processes."""
+    """Names the stamped kernel's source file, the same in every process."""
     return hashlib.sha256(stamped_source().encode()).hexdigest()[:16]
 
 
 def install_stamped_kernel(buffer: torch.Tensor) -> None:
-    """Make ``evtc.sm90.gemm`` the stamped kernel, writing into ``buffer`` (built kernels only:
-    call before any kernel of this process is built, and use a cache directory of its own)."""
+    """Make ``evtc.sm90.gemm`` the stamped kernel, writing into ``buffer`` (kernels built after the
+    call; build them into a cache directory of this process's own, see :func:`main`)."""
     import evtc.sm90.gemm  # noqa: F401  (its own imports first)
 
     # The DSL reads a kernel's source file to preprocess it: the stamped text must be on disk.
@@ -221,7 +221,9 @@ def main() -> None:
     from evtc.runtime.invoke import built_config
 
     fn = EPILOGUES[args.epilogue]
-    cache = Path(tempfile.gettempdir()) / f"evtc_kernel_timeline_cache_{_digest()}"
+    # A cache of this process's own: the buffer's address is compiled into the kernel, so a kernel
+    # built by an earlier run would write where that run's buffer was.
+    cache = Path(tempfile.mkdtemp(prefix="evtc_kernel_timeline_cache_"))
     for shape in args.shapes:
         m, n, k = (int(v) for v in shape.split("x"))
         if args.compile_only:
