@@ -20,7 +20,16 @@ import torch.nn.functional as F
 from ..errors import DTypeError, UnsupportedOpError
 from ..ir.shapes import N
 from .eager_dtypes import NUMBER
-from .lowering import FUNCTIONS, _halves, _last_dim, _maybe_inplace, _reject_out, _rounded_once, register
+from .lowering import (
+    FUNCTIONS,
+    _halves,
+    _last_dim,
+    _maybe_inplace,
+    _reject_out,
+    _rounded_once,
+    cast_to,
+    register,
+)
 from .proxy import TracedValue
 from .source import user_location
 
@@ -633,3 +642,50 @@ def _register_in_place_functions() -> None:
 
 
 _register_in_place_functions()
+
+
+# --- vector norms: reductions of |x| ---------------------------------------------------------------
+_NORM_DTYPES = (None, torch.float32, *_SIXTEEN_BIT)
+
+
+def _vector_norm(t: Tracer, name: str, input: Any, order: Any, dim: Any, keepdim: bool, dtype: Any) -> Any:
+    """The p-norm of ``input`` over ``dim`` (all of it for None) as torch computes it: in float32
+    (2 and 1: the sum of squares or of magnitudes; inf and -inf: the largest or smallest magnitude,
+    exact), rounded once to ``dtype`` or else the input's dtype. Other orders are refused by name."""
+    if not isinstance(input, TracedValue):
+        raise UnsupportedOpError(f"{name} of a number: it takes a tensor of the epilogue", user_location())
+    _refuse_masks(t, name, input)
+    if dtype not in _NORM_DTYPES:
+        raise DTypeError(f"{name}(dtype={dtype}): norms are computed in float32 and rounded to "
+                         "float32, float16 or bfloat16", user_location())
+    magnitude = t.emit("abs", (cast_to(t, input, torch.float32),))
+    if order in ("fro", 2):
+        value = t.emit("sqrt", (t.reduce(t.emit("mul", (magnitude, magnitude)), "sum", dim, keepdim,
+                                         dtype=torch.float32),))
+    elif order == 1:
+        value = t.reduce(magnitude, "sum", dim, keepdim, dtype=torch.float32)
+    elif order in (_INF, -_INF):
+        value = t.reduce(magnitude, "max" if order > 0 else "min", dim, keepdim, dtype=torch.float32)
+    else:
+        raise UnsupportedOpError(f"{name} of order {order!r}: epilogues compute the 2-norm ('fro'), the "
+                                 "1-norm and the inf and -inf norms (reductions of |x| over rows, "
+                                 "columns or the whole tile)", user_location())
+    return cast_to(t, value, dtype or input.dtype)
+
+
+def _norm(t: Tracer, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False,
+          out: Any = None, dtype: Any = None) -> Any:
+    """torch.norm / Tensor.norm of a vector order (over one dim, two, or all)."""
+    _reject_out({"out": out} if out is not None else {}, "norm")
+    return _vector_norm(t, "norm", input, 2 if p is None else p, dim, keepdim, dtype)
+
+
+def _linalg_vector_norm(t: Tracer, x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
+                        dtype: Any = None, **kwargs: Any) -> Any:
+    """torch.linalg.vector_norm: torch.norm's vector orders under another name."""
+    _reject_out(kwargs, "linalg.vector_norm")
+    return _vector_norm(t, "linalg.vector_norm", x, ord, dim, keepdim, dtype)
+
+
+register([torch.norm], ["norm"], _norm, inplace=False)
+register([torch.linalg.vector_norm], [], _linalg_vector_norm, inplace=False)
