@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import json
 import re
 import sys
 import time
@@ -266,6 +267,16 @@ def show(args: argparse.Namespace) -> int:
 # ---- cache ---------------------------------------------------------------------------------------
 
 
+def _mask_d(entry: dict) -> bool:
+    """Whether a cache entry's kernel stores a mask as its D (its configuration names the float8
+    storage of the mask's bytes), read from the plan in its manifest; False where that is unreadable."""
+    try:
+        outputs = json.loads(entry["plan"])["plan"]["outputs"]
+        return bool(outputs) and outputs[0]["dtype"] == "bool"
+    except (KeyError, TypeError, ValueError, IndexError):
+        return False
+
+
 def cache(args: argparse.Namespace) -> int:
     disk = DiskCache(args.cache_dir)
     if args.action == "clear":
@@ -278,6 +289,8 @@ def cache(args: argparse.Namespace) -> int:
     for e in entries:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"]))
         config = re.sub(r"^GemmConfig\(|\)$", "", e.get("config", ""))
+        if _mask_d(e):
+            config += " (D is a torch.bool mask, stored as float8_e4m3fn bytes)"
         print(f"  {e['key'][:16]}  {when}  {e['bytes'] / 1e6:5.1f} MB  {e.get('epilogue', '?'):<24} "
               f"{e.get('arch', '')}  {config}")
     return 0

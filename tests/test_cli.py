@@ -162,3 +162,20 @@ def test_bad_arguments_are_one_line_errors_before_any_compile(tmp_path):
                         (["show", f"{user}:good"], "good_inputs must be a dict")]:
         with pytest.raises(SystemExit, match=match):
             main(argv)
+
+
+def test_cache_list_names_a_mask_d(cache_dir, capsys):
+    """A kernel whose D is a mask: its configuration names the float8 storage of the mask's bytes,
+    and the listing says the output is a torch.bool mask; a plain kernel's line does not."""
+    import torch
+
+    import evtc
+
+    a, b = torch.randn(64, 64).half(), torch.randn(64, 128).half()
+    for fn in (lambda acc: acc > 0, lambda acc: acc * 2):
+        assert evtc.compile(fn, {"a": a, "b": b}, cache_dir=cache_dir).ptx  # built into the cache
+    assert main(["cache", "list"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "d_dtype=" in line]
+    assert len(lines) == 2
+    masks = [line for line in lines if "D is a torch.bool mask" in line]
+    assert len(masks) == 1 and "float8_e4m3fn" in masks[0]
