@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import evtc
 from evtc.errors import EpilogueError
+from evtc.ir.dtypes import MASK_D_NOTE
 from evtc.plan.operand_kinds import KINDS as OPERAND_KINDS
 from evtc.runtime.cache import DiskCache
 
@@ -290,7 +291,7 @@ def cache(args: argparse.Namespace) -> int:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"]))
         config = re.sub(r"^GemmConfig\(|\)$", "", e.get("config", ""))
         if _mask_d(e):
-            config += " (D is a torch.bool mask, stored as float8_e4m3fn bytes)"
+            config += f" ({MASK_D_NOTE})"
         print(f"  {e['key'][:16]}  {when}  {e['bytes'] / 1e6:5.1f} MB  {e.get('epilogue', '?'):<24} "
               f"{e.get('arch', '')}  {config}")
     return 0

@@ -673,10 +673,10 @@ def _vector_norm(t: Tracer, name: str, input: Any, order: Any, dim: Any, keepdim
     return cast_to(t, value, dtype or input.dtype)
 
 
-def _norm(t: Tracer, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False,
-          out: Any = None, dtype: Any = None) -> Any:
+def _norm(t: Tracer, input: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, *,
+          dtype: Any = None, **kwargs: Any) -> Any:
     """torch.norm / Tensor.norm of a vector order (over one dim, two, or all)."""
-    _reject_out({"out": out} if out is not None else {}, "norm")
+    _reject_out(kwargs, "norm")
     return _vector_norm(t, "norm", input, 2 if p is None else p, dim, keepdim, dtype)
 
 

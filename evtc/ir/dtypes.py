@@ -34,6 +34,9 @@ STORE_DTYPES = (*CAST_DTYPES, torch.bool)
 #: the bytes 0 and 1 (torch's False and True). The kernel is handed float8 views of bool tensors.
 MASK_STORAGE = torch.float8_e4m3fn
 MASK_STORAGE_NAME = "float8_e4m3fn"
+# What explain() and `python -m evtc cache list` add to a configuration whose D is a mask (its
+# d_dtype names the storage).
+MASK_D_NOTE = "D is a torch.bool mask, stored as its bytes through float8_e4m3fn stores"
 
 
 def as_kernel_storage(t: torch.Tensor) -> torch.Tensor:

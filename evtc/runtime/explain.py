@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from evtc.ir.dtypes import MASK_D_NOTE
 from evtc.plan.config import SM90_SMEM_BYTES, GemmConfig
 from evtc.plan.operand_kinds import KINDS
 from evtc.plan.selector import is_one_wave_twin
@@ -46,8 +47,7 @@ def explain(kernel: Kernel) -> str:
         lines.append("  strict: calls that would need aligned copies or the torch path raise")
     gemm = cfg.short_name()
     if kernel.plan.outputs and kernel.plan.outputs[0].dtype == "bool":
-        # The configuration names D's storage: a mask's bytes (0 and 1) go through float8 stores.
-        gemm += " (D is a torch.bool mask, stored as its bytes through float8_e4m3fn stores)"
+        gemm += f" ({MASK_D_NOTE})"  # the configuration names D's storage
     lines.append(f"  GEMM: {gemm}; a {kernel.plan.a.describe()}, b {kernel.plan.b.describe()}")
     if kernel.chooses_clusters:
         def shape(c: GemmConfig) -> str:
